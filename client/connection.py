@@ -1,0 +1,230 @@
+"""One DEALER connection to a daemon, for one process: hello, requests, pushes, goodbye.
+
+A connection belongs to the process that opened it. After a fork the child must open its own:
+ZeroMQ sockets and contexts are not fork-safe, so a connection refuses to be used from another
+pid, and :func:`process_context` gives each process a context of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from dalid.protocol import (
+    PROTOCOL_VERSION,
+    Envelope,
+    Error,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Role,
+    Welcome,
+    endpoint,
+    transport,
+)
+
+from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
+
+log = logging.getLogger("dalid.client")
+
+# How long the daemon may stay silent while we wait before we ping it, and how long a ping
+# may go unanswered before the daemon counts as gone.
+PING_AFTER_S = 2.0
+PING_TIMEOUT_S = 10.0
+
+_context: zmq.Context[Any] | None = None
+_context_pid = -1
+
+
+def process_context() -> zmq.Context[Any]:
+    """This process's ZeroMQ context (a forked child gets a new one)."""
+    global _context, _context_pid
+    if _context is None or _context_pid != os.getpid():
+        _context = zmq.Context()
+        _context_pid = os.getpid()
+    return _context
+
+
+def pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def no_daemon_message(path: Path, device: str | int) -> str:
+    return (
+        f"no dalid daemon answers on {endpoint(path)}: start one with "
+        f"`dalid serve --device {device} --socket {path}` (or connect with autostart=True)"
+    )
+
+
+class Connection:
+    """A DEALER socket that has been welcomed by the daemon on ``path``.
+
+    ``on_push`` receives every message that is not the reply being waited for (batch results,
+    errors about notifications).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        role: Role,
+        *,
+        device: str | int = "cpu",
+        name: str = "",
+        job_id: int | None = None,
+        job_token: str | None = None,
+        on_push: Callable[[Envelope], None] | None = None,
+        hello_timeout: float = 5.0,
+    ) -> None:
+        self.path = path
+        self.device = device
+        self._pid = os.getpid()
+        self._on_push = on_push or self._log_push
+        self._request_ids = itertools.count(1)
+        self._socket: zmq.Socket[Any] | None = transport.make_socket(
+            process_context(), zmq.DEALER, endpoint(path), bind=False
+        )
+        try:
+            hello = Hello(
+                protocol_version=PROTOCOL_VERSION,
+                client_pid=os.getpid(),
+                role=role,
+                pid_namespace=pid_namespace(),
+                name=name,
+                job_id=job_id,
+                job_token=job_token,
+            )
+            reply = self.request(hello, timeout=hello_timeout, ping=False)
+        except BaseException:
+            # A constructor that fails half-way closes what it opened.
+            self.abort()
+            raise
+        assert isinstance(reply, Welcome)
+        self.welcome: Welcome = reply
+
+    @property
+    def closed(self) -> bool:
+        return self._socket is None
+
+    def request(
+        self, message: Message, timeout: float | None = None, *, ping: bool = True
+    ) -> Message:
+        """Sends a request and returns its reply; an error reply is raised as a DalidError."""
+        request_id = next(self._request_ids)
+        self._send(message, request_id)
+        envelope = self.receive_until(lambda e: e.request_id == request_id, timeout, ping=ping)
+        if envelope is None:
+            raise DaemonUnavailable(
+                f"{no_daemon_message(self.path, self.device)} ({message.OP} got no reply in "
+                f"{timeout:.0f} s)"
+            )
+        if isinstance(envelope.message, Error):
+            raise error_from_reply(envelope.message)
+        return envelope.message
+
+    def notify(self, message: Message) -> None:
+        """Sends a message that gets no reply."""
+        self._send(message, None)
+
+    def receive_until(
+        self,
+        done: Callable[[Envelope], bool],
+        timeout: float | None,
+        *,
+        ping: bool = True,
+        idle: Callable[[], None] | None = None,
+    ) -> Envelope | None:
+        """Receives until a message satisfies ``done`` (returned) or ``timeout`` passes (None).
+
+        Other messages go to ``on_push``. ``idle`` runs between polls. With ``ping``, a daemon
+        that stays silent is pinged, and one that does not answer raises DaemonUnavailable.
+        """
+        sock = self._live_socket()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_heard = time.monotonic()
+        ping_id: int | None = None
+        while True:
+            if idle is not None:
+                idle()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            wait = 0.05 if idle is not None else 0.5
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            if not sock.poll(int(wait * 1000) + 1):
+                silent = time.monotonic() - last_heard
+                if ping and ping_id is None and silent > PING_AFTER_S:
+                    ping_id = next(self._request_ids)
+                    self._send(Ping(), ping_id)
+                elif ping and silent > PING_AFTER_S + PING_TIMEOUT_S:
+                    raise DaemonUnavailable(
+                        f"the dalid daemon on {endpoint(self.path)} stopped answering "
+                        f"(no reply to a ping in {PING_TIMEOUT_S:.0f} s): was it killed?"
+                    )
+                continue
+            envelope = self._recv(sock)
+            last_heard = time.monotonic()
+            if ping_id is not None and envelope.request_id == ping_id:
+                assert isinstance(envelope.message, Pong | Error)
+                ping_id = None
+                continue
+            if done(envelope):
+                return envelope
+            self._on_push(envelope)
+
+    def close(self, goodbye: bool = True) -> None:
+        """Says goodbye (briefly waiting for the answer) and closes. Idempotent."""
+        if self._socket is None:
+            return
+        if goodbye and self._pid == os.getpid():
+            try:
+                self.request(Goodbye(), timeout=2.0, ping=False)
+            except Exception as error:  # closing must not fail because the daemon is gone
+                log.debug("goodbye not answered: %s", error)
+        self.abort()
+
+    def abort(self) -> None:
+        """Closes the socket now, without a goodbye. Idempotent."""
+        sock, self._socket = self._socket, None
+        if sock is not None and self._pid == os.getpid():
+            sock.close(linger=0)
+
+    def _live_socket(self) -> zmq.Socket[Any]:
+        if self._socket is None:
+            raise DaemonUnavailable(f"the connection to {endpoint(self.path)} is closed")
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                "a dalid connection was used in a forked child: each process opens its own"
+            )
+        return self._socket
+
+    def _send(self, message: Message, request_id: int | None) -> None:
+        transport.send(self._live_socket(), message, request_id)
+
+    def _recv(self, sock: zmq.Socket[Any]) -> Envelope:
+        try:
+            return transport.recv(sock)
+        except ProtocolError as error:
+            if error.code.value == "protocol_mismatch":
+                raise ProtocolMismatch(error.message) from None
+            raise DaemonUnavailable(f"malformed message from the daemon: {error}") from None
+
+    @staticmethod
+    def _log_push(envelope: Envelope) -> None:
+        if isinstance(envelope.message, Error):
+            log.warning("dalid daemon: %s", envelope.message.message)
+        else:
+            log.debug("ignored %s", envelope.message.OP)

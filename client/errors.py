@@ -1,0 +1,60 @@
+"""The exceptions a dalid user sees, mapped from the daemon's error codes.
+
+Two families: :class:`RequestError` (this request or batch failed; the session goes on) and
+:class:`DaemonUnavailable` (no daemon answers; nothing more will arrive on this session).
+"""
+
+from __future__ import annotations
+
+from dalid.protocol import Error, ErrorCode
+
+
+class DalidError(Exception):
+    """Base of every dalid error."""
+
+
+class RequestError(DalidError):
+    """The daemon refused or could not carry out a request; the session stays usable."""
+
+    def __init__(self, code: ErrorCode, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.traceback = traceback
+
+
+class InputError(DalidError, ValueError):
+    """Bad arguments found in the caller, before anything was sent to the daemon."""
+
+
+class PipelineError(RequestError):
+    """The daemon could not build the pipeline (including a device it does not serve)."""
+
+
+class BatchError(RequestError):
+    """A batch could not be run; the message carries DALI's own."""
+
+    def __init__(self, code: ErrorCode, message: str, batch_id: int, pipeline_id: int) -> None:
+        super().__init__(code, f"batch {batch_id} of pipeline {pipeline_id} failed: {message}")
+        self.batch_id = batch_id
+        self.pipeline_id = pipeline_id
+
+
+class DaemonUnavailable(DalidError):
+    """No daemon answers on the socket, or the one that did has gone."""
+
+
+class ProtocolMismatch(DaemonUnavailable):
+    """The daemon speaks another protocol version than this client."""
+
+
+_PIPELINE_CODES = {ErrorCode.INVALID_PIPELINE, ErrorCode.DEVICE_MISMATCH}
+
+
+def error_from_reply(reply: Error) -> DalidError:
+    """The exception for an error reply."""
+    if reply.code is ErrorCode.PROTOCOL_MISMATCH:
+        return ProtocolMismatch(reply.message)
+    if reply.code is ErrorCode.SHUTTING_DOWN:
+        return DaemonUnavailable(reply.message)
+    cls = PipelineError if reply.code in _PIPELINE_CODES else RequestError
+    return cls(reply.code, reply.message, reply.traceback)

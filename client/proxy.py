@@ -1,0 +1,106 @@
+"""Drop-in replacement for ``nvidia.dali.plugin.pytorch.experimental.proxy``.
+
+Change ``from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy`` to
+``from dalid.client import proxy as dali_proxy`` and the same code runs its pipeline in the
+dalid daemon of the pipeline's device (started on demand) instead of a thread of the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .loader import DataLoader as _DataLoader
+from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
+from .session import Session, _check_pipeline, external_source_names, pipeline_device
+from .errors import InputError
+from .transform import Proxy
+
+__all__ = [
+    "DALIOutputBatchRef",
+    "DALIOutputSampleRef",
+    "DALIPipelineRunRef",
+    "DALIServer",
+    "DataLoader",
+]
+
+
+class DALIServer:
+    """DALI's ``DALIServer`` API, backed by the daemon for ``pipeline``'s device.
+
+    The pipeline is registered with the daemon when ``proxy`` is first used or the server
+    starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
+    """
+
+    def __init__(
+        self,
+        pipeline: Any,
+        deterministic: bool = False,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        autostart: bool = True,
+    ) -> None:
+        try:
+            _check_pipeline(pipeline)
+        except InputError as error:
+            raise TypeError(str(error)) from None
+        if not external_source_names(pipeline):
+            raise RuntimeError("The provided pipeline doesn't have any inputs")
+        self._pipeline = pipeline
+        self._deterministic = deterministic
+        self._socket = socket
+        self._autostart = autostart
+        self._session: Session | None = None
+        self._proxy: Proxy | None = None
+
+    @property
+    def session(self) -> Session:
+        """The dalid session behind this server, connected on first use."""
+        if self._session is None or self._session.closed:
+            self._session = Session(
+                pipeline_device(self._pipeline), socket=self._socket, autostart=self._autostart
+            )
+            self._proxy = None
+        return self._session
+
+    @property
+    def proxy(self) -> Proxy:
+        if self._proxy is None or self._session is None or self._session.closed:
+            session = self.session
+            self._proxy = session.proxy(self._pipeline, deterministic=self._deterministic)
+        return self._proxy
+
+    def produce_data(self, obj: Any) -> Any:
+        return self.session.produce_data(obj)
+
+    def start_thread(self) -> None:
+        """Connects to the daemon and registers the pipeline (DALI starts a thread here)."""
+        _ = self.proxy
+
+    def stop_thread(self) -> None:
+        """Ends the job with the daemon; returns at once. Idempotent."""
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._proxy = None
+
+    def __enter__(self) -> DALIServer:
+        self.start_thread()
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.stop_thread()
+        return False
+
+    def __del__(self) -> None:
+        # The session's own finalizer also closes it; this just makes it prompt.
+        if getattr(self, "_session", None) is not None:
+            self.stop_thread()
+
+
+class DataLoader(_DataLoader):
+    """DALI's proxy ``DataLoader``: a torch DataLoader taking the DALIServer first."""
+
+    def __init__(self, dali_server: DALIServer, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dali_server, *args, **kwargs)
+        self.dali_server = dali_server

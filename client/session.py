@@ -1,0 +1,289 @@
+"""A training job's session with a daemon: register pipelines, receive outputs as tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dalid.protocol import (
+    BatchFailed,
+    BatchReady,
+    Device,
+    Envelope,
+    Error,
+    Limits,
+    PipelineRegistered,
+    RegisterPipeline,
+    ReleaseRegions,
+    Role,
+    ScheduleBatch,
+    parse_device,
+    socket_path,
+)
+
+from .connection import Connection, no_daemon_message
+from .errors import BatchError, DaemonUnavailable, InputError
+from .launcher import start_daemon
+from .memory import SlabMappings
+from .refs import DALIOutputBatchRef, DALIPipelineRunRef
+from .structure import replace_refs
+from .transform import Proxy, ProxyTarget, worker_links
+
+log = logging.getLogger("dalid.client")
+
+
+class _Resources:
+    """What a session owns, closed once, by ``Session.close`` or by a finalizer at GC."""
+
+    def __init__(self, connection: Connection, mappings: SlabMappings) -> None:
+        self.connection = connection
+        self.mappings = mappings
+
+    def close(self) -> None:
+        worker_links.close_job(self.connection.path, self.connection.welcome.job_id)
+        self.connection.close()
+        self.mappings.close()
+
+
+def external_source_names(pipeline: Any) -> list[str]:
+    """The names of a pipeline's external_source operators, in definition order."""
+    from nvidia.dali.external_source import ExternalSource
+
+    if getattr(pipeline, "_deserialized", False):
+        raise InputError(
+            "the pipeline was deserialized, so its external_source names are unknown: pass the "
+            "pipeline object built from its definition"
+        )
+    if not pipeline._py_graph_built:
+        pipeline._build_graph()
+    return [op.name for op in pipeline._ops if isinstance(op._op, ExternalSource)]
+
+
+def _check_pipeline(pipeline: Any) -> None:
+    from nvidia.dali import Pipeline
+
+    if not isinstance(pipeline, Pipeline):
+        raise InputError(f"expected an NVIDIA DALI pipeline, got {type(pipeline).__name__}")
+
+
+def pipeline_device(pipeline: Any) -> Device:
+    """The device a pipeline was defined for: its device_id, or ``"cpu"`` when it has none."""
+    _check_pipeline(pipeline)
+    return "cpu" if pipeline.device_id is None else int(pipeline.device_id)
+
+
+class Session:
+    """A job connected to the daemon for one device. Use as a context manager or ``close()``.
+
+    Outputs arrive as CPU tensors that view the daemon's shared memory; each region goes back
+    to the daemon when the last tensor viewing it is garbage-collected.
+    """
+
+    def __init__(
+        self,
+        device: Device = "cpu",
+        socket: str | os.PathLike[str] | None = None,
+        autostart: bool = True,
+        name: str | None = None,
+        connect_timeout: float = 60.0,
+    ) -> None:
+        self.device = parse_device(device)
+        self.socket = socket_path(self.device, socket)
+        self._results: dict[int, BatchReady | BatchFailed] = {}
+        self._proxies: list[Proxy] = []
+        connection = autostart_connect(
+            self.socket,
+            self.device,
+            autostart=autostart,
+            connect_timeout=connect_timeout,
+            name=name or f"pid {os.getpid()}",
+            on_push=self._on_push,
+        )
+        self._resources = _Resources(connection, SlabMappings())
+        self._finalizer = weakref.finalize(self, self._resources.close)
+
+    # --- properties -----------------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> int:
+        return self._resources.connection.welcome.job_id
+
+    @property
+    def daemon_pid(self) -> int:
+        return self._resources.connection.welcome.daemon_pid
+
+    @property
+    def limits(self) -> Limits:
+        return self._resources.connection.welcome.limits
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def slabs_opened(self) -> int:
+        """How many slabs this session has mapped (each is mapped once)."""
+        return self._resources.mappings.opened
+
+    # --- API ------------------------------------------------------------------------------------
+
+    def proxy(self, pipeline: Any, deterministic: bool = False) -> Proxy:
+        """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
+
+        With ``deterministic`` a batch runs only when the trainer asks for its outputs, in the
+        order the trainer asks, so random operators repeat run to run.
+        """
+        _check_pipeline(pipeline)
+        names = external_source_names(pipeline)
+        if not names:
+            raise InputError(
+                "the pipeline has no external_source: dalid feeds pipelines through "
+                "fn.external_source(name=...) inputs"
+            )
+        depth = pipeline.prefetch_queue_depth
+        if isinstance(depth, dict):
+            depth = max(depth.values())
+        request = RegisterPipeline(
+            serialized=memoryview(pipeline.serialize()),
+            input_names=tuple(names),
+            num_outputs=pipeline.num_outputs,
+            max_batch_size=pipeline.max_batch_size,
+            num_threads=pipeline.num_threads,
+            prefetch_queue_depth=int(depth),
+            seed=pipeline.seed,
+            exec_dynamic=bool(pipeline.exec_dynamic),
+            name=getattr(pipeline, "_name", None) or "",
+        )
+        reply = self._connection.request(request)
+        assert isinstance(reply, PipelineRegistered)
+        welcome = self._connection.welcome
+        proxy = Proxy(
+            ProxyTarget(
+                socket=self.socket,
+                device=self.device,
+                job_id=welcome.job_id,
+                job_token=welcome.job_token,
+                pipeline_id=reply.pipeline_id,
+                input_names=tuple(names),
+                num_outputs=pipeline.num_outputs,
+                max_batch_size=pipeline.max_batch_size,
+                deterministic=deterministic,
+            )
+        )
+        self._proxies.append(proxy)
+        return proxy
+
+    def produce_data(self, obj: Any) -> Any:
+        """``obj`` with every batch reference replaced by its tensor (nested structures too)."""
+        return replace_refs(obj, self._outputs_of)
+
+    def outputs(self, run: DALIPipelineRunRef) -> tuple[torch.Tensor, ...]:
+        """The outputs of one batch, waiting for them (and scheduling it if deferred)."""
+        return self._outputs_of([run])[id(run)]
+
+    def close(self) -> None:
+        """Ends the job: the daemon frees its pipelines; live tensors stay valid. Idempotent."""
+        if self._finalizer.alive:
+            self._flush_releases()
+        self._finalizer()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"job {self.job_id}"
+        return f"<dalid Session {self.socket} {state}>"
+
+    # --- internals ------------------------------------------------------------------------------
+
+    @property
+    def _connection(self) -> Connection:
+        if self.closed:
+            raise DaemonUnavailable("this dalid session is closed")
+        return self._resources.connection
+
+    def _outputs_of(
+        self, runs: Iterable[DALIPipelineRunRef]
+    ) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given."""
+        runs = list(runs)
+        for run in runs:
+            if run.batch_id is None:
+                raise InputError(
+                    "a batch reference that was never submitted: collate the proxy's sample "
+                    "references (torch's default collate does) before produce_data"
+                )
+            if run.job_id != self.job_id:
+                raise InputError(
+                    f"batch {run.batch_id} belongs to job {run.job_id}, not to this session's "
+                    f"job {self.job_id}"
+                )
+        for run in runs:
+            if not run.is_scheduled:
+                self._connection.request(ScheduleBatch(run.batch_id))  # type: ignore[arg-type]
+                run.is_scheduled = True
+        produced: dict[int, tuple[torch.Tensor, ...]] = {}
+        for run in runs:
+            result = self._wait(run.batch_id)  # type: ignore[arg-type]
+            if isinstance(result, BatchFailed):
+                raise BatchError(result.code, result.message, result.batch_id, result.pipeline_id)
+            mappings = self._resources.mappings
+            produced[id(run)] = tuple(mappings.tensor(output) for output in result.outputs)
+        return produced
+
+    def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
+        result = self._results.pop(batch_id, None)
+        if result is not None:
+            return result
+
+        def is_result(envelope: Envelope) -> bool:
+            message = envelope.message
+            return isinstance(message, BatchReady | BatchFailed) and message.batch_id == batch_id
+
+        envelope = self._connection.receive_until(is_result, None, idle=self._flush_releases)
+        assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
+        return envelope.message
+
+    def _on_push(self, envelope: Envelope) -> None:
+        message = envelope.message
+        if isinstance(message, BatchReady | BatchFailed):
+            self._results[message.batch_id] = message
+        elif isinstance(message, Error):
+            log.warning("dalid daemon: %s", message.message)
+
+    def _flush_releases(self) -> None:
+        released = self._resources.mappings.take_released()
+        if released:
+            self._resources.connection.notify(ReleaseRegions(tuple(released)))
+
+
+def autostart_connect(
+    path: Path,
+    device: Device,
+    *,
+    autostart: bool,
+    connect_timeout: float,
+    name: str,
+    on_push: Any,
+) -> Connection:
+    """A trainer connection to the daemon on ``path``, starting one first if allowed."""
+    if path.exists():
+        try:
+            return Connection(path, Role.TRAINER, device=device, name=name, on_push=on_push)
+        except DaemonUnavailable:
+            if not autostart:
+                raise
+            # A socket file no daemon answers on: a killed daemon's. A new one replaces it.
+    elif not autostart:
+        raise DaemonUnavailable(no_daemon_message(path, device))
+    start_daemon(device, path, timeout=connect_timeout)
+    return Connection(path, Role.TRAINER, device=device, name=name, on_push=on_push)

@@ -1,0 +1,204 @@
+"""The picklable proxy callable that DataLoader workers call from ``Dataset.__getitem__``.
+
+A call adds one sample to the batch this worker is building and returns references; the
+collate rule (:mod:`dalid.client.refs`) submits the finished batch to the daemon through this
+process's own worker connection and returns at once with the daemon's batch id.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dalid.protocol import DTYPES, BatchAccepted, InputBatch, Role, SubmitBatch
+
+from .connection import Connection
+from .errors import InputError
+from .refs import DALIOutputSampleRef, DALIPipelineRunRef
+
+
+@dataclass(frozen=True)
+class ProxyTarget:
+    """Everything a worker process needs to reach the pipeline; this is what gets pickled."""
+
+    socket: Path
+    device: str | int
+    job_id: int
+    job_token: str
+    pipeline_id: int
+    input_names: tuple[str, ...]
+    num_outputs: int
+    max_batch_size: int
+    deterministic: bool
+
+
+class _WorkerLinks:
+    """This process's worker connections, one per (socket, job); reset in a forked child."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._links: dict[tuple[Path, int], Connection] = {}
+
+    def get(self, target: ProxyTarget) -> Connection:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Inherited across fork: the parent's sockets are not ours to use or close.
+                self._links = {}
+                self._pid = os.getpid()
+            key = (target.socket, target.job_id)
+            link = self._links.get(key)
+            if link is None or link.closed:
+                link = Connection(
+                    target.socket,
+                    Role.WORKER,
+                    device=target.device,
+                    name=f"worker {os.getpid()}",
+                    job_id=target.job_id,
+                    job_token=target.job_token,
+                )
+                self._links[key] = link
+            return link
+
+    def close_job(self, socket: Path, job_id: int) -> None:
+        with self._lock:
+            link = self._links.pop((socket, job_id), None)
+            if link is not None and self._pid == os.getpid():
+                link.close()
+
+
+worker_links = _WorkerLinks()
+
+
+def _as_array(value: Any, input_name: str) -> np.ndarray:
+    """One sample as a C-contiguous numpy array, without a copy where possible."""
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, bytes | bytearray | memoryview):
+        array = np.frombuffer(value, dtype=np.uint8)
+    elif type(value).__module__.startswith("torch"):
+        if getattr(value, "device", None) is not None and value.device.type != "cpu":
+            raise InputError(
+                f"input {input_name!r}: a sample on {value.device} must be moved to the CPU "
+                "before it is sent to the daemon"
+            )
+        array = value.detach().contiguous().numpy()
+    elif isinstance(value, bool | int | float | np.generic):
+        array = np.asarray(value)
+    elif isinstance(value, str):
+        raise InputError(
+            f"input {input_name!r}: got a str; pass bytes or a numpy array, for example "
+            "np.frombuffer(path.encode(), dtype=np.int8) for a file path"
+        )
+    else:
+        raise InputError(
+            f"input {input_name!r}: cannot send a {type(value).__name__}; pass a numpy "
+            "array, a CPU torch tensor, bytes or a number"
+        )
+    if array.dtype.name not in DTYPES:
+        raise InputError(
+            f"input {input_name!r}: dtype {array.dtype} is not supported; use one of "
+            f"{sorted(DTYPES)}"
+        )
+    return np.ascontiguousarray(array)
+
+
+class Proxy:
+    """Callable with DALI's proxy rules: one input positional or keyword, several keyword-only.
+
+    Returns one :class:`DALIOutputSampleRef` per pipeline output (the ref itself when there is
+    one output). Picklable: a worker process opens its own connection on first use.
+    """
+
+    def __init__(self, target: ProxyTarget) -> None:
+        self._target = target
+        self._init_local()
+
+    def _init_local(self) -> None:
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if len(self._target.input_names) == 1
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        self.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, kind) for name in self._target.input_names]
+        )
+        self._local = threading.local()
+
+    @property
+    def target(self) -> ProxyTarget:
+        return self._target
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"target": self._target}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._target = state["target"]
+        self._init_local()
+
+    def __repr__(self) -> str:
+        names = ", ".join(self._target.input_names)
+        return f"<dalid Proxy pipeline={self._target.pipeline_id} inputs=({names})>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as error:
+            raise InputError(
+                f"the pipeline takes {self.__signature__} (its external_source names): {error}"
+            ) from None
+        run = self._current_run()
+        index = run.batch_size
+        if index >= self._target.max_batch_size:
+            raise InputError(
+                f"more than {self._target.max_batch_size} samples in one batch, the pipeline's "
+                "max_batch_size: make the DataLoader's batch_size at most that"
+            )
+        for name in self._target.input_names:
+            array = _as_array(bound.arguments[name], name)
+            samples = run.call_args.setdefault(name, [])
+            if samples and samples[0].dtype != array.dtype:
+                raise InputError(
+                    f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample "
+                    f"is {samples[0].dtype}; every sample of an input needs one dtype"
+                )
+            samples.append(array)
+        run.batch_size += 1
+        refs = tuple(
+            DALIOutputSampleRef(self, run, output, index)
+            for output in range(self._target.num_outputs)
+        )
+        return refs[0] if len(refs) == 1 else refs
+
+    def _current_run(self) -> DALIPipelineRunRef:
+        run: DALIPipelineRunRef | None = getattr(self._local, "run", None)
+        if run is None or run.is_complete:
+            run = DALIPipelineRunRef(
+                self._target.pipeline_id, self._target.job_id, self._target.deterministic
+            )
+            self._local.run = run
+        return run
+
+    def _submit(self, run: DALIPipelineRunRef) -> None:
+        """Sends a collated batch to the daemon; it runs at once unless deterministic."""
+        inputs = tuple(
+            InputBatch(
+                name=name,
+                dtype=run.call_args[name][0].dtype.name,
+                shapes=tuple(tuple(sample.shape) for sample in run.call_args[name]),
+                samples=tuple(run.call_args[name]),
+            )
+            for name in self._target.input_names
+        )
+        request = SubmitBatch(self._target.pipeline_id, inputs, deferred=run.deterministic)
+        reply = worker_links.get(self._target).request(request)
+        assert isinstance(reply, BatchAccepted)
+        run.batch_id = reply.batch_id
+        run.is_scheduled = not run.deterministic
+        run.call_args = {}

@@ -1,0 +1,82 @@
+"""The dalid wire protocol: messages, their one codec, addresses and sockets.
+
+Depends on nothing else of dalid; the daemon (``dalid.server``) and the client library
+(``dalid.client``) both build on it. SPEC.md beside this file describes the protocol.
+"""
+
+from .address import (
+    RUNTIME_DIR_ENV,
+    SOCKET_ENV,
+    Device,
+    device_label,
+    endpoint,
+    parse_device,
+    runtime_dir,
+    socket_path,
+)
+from .codec import Envelope, decode, encode
+from .errors import ErrorCode, ProtocolError
+from .messages import (
+    DTYPES,
+    PROTOCOL_VERSION,
+    BatchAccepted,
+    BatchFailed,
+    BatchReady,
+    Error,
+    Goodbye,
+    Hello,
+    InputBatch,
+    Limits,
+    Message,
+    Ok,
+    OutputDescriptor,
+    PipelineRegistered,
+    Ping,
+    Pong,
+    RegisterPipeline,
+    ReleaseRegions,
+    Role,
+    ScheduleBatch,
+    Shutdown,
+    SubmitBatch,
+    Welcome,
+)
+
+__all__ = [
+    "DTYPES",
+    "PROTOCOL_VERSION",
+    "RUNTIME_DIR_ENV",
+    "SOCKET_ENV",
+    "BatchAccepted",
+    "BatchFailed",
+    "BatchReady",
+    "Device",
+    "Envelope",
+    "Error",
+    "ErrorCode",
+    "Goodbye",
+    "Hello",
+    "InputBatch",
+    "Limits",
+    "Message",
+    "Ok",
+    "OutputDescriptor",
+    "PipelineRegistered",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "RegisterPipeline",
+    "ReleaseRegions",
+    "Role",
+    "ScheduleBatch",
+    "Shutdown",
+    "SubmitBatch",
+    "Welcome",
+    "decode",
+    "device_label",
+    "encode",
+    "endpoint",
+    "parse_device",
+    "runtime_dir",
+    "socket_path",
+]

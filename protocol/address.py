@@ -1,0 +1,89 @@
+"""Where a daemon listens: the private runtime directory and one socket per device.
+
+Both sides resolve addresses here, so a client finds the daemon that ``dalid serve`` started
+with the same arguments and environment.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+SOCKET_ENV = "DALID_SOCKET"
+RUNTIME_DIR_ENV = "DALID_RUNTIME_DIR"
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+Device = str | int
+"""``"cpu"`` for CPU-only pipelines, or a CUDA device ordinal."""
+
+
+def parse_device(value: Device) -> Device:
+    """``"cpu"`` or a non-negative int from a flag or argument (``"0"``, ``0``, ``"cpu"``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "cpu":
+            return "cpu"
+        if text.isdigit():
+            return int(text)
+    raise ValueError(f"device must be 'cpu' or a GPU ordinal such as 0, got {value!r}")
+
+
+def device_label(device: Device) -> str:
+    """The name of a device in socket paths and messages: ``cpu`` or ``gpu0``."""
+    device = parse_device(device)
+    return "cpu" if device == "cpu" else f"gpu{device}"
+
+
+def runtime_dir(create: bool = True) -> Path:
+    """The per-user directory holding daemon sockets and logs, mode 0700.
+
+    ``$DALID_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/dalid``, else ``/tmp/dalid-$UID``. An existing
+    directory that another user owns or others can enter is refused: a socket there could be
+    someone else's daemon.
+    """
+    explicit = os.environ.get(RUNTIME_DIR_ENV)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if explicit:
+        path = Path(explicit)
+    elif xdg:
+        path = Path(xdg) / "dalid"
+    else:
+        path = Path(f"/tmp/dalid-{os.getuid()}")
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        info = path.stat()
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"runtime directory {path} belongs to uid {info.st_uid}, not you")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise PermissionError(
+                f"runtime directory {path} is open to other users "
+                f"(mode {stat.S_IMODE(info.st_mode):o}): run `chmod 700 {path}`"
+            )
+    return path
+
+
+def socket_path(device: Device = "cpu", explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The daemon socket for ``device``: ``explicit``, else ``$DALID_SOCKET``, else the default."""
+    if explicit is not None:
+        path = Path(explicit)
+    elif os.environ.get(SOCKET_ENV):
+        path = Path(os.environ[SOCKET_ENV])
+    else:
+        path = runtime_dir() / f"{device_label(device)}.sock"
+    path = path.absolute()
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ValueError(
+            f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the limit of a Unix "
+            f"socket address: choose a shorter --socket or {SOCKET_ENV}"
+        )
+    return path
+
+
+def endpoint(path: Path) -> str:
+    """The ZeroMQ endpoint of a socket path."""
+    return f"ipc://{path}"

@@ -1,0 +1,359 @@
+"""The messages of the dalid protocol, one frozen dataclass each, grouped by family.
+
+Every message class names its wire operation in ``OP``. Field types are the schema: the codec
+(:mod:`dalid.protocol.codec`) encodes and validates each field by its annotation, so a field
+added here is on the wire with no other change. ``memoryview`` fields travel as raw frames.
+Checks that a type cannot express live in ``__post_init__`` and run on both sides, so a bad
+message is refused by the sender before it is sent and by the receiver when it arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar
+
+from .errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md."""
+
+MAX_NAME_LENGTH = 256
+MAX_INPUTS = 64
+MAX_OUTPUTS = 64
+MAX_NDIM = 16
+MAX_BATCH_SIZE = 65536
+
+# Numpy dtype names allowed for sample data and outputs: the types DALI can feed and produce.
+DTYPES = frozenset(
+    {
+        "bool",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    }
+)
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(what)
+
+
+def _check_name(name: str, what: str) -> None:
+    _check(0 < len(name) <= MAX_NAME_LENGTH, f"{what} must have 1 to {MAX_NAME_LENGTH} characters")
+
+
+def _check_shape(shape: tuple[int, ...], what: str) -> None:
+    _check(len(shape) <= MAX_NDIM, f"{what} has more than {MAX_NDIM} dimensions")
+    _check(all(extent >= 0 for extent in shape), f"{what} has a negative extent: {shape}")
+
+
+class Message:
+    """Base of every message; ``OP`` is the operation name on the wire."""
+
+    OP: ClassVar[str] = ""
+
+
+class Role(StrEnum):
+    """What a connection is for: the trainer owns a job, workers submit batches to it."""
+
+    TRAINER = "trainer"
+    WORKER = "worker"
+
+
+# --- Session family -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """First request on every connection. A trainer opens a job; a worker joins one."""
+
+    OP: ClassVar[str] = "hello"
+    protocol_version: int
+    client_pid: int
+    role: Role
+    # The pid namespace of the client (inode of /proc/self/ns/pid), so the daemon watches the
+    # pid for liveness only where it names the same process.
+    pid_namespace: int = 0
+    name: str = ""
+    job_id: int | None = None
+    job_token: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
+        if self.role is Role.WORKER:
+            _check(
+                self.job_id is not None and self.job_token is not None,
+                "a worker's hello must name its job_id and job_token",
+            )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the daemon allows one job."""
+
+    max_batch_size: int
+    max_message_bytes: int
+    pool_bytes: int
+    slab_bytes: int
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Reply to :class:`Hello`: the daemon, the job this connection belongs to, its limits."""
+
+    OP: ClassVar[str] = "welcome"
+    protocol_version: int
+    daemon_pid: int
+    device: str
+    dali_version: str
+    job_id: int
+    job_token: str
+    limits: Limits
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """A clean close. From a trainer it ends the job and frees everything the job held."""
+
+    OP: ClassVar[str] = "goodbye"
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    """Liveness check; answered by :class:`Pong`."""
+
+    OP: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    OP: ClassVar[str] = "pong"
+    daemon_pid: int
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Asks the daemon to stop, as SIGTERM does."""
+
+    OP: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Ok(Message):
+    """Plain success reply to a request that returns nothing else."""
+
+    OP: ClassVar[str] = "ok"
+
+
+# --- Pipeline family ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterPipeline(Message):
+    """A serialized DALI pipeline (``Pipeline.serialize()``) and how to build it."""
+
+    OP: ClassVar[str] = "register_pipeline"
+    serialized: memoryview
+    input_names: tuple[str, ...]
+    num_outputs: int
+    max_batch_size: int
+    num_threads: int
+    prefetch_queue_depth: int
+    seed: int | None = None
+    exec_dynamic: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
+        for input_name in self.input_names:
+            _check_name(input_name, "an input name")
+        _check(len(set(self.input_names)) == len(self.input_names), "input names must differ")
+        _check(0 < self.num_outputs <= MAX_OUTPUTS, f"num_outputs must be 1 to {MAX_OUTPUTS}")
+        _check(0 < self.max_batch_size <= MAX_BATCH_SIZE, "max_batch_size out of range")
+        _check(0 < self.num_threads <= 1024, "num_threads must be 1 to 1024")
+        _check(0 < self.prefetch_queue_depth <= 64, "prefetch_queue_depth must be 1 to 64")
+        _check(len(self.name) <= MAX_NAME_LENGTH, "pipeline name is too long")
+
+
+@dataclass(frozen=True)
+class PipelineRegistered(Message):
+    OP: ClassVar[str] = "pipeline_registered"
+    pipeline_id: int
+
+
+# --- Batch family -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    """The samples of one external_source input: one dtype, one shape and one frame each."""
+
+    name: str
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    samples: tuple[memoryview, ...]
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "an input name")
+        _check(self.dtype in DTYPES, f"input {self.name!r}: unsupported dtype {self.dtype!r}")
+        _check(len(self.shapes) == len(self.samples), f"input {self.name!r}: shapes != samples")
+        for shape in self.shapes:
+            _check_shape(shape, f"a sample of input {self.name!r}")
+
+
+@dataclass(frozen=True)
+class SubmitBatch(Message):
+    """A batch for a pipeline. ``deferred`` batches wait for :class:`ScheduleBatch`."""
+
+    OP: ClassVar[str] = "submit_batch"
+    pipeline_id: int
+    inputs: tuple[InputBatch, ...]
+    deferred: bool = False
+
+    def __post_init__(self) -> None:
+        _check(0 < len(self.inputs) <= MAX_INPUTS, f"1 to {MAX_INPUTS} inputs")
+        sizes = {len(batch.samples) for batch in self.inputs}
+        _check(len(sizes) == 1, "every input of a batch must have the same number of samples")
+        _check(0 < sizes.pop() <= MAX_BATCH_SIZE, "a batch must have at least one sample")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.inputs[0].samples)
+
+
+@dataclass(frozen=True)
+class BatchAccepted(Message):
+    OP: ClassVar[str] = "batch_accepted"
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class ScheduleBatch(Message):
+    """Runs a deferred batch now (deterministic mode: the trainer fixes the order)."""
+
+    OP: ClassVar[str] = "schedule_batch"
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class OutputDescriptor:
+    """Where one pipeline output of a batch lies: a region of a shared-memory slab."""
+
+    region_id: int
+    slab: str
+    slab_size: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str = ""
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"unsupported output dtype {self.dtype!r}")
+        _check_shape(self.shape, "an output")
+        _check(0 <= self.offset and self.offset + self.nbytes <= self.slab_size, "region outside slab")
+
+
+@dataclass(frozen=True)
+class BatchReady(Message):
+    """Pushed to the job's trainer when a batch has run; one descriptor per pipeline output."""
+
+    OP: ClassVar[str] = "batch_ready"
+    batch_id: int
+    pipeline_id: int
+    outputs: tuple[OutputDescriptor, ...]
+
+
+@dataclass(frozen=True)
+class BatchFailed(Message):
+    """Pushed to the job's trainer when a batch could not run."""
+
+    OP: ClassVar[str] = "batch_failed"
+    batch_id: int
+    pipeline_id: int
+    code: ErrorCode
+    message: str
+
+
+# --- Buffer family ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReleaseRegions(Message):
+    """A notification (no reply): the trainer no longer views these regions."""
+
+    OP: ClassVar[str] = "release_regions"
+    region_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """Reply to a request that failed, or a notification that could not be applied."""
+
+    OP: ClassVar[str] = "error"
+    code: ErrorCode
+    message: str
+    traceback: str = ""
+    op: str = ""
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello,
+    Welcome,
+    Goodbye,
+    Ping,
+    Pong,
+    Shutdown,
+    Ok,
+    RegisterPipeline,
+    PipelineRegistered,
+    SubmitBatch,
+    BatchAccepted,
+    ScheduleBatch,
+    BatchReady,
+    BatchFailed,
+    ReleaseRegions,
+    Error,
+)
+
+__all__ = [
+    "DTYPES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "BatchAccepted",
+    "BatchFailed",
+    "BatchReady",
+    "Error",
+    "ErrorCode",
+    "Goodbye",
+    "Hello",
+    "InputBatch",
+    "Limits",
+    "Message",
+    "Ok",
+    "OutputDescriptor",
+    "PipelineRegistered",
+    "Ping",
+    "Pong",
+    "RegisterPipeline",
+    "ReleaseRegions",
+    "Role",
+    "ScheduleBatch",
+    "Shutdown",
+    "SubmitBatch",
+    "Welcome",
+]

@@ -1,0 +1,58 @@
+"""ZeroMQ sockets for dalid: one factory, and send/receive through the codec.
+
+Roles: the daemon binds one ROUTER; every client connection is a DEALER. The factory sets the
+options both sides rely on, so no socket is made elsewhere with other settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from .codec import Envelope, decode, encode
+from .messages import Message
+
+# Linger briefly so a goodbye or release already queued still leaves on close.
+LINGER_MS = 200
+# Drop oversized frames at the transport, before they are allocated.
+MAX_MESSAGE_BYTES = 1 << 31
+
+
+def make_socket(context: zmq.Context[Any], kind: int, address: str, *, bind: bool) -> zmq.Socket[Any]:
+    """A socket of ``kind`` bound (daemon) or connected (client) to ``address``."""
+    sock = context.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Never drop messages silently when a peer is slow: block or poll instead.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if kind == zmq.ROUTER:
+            # A reply to a peer that has gone raises EHOSTUNREACH instead of vanishing.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def send(sock: zmq.Socket[Any], message: Message, request_id: int | None = None) -> None:
+    """Sends ``message`` on a DEALER socket; buffer frames go without a copy."""
+    sock.send_multipart(encode(message, request_id), copy=False)
+
+
+def send_to(
+    sock: zmq.Socket[Any], peer: bytes, message: Message, request_id: int | None = None
+) -> None:
+    """Sends ``message`` to ``peer`` on a ROUTER socket."""
+    sock.send_multipart([peer, *encode(message, request_id)], copy=False)
+
+
+def recv(sock: zmq.Socket[Any]) -> Envelope:
+    """Receives and decodes one message on a DEALER socket (raises ProtocolError)."""
+    return decode(sock.recv_multipart(copy=False))

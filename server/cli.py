@@ -1,0 +1,157 @@
+"""The ``dalid`` command: ``dalid serve`` runs a daemon, ``dalid stop`` asks one to exit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from dalid.protocol import (
+    Error,
+    Ok,
+    ProtocolError,
+    Shutdown,
+    endpoint,
+    parse_device,
+    socket_path,
+    transport,
+)
+
+from .daemon import Daemon, DaemonConfig
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``1048576`` or ``64MiB`` as a number of bytes."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = value[-1] if value and value[-1] in _UNITS else ""
+    number = value[: len(value) - len(unit)]
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return size
+
+
+def _device(text: str) -> str | int:
+    try:
+        return parse_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dalid",
+        description="A daemon that runs NVIDIA DALI pipelines for many PyTorch training jobs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the daemon for one device in the foreground")
+    serve.add_argument(
+        "--device", type=_device, default="cpu", help="'cpu' for CPU pipelines or a GPU ordinal"
+    )
+    serve.add_argument(
+        "--socket",
+        help="socket path (default: $DALID_SOCKET, else <runtime dir>/<device>.sock)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit after this long with no connected job (default: never)",
+    )
+    serve.add_argument(
+        "--pool-bytes",
+        type=parse_size,
+        default="2G",
+        help="output memory each job may hold, e.g. 2G (default 2G)",
+    )
+    serve.add_argument(
+        "--slab-bytes",
+        type=parse_size,
+        default="64M",
+        help="size of each shared-memory slab outputs are carved from (default 64M)",
+    )
+    serve.add_argument(
+        "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"
+    )
+    serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
+
+    stop = commands.add_parser("stop", help="ask the daemon for a device to exit")
+    stop.add_argument("--device", type=_device, default="cpu")
+    stop.add_argument("--socket")
+    stop.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
+    )
+    config = DaemonConfig(
+        device=args.device,
+        socket=socket_path(args.device, args.socket),
+        idle_timeout=args.idle_timeout,
+        pool_bytes=args.pool_bytes,
+        slab_bytes=args.slab_bytes,
+        max_batch_size=args.max_batch_size,
+    )
+    return Daemon(config).serve()
+
+
+def _stop(args: argparse.Namespace) -> int:
+    path = socket_path(args.device, args.socket)
+    if not path.exists():
+        print(f"dalid: no daemon listens on {endpoint(path)}", file=sys.stderr)
+        return 1
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(path), bind=False)
+    try:
+        # Shutdown needs no hello: whoever can open the socket (mode 0600) may stop the daemon.
+        transport.send(sock, Shutdown(), 1)
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            if not sock.poll(100):
+                continue
+            try:
+                envelope = transport.recv(sock)
+            except ProtocolError as error:
+                print(f"dalid: {error}", file=sys.stderr)
+                return 1
+            if isinstance(envelope.message, Error):
+                print(f"dalid: {envelope.message.message}", file=sys.stderr)
+                return 1
+            if envelope.request_id == 1 and isinstance(envelope.message, Ok):
+                break
+        else:
+            print(f"dalid: the daemon on {endpoint(path)} did not answer", file=sys.stderr)
+            return 1
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return 0
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""The daemon's state and request handling, with no sockets: jobs, peers, pipelines, batches.
+
+:class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
+returns the reply; results that executors produce later leave through ``push``. The process
+wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import os
+import secrets
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dalid.protocol import (
+    PROTOCOL_VERSION,
+    BatchAccepted,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    Limits,
+    Message,
+    Ok,
+    PipelineRegistered,
+    Ping,
+    Pong,
+    ProtocolError,
+    RegisterPipeline,
+    ReleaseRegions,
+    Role,
+    ScheduleBatch,
+    Shutdown,
+    SubmitBatch,
+    Welcome,
+    device_label,
+)
+
+from .executor import PendingBatch, PipelineExecutor
+from .memory import SlabBackend
+from .pool import RegionPool
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
+
+log = logging.getLogger("dalid.server")
+
+Push = Callable[[bytes, Message], None]
+
+
+@dataclass
+class Job:
+    """One training job: its trainer connection, pipelines, deferred batches and output pool."""
+
+    job_id: int
+    token: str
+    trainer: bytes
+    pid: int
+    pid_namespace: int
+    name: str
+    pool: RegionPool
+    pipelines: dict[int, PipelineExecutor] = field(default_factory=dict)
+    deferred: dict[int, PendingBatch] = field(default_factory=dict)
+    peers: set[bytes] = field(default_factory=set)
+    next_batch_id: int = 1
+    closed: bool = False
+
+    def close(self) -> None:
+        """Stops the job's pipelines and frees its pool. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for executor in self.pipelines.values():
+            executor.stop()
+        self.pipelines.clear()
+        self.deferred.clear()
+        self.pool.close()
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    role: Role
+    job: Job
+    pid: int
+    pid_namespace: int
+
+
+class RequestRefused(Exception):
+    """A request the daemon answers with an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DaemonCore:
+    """Handles requests for one device. ``push(peer, message)`` must be thread-safe."""
+
+    def __init__(
+        self,
+        device: str | int,
+        backend: SlabBackend,
+        push: Push,
+        limits: Limits,
+        instance: str | None = None,
+    ) -> None:
+        from nvidia.dali import __version__ as dali_version
+
+        self.device = device
+        self.device_id = None if device == "cpu" else int(device)
+        self._backend = backend
+        self._push = push
+        self.limits = limits
+        self.dali_version = dali_version
+        self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
+        self._pid_namespace = pid_namespace()
+        self.jobs: dict[int, Job] = {}
+        self.peers: dict[bytes, Peer] = {}
+        self._next_job_id = 1
+        self._next_pipeline_id = 1
+        self.stop_requested = False
+        self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
+            Hello: self._on_hello,
+            Goodbye: self._on_goodbye,
+            Ping: self._on_ping,
+            Shutdown: self._on_shutdown,
+            RegisterPipeline: self._on_register_pipeline,
+            SubmitBatch: self._on_submit_batch,
+            ScheduleBatch: self._on_schedule_batch,
+            ReleaseRegions: self._on_release_regions,
+        }
+
+    # --- entry points ---------------------------------------------------------------------------
+
+    def handle(self, identity: bytes, message: Message, request_id: int | None) -> Message | None:
+        """The reply to one message (None for a notification that went well)."""
+        handler = self._handlers.get(type(message))
+        try:
+            if handler is None:
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
+                )
+            if not isinstance(message, Hello | Ping | Shutdown) and identity not in self.peers:
+                raise RequestRefused(
+                    ErrorCode.NOT_WELCOMED, f"{message.OP}: send hello first on this connection"
+                )
+            return handler(identity, message)
+        except RequestRefused as refusal:
+            return Error(refusal.code, str(refusal), op=message.OP)
+        except Exception as error:
+            log.exception("internal error handling %s", message.OP)
+            return Error(
+                ErrorCode.INTERNAL_ERROR,
+                f"{message.OP}: {type(error).__name__}: {error}",
+                traceback=traceback.format_exc(),
+                op=message.OP,
+            )
+
+    @staticmethod
+    def malformed(error: ProtocolError) -> Error:
+        return Error(error.code, error.message, op=error.op)
+
+    def reap(self) -> list[int]:
+        """Closes the jobs whose trainer process is gone; returns their ids."""
+        for identity, peer in list(self.peers.items()):
+            if peer.role is Role.WORKER and not self._alive(peer.pid, peer.pid_namespace):
+                self._forget_peer(identity)
+        dead = [job for job in self.jobs.values() if not self._alive(job.pid, job.pid_namespace)]
+        for job in dead:
+            log.info("job %d: trainer pid %d is gone, freeing what it held", job.job_id, job.pid)
+            self.close_job(job)
+        return [job.job_id for job in dead]
+
+    def close_job(self, job: Job) -> None:
+        for identity in list(job.peers):
+            self.peers.pop(identity, None)
+        self.jobs.pop(job.job_id, None)
+        job.close()
+
+    def trainer_unreachable(self, identity: bytes) -> None:
+        peer = self.peers.get(identity)
+        if peer is not None and peer.role is Role.TRAINER:
+            log.info("job %d: trainer disconnected", peer.job.job_id)
+            self.close_job(peer.job)
+
+    def close(self) -> None:
+        for job in list(self.jobs.values()):
+            self.close_job(job)
+
+    def job_for(self, identity: bytes) -> Job | None:
+        peer = self.peers.get(identity)
+        return peer.job if peer else None
+
+    # --- handlers -------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> Message:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise RequestRefused(
+                ErrorCode.PROTOCOL_MISMATCH,
+                f"the client speaks dalid protocol version {hello.protocol_version}, this daemon "
+                f"speaks version {PROTOCOL_VERSION}: install matching dalid releases",
+            )
+        if identity in self.peers:
+            raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
+        if hello.role is Role.TRAINER:
+            job_id = self._next_job_id
+            self._next_job_id += 1
+            job = Job(
+                job_id=job_id,
+                token=secrets.token_hex(16),
+                trainer=identity,
+                pid=hello.client_pid,
+                pid_namespace=hello.pid_namespace,
+                name=hello.name,
+                pool=RegionPool(
+                    self._backend,
+                    f"dalid-{self._instance}-j{job_id}",
+                    self.limits.pool_bytes,
+                    self.limits.slab_bytes,
+                ),
+            )
+            self.jobs[job_id] = job
+            log.info("job %d (%s, pid %d) connected", job_id, hello.name or "?", hello.client_pid)
+        else:
+            found = self.jobs.get(hello.job_id or 0)
+            if found is None or not hmac.compare_digest(found.token, hello.job_token or ""):
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_JOB,
+                    f"no job {hello.job_id} with that token on this daemon: the trainer's session "
+                    "was closed, or this worker belongs to another daemon",
+                )
+            job = found
+        job.peers.add(identity)
+        self.peers[identity] = Peer(
+            identity, hello.role, job, hello.client_pid, hello.pid_namespace
+        )
+        return Welcome(
+            protocol_version=PROTOCOL_VERSION,
+            daemon_pid=os.getpid(),
+            device=device_label(self.device),
+            dali_version=self.dali_version,
+            job_id=job.job_id,
+            job_token=job.token,
+            limits=self.limits,
+        )
+
+    def _on_goodbye(self, identity: bytes, _: Goodbye) -> Message:
+        peer = self.peers[identity]
+        if peer.role is Role.TRAINER:
+            log.info("job %d said goodbye", peer.job.job_id)
+            self.close_job(peer.job)
+        else:
+            self._forget_peer(identity)
+        return Ok()
+
+    def _on_ping(self, identity: bytes, _: Ping) -> Message:
+        return Pong(os.getpid())
+
+    def _on_shutdown(self, identity: bytes, _: Shutdown) -> Message:
+        log.info("shutdown requested")
+        self.stop_requested = True
+        return Ok()
+
+    def _on_register_pipeline(self, identity: bytes, request: RegisterPipeline) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
+        if request.max_batch_size > self.limits.max_batch_size:
+            raise RequestRefused(
+                ErrorCode.INVALID_PIPELINE,
+                f"max_batch_size {request.max_batch_size} is over this daemon's limit of "
+                f"{self.limits.max_batch_size}",
+            )
+        spec = PipelineSpec.from_message(request)
+        try:
+            runner = PipelineRunner(spec, self.device_id)
+        except PipelineBuildError as error:
+            raise RequestRefused(error.code, str(error)) from None
+        job = peer.job
+        pipeline_id = self._next_pipeline_id
+        self._next_pipeline_id += 1
+        trainer = job.trainer
+        job.pipelines[pipeline_id] = PipelineExecutor(
+            pipeline_id, runner, job.pool, lambda message: self._push(trainer, message)
+        )
+        log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, request.name)
+        return PipelineRegistered(pipeline_id)
+
+    def _on_submit_batch(self, identity: bytes, request: SubmitBatch) -> Message:
+        job = self.peers[identity].job
+        executor = self._executor(job, request.pipeline_id)
+        spec = executor.runner.spec
+        names = [item.name for item in request.inputs]
+        if sorted(names) != sorted(spec.input_names):
+            raise RequestRefused(
+                ErrorCode.INVALID_BATCH,
+                f"the batch has inputs {names}, the pipeline takes {list(spec.input_names)}",
+            )
+        if request.batch_size > spec.max_batch_size:
+            raise RequestRefused(
+                ErrorCode.INVALID_BATCH,
+                f"batch of {request.batch_size} samples, over the pipeline's max_batch_size "
+                f"{spec.max_batch_size}",
+            )
+        for item in request.inputs:
+            itemsize = np.dtype(item.dtype).itemsize
+            for index, (shape, sample) in enumerate(zip(item.shapes, item.samples, strict=True)):
+                expected = math.prod(shape) * itemsize
+                if sample.nbytes != expected:
+                    raise RequestRefused(
+                        ErrorCode.INVALID_BATCH,
+                        f"input {item.name!r} sample {index}: shape {shape} of {item.dtype} needs "
+                        f"{expected} bytes, its frame has {sample.nbytes}",
+                    )
+        batch = PendingBatch(job.next_batch_id, request)
+        job.next_batch_id += 1
+        if request.deferred:
+            job.deferred[batch.batch_id] = batch
+        else:
+            executor.submit(batch)
+        return BatchAccepted(batch.batch_id)
+
+    def _on_schedule_batch(self, identity: bytes, request: ScheduleBatch) -> Message:
+        job = self.peers[identity].job
+        batch = job.deferred.pop(request.batch_id, None)
+        if batch is None:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_BATCH, f"batch {request.batch_id} is not waiting to be scheduled"
+            )
+        self._executor(job, batch.request.pipeline_id).submit(batch)
+        return Ok()
+
+    def _on_release_regions(self, identity: bytes, request: ReleaseRegions) -> Message | None:
+        job = self.peers[identity].job
+        unknown = job.pool.release(request.region_ids)
+        if unknown:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_REGION,
+                f"regions {unknown[:8]} are not leased to job {job.job_id}",
+            )
+        return None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _executor(self, job: Job, pipeline_id: int) -> PipelineExecutor:
+        executor = job.pipelines.get(pipeline_id)
+        if executor is None:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_PIPELINE, f"job {job.job_id} has no pipeline {pipeline_id}"
+            )
+        return executor
+
+    def _forget_peer(self, identity: bytes) -> None:
+        peer = self.peers.pop(identity, None)
+        if peer is not None:
+            peer.job.peers.discard(identity)
+
+    def _alive(self, pid: int, namespace: int) -> bool:
+        if namespace != self._pid_namespace or pid <= 0:
+            return True  # another pid namespace: its pid means nothing here
+        return process_alive(pid)

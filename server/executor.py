@@ -1,0 +1,221 @@
+"""One thread per registered pipeline: runs queued batches and writes outputs into the pool.
+
+The executor keeps up to ``prefetch_queue_depth`` batches inside DALI so that decoding of the
+next batch overlaps the copy-out of the previous one. A batch keeps its input frames until its
+outputs are collected, because external_source with ``no_copy=True`` reads them in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dalid.protocol import (
+    BatchFailed,
+    BatchReady,
+    ErrorCode,
+    Message,
+    OutputDescriptor,
+    SubmitBatch,
+)
+
+from .pool import PoolClosed, PoolTooSmall, RegionPool
+from .runner import PipelineBuildError, PipelineRunner, sample_arrays
+
+log = logging.getLogger("dalid.server")
+
+
+@dataclass
+class PendingBatch:
+    batch_id: int
+    request: SubmitBatch
+    arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+
+class BatchFailure(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _dtype_name(dali_dtype: Any) -> str:
+    from nvidia.dali.types import to_numpy_type
+
+    return np.dtype(to_numpy_type(dali_dtype)).name
+
+
+class PipelineExecutor:
+    """Runs the batches of one pipeline in its own thread; ``deliver`` sends results."""
+
+    def __init__(
+        self,
+        pipeline_id: int,
+        runner: PipelineRunner,
+        pool: RegionPool,
+        deliver: Callable[[Message], None],
+    ) -> None:
+        self.pipeline_id = pipeline_id
+        self.runner = runner
+        self._pool = pool
+        self._deliver = deliver
+        self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self.batches_done = 0
+        self.samples_done = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"dalid-pipeline-{pipeline_id}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, batch: PendingBatch) -> None:
+        self._queue.put(batch)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread; batches not yet run are dropped. Idempotent."""
+        self._stopping.set()
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("pipeline %d did not stop within %.0f s", self.pipeline_id, timeout)
+
+    # --- the thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        in_flight: collections.deque[PendingBatch] = collections.deque()
+        retry: collections.deque[PendingBatch] = collections.deque()
+        try:
+            while not self._stopping.is_set():
+                depth = self.runner.spec.prefetch_queue_depth
+                while len(in_flight) < depth:
+                    batch = self._next_batch(retry, block=not in_flight)
+                    if batch is None:
+                        break
+                    if self._schedule(batch):
+                        in_flight.append(batch)
+                if self._stopping.is_set() or not in_flight:
+                    continue
+                batch = in_flight.popleft()
+                try:
+                    outputs = self.runner.collect()
+                except Exception as error:
+                    self._fail(batch, ErrorCode.PIPELINE_ERROR, _dali_message(error))
+                    # The pipeline is dead; the batches behind this one must run again.
+                    retry.extendleft(reversed(in_flight))
+                    in_flight.clear()
+                    self._rebuild()
+                    continue
+                self._write(batch, outputs)
+                del outputs
+                self.runner.release()
+        except PoolClosed:
+            pass
+        except Exception:
+            log.exception("pipeline %d executor crashed", self.pipeline_id)
+        finally:
+            self.runner.close()
+
+    def _next_batch(
+        self, retry: collections.deque[PendingBatch], block: bool
+    ) -> PendingBatch | None:
+        if retry:
+            return retry.popleft()
+        try:
+            return self._queue.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _schedule(self, batch: PendingBatch) -> bool:
+        request = batch.request
+        if not batch.arrays:
+            batch.arrays = {item.name: sample_arrays(item) for item in request.inputs}
+        try:
+            self.runner.schedule(batch.arrays)
+        except Exception as error:
+            self._fail(batch, ErrorCode.INVALID_BATCH, _dali_message(error))
+            self._rebuild()
+            return False
+        return True
+
+    def _rebuild(self) -> None:
+        try:
+            self.runner.rebuild()
+        except PipelineBuildError:
+            log.exception("pipeline %d could not be rebuilt", self.pipeline_id)
+            raise
+
+    def _write(self, batch: PendingBatch, outputs: tuple[Any, ...]) -> None:
+        try:
+            tensors = []
+            for index, output in enumerate(outputs):
+                if not output.is_dense_tensor():
+                    shapes = output.shape()
+                    raise BatchFailure(
+                        ErrorCode.INVALID_OUTPUT,
+                        f"output {index} has samples of different shapes ({shapes[:4]}...): "
+                        "a batch is delivered as one tensor, so resize, crop or pad to one shape",
+                    )
+                if type(output).__name__ != "TensorListCPU":
+                    raise BatchFailure(
+                        ErrorCode.INVALID_OUTPUT,
+                        f"output {index} is on the GPU, and this daemon delivers CPU outputs only",
+                    )
+                tensors.append(output.as_tensor())
+            shapes = [tuple(int(x) for x in tensor.shape()) for tensor in tensors]
+            dtypes = [_dtype_name(output.dtype) for output in outputs]
+            sizes = [
+                math.prod(shape) * np.dtype(dtype).itemsize
+                for shape, dtype in zip(shapes, dtypes, strict=True)
+            ]
+            try:
+                regions = self._pool.allocate(sizes, cancelled=self._stopping.is_set)
+            except PoolTooSmall as error:
+                raise BatchFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
+            descriptors = []
+            for region, tensor, output, shape, dtype in zip(
+                regions, tensors, outputs, shapes, dtypes, strict=True
+            ):
+                if region.nbytes:
+                    region.slab.copy_into(region.offset, tensor)  # type: ignore[attr-defined]
+                descriptors.append(
+                    OutputDescriptor(
+                        region_id=region.region_id,
+                        slab=region.slab.name,
+                        slab_size=region.slab.size,
+                        offset=region.offset,
+                        nbytes=region.nbytes,
+                        dtype=dtype,
+                        shape=shape,
+                        layout=output.layout() or "",
+                        device=region.slab.device,
+                    )
+                )
+        except BatchFailure as failure:
+            self._fail(batch, failure.code, str(failure))
+            return
+        self.batches_done += 1
+        self.samples_done += batch.request.batch_size
+        # The regions are now leased to the trainer (Note [Output buffer lifetime]).
+        self._deliver(BatchReady(batch.batch_id, self.pipeline_id, tuple(descriptors)))
+
+    def _fail(self, batch: PendingBatch, code: ErrorCode, message: str) -> None:
+        log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)
+        self._deliver(BatchFailed(batch.batch_id, self.pipeline_id, code, message))
+
+
+def _dali_message(error: BaseException) -> str:
+    """DALI's message without the trailing boilerplate lines."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return "\n".join(line for line in lines if "C++ context" not in line) or type(error).__name__

@@ -1,0 +1,112 @@
+"""Memory backends of the output pool: where a slab's bytes live.
+
+A slab is one block of memory that the daemon creates and maps once and exports to a trainer
+by name; regions of it carry batch outputs. The shared-memory backend below holds CPU outputs;
+a device backend (CUDA IPC) exports GPU slabs the same way, so the pool above does not care.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+SLAB_PREFIX = "dalid-"
+PAGE = mmap.PAGESIZE
+
+
+class Slab(Protocol):
+    """One exported block of memory; ``close()`` is idempotent and frees it."""
+
+    name: str
+    size: int
+    device: str
+
+    def address(self, offset: int) -> int: ...
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class SlabBackend(Protocol):
+    device: str
+
+    def create(self, name: str, size: int) -> Slab: ...
+
+
+class SharedMemorySlab:
+    """A POSIX shared-memory segment (``/dev/shm/NAME``, mode 0600), mapped once.
+
+    The daemon owns it: ``close()`` unmaps it and unlinks the name. A trainer that still maps
+    it keeps its pages until it unmaps them (POSIX semantics), so closing never pulls memory
+    from under a tensor; only the name disappears.
+    """
+
+    device = "cpu"
+
+    def __init__(self, name: str, size: int) -> None:
+        if size <= 0 or size % PAGE:
+            raise ValueError(f"slab size must be a positive multiple of {PAGE}, got {size}")
+        self.name = name
+        self.size = size
+        self._path = SHM_DIR / name
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map: mmap.mmap | None = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            self._path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        # A child forked by the daemon (a supervisor restart, say) must not inherit the mapping.
+        self._map.madvise(mmap.MADV_DONTFORK)
+        self._bytes: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = self._bytes.ctypes.data
+
+    def address(self, offset: int) -> int:
+        return self._base + offset
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        if self._bytes is None:
+            raise ValueError(f"slab {self.name} is closed")
+        return self._bytes[offset : offset + nbytes]
+
+    def copy_into(self, offset: int, source: object) -> None:
+        """Copies a DALI CPU tensor (``copy_to_external``) into the slab at ``offset``."""
+        source.copy_to_external(ctypes.c_void_p(self.address(offset)))  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        # Views handed out by view() must be gone by now; the numpy base is ours to drop.
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still alive somewhere in the daemon: leave the mapping to the GC but
+            # still remove the name so nothing else can attach.
+            pass
+        self._map = None
+        self._path.unlink(missing_ok=True)
+
+    def __enter__(self) -> SharedMemorySlab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SharedMemoryBackend:
+    """Creates :class:`SharedMemorySlab`s for CPU outputs."""
+
+    device = "cpu"
+
+    def create(self, name: str, size: int) -> SharedMemorySlab:
+        return SharedMemorySlab(name, size)

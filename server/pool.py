@@ -1,0 +1,240 @@
+"""A bounded pool of output regions carved from reusable slabs, one pool per job.
+
+Note [Output buffer lifetime]
+-----------------------------
+Who may free what, and when:
+
+1. The daemon owns every slab. It creates a slab once (``SlabBackend.create``), maps it once,
+   and keeps it for the life of the job so that later batches reuse already-touched memory.
+2. A region is *leased* from the moment ``allocate`` returns it until the job's trainer
+   releases it (``ReleaseRegions``). While leased, the daemon never writes to it. The pipeline
+   executor writes a batch's outputs into fresh regions and then hands the lease to the trainer
+   with ``BatchReady``; from then on only the trainer may end the lease.
+3. The trainer maps each slab once by name and views regions without a copy. It releases a
+   region when the last tensor viewing it is garbage-collected, never earlier.
+4. When the pool has no room, ``allocate`` blocks (backpressure): the executor waits for
+   releases and the pool never grows past ``limit_bytes``. An allocation larger than the whole
+   pool fails at once instead of waiting forever.
+5. When the job ends (goodbye, or its trainer process died) the daemon closes the pool: every
+   slab is unmapped and its name unlinked. A trainer that still views a region keeps the pages
+   alive through its own mapping (POSIX shared memory is freed on the last unmap), so its
+   tensors stay valid; nothing else can attach to the unlinked name.
+6. If the daemon dies, the kernel frees its mappings; the names it had not unlinked are
+   unlinked by the next daemon on the same socket, which removes ``dalid-*`` segments whose
+   creating daemon is no longer alive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .memory import PAGE, Slab, SlabBackend
+
+ALIGNMENT = 256
+
+
+class PoolTooSmall(ValueError):
+    """A batch needs more output memory than the whole pool may hold."""
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed while an allocation waited."""
+
+
+@dataclass(frozen=True)
+class Region:
+    region_id: int
+    slab: Slab
+    offset: int
+    nbytes: int
+
+
+def _align(size: int, alignment: int) -> int:
+    return max(alignment, -(-size // alignment) * alignment)
+
+
+class _SlabSpace:
+    """First-fit free list of one slab, with neighbours merged on free."""
+
+    def __init__(self, slab: Slab) -> None:
+        self.slab = slab
+        self.free: list[tuple[int, int]] = [(0, slab.size)]  # (offset, size), sorted by offset
+        self.leased = 0
+
+    def take(self, size: int) -> int | None:
+        for index, (offset, free_size) in enumerate(self.free):
+            if free_size >= size:
+                if free_size == size:
+                    del self.free[index]
+                else:
+                    self.free[index] = (offset + size, free_size - size)
+                self.leased += 1
+                return offset
+        return None
+
+    def give_back(self, offset: int, size: int) -> None:
+        index = bisect.bisect_left(self.free, (offset, 0))
+        self.free.insert(index, (offset, size))
+        # Merge with the following, then with the preceding free block.
+        if index + 1 < len(self.free) and offset + size == self.free[index + 1][0]:
+            size += self.free.pop(index + 1)[1]
+            self.free[index] = (offset, size)
+        if index > 0 and self.free[index - 1][0] + self.free[index - 1][1] == offset:
+            previous_offset, previous_size = self.free.pop(index - 1)
+            self.free[index - 1] = (previous_offset, previous_size + size)
+        self.leased -= 1
+
+    @property
+    def empty(self) -> bool:
+        return self.leased == 0
+
+
+class RegionPool:
+    """Output regions for one job, at most ``limit_bytes`` of slabs of ``slab_bytes`` or more.
+
+    Thread-safe: executors allocate from their threads while the I/O thread releases.
+    """
+
+    def __init__(
+        self,
+        backend: SlabBackend,
+        name_prefix: str,
+        limit_bytes: int,
+        slab_bytes: int,
+        alignment: int = ALIGNMENT,
+    ) -> None:
+        self._backend = backend
+        self._name_prefix = name_prefix
+        self.limit_bytes = limit_bytes
+        self.slab_bytes = _align(slab_bytes, PAGE)
+        self._alignment = alignment
+        self._spaces: list[_SlabSpace] = []
+        self._leases: dict[int, tuple[_SlabSpace, int, int]] = {}
+        self._next_region_id = 1
+        self._next_slab_number = 0
+        self._condition = threading.Condition()
+        self._closed = False
+
+    @property
+    def slab_bytes_total(self) -> int:
+        return sum(space.slab.size for space in self._spaces)
+
+    @property
+    def leased_bytes(self) -> int:
+        with self._condition:
+            return sum(size for _, _, size in self._leases.values())
+
+    @property
+    def leased_regions(self) -> int:
+        return len(self._leases)
+
+    @property
+    def slab_count(self) -> int:
+        return len(self._spaces)
+
+    def allocate(
+        self,
+        sizes: Sequence[int],
+        cancelled: Callable[[], bool] = lambda: False,
+        poll_interval: float = 0.05,
+    ) -> list[Region]:
+        """One region per size, all or none; blocks while the pool is full.
+
+        Raises :class:`PoolTooSmall` when the sizes could never fit, and :class:`PoolClosed`
+        when the pool closes or ``cancelled()`` turns true while waiting.
+        """
+        aligned = [_align(size, self._alignment) for size in sizes]
+        needed = sum(_align(size, PAGE) for size in aligned)
+        if needed > self.limit_bytes:
+            raise PoolTooSmall(
+                f"a batch needs {needed} bytes of output memory, more than the pool's limit of "
+                f"{self.limit_bytes} bytes: raise --pool-bytes or use a smaller batch"
+            )
+        with self._condition:
+            while True:
+                if self._closed or cancelled():
+                    raise PoolClosed("the output pool was closed")
+                regions = self._try_allocate(aligned, sizes)
+                if regions is not None:
+                    return regions
+                self._condition.wait(poll_interval)
+
+    def release(self, region_ids: Sequence[int]) -> list[int]:
+        """Ends the leases of ``region_ids``; returns the ids that were not leased."""
+        unknown = []
+        with self._condition:
+            for region_id in region_ids:
+                lease = self._leases.pop(region_id, None)
+                if lease is None:
+                    unknown.append(region_id)
+                    continue
+                space, offset, size = lease
+                space.give_back(offset, size)
+            self._condition.notify_all()
+        return unknown
+
+    def close(self) -> None:
+        """Frees every slab (see the note above); waiting allocations raise PoolClosed."""
+        with self._condition:
+            if self._closed:
+                return
+            self._closed = True
+            spaces, self._spaces = self._spaces, []
+            self._leases.clear()
+            self._condition.notify_all()
+        for space in spaces:
+            space.slab.close()
+
+    def _try_allocate(self, aligned: Sequence[int], sizes: Sequence[int]) -> list[Region] | None:
+        taken: list[tuple[_SlabSpace, int, int]] = []
+        for size in aligned:
+            placed = self._place(size)
+            if placed is None:
+                for space, offset, taken_size in taken:
+                    space.give_back(offset, taken_size)
+                return None
+            taken.append((placed[0], placed[1], size))
+        regions = []
+        for (space, offset, size), requested in zip(taken, sizes, strict=True):
+            region_id = self._next_region_id
+            self._next_region_id += 1
+            self._leases[region_id] = (space, offset, size)
+            regions.append(Region(region_id, space.slab, offset, requested))
+        return regions
+
+    def _place(self, size: int) -> tuple[_SlabSpace, int] | None:
+        for space in self._spaces:
+            offset = space.take(size)
+            if offset is not None:
+                return space, offset
+        slab_size = max(self.slab_bytes, _align(size, PAGE))
+        if not self._make_room(slab_size):
+            return None
+        space = _SlabSpace(self._backend.create(self._next_slab_name(), slab_size))
+        self._spaces.append(space)
+        offset = space.take(size)
+        assert offset == 0
+        return space, offset
+
+    def _make_room(self, slab_size: int) -> bool:
+        """Whether a new slab of ``slab_size`` fits, after freeing empty slabs if need be."""
+        if self.slab_bytes_total + slab_size <= self.limit_bytes:
+            return True
+        empty = [space for space in self._spaces if space.empty]
+        reclaimable = sum(space.slab.size for space in empty)
+        if self.slab_bytes_total - reclaimable + slab_size > self.limit_bytes:
+            return False
+        # Free the smallest empty slabs first: large ones are the costliest to recreate.
+        for space in sorted(empty, key=lambda s: s.slab.size):
+            if self.slab_bytes_total + slab_size <= self.limit_bytes:
+                break
+            self._spaces.remove(space)
+            space.slab.close()
+        return True
+
+    def _next_slab_name(self) -> str:
+        self._next_slab_number += 1
+        return f"{self._name_prefix}-{self._next_slab_number}"
