@@ -51,10 +51,12 @@ class _Resources:
         self.mappings.close()
 
 
-def external_source_names(pipeline: Any) -> list[str]:
-    """The names of a pipeline's external_source operators, in definition order."""
-    from nvidia.dali.external_source import ExternalSource
+def _graph(pipeline: Any) -> Any:
+    """The pipeline with its Python graph built, without building the pipeline itself.
 
+    Building would need the pipeline's device in the trainer (a GPU pipeline needs CUDA there);
+    the graph is all the client needs. DALI's own proxy reads the same private attributes.
+    """
     if getattr(pipeline, "_deserialized", False):
         raise InputError(
             "the pipeline was deserialized, so its external_source names are unknown: pass the "
@@ -62,7 +64,19 @@ def external_source_names(pipeline: Any) -> list[str]:
         )
     if not pipeline._py_graph_built:
         pipeline._build_graph()
-    return [op.name for op in pipeline._ops if isinstance(op._op, ExternalSource)]
+    return pipeline
+
+
+def external_source_names(pipeline: Any) -> list[str]:
+    """The names of a pipeline's external_source operators, in definition order."""
+    from nvidia.dali.external_source import ExternalSource
+
+    return [op.name for op in _graph(pipeline)._ops if isinstance(op._op, ExternalSource)]
+
+
+def output_count(pipeline: Any) -> int:
+    """How many outputs the pipeline's graph returns."""
+    return int(_graph(pipeline)._num_outputs)
 
 
 def _check_pipeline(pipeline: Any) -> None:
@@ -152,7 +166,7 @@ class Session:
         request = RegisterPipeline(
             serialized=memoryview(pipeline.serialize()),
             input_names=tuple(names),
-            num_outputs=pipeline.num_outputs,
+            num_outputs=output_count(pipeline),
             max_batch_size=pipeline.max_batch_size,
             num_threads=pipeline.num_threads,
             prefetch_queue_depth=int(depth),
@@ -171,7 +185,7 @@ class Session:
                 job_token=welcome.job_token,
                 pipeline_id=reply.pipeline_id,
                 input_names=tuple(names),
-                num_outputs=pipeline.num_outputs,
+                num_outputs=request.num_outputs,
                 max_batch_size=pipeline.max_batch_size,
                 deterministic=deterministic,
             )

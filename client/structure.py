@@ -1,23 +1,41 @@
 """Finding batch references in nested structures and replacing them with tensors.
 
-Lists, dicts and objects with attributes are updated in place, tuples and named tuples are
-rebuilt, as DALI's proxy does; everything else is left as it is. Shared and cyclic structures
-are visited once.
+Only what holds a reference is touched: lists, dicts and objects with attributes are updated in
+place, tuples, named tuples and frozen dataclasses are rebuilt, as DALI's proxy does. Anything
+without a reference below it is returned as it is. Shared and cyclic structures are visited once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import enum
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .refs import DALIOutputBatchRef, DALIPipelineRunRef
 
 _LEAVES = (str, bytes, bytearray, memoryview, int, float, complex, bool, type(None))
+_NOT_CONTAINERS = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    enum.Enum,
+)
 
 Resolver = Callable[[list[DALIPipelineRunRef]], dict[int, tuple[Any, ...]]]
 
 
-def _children(obj: Any) -> Any:
+def _is_plain_object(obj: Any) -> bool:
+    # Tensors and arrays have attributes too, but never hold references.
+    if isinstance(obj, _NOT_CONTAINERS) or not hasattr(obj, "__dict__"):
+        return False
+    return not type(obj).__module__.startswith(("torch", "numpy"))
+
+
+def _children(obj: Any) -> Iterable[Any]:
     if isinstance(obj, list | tuple):
         return obj
     if isinstance(obj, dict):
@@ -27,69 +45,81 @@ def _children(obj: Any) -> Any:
     return ()
 
 
-def _is_plain_object(obj: Any) -> bool:
-    # Tensors and arrays have attributes too, but never hold references.
-    module = type(obj).__module__
-    return hasattr(obj, "__dict__") and not module.startswith(("torch", "numpy"))
+def _scan(item: Any, runs: dict[int, DALIPipelineRunRef], holds: dict[int, bool]) -> bool:
+    """Whether ``item`` holds a reference; records runs in order and the answer per object."""
+    if isinstance(item, _LEAVES):
+        return False
+    key = id(item)
+    if key in holds:
+        return holds[key]
+    if isinstance(item, DALIOutputBatchRef):
+        runs.setdefault(id(item.pipe_run_ref), item.pipe_run_ref)
+        holds[key] = True
+        return True
+    holds[key] = False  # until proven otherwise; also ends cycles
+    found = False
+    for child in _children(item):
+        found = _scan(child, runs, holds) or found
+    holds[key] = found
+    return found
 
 
 def find_runs(obj: Any) -> list[DALIPipelineRunRef]:
     """The distinct pipeline runs referenced anywhere in ``obj``, in the order first met."""
     runs: dict[int, DALIPipelineRunRef] = {}
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, _LEAVES) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, DALIOutputBatchRef):
-            runs.setdefault(id(item.pipe_run_ref), item.pipe_run_ref)
-            continue
-        stack.extend(reversed(list(_children(item))))
+    _scan(obj, runs, {})
     return list(runs.values())
 
 
 def replace_refs(obj: Any, resolve: Resolver) -> Any:
     """``obj`` with each batch reference replaced by ``resolve``'s output for it."""
-    runs = find_runs(obj)
-    if not runs:
+    runs: dict[int, DALIPipelineRunRef] = {}
+    holds: dict[int, bool] = {}
+    if not _scan(obj, runs, holds):
         return obj
-    outputs = resolve(runs)
-    memo: dict[int, Any] = {}
+    return _replace(obj, resolve(list(runs.values())), holds, {})
 
-    def replace(item: Any) -> Any:
-        if isinstance(item, _LEAVES):
-            return item
-        if id(item) in memo:
-            return memo[id(item)]
-        if isinstance(item, DALIOutputBatchRef):
-            result = outputs[id(item.pipe_run_ref)][item.output_idx]
-        elif isinstance(item, list):
-            memo[id(item)] = item
-            item[:] = [replace(value) for value in item]
-            result = item
-        elif isinstance(item, dict):
-            memo[id(item)] = item
-            for key in list(item):
-                item[key] = replace(item[key])
-            result = item
-        elif isinstance(item, tuple):
-            values = [replace(value) for value in item]
-            if hasattr(item, "_fields"):
-                result = type(item)(*values)
-            elif type(item) is tuple:
-                result = tuple(values)
-            else:
-                result = type(item)(values)
-        elif _is_plain_object(item):
-            memo[id(item)] = item
-            for name, value in list(vars(item).items()):
-                setattr(item, name, replace(value))
-            result = item
+
+# A module-level function, not a closure: a recursive closure is a reference cycle, which would
+# keep the produced tensors (and so the daemon's regions) alive until the cyclic GC runs.
+def _replace(
+    item: Any, outputs: dict[int, tuple[Any, ...]], holds: dict[int, bool], memo: dict[int, Any]
+) -> Any:
+    key = id(item)
+    if not holds.get(key, False):
+        return item
+    if key in memo:
+        return memo[key]
+    result: Any
+    if isinstance(item, DALIOutputBatchRef):
+        result = outputs[id(item.pipe_run_ref)][item.output_idx]
+    elif isinstance(item, list):
+        memo[key] = item
+        item[:] = [_replace(value, outputs, holds, memo) for value in item]
+        result = item
+    elif isinstance(item, dict):
+        memo[key] = item
+        for name in list(item):
+            item[name] = _replace(item[name], outputs, holds, memo)
+        result = item
+    elif isinstance(item, tuple):
+        values = [_replace(value, outputs, holds, memo) for value in item]
+        if hasattr(item, "_fields"):
+            result = type(item)(*values)
+        elif type(item) is tuple:
+            result = tuple(values)
         else:
-            result = item
-        memo[id(item)] = result
-        return result
-
-    return replace(obj)
+            result = type(item)(values)
+    elif dataclasses.is_dataclass(item) and type(item).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        changes = {
+            field.name: _replace(getattr(item, field.name), outputs, holds, memo)
+            for field in dataclasses.fields(item)
+        }
+        result = dataclasses.replace(item, **changes)  # type: ignore[type-var]
+    else:
+        memo[key] = item
+        for name, value in list(vars(item).items()):
+            setattr(item, name, _replace(value, outputs, holds, memo))
+        result = item
+    memo[key] = result
+    return result

@@ -106,7 +106,8 @@ def _as_array(value: Any, input_name: str) -> np.ndarray:
             f"input {input_name!r}: dtype {array.dtype} is not supported; use one of "
             f"{sorted(DTYPES)}"
         )
-    return np.ascontiguousarray(array)
+    # np.ascontiguousarray would turn a 0-d sample (a label) into shape (1,).
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 class Proxy:
@@ -160,15 +161,17 @@ class Proxy:
                 f"more than {self._target.max_batch_size} samples in one batch, the pipeline's "
                 "max_batch_size: make the DataLoader's batch_size at most that"
             )
-        for name in self._target.input_names:
-            array = _as_array(bound.arguments[name], name)
-            samples = run.call_args.setdefault(name, [])
+        # Check every input before adding any, so a refused call leaves the batch as it was.
+        arrays = {name: _as_array(bound.arguments[name], name) for name in self._target.input_names}
+        for name, array in arrays.items():
+            samples = run.call_args.get(name)
             if samples and samples[0].dtype != array.dtype:
                 raise InputError(
                     f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample "
                     f"is {samples[0].dtype}; every sample of an input needs one dtype"
                 )
-            samples.append(array)
+        for name, array in arrays.items():
+            run.call_args.setdefault(name, []).append(array)
         run.batch_size += 1
         refs = tuple(
             DALIOutputSampleRef(self, run, output, index)

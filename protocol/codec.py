@@ -77,7 +77,7 @@ def decode(frames: Sequence[Any]) -> Envelope:
         raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, "header 'rid' must be an int or nil")
     op = header.get("op")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if not _is_int(version) or version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.PROTOCOL_MISMATCH,
             f"the peer speaks dalid protocol version {version!r}; this side speaks version "

@@ -216,6 +216,9 @@ class PipelineExecutor:
 
 
 def _dali_message(error: BaseException) -> str:
-    """DALI's message without the trailing boilerplate lines."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return "\n".join(line for line in lines if "C++ context" not in line) or type(error).__name__
+    """DALI's message without its C++ context lines and the lines it repeats."""
+    lines: list[str] = []
+    for line in str(error).strip().splitlines():
+        if line.strip() and "C++ context" not in line and line not in lines:
+            lines.append(line)
+    return "\n".join(lines) or type(error).__name__

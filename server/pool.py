@@ -147,12 +147,8 @@ class RegionPool:
         when the pool closes or ``cancelled()`` turns true while waiting.
         """
         aligned = [_align(size, self._alignment) for size in sizes]
-        needed = sum(_align(size, PAGE) for size in aligned)
-        if needed > self.limit_bytes:
-            raise PoolTooSmall(
-                f"a batch needs {needed} bytes of output memory, more than the pool's limit of "
-                f"{self.limit_bytes} bytes: raise --pool-bytes or use a smaller batch"
-            )
+        if sum(aligned) > self.limit_bytes:
+            raise self._too_small(aligned)
         with self._condition:
             while True:
                 if self._closed or cancelled():
@@ -160,7 +156,27 @@ class RegionPool:
                 regions = self._try_allocate(aligned, sizes)
                 if regions is not None:
                     return regions
+                if not self._leases:
+                    # Nothing will be released: lay the pool out afresh, and if the batch
+                    # still does not fit, it never will.
+                    self._drop_empty_slabs()
+                    regions = self._try_allocate(aligned, sizes)
+                    if regions is not None:
+                        return regions
+                    raise self._too_small(aligned)
                 self._condition.wait(poll_interval)
+
+    def _too_small(self, aligned: Sequence[int]) -> PoolTooSmall:
+        return PoolTooSmall(
+            f"a batch needs {sum(aligned)} bytes of output memory in {len(aligned)} regions, more "
+            f"than fits in the pool's limit of {self.limit_bytes} bytes: raise --pool-bytes or "
+            "use a smaller batch"
+        )
+
+    def _drop_empty_slabs(self) -> None:
+        for space in [space for space in self._spaces if space.empty]:
+            self._spaces.remove(space)
+            space.slab.close()
 
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
@@ -210,8 +226,8 @@ class RegionPool:
             offset = space.take(size)
             if offset is not None:
                 return space, offset
-        slab_size = max(self.slab_bytes, _align(size, PAGE))
-        if not self._make_room(slab_size):
+        slab_size = self._make_room(_align(size, PAGE))
+        if slab_size is None:
             return None
         space = _SlabSpace(self._backend.create(self._next_slab_name(), slab_size))
         self._spaces.append(space)
@@ -219,21 +235,27 @@ class RegionPool:
         assert offset == 0
         return space, offset
 
-    def _make_room(self, slab_size: int) -> bool:
-        """Whether a new slab of ``slab_size`` fits, after freeing empty slabs if need be."""
-        if self.slab_bytes_total + slab_size <= self.limit_bytes:
-            return True
+    def _make_room(self, needed: int) -> int | None:
+        """The size of a new slab holding ``needed`` bytes, freeing empty slabs if need be.
+
+        Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one.
+        None when there is no room until regions are released.
+        """
+        preferred = max(self.slab_bytes, needed)
+        room = self.limit_bytes - self.slab_bytes_total
+        if room >= preferred:
+            return preferred
         empty = [space for space in self._spaces if space.empty]
-        reclaimable = sum(space.slab.size for space in empty)
-        if self.slab_bytes_total - reclaimable + slab_size > self.limit_bytes:
-            return False
+        if room + sum(space.slab.size for space in empty) < needed:
+            return None
         # Free the smallest empty slabs first: large ones are the costliest to recreate.
         for space in sorted(empty, key=lambda s: s.slab.size):
-            if self.slab_bytes_total + slab_size <= self.limit_bytes:
+            if room >= needed:
                 break
             self._spaces.remove(space)
             space.slab.close()
-        return True
+            room += space.slab.size
+        return max(needed, min(preferred, room // PAGE * PAGE))
 
     def _next_slab_name(self) -> str:
         self._next_slab_number += 1

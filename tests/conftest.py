@@ -1,0 +1,98 @@
+"""Shared fixtures: a real daemon subprocess per test module, and checks that nothing leaks.
+
+Every test session runs with a private runtime directory ($DALID_RUNTIME_DIR), so autostarted
+daemons and default sockets never touch the user's own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .daemons import OWN_DIRECTORIES, DaemonProcess, own_directory, start_daemon
+
+SHM = Path("/dev/shm")
+
+
+def _dalid_segments() -> set[str]:
+    return {path.name for path in SHM.glob("dalid-*")}
+
+
+
+def _dalid_daemons() -> list[int]:
+    """Pids of `dalid serve` processes that this session's tests started (by socket path)."""
+    out = subprocess.run(["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True)
+    pids = []
+    for line in out.stdout.splitlines():
+        pid, _, command = line.partition(" ")
+        if any(directory in command for directory in OWN_DIRECTORIES):
+            pids.append(int(pid))
+    return pids
+
+
+def _owner_alive(segment: str) -> bool:
+    parts = segment.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_runtime_dir() -> Iterator[Path]:
+    path = own_directory("dalid-rt-")
+    os.environ["DALID_RUNTIME_DIR"] = str(path)
+    os.environ.pop("DALID_SOCKET", None)
+    segments_before = _dalid_segments()
+    yield path
+    leaked_daemons = set(_dalid_daemons())
+    for pid in leaked_daemons:
+        os.kill(pid, signal.SIGKILL)
+    # Segments of daemons this session did not start (and that still run) are not ours.
+    leaked_segments = {
+        name
+        for name in _dalid_segments() - segments_before
+        if not _owner_alive(name) or int(name.split("-")[1]) in leaked_daemons
+    }
+    for name in leaked_segments:
+        (SHM / name).unlink(missing_ok=True)
+    sockets = [p.name for p in path.rglob("*.sock")]
+    shutil.rmtree(path, ignore_errors=True)
+    assert not leaked_daemons, f"daemon processes left running: {sorted(leaked_daemons)}"
+    assert not leaked_segments, f"/dev/shm segments left behind: {sorted(leaked_segments)}"
+    assert not sockets, f"socket files left behind: {sockets}"
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory for sockets (a Unix socket path has at most 107 bytes)."""
+    path = own_directory()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    """A CPU daemon shared by the tests of one module; checked for a clean stop."""
+    directory = own_directory()
+    running = start_daemon(directory)
+    try:
+        yield running
+    finally:
+        code = running.stop()
+        segments = running.segments()
+        socket_left = running.socket.exists()
+        log = running.log_text()
+        shutil.rmtree(directory, ignore_errors=True)
+        assert code == 0, f"daemon exited with {code}:\n{log}"
+        assert not segments, f"daemon left shared memory: {segments}"
+        assert not socket_left, "daemon left its socket file"

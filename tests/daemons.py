@@ -1,0 +1,95 @@
+"""Starting and stopping real daemon subprocesses for tests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+# Directories this test session made for sockets: a daemon whose command line names one of
+# them is ours to check for leaks (and never one that another session started).
+OWN_DIRECTORIES: list[str] = []
+
+
+def own_directory(prefix: str = "dlt-") -> Path:
+    """A new short directory under /tmp (a socket path has at most 107 bytes), recorded."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    OWN_DIRECTORIES.append(f"{path}/")
+    return path
+
+
+@dataclass
+class DaemonProcess:
+    socket: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def segments(self) -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob(f"dalid-{self.pid}-*")}
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"daemon did not stop on SIGTERM:\n{self.log_text()}")
+        return self.process.returncode
+
+
+def wait_until_answering(socket: Path, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    from dalid.protocol import Ping, Pong, endpoint, transport
+
+    deadline = time.monotonic() + timeout
+    context = zmq.Context()
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"daemon exited with {process.returncode}")
+            if socket.exists():
+                sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+                try:
+                    transport.send(sock, Ping(), 1)
+                    if sock.poll(1000) and isinstance(transport.recv(sock).message, Pong):
+                        return
+                finally:
+                    sock.close(linger=0)
+            time.sleep(0.05)
+    finally:
+        context.term()
+    raise AssertionError(f"daemon did not answer on {socket} within {timeout} s")
+
+
+def start_daemon(directory: Path, *args: str, name: str = "d") -> DaemonProcess:
+    socket = directory / f"{name}.sock"
+    log = directory / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    daemon = DaemonProcess(socket, process, log)
+    try:
+        wait_until_answering(socket, process)
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
+
+

@@ -1,0 +1,85 @@
+"""Pipelines, datasets and reference runs shared by the integration tests and their jobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from nvidia.dali import fn, pipeline_def, types
+
+BATCH = 8
+
+
+@pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1234)
+def two_output_pipeline():
+    """One input, two outputs, deterministic operators only."""
+    data = fn.external_source(name="data", no_copy=True)
+    scaled = fn.cast(data, dtype=types.FLOAT) * 0.5 + 1.0
+    return scaled, data + 7
+
+
+@pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1234)
+def two_input_pipeline():
+    a = fn.external_source(name="a", no_copy=True)
+    b = fn.external_source(name="b", no_copy=True)
+    return a + b, a - b
+
+
+@pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=99)
+def random_pipeline():
+    """Output depends on the order batches run in: the pipeline's RNG advances per run."""
+    data = fn.external_source(name="data", no_copy=True)
+    noise = fn.random.uniform(range=(0.0, 1.0), shape=[3])
+    return fn.cast(data, dtype=types.FLOAT) + noise
+
+
+def sample(index: int, offset: int = 0) -> np.ndarray:
+    """A small int32 sample whose values identify it."""
+    return np.arange(12, dtype=np.int32).reshape(4, 3) + 100 * (index + offset)
+
+
+class ProxyDataset(torch.utils.data.Dataset):
+    """Returns ``(proxy(sample), index)``, as a transform-style dataset does."""
+
+    def __init__(self, proxy, length: int, offset: int = 0, keyword: str | None = None) -> None:
+        self.proxy = proxy
+        self.length = length
+        self.offset = offset
+        self.keyword = keyword
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        data = sample(index, self.offset)
+        out = self.proxy(**{self.keyword: data}) if self.keyword else self.proxy(data)
+        return out, index
+
+
+class TwoInputDataset(torch.utils.data.Dataset):
+    def __init__(self, proxy, length: int) -> None:
+        self.proxy = proxy
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        a = sample(index)
+        b = np.full((4, 3), index, dtype=np.int32)
+        return self.proxy(a=a, b=b), index
+
+
+def run_in_process(pipeline, batches: list[dict[str, list[np.ndarray]]]) -> list[list[np.ndarray]]:
+    """The same pipeline run in this process on the same batches: the reference outputs."""
+    pipeline.build()
+    results = []
+    for inputs in batches:
+        for name, samples in inputs.items():
+            pipeline.feed_input(name, samples)
+        outputs = pipeline.run()
+        results.append([np.array(out.as_tensor()) for out in outputs])
+    return results
+
+
+def index_batches(length: int, batch: int = BATCH) -> list[list[int]]:
+    return [list(range(start, min(start + batch, length))) for start in range(0, length, batch)]

@@ -1,0 +1,179 @@
+"""The whole path on CPU pipelines: a real daemon subprocess, real DataLoader workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dalid.client as dalid
+
+from ..daemons import start_daemon
+from .helpers import (
+    BATCH,
+    ProxyDataset,
+    TwoInputDataset,
+    index_batches,
+    random_pipeline,
+    run_in_process,
+    sample,
+    two_input_pipeline,
+    two_output_pipeline,
+)
+
+LENGTH = 37  # 4 full batches of 8 and a partial one of 5
+
+
+@pytest.fixture(scope="module")
+def session(daemon):
+    with dalid.connect(socket=daemon.socket, autostart=False, name="e2e") as session:
+        yield session
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 4])
+def test_outputs_equal_in_process_run(session, num_workers):
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(
+        session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=num_workers
+    )
+    reference = run_in_process(
+        two_output_pipeline(prefetch_queue_depth=1),
+        [{"data": [sample(i) for i in indices]} for indices in index_batches(LENGTH)],
+    )
+    seen = []
+    for ((scaled, shifted), indices), expected in zip(loader, reference, strict=True):
+        assert isinstance(scaled, torch.Tensor) and scaled.dtype == torch.float32
+        assert shifted.dtype == torch.int32
+        np.testing.assert_array_equal(scaled.numpy(), expected[0])
+        np.testing.assert_array_equal(shifted.numpy(), expected[1])
+        seen.extend(indices.tolist())
+    assert seen == list(range(LENGTH))
+
+
+def test_several_inputs_are_keyword_arguments(session):
+    proxy = session.proxy(two_input_pipeline())
+    loader = dalid.DataLoader(session, TwoInputDataset(proxy, 20), batch_size=BATCH, num_workers=2)
+    count = 0
+    for (total, difference), indices in loader:
+        for row, index in enumerate(indices.tolist()):
+            a, b = sample(index), np.full((4, 3), index, np.int32)
+            np.testing.assert_array_equal(total[row].numpy(), a + b)
+            np.testing.assert_array_equal(difference[row].numpy(), a - b)
+            count += 1
+    assert count == 20
+
+
+def test_single_output_pipeline_gives_one_tensor(session):
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def negate():
+        return -fn.external_source(name="x")
+
+    proxy = session.proxy(negate())
+    loader = dalid.DataLoader(session, ProxyDataset(proxy, 6, keyword="x"), batch_size=4)
+    batches = list(loader)
+    assert [tuple(out.shape) for out, _ in batches] == [(4, 4, 3), (2, 4, 3)]
+    np.testing.assert_array_equal(batches[1][0][1].numpy(), -sample(5))
+
+
+def test_outputs_view_shared_memory_without_copy(session):
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
+    (scaled, _), _ = next(iter(loader))
+    address = scaled.data_ptr()
+    mapped = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/dev/shm/dalid-" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                mapped.append((start, end))
+    assert any(start <= address < end for start, end in mapped)
+
+
+def test_regions_return_to_the_daemon_and_slabs_are_mapped_once(daemon, short_tmp):
+    # Each batch leases two 256-byte regions; a pool of two 4 KiB slabs holds 16 batches, so
+    # 50 batches only get through if regions come back when their tensors are collected.
+    small = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K", name="small")
+    try:
+        with dalid.connect(socket=small.socket, autostart=False) as session:
+            proxy = session.proxy(two_output_pipeline())
+            loader = dalid.DataLoader(session, ProxyDataset(proxy, 400), batch_size=BATCH)
+            batches = 0
+            for (scaled, _), indices in loader:
+                np.testing.assert_array_equal(scaled[0].numpy(), sample(indices[0].item()) * 0.5 + 1.0)
+                batches += 1
+            assert batches == 50
+            assert session.slabs_opened <= 2
+    finally:
+        assert small.stop() == 0
+
+
+def test_spawned_workers_open_their_own_connections(session):
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(
+        session,
+        ProxyDataset(proxy, 20),
+        batch_size=BATCH,
+        num_workers=2,
+        multiprocessing_context="spawn",
+    )
+    indices_seen = []
+    for (_, shifted), indices in loader:
+        np.testing.assert_array_equal(shifted[0].numpy(), sample(indices[0].item()) + 7)
+        indices_seen.extend(indices.tolist())
+    assert sorted(indices_seen) == list(range(20))
+
+
+def test_persistent_workers_across_epochs(session):
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(
+        session, ProxyDataset(proxy, 20), batch_size=BATCH, num_workers=2, persistent_workers=True
+    )
+    for _ in range(2):
+        total = 0
+        for (_, shifted), indices in loader:
+            np.testing.assert_array_equal(shifted[-1].numpy(), sample(indices[-1].item()) + 7)
+            total += len(indices)
+        assert total == 20
+
+
+def _random_epoch(session, num_workers):
+    proxy = session.proxy(random_pipeline(), deterministic=True)
+    loader = dalid.DataLoader(
+        session, ProxyDataset(proxy, 24), batch_size=BATCH, num_workers=num_workers
+    )
+    return [out.numpy().copy() for out, _ in loader]
+
+
+def test_deterministic_mode_repeats_run_to_run(session):
+    first = _random_epoch(session, num_workers=2)
+    second = _random_epoch(session, num_workers=2)
+    reference = run_in_process(
+        random_pipeline(prefetch_queue_depth=1),
+        [{"data": [sample(i) for i in indices]} for indices in index_batches(24)],
+    )
+    for a, b, expected in zip(first, second, reference, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, expected[0])
+
+
+def test_produce_data_on_a_custom_structure(session):
+    from collections import namedtuple
+
+    proxy = session.proxy(two_output_pipeline())
+    refs = [proxy(sample(i)) for i in range(3)]
+    batch = torch.utils.data.default_collate([(ref, i) for i, ref in enumerate(refs)])
+    Pair = namedtuple("Pair", "outputs labels")
+
+    class Holder:
+        def __init__(self, value):
+            self.value = value
+
+    structure = {"pair": Pair(batch[0], batch[1]), "holder": Holder(batch[0][1]), "list": [batch]}
+    produced = session.produce_data(structure)
+    assert isinstance(produced["pair"], Pair)
+    scaled, shifted = produced["pair"].outputs
+    np.testing.assert_array_equal(shifted.numpy(), np.stack([sample(i) + 7 for i in range(3)]))
+    assert produced["holder"].value is shifted
+    assert produced["list"][0][0][0] is scaled

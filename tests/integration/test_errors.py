@@ -1,0 +1,202 @@
+"""Clear errors: in the caller before anything is sent, and from the daemon as data."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from nvidia.dali import fn, pipeline_def
+
+import dalid.client as dalid
+from dalid.protocol import PROTOCOL_VERSION, ErrorCode, Ping, Pong, endpoint, transport
+
+from .helpers import BATCH, ProxyDataset, sample, two_input_pipeline, two_output_pipeline
+
+
+@pytest.fixture(scope="module")
+def session(daemon):
+    with dalid.connect(socket=daemon.socket, autostart=False) as session:
+        yield session
+
+
+def test_not_a_pipeline(session):
+    with pytest.raises(dalid.InputError, match="expected an NVIDIA DALI pipeline"):
+        session.proxy(lambda x: x)
+
+
+def test_pipeline_without_external_source(session):
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def constant():
+        return fn.random.uniform(range=(0, 1), shape=[2])
+
+    with pytest.raises(dalid.InputError, match="no external_source"):
+        session.proxy(constant())
+
+
+def test_misnamed_and_missing_inputs(session):
+    one = session.proxy(two_output_pipeline())
+    with pytest.raises(dalid.InputError, match=r"\(data\)"):
+        one(images=sample(0))
+    two = session.proxy(two_input_pipeline())
+    with pytest.raises(dalid.InputError, match=r"\*, a, b"):
+        two(sample(0), sample(1))
+    with pytest.raises(dalid.InputError, match="missing a required argument: 'b'"):
+        two(a=sample(0))
+
+
+def test_no_daemon_listening_names_socket_and_command(short_tmp):
+    missing = short_tmp / "nobody.sock"
+    with pytest.raises(dalid.DaemonUnavailable) as raised:
+        dalid.connect(socket=missing, autostart=False)
+    message = str(raised.value)
+    assert str(missing) in message and "dalid serve" in message
+
+
+def test_gpu_pipeline_on_cpu_daemon(session):
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def mixed_decode():
+        return fn.decoders.image(fn.external_source(name="jpegs"), device="mixed")
+
+    with pytest.raises(dalid.PipelineError, match="dalid serve --device N") as raised:
+        session.proxy(mixed_decode())
+    assert raised.value.code is ErrorCode.DEVICE_MISMATCH
+
+
+def test_batch_error_names_batch_and_pipeline_recovers(session):
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def identity():
+        return fn.external_source(name="x") * 1
+
+    proxy = session.proxy(identity())
+
+    def batch_of(shape):
+        refs = [proxy(np.zeros(shape, np.int32)) for _ in range(2)]
+        return torch_collate(refs)
+
+    assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
+    # external_source refuses a change of dimensionality: the pipeline object dies.
+    with pytest.raises(dalid.BatchError, match=r"(?s)batch \d+ of pipeline \d+ failed: .*[Dd]imensions of the data") as raised:
+        session.produce_data(batch_of((2,)))
+    assert raised.value.code is ErrorCode.PIPELINE_ERROR
+    # The daemon rebuilt the pipeline: the next batch runs.
+    assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
+
+
+def torch_collate(refs):
+    import torch
+
+    return torch.utils.data.default_collate(refs)
+
+
+def test_refs_of_another_session_are_refused(daemon, session):
+    proxy = session.proxy(two_output_pipeline())
+    batch = torch_collate([proxy(sample(0))])
+    with dalid.connect(socket=daemon.socket, autostart=False) as other:
+        with pytest.raises(dalid.InputError, match="belongs to job"):
+            other.produce_data(batch)
+    session.produce_data(batch)
+
+
+def test_non_uniform_outputs_fail_with_a_clear_error(session):
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def identity():
+        return fn.external_source(name="x") + 0
+
+    proxy = session.proxy(identity())
+    refs = [proxy(np.zeros((n, 3), np.int32)) for n in (2, 3)]
+    with pytest.raises(dalid.BatchError, match="different shapes") as raised:
+        session.produce_data(torch_collate(refs))
+    assert raised.value.code is ErrorCode.INVALID_OUTPUT
+
+
+def _raw_request(socket, frames, timeout_ms=5000):
+    context = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(timeout_ms), "no reply"
+        return sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def _error_of(reply):
+    header = msgpack.unpackb(reply[0])
+    assert header["op"] == "error", header
+    return header
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"\xc1garbage"], "malformed_message"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "teleport", "rid": 3, "body": {}})], "unknown_operation"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "submit_batch", "rid": 4, "body": {"pipeline_id": "x"}})], "malformed_message"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "submit_batch", "rid": 5, "body": {"pipeline_id": 1, "inputs": []}})], "malformed_message"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "schedule_batch", "rid": 6, "body": {"batch_id": 1}})], "not_welcomed"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "rid": 7, "body": {}}), b"extra"], "malformed_message"),
+    ],
+)  # fmt: skip
+def test_malformed_messages_get_error_replies(daemon, frames, code):
+    header = _error_of(_raw_request(daemon.socket, frames))
+    assert header["body"]["code"] == code
+    # The daemon is still there and answers.
+    reply = _raw_request(daemon.socket, transport.encode(Ping(), 9))
+    assert isinstance(transport.decode(reply).message, Pong)
+
+
+def test_other_protocol_version_is_refused_naming_both(daemon):
+    frames = [msgpack.packb({"v": 99, "op": "hello", "rid": 1, "body": {}})]
+    header = _error_of(_raw_request(daemon.socket, frames))
+    body = header["body"]
+    assert body["code"] == "protocol_mismatch"
+    assert "99" in body["message"] and str(PROTOCOL_VERSION) in body["message"]
+    assert header["rid"] == 1
+
+
+def test_client_raises_protocol_mismatch_from_another_daemon(short_tmp):
+    """A stand-in daemon of a future version answers every hello with its own version."""
+    path = short_tmp / "future.sock"
+    context = zmq.Context()
+    router = transport.make_socket(context, zmq.ROUTER, endpoint(path), bind=True)
+    import threading
+
+    def answer_once():
+        if router.poll(10000):
+            identity, header, *_ = router.recv_multipart()
+            rid = msgpack.unpackb(header)["rid"]
+            reply = {"v": PROTOCOL_VERSION + 1, "op": "welcome", "rid": rid, "body": {}}
+            router.send_multipart([identity, msgpack.packb(reply)])
+
+    thread = threading.Thread(target=answer_once)
+    thread.start()
+    try:
+        with pytest.raises(dalid.ProtocolMismatch, match=f"version {PROTOCOL_VERSION + 1}"):
+            dalid.connect(socket=path, autostart=False)
+    finally:
+        thread.join()
+        router.close(linger=0)
+        context.term()
+
+
+def test_batch_larger_than_pipeline_max_is_refused_in_the_caller(session):
+    proxy = session.proxy(two_output_pipeline())
+    for index in range(BATCH):
+        proxy(sample(index))
+    with pytest.raises(dalid.InputError, match="max_batch_size"):
+        proxy(sample(BATCH))
+
+
+def test_dataset_returning_str_gets_a_hint(session):
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(session, ProxyDataset(proxy, 2), batch_size=2)
+    loader.dataset.__class__ = _StrDataset
+    with pytest.raises(dalid.InputError, match="np.frombuffer"):
+        next(iter(loader))
+
+
+class _StrDataset(ProxyDataset):
+    def __getitem__(self, index):
+        return self.proxy("/some/path.jpg"), index

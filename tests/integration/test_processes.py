@@ -1,0 +1,195 @@
+"""Processes for real: several jobs, killed trainers, daemon shutdown, autostart, stale sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dalid.client as dalid
+from dalid.protocol import socket_path
+
+from ..daemons import start_daemon, wait_until_answering
+from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job(socket: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.trainer_job", "--socket", str(socket), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.slow
+def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
+    daemon = start_daemon(short_tmp)
+    try:
+        jobs = [_job(daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
+        for job in jobs:
+            out, _ = job.communicate(timeout=120)
+            assert job.returncode == 0, out
+            assert "ok 64" in out
+    finally:
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+@pytest.mark.slow
+def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
+    daemon = start_daemon(short_tmp)
+    try:
+        holder = _job(daemon.socket, "--hold", "--offset", "5")
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "holding"
+        assert daemon.segments(), "the held batch lives in the daemon's shared memory"
+        survivor = _job(daemon.socket, "--offset", "77", "--length", "200")
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.communicate()
+        # The killed job's slabs go within 5 s; the survivor's own may come and go meanwhile.
+        _wait_for(
+            lambda: "job 1: trainer pid" in daemon.log_text() and "gone" in daemon.log_text(),
+            5.0,
+            "the daemon to notice the killed trainer",
+        )
+        _wait_for(lambda: not any("-j1-" in name for name in daemon.segments()), 5.0, "job 1's slabs")
+        out, _ = survivor.communicate(timeout=120)
+        assert survivor.returncode == 0, out
+        assert "ok 200" in out
+    finally:
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def test_sigterm_stops_cleanly_while_a_job_holds_tensors(short_tmp):
+    daemon = start_daemon(short_tmp)
+    session = dalid.connect(socket=daemon.socket, autostart=False)
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
+        (scaled, shifted), _ = next(iter(loader))
+        assert daemon.segments()
+        assert daemon.stop() == 0
+        assert not daemon.socket.exists()
+        assert not daemon.segments()
+        # The names are gone, but the pages stay mapped for the tensors that view them.
+        np.testing.assert_array_equal(shifted[3].numpy(), sample(3) + 7)
+    finally:
+        session.close()
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(short_tmp):
+    daemon = start_daemon(short_tmp)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "dalid.server", "serve", "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 3
+        assert f"pid {daemon.pid}" in second.stderr and "already serves" in second.stderr
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp):
+    first = start_daemon(short_tmp)
+    os.kill(first.pid, signal.SIGKILL)
+    first.process.wait()
+    assert first.socket.exists(), "a killed daemon leaves its socket file"
+    with pytest.raises(dalid.DaemonUnavailable):
+        dalid.connect(socket=first.socket, autostart=False)
+    second = start_daemon(short_tmp)
+    try:
+        with dalid.connect(socket=second.socket, autostart=False) as session:
+            proxy = session.proxy(two_output_pipeline())
+            loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
+            (_, shifted), _ = next(iter(loader))
+            np.testing.assert_array_equal(shifted[0].numpy(), sample(0) + 7)
+    finally:
+        assert second.stop() == 0
+
+
+def test_client_notices_a_killed_daemon(short_tmp, monkeypatch):
+    from dalid.client import connection
+
+    monkeypatch.setattr(connection, "PING_AFTER_S", 0.2)
+    monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)
+    daemon = start_daemon(short_tmp)
+    with dalid.connect(socket=daemon.socket, autostart=False) as session:
+        proxy = session.proxy(two_output_pipeline())
+        refs = [proxy(sample(i)) for i in range(2)]
+        import torch
+
+        batch = torch.utils.data.default_collate(refs)
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.process.wait()
+        with pytest.raises(dalid.DaemonUnavailable, match=str(daemon.socket)):
+            session.produce_data(batch)
+
+
+def test_autostart_then_dalid_stop(private_runtime_dir):
+    path = socket_path("cpu")
+    assert path.parent == private_runtime_dir
+    with dalid.connect(device="cpu") as session:
+        pid = session.daemon_pid
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
+        (_, shifted), _ = next(iter(loader))
+        np.testing.assert_array_equal(shifted[1].numpy(), sample(1) + 7)
+        del shifted, loader
+    stop = subprocess.run(
+        [sys.executable, "-m", "dalid.server", "stop", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stop.returncode == 0, stop.stderr
+    _wait_for(lambda: not _alive(pid), 10.0, "the autostarted daemon to exit")
+    assert not path.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_idle_timeout_ends_an_unused_daemon(short_tmp):
+    daemon = start_daemon(short_tmp, "--idle-timeout", "1")
+    with dalid.connect(socket=daemon.socket, autostart=False):
+        time.sleep(1.5)
+        assert daemon.process.poll() is None, "a daemon with a job is not idle"
+    daemon.process.wait(timeout=10)
+    assert daemon.process.returncode == 0
+    assert not daemon.socket.exists()
+
+
+def test_wait_until_answering_is_used(short_tmp):
+    daemon = start_daemon(short_tmp)
+    try:
+        wait_until_answering(daemon.socket, daemon.process)
+    finally:
+        daemon.stop()

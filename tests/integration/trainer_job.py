@@ -1,0 +1,51 @@
+"""A training job run as its own process by the multi-process tests.
+
+    python -m tests.integration.trainer_job --socket PATH --offset K [--hold]
+
+Checks that every batch holds its own samples (offset K), prints one line per epoch, and with
+--hold prints "holding" after the first batch and sleeps with its tensors alive, to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import dalid.client as dalid
+
+from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hold", action="store_true")
+    args = parser.parse_args()
+    with dalid.connect(socket=args.socket, autostart=False, name=f"job{args.offset}") as session:
+        proxy = session.proxy(two_output_pipeline())
+        dataset = ProxyDataset(proxy, args.length, offset=args.offset)
+        loader = dalid.DataLoader(session, dataset, batch_size=BATCH, num_workers=args.workers)
+        held = []
+        seen = 0
+        for (scaled, shifted), indices in loader:
+            for row, index in enumerate(indices.tolist()):
+                expected = sample(index, args.offset)
+                np.testing.assert_array_equal(shifted[row].numpy(), expected + 7)
+                np.testing.assert_array_equal(scaled[row].numpy(), expected * 0.5 + 1.0)
+            seen += len(indices)
+            if args.hold:
+                held.append((scaled, shifted))
+                print("holding", flush=True)
+                time.sleep(600)
+        print(f"ok {seen}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,791 @@
+"""The codec: every message round-trips, and every malformed input is a ProtocolError."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dalid.protocol import (
+    PROTOCOL_VERSION,
+    BatchAccepted,
+    BatchFailed,
+    BatchReady,
+    Envelope,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    InputBatch,
+    Limits,
+    Message,
+    Ok,
+    OutputDescriptor,
+    Ping,
+    PipelineRegistered,
+    Pong,
+    ProtocolError,
+    RegisterPipeline,
+    ReleaseRegions,
+    Role,
+    ScheduleBatch,
+    Shutdown,
+    SubmitBatch,
+    Welcome,
+    decode,
+    encode,
+)
+from dalid.protocol.codec import MAX_FRAMES, MAX_HEADER_BYTES
+from dalid.protocol.messages import MESSAGE_TYPES
+
+# --- Representative messages --------------------------------------------------------------------
+
+
+def _submit_batch() -> SubmitBatch:
+    images = [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(3)]
+    return SubmitBatch(
+        pipeline_id=4,
+        inputs=(
+            InputBatch(
+                name="images",
+                dtype="float32",
+                shapes=tuple(image.shape for image in images),
+                samples=tuple(images),  # numpy arrays travel as frames
+            ),
+            InputBatch(
+                name="paths",
+                dtype="uint8",
+                shapes=((3,), (0,), (5,)),
+                samples=(memoryview(b"abc"), memoryview(b""), memoryview(b"hello")),
+            ),
+        ),
+        deferred=True,
+    )
+
+
+def _examples() -> list[tuple[Message, int | None]]:
+    """Instances of every message type (several for some), each with a request id or None."""
+    return [
+        (Hello(PROTOCOL_VERSION, 1234, Role.TRAINER), 1),
+        (
+            Hello(
+                protocol_version=PROTOCOL_VERSION,
+                client_pid=99,
+                role=Role.WORKER,
+                pid_namespace=4026531836,
+                name="worker 99",
+                job_id=7,
+                job_token="0123abcd",
+            ),
+            2,
+        ),
+        (
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                daemon_pid=42,
+                device="gpu0",
+                dali_version="2.4.0",
+                job_id=7,
+                job_token="0123abcd",
+                limits=Limits(
+                    max_batch_size=4096,
+                    max_message_bytes=1 << 31,
+                    pool_bytes=2 << 30,
+                    slab_bytes=64 << 20,
+                ),
+            ),
+            2,
+        ),
+        (Goodbye(), 3),
+        (Ping(), 2**63 - 1),
+        (Pong(daemon_pid=42), 0),
+        (Shutdown(), None),
+        (Ok(), 5),
+        (
+            RegisterPipeline(
+                serialized=memoryview(b"\x00serialized pipeline\xff" * 10),
+                input_names=("images", "labels"),
+                num_outputs=2,
+                max_batch_size=64,
+                num_threads=4,
+                prefetch_queue_depth=2,
+                seed=1234,
+                exec_dynamic=False,
+                name="train",
+            ),
+            6,
+        ),
+        (
+            RegisterPipeline(
+                serialized=np.frombuffer(b"raw pipeline bytes", dtype=np.uint8),
+                input_names=("x",),
+                num_outputs=1,
+                max_batch_size=1,
+                num_threads=1,
+                prefetch_queue_depth=1,
+            ),
+            7,
+        ),
+        (PipelineRegistered(pipeline_id=3), 6),
+        (_submit_batch(), 8),
+        (BatchAccepted(batch_id=11), 8),
+        (ScheduleBatch(batch_id=11), 9),
+        (
+            BatchReady(
+                batch_id=11,
+                pipeline_id=3,
+                outputs=(
+                    OutputDescriptor(
+                        region_id=1,
+                        slab="dalid-1-abc-j1-1",
+                        slab_size=1 << 20,
+                        offset=0,
+                        nbytes=4 * 3 * 2 * 3,
+                        dtype="float32",
+                        shape=(3, 2, 3),
+                        layout="HWC",
+                    ),
+                    OutputDescriptor(
+                        region_id=2,
+                        slab="dalid-1-abc-j1-1",
+                        slab_size=1 << 20,
+                        offset=256,
+                        nbytes=0,
+                        dtype="int64",
+                        shape=(0,),
+                        device="cpu",
+                    ),
+                ),
+            ),
+            None,
+        ),
+        (BatchFailed(11, 3, ErrorCode.PIPELINE_ERROR, "DALI said no"), None),
+        (ReleaseRegions(region_ids=(1, 2, 3)), None),
+        (ReleaseRegions(), None),
+        (
+            Error(
+                ErrorCode.INVALID_BATCH,
+                "bad batch",
+                traceback="Traceback (most recent call last):\n  ...",
+                op="submit_batch",
+            ),
+            8,
+        ),
+        (Error(ErrorCode.NOT_WELCOMED, "send hello first"), None),
+    ]
+
+
+EXAMPLES = _examples()
+
+
+def _first(cls: type[Message]) -> Message:
+    """The first example of ``cls``."""
+    return next(message for message, _ in EXAMPLES if type(message) is cls)
+
+
+def _plain(value: Any) -> Any:
+    """A comparable form of a message: buffers become bytes, dataclasses (type, fields)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (
+            type(value),
+            {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        )
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, memoryview | np.ndarray | bytes | bytearray):
+        return memoryview(value).tobytes()
+    if isinstance(value, enum.Enum):
+        return (type(value), value.value)
+    return value
+
+
+def _wire(frames: list[Any]) -> list[bytes]:
+    """The frames as a ZeroMQ peer receives them: plain bytes."""
+    return [memoryview(frame).tobytes() for frame in frames]
+
+
+def _expect_error(
+    frames: list[Any], code: ErrorCode = ErrorCode.MALFORMED_MESSAGE
+) -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        decode(frames)
+    assert caught.value.code is code, caught.value.message
+    return caught.value
+
+
+def _header(**fields: Any) -> dict[str, Any]:
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": "ping", "rid": 1, "body": {}}
+    header.update(fields)
+    return header
+
+
+def _pack(header: Any, *frames: bytes) -> list[bytes]:
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _encoded_header(message: Message, request_id: int | None = 1) -> tuple[dict, list[bytes]]:
+    """The unpacked header of ``message`` and its raw frames, ready to be tampered with."""
+    frames = _wire(encode(message, request_id))
+    return msgpack.unpackb(frames[0], raw=False), frames[1:]
+
+
+# --- Round trips --------------------------------------------------------------------------------
+
+
+def test_examples_cover_every_message_type() -> None:
+    assert {type(message) for message, _ in EXAMPLES} == set(MESSAGE_TYPES)
+    assert len({cls.OP for cls in MESSAGE_TYPES}) == len(MESSAGE_TYPES)
+    assert all(cls.OP for cls in MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize(
+    ("message", "request_id"),
+    EXAMPLES,
+    ids=[f"{type(m).__name__}-{i}" for i, (m, _) in enumerate(EXAMPLES)],
+)
+def test_round_trip(message: Message, request_id: int | None) -> None:
+    frames = encode(message, request_id)
+    envelope = decode(_wire(frames))
+    assert isinstance(envelope, Envelope)
+    assert type(envelope.message) is type(message)
+    assert envelope.request_id == request_id
+    assert _plain(envelope.message) == _plain(message)
+    # A decoded message re-encodes to the same frames.
+    assert _wire(encode(envelope.message, envelope.request_id)) == _wire(frames)
+
+
+@pytest.mark.parametrize(
+    "kind", ["bytes", "memoryview", "zmq.Frame"], ids=["bytes", "memoryview", "zmq-frame"]
+)
+def test_decode_accepts_any_buffer_frames(kind: str) -> None:
+    message = _submit_batch()
+    frames = _wire(encode(message, 3))
+    if kind == "memoryview":
+        frames = [memoryview(frame) for frame in frames]
+    elif kind == "zmq.Frame":
+        frames = [zmq.Frame(frame) for frame in frames]
+    envelope = decode(frames)
+    assert _plain(envelope.message) == _plain(message)
+
+
+def test_buffers_are_frames_without_copy() -> None:
+    message = _submit_batch()
+    frames = encode(message, 1)
+    samples = [sample for batch in message.inputs for sample in batch.samples]
+    assert len(frames) == 1 + len(samples)
+    for frame, sample in zip(frames[1:], samples, strict=True):
+        assert frame is sample
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert header["v"] == PROTOCOL_VERSION
+    assert header["op"] == "submit_batch"
+    assert header["rid"] == 1
+    assert header["body"]["inputs"][0]["samples"] == [1, 2, 3]
+    assert header["body"]["inputs"][1]["samples"] == [4, 5, 6]
+
+
+def test_decoded_values_have_their_annotated_types() -> None:
+    worker = Hello(PROTOCOL_VERSION, 5, Role.WORKER, job_id=1, job_token="t")
+    decoded = decode(_wire(encode(worker, 1))).message
+    assert isinstance(decoded, Hello)
+    assert decoded.role is Role.WORKER
+    batch = decode(_wire(encode(_submit_batch(), 1))).message
+    assert isinstance(batch, SubmitBatch)
+    first = batch.inputs[0]
+    assert isinstance(first, InputBatch)
+    assert first.shapes == ((2, 3), (2, 3), (2, 3))
+    assert all(isinstance(sample, memoryview) and sample.format == "B" for sample in first.samples)
+    restored = np.frombuffer(first.samples[2], dtype=first.dtype).reshape(first.shapes[2])
+    np.testing.assert_array_equal(restored, np.arange(6, dtype=np.float32).reshape(2, 3) + 2)
+    failed = decode(_wire(encode(BatchFailed(1, 2, ErrorCode.PIPELINE_ERROR, "x")))).message
+    assert isinstance(failed, BatchFailed)
+    assert failed.code is ErrorCode.PIPELINE_ERROR
+
+
+def test_optional_fields_decode_as_none() -> None:
+    body = {"protocol_version": 1, "client_pid": 5, "role": "trainer", "job_id": None}
+    hello = decode(_pack(_header(op="hello", body=body))).message
+    assert hello == Hello(1, 5, Role.TRAINER)
+    assert isinstance(hello, Hello)
+    assert hello.job_id is None
+    assert hello.job_token is None
+
+
+# --- Malformed input ----------------------------------------------------------------------------
+
+
+def test_empty_frame_list() -> None:
+    _expect_error([])
+
+
+def test_too_many_frames() -> None:
+    frames = _pack(_header()) + [b""] * MAX_FRAMES
+    _expect_error(frames)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"\xc1", b"\x92\x01", b"\x81\xa1v", msgpack.packb(_header()) + b"\x00", b"\xff" * 64],
+    ids=["empty", "never-used-byte", "truncated-array", "truncated-map", "extra-data", "junk"],
+)
+def test_header_not_msgpack(raw: bytes) -> None:
+    _expect_error([raw])
+
+
+@pytest.mark.parametrize("header", [[1, 2], "ping", 5, None, b"bin"], ids=repr)
+def test_header_not_a_map(header: Any) -> None:
+    _expect_error(_pack(header))
+
+
+def test_header_with_non_string_keys() -> None:
+    _expect_error([msgpack.packb({1: 2, "op": "ping"})])
+
+
+def test_oversized_header() -> None:
+    _expect_error([b"\x80" + b"\x00" * MAX_HEADER_BYTES])
+    huge = _header(op="error", body={"code": "internal_error", "message": "x" * MAX_HEADER_BYTES})
+    _expect_error(_pack(huge))
+
+
+def test_wrong_version() -> None:
+    other = PROTOCOL_VERSION + 1
+    error = _expect_error(_pack(_header(v=other, op="ping", rid=17)), ErrorCode.PROTOCOL_MISMATCH)
+    assert f"version {other}" in error.message
+    assert f"version {PROTOCOL_VERSION}" in error.message
+    assert error.request_id == 17
+    assert error.op == "ping"
+
+
+def test_wrong_version_wins_over_unknown_op_and_bad_body() -> None:
+    # A future peer may send ops and bodies this side does not know: the answer must still be
+    # protocol_mismatch, addressed to the request.
+    header = _header(v=PROTOCOL_VERSION + 1, op="future_op", rid=3, body=[1, 2])
+    error = _expect_error(_pack(header), ErrorCode.PROTOCOL_MISMATCH)
+    assert error.request_id == 3
+    assert error.op == "future_op"
+
+
+@pytest.mark.parametrize("version", [None, "1", 0, -1, [1]], ids=repr)
+def test_unusable_versions_are_a_mismatch(version: Any) -> None:
+    _expect_error(_pack(_header(v=version)), ErrorCode.PROTOCOL_MISMATCH)
+
+
+@pytest.mark.parametrize("version", [True, float(PROTOCOL_VERSION)], ids=repr)
+def test_version_must_be_an_int(version: Any) -> None:
+    _expect_error(_pack(_header(v=version)), ErrorCode.PROTOCOL_MISMATCH)
+
+
+def test_missing_op() -> None:
+    header = _header(rid=21)
+    del header["op"]
+    error = _expect_error(_pack(header))
+    assert error.request_id == 21
+
+
+@pytest.mark.parametrize("op", [5, None, ["ping"], True], ids=repr)
+def test_non_string_op(op: Any) -> None:
+    error = _expect_error(_pack(_header(op=op, rid=22)))
+    assert error.request_id == 22
+
+
+def test_unknown_op() -> None:
+    error = _expect_error(_pack(_header(op="frobnicate", rid=23)), ErrorCode.UNKNOWN_OPERATION)
+    assert error.request_id == 23
+    assert error.op == "frobnicate"
+    assert "frobnicate" in error.message
+
+
+@pytest.mark.parametrize("rid", ["7", 1.5, True, [1]], ids=repr)
+def test_bad_request_id(rid: Any) -> None:
+    _expect_error(_pack(_header(rid=rid)))
+
+
+def test_missing_request_id_is_a_notification() -> None:
+    header = _header()
+    del header["rid"]
+    assert decode(_pack(header)).request_id is None
+
+
+@pytest.mark.parametrize("body", [None, [], "body", 3], ids=repr)
+def test_body_not_a_map(body: Any) -> None:
+    error = _expect_error(_pack(_header(op="ping", rid=24, body=body)))
+    assert error.request_id == 24
+    assert error.op == "ping"
+
+
+def test_missing_body() -> None:
+    header = _header()
+    del header["body"]
+    _expect_error(_pack(header))
+
+
+def test_missing_field() -> None:
+    error = _expect_error(_pack(_header(op="pong", rid=25, body={})))
+    assert "daemon_pid" in error.message
+    assert error.request_id == 25
+    assert error.op == "pong"
+
+
+def test_missing_nested_field() -> None:
+    header, frames = _encoded_header(_first(Welcome))
+    del header["body"]["limits"]["slab_bytes"]
+    error = _expect_error(_pack(header, *frames))
+    assert "slab_bytes" in error.message
+
+
+def test_unknown_field() -> None:
+    error = _expect_error(_pack(_header(op="pong", body={"daemon_pid": 1, "colour": "red"})))
+    assert "colour" in error.message
+
+
+def test_unknown_nested_field() -> None:
+    header, frames = _encoded_header(_first(Welcome))
+    header["body"]["limits"]["extra"] = 1
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize(
+    ("op", "body"),
+    [
+        ("pong", {"daemon_pid": "42"}),  # str for int
+        ("pong", {"daemon_pid": True}),  # bool for int
+        ("pong", {"daemon_pid": 4.0}),  # float for int
+        ("pong", {"daemon_pid": None}),  # nil for a non-optional int
+        ("batch_accepted", {"batch_id": [1]}),
+        ("error", {"code": "internal_error", "message": 5}),  # int for str
+        ("error", {"code": "no_such_code", "message": "m"}),  # enum value out of range
+        ("error", {"code": 3, "message": "m"}),
+        ("hello", {"protocol_version": 1, "client_pid": 1, "role": "boss"}),
+        ("hello", {"protocol_version": 1, "client_pid": 1, "role": "trainer", "job_id": "1"}),
+        ("release_regions", {"region_ids": 5}),  # scalar for array
+        ("release_regions", {"region_ids": [1, "2"]}),
+        ("release_regions", {"region_ids": {"a": 1}}),
+        (
+            "welcome",
+            {
+                **dict.fromkeys(("protocol_version", "daemon_pid", "job_id"), 1),
+                "device": "cpu",
+                "dali_version": "x",
+                "job_token": "t",
+                "limits": [1, 2, 3, 4],
+            },
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_wrong_field_types(op: str, body: dict[str, Any]) -> None:
+    error = _expect_error(_pack(_header(op=op, rid=26, body=body)))
+    assert error.request_id == 26
+    assert error.op == op
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None], ids=repr)
+def test_int_for_bool(value: Any) -> None:
+    header, frames = _encoded_header(_submit_batch())
+    header["body"]["deferred"] = value
+    _expect_error(_pack(header, *frames))
+    header, frames = _encoded_header(_first(RegisterPipeline))
+    header["body"]["exec_dynamic"] = value
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize("index", [0, 2, -1, 99, True, "1", 1.0], ids=repr)
+def test_frame_index_out_of_range(index: Any) -> None:
+    header, frames = _encoded_header(_first(RegisterPipeline))
+    assert header["body"]["serialized"] == 1
+    header["body"]["serialized"] = index
+    error = _expect_error(_pack(header, *frames))
+    assert error.op == "register_pipeline"
+
+
+def test_frame_referenced_twice() -> None:
+    header, frames = _encoded_header(_submit_batch())
+    header["body"]["inputs"][0]["samples"] = [1, 1, 2]
+    error = _expect_error(_pack(header, *frames))
+    assert "twice" in error.message
+
+
+def test_frames_sent_but_not_referenced() -> None:
+    error = _expect_error(_pack(_header(op="ping", rid=27), b"stray"))
+    assert error.request_id == 27
+    header, frames = _encoded_header(_first(RegisterPipeline))
+    _expect_error(_pack(header, *frames, b"one more"))
+
+
+def test_fewer_frames_than_referenced() -> None:
+    header, frames = _encoded_header(_submit_batch())
+    _expect_error(_pack(header, *frames[:-1]))
+
+
+# --- Checks of the messages themselves (``__post_init__``), on both sides -----------------------
+
+
+def _input_batch_body(**fields: Any) -> dict[str, Any]:
+    body = {"name": "x", "dtype": "uint8", "shapes": [[2], [2]], "samples": [1, 2]}
+    body.update(fields)
+    return body
+
+
+def _submit_frames(*inputs: dict[str, Any], frames: int = 2) -> list[bytes]:
+    body = {"pipeline_id": 1, "inputs": list(inputs)}
+    return _pack(_header(op="submit_batch", rid=30, body=body), *[b"ab"] * frames)
+
+
+def test_valid_hand_built_submit_batch() -> None:
+    message = decode(_submit_frames(_input_batch_body())).message
+    assert isinstance(message, SubmitBatch)
+    assert message.batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"shapes": [[2]]},  # fewer shapes than samples
+        {"shapes": [[2], [2], [2]]},  # more shapes than samples
+        {"dtype": "complex64"},
+        {"dtype": "object"},
+        {"dtype": "U8"},
+        {"name": ""},
+        {"name": "n" * 257},
+        {"shapes": [[2], [-1]]},
+        {"shapes": [[2], [1] * 17]},
+    ],
+    ids=[
+        "fewer-shapes",
+        "more-shapes",
+        "complex64",
+        "object",
+        "unicode",
+        "empty-name",
+        "long-name",
+        "negative-extent",
+        "17-dims",
+    ],
+)
+def test_input_batch_checks(fields: dict[str, Any]) -> None:
+    error = _expect_error(_submit_frames(_input_batch_body(**fields)))
+    assert error.request_id == 30
+    assert error.op == "submit_batch"
+
+
+def test_input_batch_checks_run_on_the_sender() -> None:
+    sample = memoryview(b"ab")
+    with pytest.raises(ValueError, match="shapes != samples"):
+        InputBatch("x", "uint8", ((2,), (2,)), (sample,))
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        InputBatch("x", "complex64", ((2,),), (sample,))
+    with pytest.raises(ValueError, match="negative extent"):
+        InputBatch("x", "uint8", ((-2,),), (sample,))
+    with pytest.raises(ValueError, match="dimensions"):
+        InputBatch("x", "uint8", ((1,) * 17,), (sample,))
+
+
+def test_submit_batch_inputs_of_different_batch_sizes() -> None:
+    one = InputBatch("a", "uint8", ((2,), (2,)), (memoryview(b"ab"), memoryview(b"cd")))
+    other = InputBatch("b", "uint8", ((2,),), (memoryview(b"ef"),))
+    with pytest.raises(ValueError, match="same number of samples"):
+        SubmitBatch(1, (one, other))
+    frames = _submit_frames(
+        _input_batch_body(name="a"),
+        _input_batch_body(name="b", shapes=[[2]], samples=[3]),
+        frames=3,
+    )
+    _expect_error(frames)
+
+
+def test_submit_batch_without_inputs_or_samples() -> None:
+    with pytest.raises(ValueError):
+        SubmitBatch(1, ())
+    with pytest.raises(ValueError):
+        SubmitBatch(1, (InputBatch("a", "uint8", (), ()),))
+    _expect_error(_submit_frames(frames=0))
+    _expect_error(_submit_frames(_input_batch_body(shapes=[], samples=[]), frames=0))
+
+
+@pytest.mark.parametrize(
+    ("op", "body"),
+    [
+        ("hello", {"protocol_version": 1, "client_pid": 1, "role": "worker"}),  # no job/token
+        ("hello", {"protocol_version": 1, "client_pid": 1, "role": "worker", "job_id": 1}),
+        ("hello", {"protocol_version": 1, "client_pid": 1, "role": "trainer", "name": "n" * 257}),
+        ("release_regions", {"region_ids": [1, None]}),
+    ],
+    ids=["worker-without-job", "worker-without-token", "long-name", "nil-region"],
+)
+def test_message_checks(op: str, body: dict[str, Any]) -> None:
+    _expect_error(_pack(_header(op=op, body=body)))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"input_names": []},
+        {"input_names": ["a", "a"]},
+        {"input_names": [""]},
+        {"input_names": [f"i{n}" for n in range(65)]},
+        {"num_outputs": 0},
+        {"num_outputs": 65},
+        {"max_batch_size": 0},
+        {"max_batch_size": 65537},
+        {"num_threads": 0},
+        {"prefetch_queue_depth": 0},
+        {"name": "n" * 257},
+    ],
+    ids="-".join,
+)
+def test_register_pipeline_checks(fields: dict[str, Any]) -> None:
+    header, frames = _encoded_header(_first(RegisterPipeline))
+    header["body"].update(fields)
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"offset": -1},
+        {"offset": 1 << 20},  # past the end of the slab
+        {"nbytes": (1 << 20) + 1},
+        {"dtype": "complex128"},
+        {"shape": [1] * 17},
+        {"shape": [-3]},
+    ],
+    ids=["negative-offset", "offset-past-end", "too-many-bytes", "dtype", "17-dims", "negative"],
+)
+def test_output_descriptor_checks(fields: dict[str, Any]) -> None:
+    header, frames = _encoded_header(_first(BatchReady))
+    header["body"]["outputs"][0].update(fields)
+    _expect_error(_pack(header, *frames))
+
+
+# --- Fuzzing ------------------------------------------------------------------------------------
+
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+    | st.sampled_from(["trainer", "worker", "uint8", "float32", "x", *ErrorCode])
+    | st.integers(min_value=-2, max_value=8)
+)
+_values = st.recursive(
+    _scalars,
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5)
+    ),
+    max_leaves=25,
+)
+_ops = st.sampled_from([cls.OP for cls in MESSAGE_TYPES])
+_frames = st.lists(st.binary(max_size=32), max_size=6)
+
+
+def _field_names(op: str) -> list[str]:
+    cls = next(cls for cls in MESSAGE_TYPES if op == cls.OP)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return [*names, "name", "dtype", "shapes", "samples", "slab", "offset", "nbytes", "shape"]
+
+
+def _check_decode(frames: list[bytes]) -> None:
+    """``decode`` returns a message that re-encodes, or raises ProtocolError; nothing else."""
+    try:
+        envelope = decode(frames)
+    except ProtocolError as error:
+        assert isinstance(error.code, ErrorCode)
+        assert error.request_id is None or isinstance(error.request_id, int)
+        assert isinstance(error.op, str)
+        return
+    assert isinstance(envelope.message, Message)
+    again = decode(_wire(encode(envelope.message, envelope.request_id)))
+    assert _plain(again.message) == _plain(envelope.message)
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64), max_size=5))
+def test_fuzz_random_frames(frames: list[bytes]) -> None:
+    _check_decode(frames)
+
+
+@FUZZ
+@given(header=_values, frames=_frames)
+def test_fuzz_random_headers(header: Any, frames: list[bytes]) -> None:
+    _check_decode([msgpack.packb(header, use_bin_type=True), *frames])
+
+
+@FUZZ
+@given(data=st.data(), op=_ops, frames=_frames)
+def test_fuzz_plausible_headers(data: st.DataObject, op: str, frames: list[bytes]) -> None:
+    names = _field_names(op)
+    body = data.draw(st.dictionaries(st.sampled_from(names), _values, max_size=len(names)))
+    header = {
+        "v": data.draw(st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, None])),
+        "op": op,
+        "rid": data.draw(st.none() | st.integers(min_value=-5, max_value=2**64 - 1)),
+        "body": body,
+    }
+    _check_decode([msgpack.packb(header, use_bin_type=True), *frames])
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path to a value inside nested maps and arrays."""
+    paths = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            paths += _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            paths += _paths(item, (*prefix, index))
+    return paths
+
+
+@FUZZ
+@given(
+    data=st.data(),
+    example=st.sampled_from(range(len(EXAMPLES))),
+    mutation=st.sampled_from(["replace", "delete", "flip", "drop-frame", "add-frame"]),
+)
+def test_fuzz_mutated_messages(data: st.DataObject, example: int, mutation: str) -> None:
+    message, request_id = EXAMPLES[example]
+    frames = _wire(encode(message, request_id))
+    header = msgpack.unpackb(frames[0], raw=False)
+    paths = [path for path in _paths(header) if path]
+    if mutation in ("replace", "delete"):
+        path = data.draw(st.sampled_from(paths))
+        parent = header
+        for key in path[:-1]:
+            parent = parent[key]
+        if mutation == "replace":
+            parent[path[-1]] = data.draw(_values)
+        elif isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    elif mutation == "flip":
+        raw = bytearray(frames[0])
+        for _ in range(data.draw(st.integers(min_value=1, max_value=4))):
+            position = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
+            raw[position] = data.draw(st.integers(min_value=0, max_value=255))
+        frames[0] = bytes(raw)
+    elif mutation == "drop-frame":
+        if len(frames) > 1:
+            del frames[data.draw(st.integers(min_value=1, max_value=len(frames) - 1))]
+    else:
+        frames.insert(
+            data.draw(st.integers(min_value=1, max_value=len(frames))),
+            data.draw(st.binary(max_size=16)),
+        )
+    _check_decode(frames)

@@ -1,0 +1,566 @@
+"""The output pool on real POSIX shared memory (/dev/shm), as the daemon uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import mmap
+import os
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dalid.client.memory import SlabMappings
+from dalid.protocol import OutputDescriptor
+from dalid.server.memory import PAGE, SHM_DIR, SharedMemoryBackend, SharedMemorySlab
+from dalid.server.pool import ALIGNMENT, PoolClosed, PoolTooSmall, Region, RegionPool
+
+# How long a test waits for something that should happen at once (a thread waking up).
+PROMPT_S = 5.0
+# How long a test watches for something that should not happen (a blocked thread finishing).
+QUIET_S = 0.2
+
+PoolFactory = Callable[..., RegionPool]
+
+
+def _segments(prefix: str) -> list[str]:
+    return sorted(path.name for path in SHM_DIR.glob(f"{prefix}*"))
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A slab name prefix of this test's own; no segment with it may outlive the test."""
+    # dalid-<pid>-...: the pid is alive while the test runs, so neither a daemon starting up nor
+    # a concurrent test session takes these segments for stale ones.
+    name = f"dalid-{os.getpid()}-unittest-{uuid.uuid4().hex[:12]}"
+    yield name
+    gc.collect()
+    leftovers = _segments(name)
+    for leftover in leftovers:
+        (SHM_DIR / leftover).unlink(missing_ok=True)
+    assert not leftovers, f"segments left behind in {SHM_DIR}: {leftovers}"
+
+
+@pytest.fixture
+def make_pool(prefix: str) -> Iterator[PoolFactory]:
+    """Builds pools on SharedMemoryBackend; closes them and checks /dev/shm afterwards."""
+    pools: list[RegionPool] = []
+
+    def make(limit_pages: int, slab_pages: int = 1) -> RegionPool:
+        pool = RegionPool(SharedMemoryBackend(), prefix, limit_pages * PAGE, slab_pages * PAGE)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+        assert pool.slab_count == 0
+    assert _segments(prefix) == []
+
+
+def _allocate_now(pool: RegionPool, sizes: Sequence[int]) -> list[Region]:
+    """Allocates without waiting: PoolClosed if the sizes do not fit right now."""
+    attempts = itertools.count()
+    return pool.allocate(sizes, cancelled=lambda: next(attempts) > 0, poll_interval=0.001)
+
+
+def _fits_now(pool: RegionPool, sizes: Sequence[int]) -> bool:
+    try:
+        regions = _allocate_now(pool, sizes)
+    except PoolClosed:
+        return False
+    pool.release([region.region_id for region in regions])
+    return True
+
+
+def _span(region: Region) -> tuple[str, int, int]:
+    end = region.offset + -(-max(region.nbytes, 1) // ALIGNMENT) * ALIGNMENT
+    return region.slab.name, region.offset, end
+
+
+class _Allocator(threading.Thread):
+    """Calls ``pool.allocate`` in a thread; ``done`` is set when it returned or raised."""
+
+    def __init__(self, pool: RegionPool, sizes: Sequence[int], **kwargs: object) -> None:
+        super().__init__(daemon=True)
+        self.pool, self.sizes, self.kwargs = pool, sizes, kwargs
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.regions: list[Region] | None = None
+        self.error: BaseException | None = None
+        self.start()
+        assert self.started.wait(PROMPT_S)
+
+    def run(self) -> None:
+        self.started.set()
+        try:
+            self.regions = self.pool.allocate(self.sizes, **self.kwargs)  # type: ignore[arg-type]
+        except BaseException as error:
+            self.error = error
+        finally:
+            self.done.set()
+
+    def finish(self) -> None:
+        assert self.done.wait(PROMPT_S), "the allocating thread is still blocked"
+        self.join(PROMPT_S)
+
+
+# --- Allocation and reuse -----------------------------------------------------------------------
+
+
+def test_allocate_release_reuse(make_pool: PoolFactory, prefix: str) -> None:
+    pool = make_pool(limit_pages=4, slab_pages=2)
+    (first,) = pool.allocate([1000])
+    assert first.nbytes == 1000
+    assert first.offset == 0
+    assert first.slab.name.startswith(prefix)
+    assert first.slab.size == 2 * PAGE
+    assert pool.slab_count == 1
+    assert pool.leased_regions == 1
+    assert pool.leased_bytes == 1024
+
+    assert pool.release([first.region_id]) == []
+    assert pool.leased_regions == 0
+    assert pool.leased_bytes == 0
+
+    (second,) = pool.allocate([1000])
+    assert second.region_id != first.region_id
+    assert (second.slab.name, second.offset) == (first.slab.name, 0)
+    assert pool.slab_count == 1
+    pool.release([second.region_id])
+
+
+def test_steady_use_does_not_grow_the_pool(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=8, slab_pages=2)
+    ids: set[int] = set()
+    for round_ in range(200):
+        regions = pool.allocate([100 + round_ % 7 * 300, 2000, 5])
+        ids.update(region.region_id for region in regions)
+        assert pool.release([region.region_id for region in regions]) == []
+    assert len(ids) == 600  # every region id is new
+    assert pool.slab_count == 1
+    assert pool.slab_bytes_total == 2 * PAGE
+
+
+def test_regions_are_aligned_and_disjoint(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=8, slab_pages=2)
+    sizes = [1, 255, 256, 257, 0, 1000, 3000, 17]
+    regions = pool.allocate(sizes)
+    more = pool.allocate([13, 700])
+    everything = regions + more
+    assert [region.nbytes for region in regions] == sizes
+    assert all(region.offset % ALIGNMENT == 0 for region in everything)
+    assert len({region.region_id for region in everything}) == len(everything)
+    spans = sorted(_span(region) for region in everything)
+    for (slab_a, _, end_a), (slab_b, start_b, _) in itertools.pairwise(spans):
+        assert slab_a != slab_b or end_a <= start_b, f"regions overlap: {spans}"
+    for region in everything:
+        assert region.offset + region.nbytes <= region.slab.size
+    pool.release([region.region_id for region in everything])
+    assert pool.leased_bytes == 0
+
+
+def test_a_region_larger_than_a_slab_gets_its_own_slab(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=8, slab_pages=1)
+    (small,) = pool.allocate([10])
+    (large,) = pool.allocate([3 * PAGE + 1])
+    assert large.slab.name != small.slab.name
+    assert large.slab.size == 4 * PAGE
+    assert large.offset == 0
+    pool.release([small.region_id, large.region_id])
+
+
+# --- Free-list coalescing -----------------------------------------------------------------------
+
+
+def test_freed_neighbours_coalesce(make_pool: PoolFactory) -> None:
+    # One slab of one page and no room for another: whatever fits must fit in that page.
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    quarter = PAGE // 4
+    a, b, c, d = (pool.allocate([quarter])[0] for _ in range(4))
+    assert [r.offset for r in (a, b, c, d)] == [0, quarter, 2 * quarter, 3 * quarter]
+    assert not _fits_now(pool, [1])
+
+    # Merge with the following block: free b, then a.
+    pool.release([b.region_id])
+    pool.release([a.region_id])
+    (ab,) = _allocate_now(pool, [2 * quarter])
+    assert ab.offset == 0
+
+    # Merge with the preceding block: free ab, then c.
+    pool.release([ab.region_id])
+    pool.release([c.region_id])
+    (abc,) = _allocate_now(pool, [3 * quarter])
+    assert abc.offset == 0
+
+    # Merge on both sides: free abc and d around a block freed last.
+    pool.release([abc.region_id, d.region_id])
+    (whole,) = _allocate_now(pool, [PAGE])
+    assert whole.offset == 0
+    pool.release([whole.region_id])
+    assert pool.slab_count == 1
+
+
+def test_a_block_freed_between_two_free_blocks_merges_with_both(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    quarter = PAGE // 4
+    a, b, c, d = (pool.allocate([quarter])[0] for _ in range(4))
+    pool.release([a.region_id, c.region_id])
+    assert not _fits_now(pool, [2 * quarter])  # two free quarters, not adjacent
+    pool.release([b.region_id])
+    (abc,) = _allocate_now(pool, [3 * quarter])
+    assert abc.offset == 0
+    pool.release([abc.region_id, d.region_id])
+    assert _fits_now(pool, [PAGE])
+
+
+# --- All or nothing, limits ---------------------------------------------------------------------
+
+
+def test_allocation_is_all_or_nothing(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    (held,) = pool.allocate([PAGE])
+    # Two pages are wanted, one is left: nothing may be taken.
+    with pytest.raises(PoolClosed):
+        _allocate_now(pool, [PAGE, PAGE])
+    assert pool.leased_regions == 1
+    assert pool.leased_bytes == PAGE
+    (single,) = _allocate_now(pool, [PAGE])  # the page left is still free
+    pool.release([single.region_id, held.region_id])
+
+    regions = _allocate_now(pool, [PAGE, 100])
+    assert [region.nbytes for region in regions] == [PAGE, 100]
+    assert regions[0].slab.name != regions[1].slab.name
+    pool.release([region.region_id for region in regions])
+
+
+def test_pool_too_small(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    with pytest.raises(PoolTooSmall, match="--pool-bytes"):
+        pool.allocate([2 * PAGE + 1])
+    with pytest.raises(PoolTooSmall):
+        pool.allocate([PAGE, PAGE, 1])
+    assert pool.slab_count == 0
+    assert pool.leased_regions == 0
+    # The whole pool at once is not too much.
+    regions = pool.allocate([PAGE, PAGE])
+    pool.release([region.region_id for region in regions])
+
+
+def test_pool_too_small_is_raised_even_while_the_pool_is_full(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    (held,) = pool.allocate([PAGE])
+    with pytest.raises(PoolTooSmall):
+        pool.allocate([2 * PAGE])  # must not wait for `held`
+    pool.release([held.region_id])
+
+
+def test_a_batch_that_never_fits_in_slabs_fails_at_once(make_pool: PoolFactory) -> None:
+    # Four pages may be held, slabs are two pages. A three-page output takes a three-page slab;
+    # the small output needs a new two-page slab: five pages, although the sizes sum to four.
+    pool = make_pool(limit_pages=4, slab_pages=2)
+    deadline = time.monotonic() + 0.5
+    try:
+        regions = pool.allocate([3 * PAGE, 8], cancelled=lambda: time.monotonic() > deadline)
+    except PoolTooSmall:
+        return  # refusing at once is a fix
+    except PoolClosed:
+        pytest.fail("allocate waited for memory that an empty pool can never provide")
+    pool.release([region.region_id for region in regions])  # fitting it is a fix too
+
+
+# --- Backpressure -------------------------------------------------------------------------------
+
+
+def test_allocate_blocks_until_release(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    (held,) = pool.allocate([PAGE])
+    waiter = _Allocator(pool, [PAGE // 2])
+    assert not waiter.done.wait(QUIET_S), "allocate returned although the pool is full"
+    assert pool.release([held.region_id]) == []
+    waiter.finish()
+    assert waiter.error is None
+    assert waiter.regions is not None
+    assert [region.offset for region in waiter.regions] == [0]
+    assert pool.slab_count == 1
+    pool.release([region.region_id for region in waiter.regions])
+
+
+def test_release_wakes_a_waiter_without_polling_delay(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    (held,) = pool.allocate([PAGE])
+    waiter = _Allocator(pool, [PAGE], poll_interval=60.0)
+    assert not waiter.done.wait(QUIET_S)
+    pool.release([held.region_id])
+    waiter.finish()  # well before the 60 s poll: release notifies
+    assert waiter.regions is not None
+    pool.release([region.region_id for region in waiter.regions])
+
+
+def test_close_raises_pool_closed_in_a_waiting_allocator(
+    make_pool: PoolFactory, prefix: str
+) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    pool.allocate([PAGE])
+    waiter = _Allocator(pool, [PAGE], poll_interval=60.0)
+    assert not waiter.done.wait(QUIET_S)
+    pool.close()
+    waiter.finish()
+    assert isinstance(waiter.error, PoolClosed)
+    assert _segments(prefix) == []
+    with pytest.raises(PoolClosed):
+        pool.allocate([1])
+    pool.close()  # idempotent
+
+
+def test_cancelled_is_honoured_while_waiting(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    (held,) = pool.allocate([PAGE])
+    stop = threading.Event()
+    waiter = _Allocator(pool, [PAGE], cancelled=stop.is_set, poll_interval=0.01)
+    assert not waiter.done.wait(QUIET_S)
+    stop.set()
+    waiter.finish()
+    assert isinstance(waiter.error, PoolClosed)
+    assert pool.leased_regions == 1
+    pool.release([held.region_id])
+
+
+def test_cancelled_before_the_first_attempt(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    with pytest.raises(PoolClosed):
+        pool.allocate([1], cancelled=lambda: True)
+    assert pool.leased_regions == 0
+
+
+# --- Eviction of empty slabs --------------------------------------------------------------------
+
+
+def test_empty_slabs_are_evicted_for_a_larger_slab(make_pool: PoolFactory, prefix: str) -> None:
+    pool = make_pool(limit_pages=4, slab_pages=1)
+    singles = [pool.allocate([PAGE])[0] for _ in range(4)]
+    assert pool.slab_count == 4
+    kept = singles[0]
+    pool.release([region.region_id for region in singles[1:]])
+    evicted = {region.slab.name for region in singles[1:]}
+
+    (large,) = _allocate_now(pool, [3 * PAGE])
+    assert large.slab.size == 3 * PAGE
+    assert pool.slab_bytes_total <= pool.limit_bytes
+    assert pool.slab_count == 2
+    names = set(_segments(prefix))
+    assert kept.slab.name in names  # a slab with a leased region is never evicted
+    assert not evicted & names  # evicted slabs are unlinked
+    assert names == {kept.slab.name, large.slab.name}
+
+    # The kept region is intact and usable.
+    view = kept.slab.view(kept.offset, kept.nbytes)
+    view[:] = 7
+    assert int(view.sum()) == 7 * PAGE
+    del view
+    pool.release([kept.region_id, large.region_id])
+
+
+def test_eviction_frees_small_empty_slabs_first(make_pool: PoolFactory, prefix: str) -> None:
+    pool = make_pool(limit_pages=8, slab_pages=1)
+    (big,) = pool.allocate([3 * PAGE])
+    smalls = [pool.allocate([PAGE])[0] for _ in range(5)]
+    pool.release([big.region_id, *(region.region_id for region in smalls)])
+    assert pool.slab_bytes_total == 8 * PAGE
+
+    # Four pages do not fit the empty three-page slab; freeing four one-page slabs is enough.
+    (four,) = _allocate_now(pool, [4 * PAGE])
+    assert big.slab.name in _segments(prefix)
+    assert pool.slab_count == 3
+    pool.release([four.region_id])
+
+
+def test_no_eviction_while_every_slab_is_leased(make_pool: PoolFactory, prefix: str) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    held = pool.allocate([PAGE, PAGE])
+    before = _segments(prefix)
+    assert not _fits_now(pool, [2 * PAGE])
+    assert _segments(prefix) == before
+    pool.release([region.region_id for region in held])
+    (both,) = _allocate_now(pool, [2 * PAGE])  # now both empty slabs make way
+    assert pool.slab_count == 1
+    pool.release([both.region_id])
+
+
+# --- Release bookkeeping ------------------------------------------------------------------------
+
+
+def test_release_returns_unknown_ids(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    a, b = pool.allocate([10, 20])
+    assert pool.release([999, a.region_id, -1]) == [999, -1]
+    assert pool.release([a.region_id]) == [a.region_id]  # already released
+    assert pool.release([b.region_id, b.region_id]) == [b.region_id]
+    assert pool.release([]) == []
+    assert pool.leased_regions == 0
+    (c,) = pool.allocate([10])
+    pool.close()
+    assert pool.release([c.region_id]) == [c.region_id]  # the pool is gone
+
+
+# --- The shared memory itself -------------------------------------------------------------------
+
+
+def test_writes_through_the_view_are_visible_in_another_mapping(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=4, slab_pages=2)
+    _, region = pool.allocate([300, 5000])
+    pattern = np.arange(region.nbytes, dtype=np.uint32).astype(np.uint8)
+    view = region.slab.view(region.offset, region.nbytes)
+    assert view.shape == (region.nbytes,)
+    assert view.ctypes.data == region.slab.address(region.offset)
+    view[:] = pattern
+
+    # What the trainer does: open the segment by name and map it on its own.
+    fd = os.open(SHM_DIR / region.slab.name, os.O_RDWR)
+    try:
+        assert os.fstat(fd).st_size == region.slab.size
+        other = mmap.mmap(fd, region.slab.size)
+    finally:
+        os.close(fd)
+    try:
+        seen = other[region.offset : region.offset + region.nbytes]
+        assert seen == pattern.tobytes()
+        # And the other way round.
+        other[region.offset : region.offset + 4] = b"\x01\x02\x03\x04"
+        assert view[:4].tolist() == [1, 2, 3, 4]
+    finally:
+        other.close()
+    del view
+    pool.release([region.region_id])
+
+
+def test_the_trainer_mapping_views_a_region_as_a_tensor(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=4, slab_pages=2)
+    expected = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    other, region = pool.allocate([64, expected.nbytes])
+    assert other.slab is region.slab
+    view = region.slab.view(region.offset, region.nbytes)
+    view[:] = expected.view(np.uint8).reshape(-1)
+    del view
+    descriptor = OutputDescriptor(
+        region_id=region.region_id,
+        slab=region.slab.name,
+        slab_size=region.slab.size,
+        offset=region.offset,
+        nbytes=region.nbytes,
+        dtype="float32",
+        shape=expected.shape,
+        device=region.slab.device,
+    )
+    mappings = SlabMappings()
+    try:
+        tensor = mappings.tensor(descriptor)
+        small = mappings.tensor(
+            dataclasses.replace(
+                descriptor,
+                region_id=other.region_id,
+                offset=other.offset,
+                nbytes=other.nbytes,
+                dtype="uint8",
+                shape=(other.nbytes,),
+            )
+        )
+        assert mappings.opened == 1  # each slab is mapped once
+        assert isinstance(tensor, torch.Tensor)
+        np.testing.assert_array_equal(tensor.numpy(), expected)
+        assert mappings.take_released() == []
+        view_of_tensor = tensor[1]
+        del tensor
+        gc.collect()
+        assert mappings.take_released() == []  # a view of the tensor still uses the region
+        del view_of_tensor
+        gc.collect()
+        assert mappings.take_released() == [region.region_id]
+        del small
+        gc.collect()
+        assert mappings.take_released() == [other.region_id]
+        assert pool.release([region.region_id, other.region_id]) == []
+    finally:
+        mappings.close()
+
+
+def test_the_trainer_refuses_names_that_are_not_slabs() -> None:
+    mappings = SlabMappings()
+    for name in ("passwd", "../dalid-x", "dalid-a/b"):
+        descriptor = OutputDescriptor(1, name, PAGE, 0, 4, "uint8", (4,))
+        with pytest.raises(ValueError, match="refusing"):
+            mappings.tensor(descriptor)
+    mappings.close()
+
+
+def test_closing_the_pool_keeps_live_views_valid_and_unlinks_names(
+    make_pool: PoolFactory, prefix: str
+) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    (region,) = pool.allocate([PAGE])
+    fd = os.open(SHM_DIR / region.slab.name, os.O_RDWR)
+    try:
+        trainer = mmap.mmap(fd, region.slab.size)
+    finally:
+        os.close(fd)
+    daemon_view = region.slab.view(0, PAGE)
+    daemon_view[:8] = 42
+    pool.close()
+    assert _segments(prefix) == []
+    # Both the trainer's mapping and a view the daemon still held keep the pages.
+    assert trainer[:8] == bytes([42] * 8)
+    daemon_view[8:16] = 43
+    assert trainer[8:16] == bytes([43] * 8)
+    trainer.close()
+    del daemon_view
+
+
+def test_segments_are_private_to_the_user(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=1, slab_pages=1)
+    (region,) = pool.allocate([1])
+    info = os.stat(SHM_DIR / region.slab.name)
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_uid == os.getuid()
+    pool.release([region.region_id])
+
+
+def test_segments_are_private_whatever_the_umask(prefix: str) -> None:
+    old = os.umask(0)
+    try:
+        slab = SharedMemorySlab(f"{prefix}-umask", PAGE)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(SHM_DIR / slab.name).st_mode) == 0o600
+    finally:
+        slab.close()
+
+
+def test_slab_names_are_never_reused_or_clobbered(prefix: str) -> None:
+    with SharedMemorySlab(f"{prefix}-x", PAGE) as slab:
+        with pytest.raises(FileExistsError):
+            SharedMemorySlab(f"{prefix}-x", PAGE)
+        assert Path(SHM_DIR / slab.name).exists()  # the failed attempt did not unlink it
+    assert _segments(prefix) == []
+
+
+@pytest.mark.parametrize("size", [0, -PAGE, PAGE + 1, PAGE // 2])
+def test_slab_size_must_be_whole_pages(prefix: str, size: int) -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        SharedMemorySlab(f"{prefix}-bad", size)
+
+
+def test_slab_close_is_idempotent(prefix: str) -> None:
+    slab = SharedMemorySlab(f"{prefix}-once", 2 * PAGE)
+    slab.close()
+    slab.close()
+    with pytest.raises(ValueError, match="closed"):
+        slab.view(0, 1)

@@ -1,0 +1,254 @@
+"""PipelineRunner in-process: a serialized CPU pipeline rebuilt and run like the daemon does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from nvidia.dali import fn, pipeline_def, types
+
+from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline
+from dalid.server.runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
+
+BATCH = 4
+SEED = 1234
+
+
+@pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=SEED, prefetch_queue_depth=2)
+def _random_pipeline() -> Any:
+    x = fn.external_source(name="x", dtype=types.FLOAT, ndim=2)
+    y = fn.external_source(name="y", dtype=types.INT32, ndim=1)
+    noise = fn.random.uniform(range=[0.0, 1.0], shape=[3])
+    return x * 2.0 + noise, fn.cast(y, dtype=types.INT64) + 1
+
+
+@pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=SEED, prefetch_queue_depth=2)
+def _any_ndim_pipeline() -> Any:
+    return fn.external_source(name="x") + 1
+
+
+@pipeline_def(batch_size=2, num_threads=1, device_id=None)
+def _decoder_pipeline() -> Any:
+    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+    return fn.decoders.image(encoded, device="mixed")
+
+
+def _spec(
+    pipeline: Any, names: tuple[str, ...], num_outputs: int, **overrides: Any
+) -> PipelineSpec:
+    """What the client sends for ``pipeline``, as the daemon turns it into a spec.
+
+    ``num_outputs`` is given, not read from ``pipeline.num_outputs``: that property builds the
+    pipeline in this process, which a GPU pipeline cannot do on a machine without a GPU.
+    """
+    fields: dict[str, Any] = {
+        "serialized": memoryview(pipeline.serialize()),
+        "input_names": names,
+        "num_outputs": num_outputs,
+        "max_batch_size": pipeline.max_batch_size,
+        "num_threads": pipeline.num_threads,
+        "prefetch_queue_depth": pipeline.prefetch_queue_depth,
+        "seed": pipeline.seed,
+        "exec_dynamic": bool(pipeline.exec_dynamic),
+    }
+    fields.update(overrides)
+    return PipelineSpec.from_message(RegisterPipeline(**fields))
+
+
+def _batches() -> list[dict[str, list[np.ndarray]]]:
+    first = {
+        "x": [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(BATCH)],
+        "y": [np.arange(i + 1, dtype=np.int32) for i in range(BATCH)],
+    }
+    second = {  # a partial batch
+        "x": [np.full((2, 3), -i, dtype=np.float32) for i in range(BATCH - 1)],
+        "y": [np.array([7 * i], dtype=np.int32) for i in range(BATCH - 1)],
+    }
+    return [first, second]
+
+
+def _wire_inputs(batch: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]]:
+    """The inputs as the executor feeds them: numpy views of received frames."""
+    fed = {}
+    for name, samples in batch.items():
+        item = InputBatch(
+            name=name,
+            dtype=samples[0].dtype.name,
+            shapes=tuple(sample.shape for sample in samples),
+            samples=tuple(memoryview(sample.tobytes()) for sample in samples),
+        )
+        fed[name] = sample_arrays(item)
+    return fed
+
+
+def _as_numpy(outputs: tuple[Any, ...]) -> list[list[np.ndarray]]:
+    return [[np.array(sample) for sample in output] for output in outputs]
+
+
+def _reference(batches: list[dict[str, list[np.ndarray]]]) -> list[list[list[np.ndarray]]]:
+    """The outputs of the original pipeline object run in this process."""
+    pipeline = _random_pipeline()
+    pipeline.build()
+    for batch in batches:
+        for name, samples in batch.items():
+            pipeline.feed_input(name, samples)
+    pipeline.schedule_run()
+    return [_as_numpy(pipeline.outputs()) for _ in batches]
+
+
+def _assert_same(actual: list[list[np.ndarray]], expected: list[list[np.ndarray]]) -> None:
+    assert len(actual) == len(expected)
+    for actual_output, expected_output in zip(actual, expected, strict=True):
+        assert len(actual_output) == len(expected_output)
+        for actual_sample, expected_sample in zip(actual_output, expected_output, strict=True):
+            assert actual_sample.dtype == expected_sample.dtype
+            np.testing.assert_array_equal(actual_sample, expected_sample)
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False], ids=["dynamic", "legacy"])
+def test_outputs_match_the_original_pipeline(exec_dynamic: bool) -> None:
+    batches = _batches()
+    expected = _reference(batches)
+    runner = PipelineRunner(
+        _spec(_random_pipeline(), ("x", "y"), 2, exec_dynamic=exec_dynamic), device_id=None
+    )
+    try:
+        assert runner.spec.seed == SEED
+        for batch in batches:
+            runner.schedule(_wire_inputs(batch))
+        assert runner.scheduled == 2
+        for index, want in enumerate(expected):
+            outputs = runner.collect()
+            assert len(outputs) == 2
+            got = _as_numpy(outputs)
+            del outputs
+            runner.release()
+            _assert_same(got, want)
+            assert len(got[0]) == len(batches[index]["x"])
+        assert runner.scheduled == 0
+        # The outputs themselves: x * 2 + noise in [0, 1), and y + 1 as int64.
+        first = expected[0]
+        for sample, x in zip(first[0], batches[0]["x"], strict=True):
+            assert np.all((sample >= x * 2) & (sample < x * 2 + 1))
+        for sample, y in zip(first[1], batches[0]["y"], strict=True):
+            assert sample.dtype == np.int64
+            np.testing.assert_array_equal(sample, y + 1)
+    finally:
+        runner.close()
+
+
+def test_runner_keeps_running_batch_after_batch() -> None:
+    runner = PipelineRunner(_spec(_random_pipeline(), ("x", "y"), 2), device_id=None)
+    try:
+        for _ in range(3):
+            for batch in _batches():
+                runner.schedule(batch)
+                (images, labels) = runner.collect()
+                assert len(images) == len(batch["x"])
+                assert len(labels) == len(batch["y"])
+                del images, labels
+                runner.release()
+    finally:
+        runner.close()
+
+
+def test_the_seed_is_honoured() -> None:
+    batch = _batches()[0]
+
+    def run(seed: int) -> list[list[np.ndarray]]:
+        runner = PipelineRunner(_spec(_random_pipeline(), ("x", "y"), 2, seed=seed), device_id=None)
+        try:
+            runner.schedule(batch)
+            return _as_numpy(runner.collect())
+        finally:
+            runner.close()
+
+    _assert_same(run(7), run(7))
+    assert not np.array_equal(run(7)[0][0], run(8)[0][0])
+
+
+def test_pipeline_spec_from_message() -> None:
+    message = RegisterPipeline(
+        serialized=memoryview(b"pipeline"),
+        input_names=("a", "b"),
+        num_outputs=3,
+        max_batch_size=16,
+        num_threads=2,
+        prefetch_queue_depth=1,
+        seed=None,
+        exec_dynamic=False,
+        name="valid",
+    )
+    spec = PipelineSpec.from_message(message)
+    assert spec == PipelineSpec(b"pipeline", ("a", "b"), 3, 16, 2, 1, None, False, "valid")
+    assert type(spec.serialized) is bytes  # a copy: the frame may be reused after the request
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:nvidia-dali-cuda120 is no longer shipped")
+def test_gpu_operators_on_a_cpu_daemon_are_a_device_mismatch() -> None:
+    pipeline = _decoder_pipeline()
+    serialized = pipeline.serialize()  # defining it needs no GPU
+    assert serialized
+    spec = _spec(pipeline, ("encoded",), 1)
+    with pytest.raises(PipelineBuildError) as caught:
+        PipelineRunner(spec, device_id=None)
+    assert caught.value.code is ErrorCode.DEVICE_MISMATCH
+    assert "dalid serve --device" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "serialized",
+    [b"garbage", b"", b"\x00" * 64, b"\x08\x96\x01" * 5],
+    ids=["garbage", "empty", "zeros", "truncated-protobuf"],
+)
+def test_garbage_is_an_invalid_pipeline(serialized: bytes) -> None:
+    spec = PipelineSpec(serialized, ("x",), 1, 2, 1, 1)
+    with pytest.raises(PipelineBuildError) as caught:
+        PipelineRunner(spec, device_id=None)
+    assert caught.value.code is ErrorCode.INVALID_PIPELINE
+    assert "DALI could not build the pipeline" in str(caught.value)
+
+
+def test_wrong_number_of_outputs_is_an_invalid_output() -> None:
+    runner = PipelineRunner(_spec(_random_pipeline(), ("x", "y"), num_outputs=3), device_id=None)
+    try:
+        runner.schedule(_batches()[0])
+        with pytest.raises(PipelineBuildError) as caught:
+            runner.collect()
+        assert caught.value.code is ErrorCode.INVALID_OUTPUT
+        assert "3" in str(caught.value)
+    finally:
+        runner.close()
+
+
+def test_rebuild_after_a_failed_run() -> None:
+    runner = PipelineRunner(_spec(_any_ndim_pipeline(), ("x",), 1), device_id=None)
+    try:
+        runner.schedule({"x": [np.zeros(3, dtype=np.float32)] * 2})
+        (output,) = runner.collect()
+        np.testing.assert_array_equal(np.array(output.as_tensor()), np.ones((2, 3)))
+        del output
+
+        # The number of dimensions changes between batches: DALI fails the run.
+        runner.schedule({"x": [np.zeros((2, 3), dtype=np.float32)] * 2})
+        with pytest.raises(RuntimeError):
+            runner.collect()
+
+        runner.rebuild()
+        assert runner.scheduled == 0
+        runner.schedule({"x": [np.full(3, 2, dtype=np.float32)] * 3})
+        (output,) = runner.collect()
+        np.testing.assert_array_equal(np.array(output.as_tensor()), np.full((3, 3), 3))
+        del output
+
+        # The rebuilt pipeline starts afresh: the other shape is fine as its first batch.
+        runner.rebuild()
+        runner.schedule({"x": [np.zeros((2, 3), dtype=np.float32)]})
+        (output,) = runner.collect()
+        assert np.array(output.as_tensor()).shape == (1, 2, 3)
+    finally:
+        runner.close()
