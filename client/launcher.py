@@ -29,7 +29,10 @@ def log_path(socket: Path) -> Path:
 
 
 def start_daemon(
-    device: Device, socket: Path, timeout: float = 60.0, idle_timeout: float = AUTOSTART_IDLE_TIMEOUT_S
+    device: Device,
+    socket: Path,
+    timeout: float = 60.0,
+    idle_timeout: float = AUTOSTART_IDLE_TIMEOUT_S,
 ) -> None:
     """Starts ``dalid serve`` for ``device`` on ``socket`` and waits until it answers."""
     socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ class _ProducingIterator:
         return len(self._inner)  # type: ignore[arg-type]
 
 
-class DataLoader(torchdata.DataLoader):  # type: ignore[type-arg]
+class DataLoader(torchdata.DataLoader):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
     Works with any ``num_workers``, including 0, and with persistent workers.

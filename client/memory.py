@@ -8,6 +8,7 @@ mapping is closed only once no tensor views it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import weakref
@@ -65,10 +66,9 @@ class SlabMappings:
         mappings, self._mappings = self._mappings, {}
         for mapping in mappings.values():
             del mapping.bytes
-            try:
+            # A tensor that still views it keeps it: the mapping goes with the last view.
+            with contextlib.suppress(BufferError):
                 mapping.map.close()
-            except BufferError:
-                pass  # a tensor still views it: the mapping goes with the last view
 
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .errors import InputError
 from .loader import DataLoader as _DataLoader
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session, _check_pipeline, external_source_names, pipeline_device
-from .errors import InputError
 from .transform import Proxy
 
 __all__ = [
@@ -88,9 +88,8 @@ class DALIServer:
         self.start_thread()
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self.stop_thread()
-        return False
 
     def __del__(self) -> None:
         # The session's own finalizer also closes it; this just makes it prompt.

@@ -31,7 +31,7 @@ from .connection import Connection, no_daemon_message
 from .errors import BatchError, DaemonUnavailable, InputError
 from .launcher import start_daemon
 from .memory import SlabMappings
-from .refs import DALIOutputBatchRef, DALIPipelineRunRef
+from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, worker_links
 

@@ -35,6 +35,11 @@ def _is_plain_object(obj: Any) -> bool:
     return not type(obj).__module__.startswith(("torch", "numpy"))
 
 
+def _is_frozen_dataclass(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return params is not None and bool(params.frozen)
+
+
 def _children(obj: Any) -> Iterable[Any]:
     if isinstance(obj, list | tuple):
         return obj
@@ -110,12 +115,12 @@ def _replace(
             result = tuple(values)
         else:
             result = type(item)(values)
-    elif dataclasses.is_dataclass(item) and type(item).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+    elif _is_frozen_dataclass(item):
         changes = {
             field.name: _replace(getattr(item, field.name), outputs, holds, memo)
             for field in dataclasses.fields(item)
         }
-        result = dataclasses.replace(item, **changes)  # type: ignore[type-var]
+        result = dataclasses.replace(item, **changes)
     else:
         memo[key] = item
         for name, value in list(vars(item).items()):

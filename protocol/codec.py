@@ -27,7 +27,6 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import msgpack
@@ -94,7 +93,9 @@ def decode(frames: Sequence[Any]) -> Envelope:
         )
     body = header.get("body")
     if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"{op}: 'body' must be a map", request_id, op)
+        raise ProtocolError(
+            ErrorCode.MALFORMED_MESSAGE, f"{op}: 'body' must be a map", request_id, op
+        )
     used = [False] * len(frames)
     used[0] = True
     try:
@@ -127,7 +128,9 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
             max_ext_len=0,
         )
     except Exception as error:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"header is not msgpack: {error}") from None
+        raise ProtocolError(
+            ErrorCode.MALFORMED_MESSAGE, f"header is not msgpack: {error}"
+        ) from None
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, "header must be a msgpack map")
     return header
@@ -160,7 +163,9 @@ def _encode_value(value: Any, hint: Any, frames: list[Any]) -> Any:
 # --- Decoding by annotation ---------------------------------------------------------------------
 
 
-def _decode_dataclass(cls: type, body: Any, frames: Sequence[Any], used: list[bool], path: str) -> Any:
+def _decode_dataclass(
+    cls: type, body: Any, frames: Sequence[Any], used: list[bool], path: str
+) -> Any:
     if not isinstance(body, dict):
         raise ValueError(f"{path} must be a map")
     hints = _field_hints(cls)
@@ -245,7 +250,14 @@ def _tuple_item_hints(hint: Any, length: int) -> list[Any]:
     return list(args)
 
 
-@cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _field_hints(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+    """The annotations of a dataclass's fields, resolved once per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        resolved = typing.get_type_hints(cls)
+        hints = {field.name: resolved[field.name] for field in dataclasses.fields(cls)}
+        _HINTS[cls] = hints
+    return hints

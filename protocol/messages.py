@@ -262,7 +262,9 @@ class OutputDescriptor:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"unsupported output dtype {self.dtype!r}")
         _check_shape(self.shape, "an output")
-        _check(0 <= self.offset and self.offset + self.nbytes <= self.slab_size, "region outside slab")
+        _check(
+            self.offset >= 0 and self.offset + self.nbytes <= self.slab_size, "region outside slab"
+        )
 
 
 @dataclass(frozen=True)
@@ -346,8 +348,8 @@ __all__ = [
     "Message",
     "Ok",
     "OutputDescriptor",
-    "PipelineRegistered",
     "Ping",
+    "PipelineRegistered",
     "Pong",
     "RegisterPipeline",
     "ReleaseRegions",

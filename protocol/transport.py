@@ -19,7 +19,9 @@ LINGER_MS = 200
 MAX_MESSAGE_BYTES = 1 << 31
 
 
-def make_socket(context: zmq.Context[Any], kind: int, address: str, *, bind: bool) -> zmq.Socket[Any]:
+def make_socket(
+    context: zmq.Context[Any], kind: int, address: str, *, bind: bool
+) -> zmq.Socket[Any]:
     """A socket of ``kind`` bound (daemon) or connected (client) to ``address``."""
     sock = context.socket(kind)
     try:

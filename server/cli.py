@@ -14,7 +14,9 @@ import zmq
 
 from dalid.protocol import (
     Error,
-    Ok,
+    Message,
+    Ping,
+    Pong,
     ProtocolError,
     Shutdown,
     endpoint,
@@ -25,6 +27,7 @@ from dalid.protocol import (
 
 from .daemon import Daemon, DaemonConfig
 
+DEFAULT_DEVICE = os.environ.get("DALID_DEVICE", "cpu")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -58,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the daemon for one device in the foreground")
     serve.add_argument(
-        "--device", type=_device, default="cpu", help="'cpu' for CPU pipelines or a GPU ordinal"
+        "--device",
+        type=_device,
+        default=DEFAULT_DEVICE,
+        help="'cpu' for CPU pipelines or a GPU ordinal (default: $DALID_DEVICE, else cpu)",
     )
     serve.add_argument(
         "--socket",
@@ -88,10 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
 
-    stop = commands.add_parser("stop", help="ask the daemon for a device to exit")
-    stop.add_argument("--device", type=_device, default="cpu")
-    stop.add_argument("--socket")
-    stop.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    for name, text in (
+        ("stop", "ask the daemon for a device to exit"),
+        ("ping", "exit 0 if the daemon for a device answers (for health checks)"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--device", type=_device, default=DEFAULT_DEVICE)
+        command.add_argument("--socket")
+        command.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
     return parser
 
 
@@ -111,7 +121,8 @@ def _serve(args: argparse.Namespace) -> int:
     return Daemon(config).serve()
 
 
-def _stop(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, request: Message) -> int:
+    """Sends one request that needs no hello and waits for its answer; the exit status."""
     path = socket_path(args.device, args.socket)
     if not path.exists():
         print(f"dalid: no daemon listens on {endpoint(path)}", file=sys.stderr)
@@ -119,26 +130,22 @@ def _stop(args: argparse.Namespace) -> int:
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(path), bind=False)
     try:
-        # Shutdown needs no hello: whoever can open the socket (mode 0600) may stop the daemon.
-        transport.send(sock, Shutdown(), 1)
-        deadline = time.monotonic() + args.timeout
-        while time.monotonic() < deadline:
-            if not sock.poll(100):
-                continue
-            try:
-                envelope = transport.recv(sock)
-            except ProtocolError as error:
-                print(f"dalid: {error}", file=sys.stderr)
-                return 1
-            if isinstance(envelope.message, Error):
-                print(f"dalid: {envelope.message.message}", file=sys.stderr)
-                return 1
-            if envelope.request_id == 1 and isinstance(envelope.message, Ok):
-                break
-        else:
+        transport.send(sock, request, 1)
+        if not sock.poll(int(args.timeout * 1000)):
             print(f"dalid: the daemon on {endpoint(path)} did not answer", file=sys.stderr)
             return 1
-        while path.exists() and time.monotonic() < deadline:
+        try:
+            reply = transport.recv(sock).message
+        except ProtocolError as error:
+            print(f"dalid: {error}", file=sys.stderr)
+            return 1
+        if isinstance(reply, Error):
+            print(f"dalid: {reply.message}", file=sys.stderr)
+            return 1
+        if isinstance(reply, Pong):
+            print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(path)}")
+        deadline = time.monotonic() + args.timeout
+        while isinstance(request, Shutdown) and path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return 0
     finally:
@@ -150,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    return _stop(args)
+    # Shutdown and ping need no hello: whoever can open the socket (mode 0600) may send them.
+    return _ask(args, Shutdown() if args.command == "stop" else Ping())
 
 
 if __name__ == "__main__":

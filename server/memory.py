@@ -7,6 +7,7 @@ a device backend (CUDA IPC) exports GPU slabs the same way, so the pool above do
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -87,12 +88,10 @@ class SharedMemorySlab:
             return
         # Views handed out by view() must be gone by now; the numpy base is ours to drop.
         self._bytes = None
-        try:
+        # A view still alive somewhere in the daemon keeps the mapping until the GC takes it;
+        # the name goes now all the same, so nothing else can attach.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            # A view is still alive somewhere in the daemon: leave the mapping to the GC but
-            # still remove the name so nothing else can attach.
-            pass
         self._map = None
         self._path.unlink(missing_ok=True)
 

@@ -24,10 +24,11 @@ def _dalid_segments() -> set[str]:
     return {path.name for path in SHM.glob("dalid-*")}
 
 
-
 def _dalid_daemons() -> list[int]:
     """Pids of `dalid serve` processes that this session's tests started (by socket path)."""
-    out = subprocess.run(["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True, check=False
+    )
     pids = []
     for line in out.stdout.splitlines():
         pid, _, command = line.partition(" ")

@@ -48,11 +48,14 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-                raise AssertionError(f"daemon did not stop on SIGTERM:\n{self.log_text()}")
+                log = self.log_text()
+                raise AssertionError(f"daemon did not stop on SIGTERM:\n{log}") from None
         return self.process.returncode
 
 
-def wait_until_answering(socket: Path, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_until_answering(
+    socket: Path, process: subprocess.Popen[bytes], timeout: float = 60.0
+) -> None:
     from dalid.protocol import Ping, Pong, endpoint, transport
 
     deadline = time.monotonic() + timeout
@@ -91,5 +94,3 @@ def start_daemon(directory: Path, *args: str, name: str = "d") -> DaemonProcess:
         daemon.stop()
         raise
     return daemon
-
-

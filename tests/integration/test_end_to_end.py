@@ -101,7 +101,9 @@ def test_regions_return_to_the_daemon_and_slabs_are_mapped_once(daemon, short_tm
             loader = dalid.DataLoader(session, ProxyDataset(proxy, 400), batch_size=BATCH)
             batches = 0
             for (scaled, _), indices in loader:
-                np.testing.assert_array_equal(scaled[0].numpy(), sample(indices[0].item()) * 0.5 + 1.0)
+                np.testing.assert_array_equal(
+                    scaled[0].numpy(), sample(indices[0].item()) * 0.5 + 1.0
+                )
                 batches += 1
             assert batches == 50
             assert session.slabs_opened <= 2
