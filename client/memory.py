@@ -8,7 +8,6 @@ mapping is closed only once no tensor views it.
 from __future__ import annotations
 
 import collections
-import contextlib
 import mmap
 import os
 import weakref
@@ -26,7 +25,17 @@ SHM_DIR = Path("/dev/shm")
 @dataclass
 class _Mapping:
     map: mmap.mmap
-    bytes: np.ndarray
+    bytes: np.ndarray | None
+
+
+def _try_unmap(mapping: _Mapping) -> bool:
+    """Unmaps the slab unless a tensor still views it; whether it is unmapped."""
+    mapping.bytes = None
+    try:
+        mapping.map.close()
+    except BufferError:
+        return False
+    return True
 
 
 class SlabMappings:
@@ -42,33 +51,56 @@ class SlabMappings:
         # Region ids whose last view died; filled from any thread by GC, drained by the session.
         self.released: collections.deque[int] = collections.deque()
         self.opened = 0
+        self.handed_out = 0
+        self._returned = 0
+        # Retired by the daemon but still viewed by a tensor: unmapped once no view is left.
+        self._retiring: list[_Mapping] = []
 
     def tensor(self, descriptor: OutputDescriptor) -> torch.Tensor:
         """A CPU tensor viewing the region of ``descriptor`` without a copy."""
         if descriptor.device != "cpu":
             raise ValueError(f"output on {descriptor.device!r}: this client maps CPU outputs only")
         mapping = self._mapping(descriptor.slab, descriptor.slab_size)
+        assert mapping.bytes is not None
         region = mapping.bytes[descriptor.offset : descriptor.offset + descriptor.nbytes]
         array = region.view(np.dtype(descriptor.dtype)).reshape(descriptor.shape)
         # torch keeps `array` alive for as long as any tensor shares this storage; when the
         # last one goes, `array` dies and the region returns to the daemon.
         weakref.finalize(array, self.released.append, descriptor.region_id)
+        self.handed_out += 1
         return torch.from_numpy(array)
+
+    @property
+    def live_regions(self) -> int:
+        """Regions handed out as tensors that are not yet released."""
+        return self.handed_out - self._returned - len(self.released)
 
     def take_released(self) -> list[int]:
         released = []
         while self.released:
             released.append(self.released.popleft())
+        self._returned += len(released)
+        if self._retiring:
+            self._retiring = [m for m in self._retiring if not _try_unmap(m)]
         return released
 
+    def retire(self, names: tuple[str, ...]) -> None:
+        """Unmaps slabs the daemon has freed (now, or once no tensor views them)."""
+        for name in names:
+            mapping = self._mappings.pop(name, None)
+            if mapping is not None and not _try_unmap(mapping):
+                self._retiring.append(mapping)
+
     def close(self) -> None:
-        """Unmaps every slab that no tensor views any more. Idempotent."""
+        """Unmaps every slab that no tensor views any more. Idempotent.
+
+        A slab that a tensor still views stays mapped until that view is gone: its numpy
+        base holds the mapping, which Python unmaps when the last reference goes.
+        """
         mappings, self._mappings = self._mappings, {}
-        for mapping in mappings.values():
-            del mapping.bytes
-            # A tensor that still views it keeps it: the mapping goes with the last view.
-            with contextlib.suppress(BufferError):
-                mapping.map.close()
+        for mapping in [*mappings.values(), *self._retiring]:
+            _try_unmap(mapping)
+        self._retiring = []
 
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +37,10 @@ from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, worker_links
 
 log = logging.getLogger("dalid.client")
+
+# A batch this late usually means the daemon's output pool is full of buffers the trainer still
+# holds through live tensors; say so once.
+SLOW_BATCH_WARNING_S = 30.0
 
 
 class _Resources:
@@ -251,6 +256,7 @@ class Session:
             if isinstance(result, BatchFailed):
                 raise BatchError(result.code, result.message, result.batch_id, result.pipeline_id)
             mappings = self._resources.mappings
+            mappings.retire(result.retired_slabs)
             produced[id(run)] = tuple(mappings.tensor(output) for output in result.outputs)
         return produced
 
@@ -263,7 +269,24 @@ class Session:
             message = envelope.message
             return isinstance(message, BatchReady | BatchFailed) and message.batch_id == batch_id
 
-        envelope = self._connection.receive_until(is_result, None, idle=self._flush_releases)
+        started = time.monotonic()
+        warned = False
+
+        def idle() -> None:
+            nonlocal warned
+            self._flush_releases()
+            if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
+                warned = True
+                log.warning(
+                    "batch %d has not arrived after %.0f s; this job still holds %d output "
+                    "buffers through live tensors. If you keep outputs across steps, keep "
+                    "copies (tensor.clone()) so the daemon can reuse its buffers.",
+                    batch_id,
+                    SLOW_BATCH_WARNING_S,
+                    self._resources.mappings.live_regions,
+                )
+
+        envelope = self._connection.receive_until(is_result, None, idle=idle)
         assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
         return envelope.message
 

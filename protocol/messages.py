@@ -275,6 +275,8 @@ class BatchReady(Message):
     batch_id: int
     pipeline_id: int
     outputs: tuple[OutputDescriptor, ...]
+    # Slabs the daemon has freed since its last message: the trainer unmaps them.
+    retired_slabs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

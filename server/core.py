@@ -75,11 +75,11 @@ class Job:
         if self.closed:
             return
         self.closed = True
-        for executor in self.pipelines.values():
-            executor.stop()
+        stopped = [executor.stop() for executor in self.pipelines.values()]
         self.pipelines.clear()
         self.deferred.clear()
-        self.pool.close()
+        # An executor stuck inside DALI may still write its outputs: keep the memory mapped.
+        self.pool.close(unmap=all(stopped))
 
 
 @dataclass

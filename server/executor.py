@@ -82,14 +82,16 @@ class PipelineExecutor:
     def submit(self, batch: PendingBatch) -> None:
         self._queue.put(batch)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops the thread; batches not yet run are dropped. Idempotent."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stops the thread, dropping batches not yet run; whether it stopped. Idempotent."""
         self._stopping.set()
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("pipeline %d did not stop within %.0f s", self.pipeline_id, timeout)
+                return False
+        return True
 
     # --- the thread -----------------------------------------------------------------------------
 
@@ -208,7 +210,14 @@ class PipelineExecutor:
         self.batches_done += 1
         self.samples_done += batch.request.batch_size
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
-        self._deliver(BatchReady(batch.batch_id, self.pipeline_id, tuple(descriptors)))
+        self._deliver(
+            BatchReady(
+                batch.batch_id,
+                self.pipeline_id,
+                tuple(descriptors),
+                retired_slabs=tuple(self._pool.take_retired()),
+            )
+        )
 
     def _fail(self, batch: PendingBatch, code: ErrorCode, message: str) -> None:
         log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)

@@ -32,7 +32,7 @@ class Slab(Protocol):
 
     def view(self, offset: int, nbytes: int) -> np.ndarray: ...
 
-    def close(self) -> None: ...
+    def close(self, unmap: bool = True) -> None: ...
 
 
 class SlabBackend(Protocol):
@@ -83,9 +83,13 @@ class SharedMemorySlab:
         """Copies a DALI CPU tensor (``copy_to_external``) into the slab at ``offset``."""
         source.copy_to_external(ctypes.c_void_p(self.address(offset)))  # type: ignore[attr-defined]
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Unlinks the name and, with ``unmap``, unmaps the memory. Idempotent."""
         if self._map is None:
             return
+        self._path.unlink(missing_ok=True)
+        if not unmap:
+            return  # the mapping stays until the daemon exits
         # Views handed out by view() must be gone by now; the numpy base is ours to drop.
         self._bytes = None
         # A view still alive somewhere in the daemon keeps the mapping until the GC takes it;
@@ -93,7 +97,6 @@ class SharedMemorySlab:
         with contextlib.suppress(BufferError):
             self._map.close()
         self._map = None
-        self._path.unlink(missing_ok=True)
 
     def __enter__(self) -> SharedMemorySlab:
         return self

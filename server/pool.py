@@ -117,6 +117,7 @@ class RegionPool:
         self._next_slab_number = 0
         self._condition = threading.Condition()
         self._closed = False
+        self._retired: list[str] = []
 
     @property
     def slab_bytes_total(self) -> int:
@@ -175,8 +176,12 @@ class RegionPool:
 
     def _drop_empty_slabs(self) -> None:
         for space in [space for space in self._spaces if space.empty]:
-            self._spaces.remove(space)
-            space.slab.close()
+            self._retire(space)
+
+    def _retire(self, space: _SlabSpace) -> None:
+        self._spaces.remove(space)
+        space.slab.close()
+        self._retired.append(space.slab.name)
 
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
@@ -192,8 +197,18 @@ class RegionPool:
             self._condition.notify_all()
         return unknown
 
-    def close(self) -> None:
-        """Frees every slab (see the note above); waiting allocations raise PoolClosed."""
+    def take_retired(self) -> list[str]:
+        """Names of the slabs freed since the last call, for the trainer to unmap."""
+        with self._condition:
+            retired, self._retired = self._retired, []
+        return retired
+
+    def close(self, unmap: bool = True) -> None:
+        """Frees every slab (see the note above); waiting allocations raise PoolClosed.
+
+        ``unmap=False`` only unlinks the names, for when a thread that may still write into
+        the slabs could not be stopped: unmapping under it would crash the daemon.
+        """
         with self._condition:
             if self._closed:
                 return
@@ -202,7 +217,7 @@ class RegionPool:
             self._leases.clear()
             self._condition.notify_all()
         for space in spaces:
-            space.slab.close()
+            space.slab.close(unmap=unmap)
 
     def _try_allocate(self, aligned: Sequence[int], sizes: Sequence[int]) -> list[Region] | None:
         taken: list[tuple[_SlabSpace, int, int]] = []
@@ -252,8 +267,7 @@ class RegionPool:
         for space in sorted(empty, key=lambda s: s.slab.size):
             if room >= needed:
                 break
-            self._spaces.remove(space)
-            space.slab.close()
+            self._retire(space)
             room += space.slab.size
         return max(needed, min(preferred, room // PAGE * PAGE))
 

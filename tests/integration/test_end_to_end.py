@@ -179,3 +179,37 @@ def test_produce_data_on_a_custom_structure(session):
     np.testing.assert_array_equal(shifted.numpy(), np.stack([sample(i) + 7 for i in range(3)]))
     assert produced["holder"].value is shifted
     assert produced["list"][0][0][0] is scaled
+
+
+def _mapped_slabs() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split("/dev/shm/")[1].split()[0] for line in maps if "/dev/shm/dalid-" in line}
+
+
+def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp):
+    from nvidia.dali import fn, pipeline_def
+
+    # Room for 24 KiB of slabs of 8 KiB: a 20 KB output needs the first slab freed first.
+    daemon = start_daemon(short_tmp, "--pool-bytes", "24K", "--slab-bytes", "8K", name="evict")
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False) as session:
+
+            @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+            def identity():
+                return fn.copy(fn.external_source(name="x"))
+
+            proxy = session.proxy(identity())
+
+            def run(size):
+                batch = torch.utils.data.default_collate([proxy(np.ones(size, np.uint8))])
+                return session.produce_data(batch)
+
+            small = run(16)
+            (first_slab,) = _mapped_slabs() & daemon.segments()
+            del small  # its region goes back, so the daemon may free the slab
+            large = run(20_000)
+            assert int(large.sum()) == 20_000
+            assert first_slab not in _mapped_slabs()
+            assert first_slab not in daemon.segments()
+    finally:
+        assert daemon.stop() == 0

@@ -564,3 +564,30 @@ def test_slab_close_is_idempotent(prefix: str) -> None:
     slab.close()
     with pytest.raises(ValueError, match="closed"):
         slab.view(0, 1)
+
+
+def test_evicted_slabs_are_reported_once_for_the_trainer(make_pool: PoolFactory) -> None:
+    pool = make_pool(limit_pages=2, slab_pages=1)
+    singles = [pool.allocate([PAGE])[0] for _ in range(2)]
+    assert pool.take_retired() == []
+    pool.release([region.region_id for region in singles])
+    (large,) = _allocate_now(pool, [2 * PAGE])
+    assert sorted(pool.take_retired()) == sorted(region.slab.name for region in singles)
+    assert pool.take_retired() == []
+    pool.release([large.region_id])
+
+
+def test_close_without_unmap_unlinks_but_keeps_memory_writable(
+    make_pool: PoolFactory, prefix: str
+) -> None:
+    pool = make_pool(limit_pages=1)
+    (region,) = pool.allocate([PAGE])
+    slab = region.slab
+    pool.close(unmap=False)
+    assert _segments(prefix) == []
+    # A writer that could not be stopped still has its memory (no crash).
+    view = slab.view(region.offset, region.nbytes)
+    view[:] = 3
+    assert int(view.sum()) == 3 * PAGE
+    del view
+    slab.close()
