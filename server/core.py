@@ -46,11 +46,12 @@ from dalid.protocol import (
 from .executor import PendingBatch, PipelineExecutor
 from .memory import SlabBackend
 from .pool import RegionPool
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from .runner import PipelineBuildError, PipelineSpec
 
 log = logging.getLogger("dalid.server")
 
-Push = Callable[[bytes, Message], None]
+Push = Callable[[bytes, Message, int | None], None]
+"""push(peer, message, request_id): queues a message for a peer; safe from any thread."""
 
 
 @dataclass
@@ -143,7 +144,7 @@ class DaemonCore:
         self._next_job_id = 1
         self._next_pipeline_id = 1
         self.stop_requested = False
-        self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
+        self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
             Goodbye: self._on_goodbye,
             Ping: self._on_ping,
@@ -168,7 +169,7 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.NOT_WELCOMED, f"{message.OP}: send hello first on this connection"
                 )
-            return handler(identity, message)
+            return handler(identity, message, request_id)
         except RequestRefused as refusal:
             return Error(refusal.code, str(refusal), op=message.OP)
         except Exception as error:
@@ -217,7 +218,7 @@ class DaemonCore:
 
     # --- handlers -------------------------------------------------------------------------------
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> Message:
+    def _on_hello(self, identity: bytes, hello: Hello, _request_id: int | None) -> Message:
         if hello.protocol_version != PROTOCOL_VERSION:
             raise RequestRefused(
                 ErrorCode.PROTOCOL_MISMATCH,
@@ -268,7 +269,7 @@ class DaemonCore:
             limits=self.limits,
         )
 
-    def _on_goodbye(self, identity: bytes, _: Goodbye) -> Message:
+    def _on_goodbye(self, identity: bytes, _: Goodbye, _request_id: int | None) -> Message:
         peer = self.peers[identity]
         if peer.role is Role.TRAINER:
             log.info("job %d said goodbye", peer.job.job_id)
@@ -277,15 +278,17 @@ class DaemonCore:
             self._forget_peer(identity)
         return Ok()
 
-    def _on_ping(self, identity: bytes, _: Ping) -> Message:
+    def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())
 
-    def _on_shutdown(self, identity: bytes, _: Shutdown) -> Message:
+    def _on_shutdown(self, identity: bytes, _: Shutdown, _request_id: int | None) -> Message:
         log.info("shutdown requested")
         self.stop_requested = True
         return Ok()
 
-    def _on_register_pipeline(self, identity: bytes, request: RegisterPipeline) -> Message:
+    def _on_register_pipeline(
+        self, identity: bytes, request: RegisterPipeline, request_id: int | None
+    ) -> Message | None:
         peer = self.peers[identity]
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
@@ -295,25 +298,36 @@ class DaemonCore:
                 f"max_batch_size {request.max_batch_size} is over this daemon's limit of "
                 f"{self.limits.max_batch_size}",
             )
-        spec = PipelineSpec.from_message(request)
-        try:
-            runner = PipelineRunner(spec, self.device_id)
-        except PipelineBuildError as error:
-            raise RequestRefused(error.code, str(error)) from None
         job = peer.job
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         trainer = job.trainer
-        job.pipelines[pipeline_id] = PipelineExecutor(
-            pipeline_id, runner, job.pool, lambda message: self._push(trainer, message)
-        )
-        log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, request.name)
-        return PipelineRegistered(pipeline_id)
 
-    def _on_submit_batch(self, identity: bytes, request: SubmitBatch) -> Message:
+        def on_built(error: PipelineBuildError | None) -> None:
+            # Runs in the executor's thread: the reply leaves through the outbox.
+            if error is None:
+                log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, request.name)
+                self._push(trainer, PipelineRegistered(pipeline_id), request_id)
+            else:
+                log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, error)
+                self._push(trainer, Error(error.code, str(error), op=request.OP), request_id)
+
+        job.pipelines[pipeline_id] = PipelineExecutor(
+            pipeline_id,
+            PipelineSpec.from_message(request),
+            self.device_id,
+            pool=job.pool,
+            deliver=lambda message: self._push(trainer, message, None),
+            on_built=on_built,
+        )
+        return None  # answered by on_built once the pipeline is built
+
+    def _on_submit_batch(
+        self, identity: bytes, request: SubmitBatch, _request_id: int | None
+    ) -> Message:
         job = self.peers[identity].job
         executor = self._executor(job, request.pipeline_id)
-        spec = executor.runner.spec
+        spec = executor.spec
         names = [item.name for item in request.inputs]
         if sorted(names) != sorted(spec.input_names):
             raise RequestRefused(
@@ -344,7 +358,9 @@ class DaemonCore:
             executor.submit(batch)
         return BatchAccepted(batch.batch_id)
 
-    def _on_schedule_batch(self, identity: bytes, request: ScheduleBatch) -> Message:
+    def _on_schedule_batch(
+        self, identity: bytes, request: ScheduleBatch, _request_id: int | None
+    ) -> Message:
         job = self.peers[identity].job
         batch = job.deferred.pop(request.batch_id, None)
         if batch is None:
@@ -354,7 +370,9 @@ class DaemonCore:
         self._executor(job, batch.request.pipeline_id).submit(batch)
         return Ok()
 
-    def _on_release_regions(self, identity: bytes, request: ReleaseRegions) -> Message | None:
+    def _on_release_regions(
+        self, identity: bytes, request: ReleaseRegions, _request_id: int | None
+    ) -> Message | None:
         job = self.peers[identity].job
         unknown = job.pool.release(request.region_ids)
         if unknown:
@@ -368,7 +386,7 @@ class DaemonCore:
 
     def _executor(self, job: Job, pipeline_id: int) -> PipelineExecutor:
         executor = job.pipelines.get(pipeline_id)
-        if executor is None:
+        if executor is None or executor.failed:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_PIPELINE, f"job {job.job_id} has no pipeline {pipeline_id}"
             )

@@ -61,7 +61,7 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self._outbox: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self._outbox: collections.deque[tuple[bytes, Message, int | None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
         self._context: zmq.Context[Any] | None = None
@@ -71,9 +71,9 @@ class Daemon:
 
     # --- wake-ups from other threads and signals ------------------------------------------------
 
-    def push(self, identity: bytes, message: Message) -> None:
+    def push(self, identity: bytes, message: Message, request_id: int | None = None) -> None:
         """Queues ``message`` for ``identity``; safe from any thread."""
-        self._outbox.append((identity, message))
+        self._outbox.append((identity, message, request_id))
         self._wake()
 
     def request_stop(self, *_: object) -> None:
@@ -223,10 +223,10 @@ class Daemon:
     def _flush_outbox(self) -> None:
         assert self.core is not None
         while self._outbox:
-            identity, message = self._outbox.popleft()
+            identity, message, request_id = self._outbox.popleft()
             if self.core.job_for(identity) is None:
                 continue  # the job ended while the batch ran; its pool is already freed
-            self._send(identity, message, None)
+            self._send(identity, message, request_id)
 
     def _send(self, identity: bytes, message: Message, request_id: int | None) -> None:
         assert self._socket is not None and self.core is not None

@@ -28,7 +28,7 @@ from dalid.protocol import (
 )
 
 from .pool import PoolClosed, PoolTooSmall, RegionPool
-from .runner import PipelineBuildError, PipelineRunner, sample_arrays
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
 
 log = logging.getLogger("dalid.server")
 
@@ -53,19 +53,31 @@ def _dtype_name(dali_dtype: Any) -> str:
 
 
 class PipelineExecutor:
-    """Runs the batches of one pipeline in its own thread; ``deliver`` sends results."""
+    """Builds one pipeline and runs its batches, in a thread of its own.
+
+    Building happens in that thread too, so a slow build never holds up the daemon's other
+    jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``deliver``
+    sends batch results.
+    """
 
     def __init__(
         self,
         pipeline_id: int,
-        runner: PipelineRunner,
+        spec: PipelineSpec,
+        device_id: int | None,
+        *,
         pool: RegionPool,
         deliver: Callable[[Message], None],
+        on_built: Callable[[PipelineBuildError | None], None],
     ) -> None:
         self.pipeline_id = pipeline_id
-        self.runner = runner
+        self.spec = spec
+        self._device_id = device_id
+        self.runner: PipelineRunner | None = None
+        self.failed = False
         self._pool = pool
         self._deliver = deliver
+        self._on_built = on_built
         self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
         self._stopping = threading.Event()
         self.batches_done = 0
@@ -96,38 +108,49 @@ class PipelineExecutor:
     # --- the thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.runner = PipelineRunner(self.spec, self._device_id)
+        except PipelineBuildError as error:
+            self.failed = True
+            self._on_built(error)
+            return
+        self._on_built(None)
+        try:
+            self._loop(self.runner)
+        finally:
+            self.runner.close()
+
+    def _loop(self, runner: PipelineRunner) -> None:
         in_flight: collections.deque[PendingBatch] = collections.deque()
         retry: collections.deque[PendingBatch] = collections.deque()
+        depth = self.spec.prefetch_queue_depth
         try:
             while not self._stopping.is_set():
-                depth = self.runner.spec.prefetch_queue_depth
                 while len(in_flight) < depth:
                     batch = self._next_batch(retry, block=not in_flight)
                     if batch is None:
                         break
-                    if self._schedule(batch):
+                    if self._schedule(runner, batch):
                         in_flight.append(batch)
                 if self._stopping.is_set() or not in_flight:
                     continue
                 batch = in_flight.popleft()
                 try:
-                    outputs = self.runner.collect()
+                    outputs = runner.collect()
                 except Exception as error:
                     self._fail(batch, ErrorCode.PIPELINE_ERROR, _dali_message(error))
                     # The pipeline is dead; the batches behind this one must run again.
                     retry.extendleft(reversed(in_flight))
                     in_flight.clear()
-                    self._rebuild()
+                    self._rebuild(runner)
                     continue
                 self._write(batch, outputs)
                 del outputs
-                self.runner.release()
+                runner.release()
         except PoolClosed:
             pass
         except Exception:
             log.exception("pipeline %d executor crashed", self.pipeline_id)
-        finally:
-            self.runner.close()
 
     def _next_batch(
         self, retry: collections.deque[PendingBatch], block: bool
@@ -139,21 +162,21 @@ class PipelineExecutor:
         except queue.Empty:
             return None
 
-    def _schedule(self, batch: PendingBatch) -> bool:
+    def _schedule(self, runner: PipelineRunner, batch: PendingBatch) -> bool:
         request = batch.request
         if not batch.arrays:
             batch.arrays = {item.name: sample_arrays(item) for item in request.inputs}
         try:
-            self.runner.schedule(batch.arrays)
+            runner.schedule(batch.arrays)
         except Exception as error:
             self._fail(batch, ErrorCode.INVALID_BATCH, _dali_message(error))
-            self._rebuild()
+            self._rebuild(runner)
             return False
         return True
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, runner: PipelineRunner) -> None:
         try:
-            self.runner.rebuild()
+            runner.rebuild()
         except PipelineBuildError:
             log.exception("pipeline %d could not be rebuilt", self.pipeline_id)
             raise
