@@ -43,13 +43,17 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 @pytest.mark.slow
 def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
     daemon = start_daemon(short_tmp)
+    jobs = [_job(daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
     try:
-        jobs = [_job(daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
         for job in jobs:
             out, _ = job.communicate(timeout=120)
             assert job.returncode == 0, out
             assert "ok 64" in out
     finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
         assert daemon.stop() == 0
     assert not daemon.segments()
 
@@ -57,12 +61,15 @@ def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
 @pytest.mark.slow
 def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
     daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
     try:
         holder = _job(daemon.socket, "--hold", "--offset", "5")
+        jobs.append(holder)
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "holding"
         assert daemon.segments(), "the held batch lives in the daemon's shared memory"
         survivor = _job(daemon.socket, "--offset", "77", "--length", "200")
+        jobs.append(survivor)
         os.kill(holder.pid, signal.SIGKILL)
         holder.communicate()
         # The killed job's slabs go within 5 s; the survivor's own may come and go meanwhile.
@@ -78,6 +85,10 @@ def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
         assert survivor.returncode == 0, out
         assert "ok 200" in out
     finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
         assert daemon.stop() == 0
     assert not daemon.segments()
 
