@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -114,15 +115,16 @@ class Session:
     ) -> None:
         self.device = parse_device(device)
         self.socket = socket_path(self.device, socket)
+        # Results that arrived while waiting for another; filled by the connection. Neither it
+        # nor the connection may hold the session itself, or the finalizer would never run.
         self._results: dict[int, BatchReady | BatchFailed] = {}
-        self._proxies: list[Proxy] = []
         connection = autostart_connect(
             self.socket,
             self.device,
             autostart=autostart,
             connect_timeout=connect_timeout,
             name=name or f"pid {os.getpid()}",
-            on_push=self._on_push,
+            on_push=functools.partial(_keep_result, self._results),
         )
         self._resources = _Resources(connection, SlabMappings())
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -182,7 +184,7 @@ class Session:
         reply = self._connection.request(request)
         assert isinstance(reply, PipelineRegistered)
         welcome = self._connection.welcome
-        proxy = Proxy(
+        return Proxy(
             ProxyTarget(
                 socket=self.socket,
                 device=self.device,
@@ -195,8 +197,6 @@ class Session:
                 deterministic=deterministic,
             )
         )
-        self._proxies.append(proxy)
-        return proxy
 
     def produce_data(self, obj: Any) -> Any:
         """``obj`` with every batch reference replaced by its tensor (nested structures too)."""
@@ -290,17 +290,19 @@ class Session:
         assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
         return envelope.message
 
-    def _on_push(self, envelope: Envelope) -> None:
-        message = envelope.message
-        if isinstance(message, BatchReady | BatchFailed):
-            self._results[message.batch_id] = message
-        elif isinstance(message, Error):
-            log.warning("dalid daemon: %s", message.message)
-
     def _flush_releases(self) -> None:
         released = self._resources.mappings.take_released()
         if released:
             self._resources.connection.notify(ReleaseRegions(tuple(released)))
+
+
+def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelope) -> None:
+    """Keeps a batch result that arrived while the session waited for another."""
+    message = envelope.message
+    if isinstance(message, BatchReady | BatchFailed):
+        results[message.batch_id] = message
+    elif isinstance(message, Error):
+        log.warning("dalid daemon: %s", message.message)
 
 
 def autostart_connect(

@@ -213,3 +213,17 @@ def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp):
             assert first_slab not in daemon.segments()
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_dropped_session_ends_its_job(daemon):
+    import gc
+    import weakref
+
+    session = dalid.connect(socket=daemon.socket, autostart=False)
+    proxy = session.proxy(two_output_pipeline())
+    job = session.job_id
+    alive = weakref.ref(session)
+    del session, proxy
+    gc.collect()
+    assert alive() is None
+    assert f"job {job} said goodbye" in daemon.log_text()
