@@ -386,9 +386,15 @@ class DaemonCore:
 
     def _executor(self, job: Job, pipeline_id: int) -> PipelineExecutor:
         executor = job.pipelines.get(pipeline_id)
-        if executor is None or executor.failed:
+        if executor is None:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_PIPELINE, f"job {job.job_id} has no pipeline {pipeline_id}"
+            )
+        if executor.failed:
+            raise RequestRefused(
+                ErrorCode.PIPELINE_ERROR,
+                f"pipeline {pipeline_id} stopped working and takes no more batches (the daemon's "
+                "log says why): register it again",
             )
         return executor
 

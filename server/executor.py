@@ -124,33 +124,58 @@ class PipelineExecutor:
         in_flight: collections.deque[PendingBatch] = collections.deque()
         retry: collections.deque[PendingBatch] = collections.deque()
         depth = self.spec.prefetch_queue_depth
+
+        def start_over(failed: PendingBatch, code: ErrorCode, error: Exception) -> None:
+            # After a failure the DALI pipeline is dead: fail this batch, rebuild, and run the
+            # batches that were inside the old pipeline again, in their order.
+            self._fail(failed, code, _dali_message(error))
+            retry.extendleft(reversed(in_flight))
+            in_flight.clear()
+            runner.rebuild()
+
         try:
             while not self._stopping.is_set():
                 while len(in_flight) < depth:
                     batch = self._next_batch(retry, block=not in_flight)
                     if batch is None:
                         break
-                    if self._schedule(runner, batch):
-                        in_flight.append(batch)
+                    try:
+                        self._schedule(runner, batch)
+                    except Exception as error:
+                        start_over(batch, ErrorCode.INVALID_BATCH, error)
+                        continue
+                    in_flight.append(batch)
                 if self._stopping.is_set() or not in_flight:
                     continue
                 batch = in_flight.popleft()
                 try:
                     outputs = runner.collect()
                 except Exception as error:
-                    self._fail(batch, ErrorCode.PIPELINE_ERROR, _dali_message(error))
-                    # The pipeline is dead; the batches behind this one must run again.
-                    retry.extendleft(reversed(in_flight))
-                    in_flight.clear()
-                    self._rebuild(runner)
+                    start_over(batch, ErrorCode.PIPELINE_ERROR, error)
                     continue
                 self._write(batch, outputs)
                 del outputs
                 runner.release()
         except PoolClosed:
             pass
-        except Exception:
-            log.exception("pipeline %d executor crashed", self.pipeline_id)
+        except Exception as error:
+            # Most likely the pipeline could not be rebuilt. Answer every batch it holds so that
+            # no trainer waits forever, and refuse new ones (see DaemonCore._executor).
+            log.exception("pipeline %d stopped working", self.pipeline_id)
+            self.failed = True
+            message = f"the pipeline stopped working and takes no more batches: {error}"
+            for batch in [*in_flight, *retry, *self._drain()]:
+                self._fail(batch, ErrorCode.PIPELINE_ERROR, message)
+
+    def _drain(self) -> list[PendingBatch]:
+        batches = []
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return batches
+            if batch is not None:
+                batches.append(batch)
 
     def _next_batch(
         self, retry: collections.deque[PendingBatch], block: bool
@@ -162,24 +187,11 @@ class PipelineExecutor:
         except queue.Empty:
             return None
 
-    def _schedule(self, runner: PipelineRunner, batch: PendingBatch) -> bool:
-        request = batch.request
+    @staticmethod
+    def _schedule(runner: PipelineRunner, batch: PendingBatch) -> None:
         if not batch.arrays:
-            batch.arrays = {item.name: sample_arrays(item) for item in request.inputs}
-        try:
-            runner.schedule(batch.arrays)
-        except Exception as error:
-            self._fail(batch, ErrorCode.INVALID_BATCH, _dali_message(error))
-            self._rebuild(runner)
-            return False
-        return True
-
-    def _rebuild(self, runner: PipelineRunner) -> None:
-        try:
-            runner.rebuild()
-        except PipelineBuildError:
-            log.exception("pipeline %d could not be rebuilt", self.pipeline_id)
-            raise
+            batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
+        runner.schedule(batch.arrays)
 
     def _write(self, batch: PendingBatch, outputs: tuple[Any, ...]) -> None:
         try:
