@@ -52,6 +52,7 @@ class DALIServer:
         self._autostart = autostart
         self._session: Session | None = None
         self._proxy: Proxy | None = None
+        self._registered = False
 
     @property
     def session(self) -> Session:
@@ -60,14 +61,26 @@ class DALIServer:
             self._session = Session(
                 pipeline_device(self._pipeline), socket=self._socket, autostart=self._autostart
             )
-            self._proxy = None
+            self._registered = False
         return self._session
 
     @property
     def proxy(self) -> Proxy:
-        if self._proxy is None or self._session is None or self._session.closed:
-            session = self.session
-            self._proxy = session.proxy(self._pipeline, deterministic=self._deterministic)
+        """The proxy callable; one object for the server's life, as with DALI's.
+
+        After a stop and a start the pipeline is registered again with a new job, and the same
+        proxy object is pointed at it, so a dataset built with it keeps working (workers
+        forked or spawned from then on carry the new target).
+        """
+        session = self.session
+        if not self._registered:
+            fresh = session.proxy(self._pipeline, deterministic=self._deterministic)
+            if self._proxy is None:
+                self._proxy = fresh
+            else:
+                self._proxy.retarget(fresh.target)
+            self._registered = True
+        assert self._proxy is not None
         return self._proxy
 
     def produce_data(self, obj: Any) -> Any:
@@ -82,7 +95,7 @@ class DALIServer:
         if self._session is not None:
             self._session.close()
         self._session = None
-        self._proxy = None
+        self._registered = False
 
     def __enter__(self) -> DALIServer:
         self.start_thread()

@@ -136,6 +136,13 @@ class Proxy:
     def target(self) -> ProxyTarget:
         return self._target
 
+    def retarget(self, target: ProxyTarget) -> None:
+        """Points this proxy at another registration of the same pipeline (a new job)."""
+        if target.input_names != self._target.input_names:
+            raise InputError("a proxy can only be pointed at the same pipeline again")
+        self._target = target
+        self._init_local()
+
     def __getstate__(self) -> dict[str, Any]:
         return {"target": self._target}
 
