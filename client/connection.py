@@ -185,13 +185,16 @@ class Connection:
                 return envelope
             self._on_push(envelope)
 
-    def close(self, goodbye: bool = True) -> None:
-        """Says goodbye (briefly waiting for the answer) and closes. Idempotent."""
+    def close(self, goodbye: bool = True, kept_slabs: tuple[str, ...] = ()) -> None:
+        """Says goodbye (briefly waiting for the answer) and closes. Idempotent.
+
+        ``kept_slabs``: the GPU slabs this trainer still maps (see ``Goodbye``).
+        """
         if self._socket is None:
             return
         if goodbye and self._pid == os.getpid():
             try:
-                self.request(Goodbye(), timeout=2.0, ping=False)
+                self.request(Goodbye(kept_slabs), timeout=2.0, ping=False)
             except Exception as error:  # closing must not fail because the daemon is gone
                 log.debug("goodbye not answered: %s", error)
         self.abort()

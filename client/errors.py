@@ -39,6 +39,10 @@ class BatchError(RequestError):
         self.pipeline_id = pipeline_id
 
 
+class DeviceMismatch(DalidError):
+    """This process cannot use the GPU the daemon delivers outputs on (another GPU, no CUDA)."""
+
+
 class DaemonUnavailable(DalidError):
     """No daemon answers on the socket, or the one that did has gone."""
 

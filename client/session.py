@@ -30,7 +30,8 @@ from dalid.protocol import (
 )
 
 from .connection import Connection, no_daemon_message
-from .errors import BatchError, DaemonUnavailable, InputError
+from .cuda import CudaMappings, TorchDevice, local_device
+from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError
 from .launcher import start_daemon
 from .memory import SlabMappings
 from .refs import DALIPipelineRunRef
@@ -45,16 +46,40 @@ SLOW_BATCH_WARNING_S = 30.0
 
 
 class _Resources:
-    """What a session owns, closed once, by ``Session.close`` or by a finalizer at GC."""
+    """What a session owns, closed once, by ``Session.close`` or by a finalizer at GC.
 
-    def __init__(self, connection: Connection, mappings: SlabMappings) -> None:
+    GPU outputs: ``cuda_index`` is the daemon's GPU as this process numbers it (None until
+    known); ``cuda`` is made when the first GPU output arrives, so CPU users never touch CUDA.
+    """
+
+    def __init__(
+        self, connection: Connection, mappings: SlabMappings, cuda_index: int | None
+    ) -> None:
         self.connection = connection
         self.mappings = mappings
+        self.cuda_index = cuda_index
+        self.cuda: CudaMappings | None = None
+        # Retired slabs of a GPU daemon to report unmapped, before any GPU output was mapped.
+        self.never_mapped: list[str] = []
+
+    def gpu(self) -> CudaMappings:
+        if self.cuda is None:
+            uuid = self.connection.welcome.device_uuid
+            if not uuid:
+                raise DeviceMismatch("the daemon sent a GPU output but named no GPU in its welcome")
+            index = self.cuda_index if self.cuda_index is not None else local_device(uuid)
+            self.cuda = CudaMappings(TorchDevice(index))
+        return self.cuda
 
     def close(self) -> None:
         worker_links.close_job(self.connection.path, self.connection.welcome.job_id)
-        self.connection.close()
+        # GPU slabs are unmapped before the goodbye, which names those tensors still view
+        # (Note [GPU output lifetime] in dalid.server.cuda).
+        kept = self.cuda.close_mappings() if self.cuda is not None else ()
+        self.connection.close(kept_slabs=kept)
         self.mappings.close()
+        if self.cuda is not None:
+            self.cuda.close()
 
 
 def _graph(pipeline: Any) -> Any:
@@ -101,8 +126,12 @@ def pipeline_device(pipeline: Any) -> Device:
 class Session:
     """A job connected to the daemon for one device. Use as a context manager or ``close()``.
 
-    Outputs arrive as CPU tensors that view the daemon's shared memory; each region goes back
-    to the daemon when the last tensor viewing it is garbage-collected.
+    CPU outputs arrive as CPU tensors that view the daemon's shared memory. GPU outputs (from a
+    daemon started with ``--device N``) arrive as CUDA tensors that view the daemon's device
+    memory, on this process's device with the daemon GPU's UUID, ready in the order of the
+    stream that was current when they were produced (it waits on the daemon, the host does
+    not). Each region goes back to the daemon when the last tensor viewing it is
+    garbage-collected; a GPU region once the work queued on that stream until then has run.
     """
 
     def __init__(
@@ -126,7 +155,12 @@ class Session:
             name=name or f"pid {os.getpid()}",
             on_push=functools.partial(_keep_result, self._results),
         )
-        self._resources = _Resources(connection, SlabMappings())
+        try:
+            cuda_index = _daemon_gpu(connection.welcome.device_uuid)
+        except DeviceMismatch:
+            connection.close()
+            raise
+        self._resources = _Resources(connection, SlabMappings(), cuda_index)
         self._finalizer = weakref.finalize(self, self._resources.close)
 
     # --- properties -----------------------------------------------------------------------------
@@ -149,8 +183,23 @@ class Session:
 
     @property
     def slabs_opened(self) -> int:
-        """How many slabs this session has mapped (each is mapped once)."""
-        return self._resources.mappings.opened
+        """How many slabs this session has mapped, CPU and GPU (each is mapped once)."""
+        cuda = self._resources.cuda
+        return self._resources.mappings.opened + (cuda.opened if cuda is not None else 0)
+
+    @property
+    def events_opened(self) -> int:
+        """How many of the daemon's batch events this session has opened (each once)."""
+        cuda = self._resources.cuda
+        return cuda.events_opened if cuda is not None else 0
+
+    @property
+    def live_regions(self) -> int:
+        """Output regions that tensors still view, CPU and GPU."""
+        cuda = self._resources.cuda
+        return self._resources.mappings.live_regions + (
+            cuda.live_regions if cuda is not None else 0
+        )
 
     # --- API ------------------------------------------------------------------------------------
 
@@ -255,10 +304,33 @@ class Session:
             result = self._wait(run.batch_id)  # type: ignore[arg-type]
             if isinstance(result, BatchFailed):
                 raise BatchError(result.code, result.message, result.batch_id, result.pipeline_id)
-            mappings = self._resources.mappings
-            mappings.retire(result.retired_slabs)
-            produced[id(run)] = tuple(mappings.tensor(output) for output in result.outputs)
+            self._retire(result.retired_slabs)
+            produced[id(run)] = self._tensors(result)
         return produced
+
+    def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
+        resources = self._resources
+        stream = None
+        tensors = []
+        for output in result.outputs:
+            if output.device == "cpu":
+                tensors.append(resources.mappings.tensor(output))
+                continue
+            cuda = resources.gpu()
+            if stream is None:
+                # Once per batch: the current stream waits for the daemon's copies.
+                stream = cuda.begin_batch(result.event)
+            tensors.append(cuda.tensor(output, stream))
+        return tuple(tensors)
+
+    def _retire(self, names: tuple[str, ...]) -> None:
+        resources = self._resources
+        resources.mappings.retire(names)
+        if names and resources.connection.welcome.device_uuid:
+            if resources.cuda is not None:
+                resources.cuda.retire(names)
+            else:
+                resources.never_mapped.extend(names)
 
     def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
         result = self._results.pop(batch_id, None)
@@ -283,7 +355,7 @@ class Session:
                     "copies (tensor.clone()) so the daemon can reuse its buffers.",
                     batch_id,
                     SLOW_BATCH_WARNING_S,
-                    self._resources.mappings.live_regions,
+                    self.live_regions,
                 )
 
         envelope = self._connection.receive_until(is_result, None, idle=idle)
@@ -291,9 +363,28 @@ class Session:
         return envelope.message
 
     def _flush_releases(self) -> None:
-        released = self._resources.mappings.take_released()
+        resources = self._resources
+        notify = resources.connection.notify
+        released = resources.mappings.take_released()
         if released:
-            self._resources.connection.notify(ReleaseRegions(tuple(released)))
+            notify(ReleaseRegions(tuple(released)))
+        closed, resources.never_mapped = resources.never_mapped, []
+        if resources.cuda is not None:
+            # Each group comes with a fence on the stream its tensors were used on.
+            for region_ids, fence in resources.cuda.take_released():
+                notify(ReleaseRegions(region_ids, event=fence))
+            closed += resources.cuda.take_closed()
+        if closed:
+            notify(ReleaseRegions(closed_slabs=tuple(closed)))
+
+
+def _daemon_gpu(device_uuid: str) -> int | None:
+    """The index of the daemon's GPU in this process, when the daemon runs on one and torch
+    here has CUDA; None otherwise (a GPU output then raises when it arrives). Raises
+    DeviceMismatch when this process cannot see that GPU."""
+    if not device_uuid or not torch.cuda.is_available():
+        return None
+    return local_device(device_uuid)
 
 
 def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelope) -> None:

@@ -16,7 +16,9 @@ from .address import (
 )
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
+from .gpu import GpuUnavailable, format_uuid, gpu_uuid
 from .messages import (
+    CUDA_IPC_HANDLE_BYTES,
     DTYPES,
     PROTOCOL_VERSION,
     BatchAccepted,
@@ -43,6 +45,7 @@ from .messages import (
 )
 
 __all__ = [
+    "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "PROTOCOL_VERSION",
     "RUNTIME_DIR_ENV",
@@ -55,6 +58,7 @@ __all__ = [
     "Error",
     "ErrorCode",
     "Goodbye",
+    "GpuUnavailable",
     "Hello",
     "InputBatch",
     "Limits",
@@ -76,6 +80,8 @@ __all__ = [
     "device_label",
     "encode",
     "endpoint",
+    "format_uuid",
+    "gpu_uuid",
     "parse_device",
     "runtime_dir",
     "socket_path",

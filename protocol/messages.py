@@ -15,32 +15,42 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
+
+Version 2 added the fields of GPU outputs (``Welcome.device_uuid``, ``OutputDescriptor.strides``
+and ``ipc_handle``, ``BatchReady.event``, ``ReleaseRegions.event`` and ``closed_slabs``,
+``Goodbye.kept_slabs``): a version 1 peer refuses a message with fields it does not know, so the
+version says so first.
+"""
 
 MAX_NAME_LENGTH = 256
 MAX_INPUTS = 64
 MAX_OUTPUTS = 64
 MAX_NDIM = 16
 MAX_BATCH_SIZE = 65536
+# cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes; they travel as hex strings.
+CUDA_IPC_HANDLE_BYTES = 64
+# Where an output lies: host shared memory, or device memory of the daemon's GPU.
+OUTPUT_DEVICES = frozenset({"cpu", "cuda"})
 
-# Numpy dtype names allowed for sample data and outputs: the types DALI can feed and produce.
-DTYPES = frozenset(
-    {
-        "bool",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-    }
-)
+# Numpy dtype names allowed for sample data and outputs (the types DALI can feed and produce),
+# with their sizes in bytes.
+ITEMSIZES = {
+    "bool": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+DTYPES = frozenset(ITEMSIZES)
 
 
 def _check(condition: bool, what: str) -> None:
@@ -50,6 +60,18 @@ def _check(condition: bool, what: str) -> None:
 
 def _check_name(name: str, what: str) -> None:
     _check(0 < len(name) <= MAX_NAME_LENGTH, f"{what} must have 1 to {MAX_NAME_LENGTH} characters")
+
+
+def _check_handle(handle: str, what: str, optional: bool = False) -> None:
+    """A CUDA IPC handle in hex (empty where ``optional``)."""
+    if optional and not handle:
+        return
+    size = CUDA_IPC_HANDLE_BYTES
+    _check(len(handle) == 2 * size, f"{what} must be {size} bytes in hexadecimal")
+    try:
+        bytes.fromhex(handle)
+    except ValueError:
+        raise ValueError(f"{what} is not hexadecimal") from None
 
 
 def _check_shape(shape: tuple[int, ...], what: str) -> None:
@@ -119,13 +141,25 @@ class Welcome(Message):
     job_id: int
     job_token: str
     limits: Limits
+    # The UUID of the daemon's GPU ("GPU-xxxxxxxx-xxxx-..."), "" for a CPU daemon. The trainer
+    # receives GPU outputs only on the device with this UUID, whatever its own ordinals.
+    device_uuid: str = ""
 
 
 @dataclass(frozen=True)
 class Goodbye(Message):
-    """A clean close. From a trainer it ends the job and frees everything the job held."""
+    """A clean close. From a trainer it ends the job and frees everything the job held.
+
+    ``kept_slabs`` names the GPU slabs the trainer still maps because tensors view them: the
+    daemon frees them only once the trainer process exits. It has unmapped every other one.
+    """
 
     OP: ClassVar[str] = "goodbye"
+    kept_slabs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.kept_slabs:
+            _check_name(name, "a kept slab's name")
 
 
 @dataclass(frozen=True)
@@ -247,7 +281,13 @@ class ScheduleBatch(Message):
 
 @dataclass(frozen=True)
 class OutputDescriptor:
-    """Where one pipeline output of a batch lies: a region of a shared-memory slab."""
+    """Where one pipeline output of a batch lies: a region of a slab.
+
+    ``device`` "cpu": the slab is a shared-memory segment named ``slab``. ``device`` "cuda": it is
+    device memory of the daemon's GPU, opened through ``ipc_handle`` (hex of a cudaIpcMemHandle,
+    the same for every region of the slab); ``slab`` names it for the trainer's cache.
+    ``strides`` are in bytes; empty means C-contiguous.
+    """
 
     region_id: int
     slab: str
@@ -258,6 +298,8 @@ class OutputDescriptor:
     shape: tuple[int, ...]
     layout: str = ""
     device: str = "cpu"
+    strides: tuple[int, ...] = ()
+    ipc_handle: str = ""
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"unsupported output dtype {self.dtype!r}")
@@ -265,6 +307,19 @@ class OutputDescriptor:
         _check(
             self.offset >= 0 and self.offset + self.nbytes <= self.slab_size, "region outside slab"
         )
+        _check(self.device in OUTPUT_DEVICES, f"unknown output device {self.device!r}")
+        if self.device == "cuda":
+            _check_handle(self.ipc_handle, "a GPU output's ipc_handle")
+        else:
+            _check(not self.ipc_handle, "a CPU output has no ipc_handle")
+        if self.strides:
+            _check(len(self.strides) == len(self.shape), "strides and shape differ in length")
+            _check(all(stride >= 0 for stride in self.strides), "strides must not be negative")
+            # The last byte any index reaches must lie inside the region.
+            itemsize = ITEMSIZES[self.dtype]
+            if all(self.shape):
+                reach = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+                _check(reach + itemsize <= self.nbytes, "strides reach outside the region")
 
 
 @dataclass(frozen=True)
@@ -277,6 +332,14 @@ class BatchReady(Message):
     outputs: tuple[OutputDescriptor, ...]
     # Slabs the daemon has freed since its last message: the trainer unmaps them.
     retired_slabs: tuple[str, ...] = ()
+    # Hex of a cudaIpcEventHandle recorded after this batch's GPU outputs were written; the
+    # trainer's stream waits on it before using them. Empty when no output is on the GPU.
+    event: str = ""
+
+    def __post_init__(self) -> None:
+        on_gpu = any(output.device == "cuda" for output in self.outputs)
+        _check_handle(self.event, "batch_ready.event", optional=not on_gpu)
+        _check(on_gpu or not self.event, "batch_ready.event without GPU outputs")
 
 
 @dataclass(frozen=True)
@@ -299,6 +362,17 @@ class ReleaseRegions(Message):
 
     OP: ClassVar[str] = "release_regions"
     region_ids: tuple[int, ...] = field(default_factory=tuple)
+    # GPU regions: hex of a cudaIpcEventHandle the trainer recorded after its last use of them;
+    # the daemon writes them again only after it. Empty for CPU regions.
+    event: str = ""
+    # Retired GPU slabs the trainer has unmapped (or never mapped): the daemon may now free
+    # them. CUDA forbids freeing memory another process still maps.
+    closed_slabs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_handle(self.event, "release_regions.event", optional=True)
+        for name in self.closed_slabs:
+            _check_name(name, "a closed slab's name")
 
 
 # --- Errors -------------------------------------------------------------------------------------
@@ -335,6 +409,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
+    "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",

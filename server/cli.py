@@ -81,13 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool-bytes",
         type=parse_size,
         default="2G",
-        help="output memory each job may hold, e.g. 2G (default 2G)",
+        help="output memory each job may hold, e.g. 2G (default 2G); on a GPU daemon, this much "
+        "host memory and this much device memory",
     )
     serve.add_argument(
         "--slab-bytes",
         type=parse_size,
         default="64M",
-        help="size of each shared-memory slab outputs are carved from (default 64M)",
+        help="size of each slab outputs are carved from, shared memory or GPU memory (default 64M)",
     )
     serve.add_argument(
         "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"

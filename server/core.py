@@ -8,6 +8,7 @@ wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it.
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ from dalid.protocol import (
     device_label,
 )
 
+from .cuda import CudaBackend
 from .executor import PendingBatch, PipelineExecutor
 from .memory import SlabBackend
 from .pool import RegionPool
@@ -56,7 +58,10 @@ Push = Callable[[bytes, Message, int | None], None]
 
 @dataclass
 class Job:
-    """One training job: its trainer connection, pipelines, deferred batches and output pool."""
+    """One training job: its trainer connection, pipelines, deferred batches and output pools.
+
+    On a GPU daemon ``gpu_pool`` holds its GPU outputs, in memory of ``cuda``.
+    """
 
     job_id: int
     token: str
@@ -65,6 +70,8 @@ class Job:
     pid_namespace: int
     name: str
     pool: RegionPool
+    gpu_pool: RegionPool | None = None
+    cuda: CudaBackend | None = None
     pipelines: dict[int, PipelineExecutor] = field(default_factory=dict)
     deferred: dict[int, PendingBatch] = field(default_factory=dict)
     peers: set[bytes] = field(default_factory=set)
@@ -72,7 +79,11 @@ class Job:
     closed: bool = False
 
     def close(self) -> None:
-        """Stops the job's pipelines and frees its pool. Idempotent."""
+        """Stops the job's pipelines and frees its pools. Idempotent.
+
+        GPU slabs the trainer still maps are not freed yet: the caller closes ``cuda`` once the
+        trainer has unmapped them or is gone (Note [GPU output lifetime]).
+        """
         if self.closed:
             return
         self.closed = True
@@ -81,6 +92,8 @@ class Job:
         self.deferred.clear()
         # An executor stuck inside DALI may still write its outputs: keep the memory mapped.
         self.pool.close(unmap=all(stopped))
+        if self.gpu_pool is not None:
+            self.gpu_pool.close(unmap=all(stopped))
 
 
 @dataclass
@@ -119,7 +132,11 @@ def process_alive(pid: int) -> bool:
 
 
 class DaemonCore:
-    """Handles requests for one device. ``push(peer, message)`` must be thread-safe."""
+    """Handles requests for one device. ``push(peer, message)`` must be thread-safe.
+
+    On a GPU daemon, ``cuda_backend()`` makes each job's GPU memory and ``device_uuid`` names
+    the GPU in the welcome.
+    """
 
     def __init__(
         self,
@@ -128,12 +145,19 @@ class DaemonCore:
         push: Push,
         limits: Limits,
         instance: str | None = None,
+        *,
+        device_uuid: str = "",
+        cuda_backend: Callable[[], CudaBackend] | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
         self.device = device
         self.device_id = None if device == "cpu" else int(device)
+        self.device_uuid = device_uuid
         self._backend = backend
+        self._cuda_backend = cuda_backend
+        # Ended jobs whose trainer still maps GPU slabs: freed once it exits (see reap).
+        self._orphans: list[Job] = []
         self._push = push
         self.limits = limits
         self.dali_version = dali_version
@@ -194,13 +218,42 @@ class DaemonCore:
         for job in dead:
             log.info("job %d: trainer pid %d is gone, freeing what it held", job.job_id, job.pid)
             self.close_job(job)
+        for job in list(self._orphans):
+            if not self._alive(job.pid, job.pid_namespace):
+                log.info("job %d: trainer %d is gone, freeing its GPU slabs", job.job_id, job.pid)
+                self._orphans.remove(job)
+                self._free_gpu(job)
         return [job.job_id for job in dead]
 
-    def close_job(self, job: Job) -> None:
+    def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
         for identity in list(job.peers):
             self.peers.pop(identity, None)
         self.jobs.pop(job.job_id, None)
         job.close()
+        cuda = job.cuda
+        if cuda is None or cuda.closed:
+            return
+        cuda.forget_peer_events()
+        if cuda.awaiting_peer and not daemon_stopping and self._alive(job.pid, job.pid_namespace):
+            # Tensors of the trainer still view these slabs; CUDA forbids freeing them before it
+            # unmaps them, which its process exit does (Note [GPU output lifetime]).
+            log.info(
+                "job %d: keeping %d GPU slabs its trainer still maps until pid %d exits",
+                job.job_id,
+                cuda.awaiting_peer,
+                job.pid,
+            )
+            self._orphans.append(job)
+        else:
+            self._free_gpu(job)
+
+    @staticmethod
+    def _free_gpu(job: Job) -> None:
+        assert job.cuda is not None
+        try:
+            job.cuda.close()
+        except Exception:
+            log.exception("job %d: freeing GPU memory failed", job.job_id)
 
     def trainer_unreachable(self, identity: bytes) -> None:
         peer = self.peers.get(identity)
@@ -210,7 +263,10 @@ class DaemonCore:
 
     def close(self) -> None:
         for job in list(self.jobs.values()):
-            self.close_job(job)
+            self.close_job(job, daemon_stopping=True)
+        orphans, self._orphans = self._orphans, []
+        for job in orphans:
+            self._free_gpu(job)
 
     def job_for(self, identity: bytes) -> Job | None:
         peer = self.peers.get(identity)
@@ -228,24 +284,11 @@ class DaemonCore:
         if identity in self.peers:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
         if hello.role is Role.TRAINER:
-            job_id = self._next_job_id
-            self._next_job_id += 1
-            job = Job(
-                job_id=job_id,
-                token=secrets.token_hex(16),
-                trainer=identity,
-                pid=hello.client_pid,
-                pid_namespace=hello.pid_namespace,
-                name=hello.name,
-                pool=RegionPool(
-                    self._backend,
-                    f"dalid-{self._instance}-j{job_id}",
-                    self.limits.pool_bytes,
-                    self.limits.slab_bytes,
-                ),
+            job = self._new_job(identity, hello)
+            self.jobs[job.job_id] = job
+            log.info(
+                "job %d (%s, pid %d) connected", job.job_id, hello.name or "?", hello.client_pid
             )
-            self.jobs[job_id] = job
-            log.info("job %d (%s, pid %d) connected", job_id, hello.name or "?", hello.client_pid)
         else:
             found = self.jobs.get(hello.job_id or 0)
             if found is None or not hmac.compare_digest(found.token, hello.job_token or ""):
@@ -267,12 +310,49 @@ class DaemonCore:
             job_id=job.job_id,
             job_token=job.token,
             limits=self.limits,
+            device_uuid=self.device_uuid,
         )
 
-    def _on_goodbye(self, identity: bytes, _: Goodbye, _request_id: int | None) -> Message:
+    def _new_job(self, identity: bytes, hello: Hello) -> Job:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        prefix = f"dalid-{self._instance}-j{job_id}"
+        # One id sequence for both pools: a region id names one region of the job.
+        region_ids = itertools.count(1)
+        limits = self.limits
+        job = Job(
+            job_id=job_id,
+            token=secrets.token_hex(16),
+            trainer=identity,
+            pid=hello.client_pid,
+            pid_namespace=hello.pid_namespace,
+            name=hello.name,
+            pool=RegionPool(
+                self._backend,
+                prefix,
+                limits.pool_bytes,
+                limits.slab_bytes,
+                region_ids=region_ids,
+            ),
+        )
+        if self._cuda_backend is not None:
+            job.cuda = self._cuda_backend()
+            job.gpu_pool = RegionPool(
+                job.cuda,
+                f"{prefix}-cuda",
+                limits.pool_bytes,
+                limits.slab_bytes,
+                region_ids=region_ids,
+            )
+        return job
+
+    def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
         peer = self.peers[identity]
         if peer.role is Role.TRAINER:
             log.info("job %d said goodbye", peer.job.job_id)
+            if peer.job.cuda is not None:
+                # Every GPU slab but these is unmapped in the trainer (Note [GPU output lifetime]).
+                peer.job.cuda.peer_kept(goodbye.kept_slabs)
             self.close_job(peer.job)
         else:
             self._forget_peer(identity)
@@ -319,6 +399,8 @@ class DaemonCore:
             pool=job.pool,
             deliver=lambda message: self._push(trainer, message, None),
             on_built=on_built,
+            gpu_pool=job.gpu_pool,
+            cuda=job.cuda,
         )
         return None  # answered by on_built once the pipeline is built
 
@@ -374,7 +456,29 @@ class DaemonCore:
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
     ) -> Message | None:
         job = self.peers[identity].job
+        if (request.event or request.closed_slabs) and job.cuda is None:
+            raise RequestRefused(
+                ErrorCode.MALFORMED_MESSAGE,
+                "release_regions: event and closed_slabs are for GPU outputs, and this daemon "
+                "delivers CPU outputs only",
+            )
+        if request.event:
+            assert job.cuda is not None
+            # Before the regions go back to the pool: every later copy into them is queued
+            # after this wait (Note [GPU output lifetime], point 4).
+            try:
+                job.cuda.wait_for_peer(request.event)
+            except Exception as error:
+                raise RequestRefused(
+                    ErrorCode.MALFORMED_MESSAGE,
+                    f"release_regions: the release event cannot be used: {error}",
+                ) from None
         unknown = job.pool.release(request.region_ids)
+        if unknown and job.gpu_pool is not None:
+            unknown = job.gpu_pool.release(unknown)
+        if request.closed_slabs:
+            assert job.cuda is not None
+            job.cuda.peer_closed(request.closed_slabs)
         if unknown:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_REGION,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -23,16 +24,19 @@ import zmq
 
 from dalid.protocol import (
     Device,
+    GpuUnavailable,
     Limits,
     Message,
     ProtocolError,
     decode,
     device_label,
     endpoint,
+    gpu_uuid,
     transport,
 )
 
 from .core import DaemonCore, process_alive
+from .cuda import CudaBackend
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
 
 log = logging.getLogger("dalid.server")
@@ -40,6 +44,7 @@ log = logging.getLogger("dalid.server")
 GiB = 1 << 30
 MiB = 1 << 20
 EXIT_ALREADY_RUNNING = 3
+EXIT_NO_DEVICE = 4
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,11 @@ class Daemon:
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
-            self._start()
+            try:
+                self._start()
+            except GpuUnavailable as error:
+                log.error("cannot serve GPU %s: %s", self.config.device, error)
+                return EXIT_NO_DEVICE
             log.info(
                 "dalid daemon pid %d serving %s on %s",
                 os.getpid(),
@@ -142,7 +151,22 @@ class Daemon:
             pool_bytes=config.pool_bytes,
             slab_bytes=config.slab_bytes,
         )
-        self.core = DaemonCore(config.device, SharedMemoryBackend(), self.push, limits)
+        device_uuid = ""
+        cuda_backend = None
+        if config.device != "cpu":
+            device_id = int(config.device)
+            device_uuid = gpu_uuid(device_id)
+            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
+            cuda_backend = functools.partial(CudaBackend, device_id)
+            log.info("GPU %d is %s", device_id, device_uuid)
+        self.core = DaemonCore(
+            config.device,
+            SharedMemoryBackend(),
+            self.push,
+            limits,
+            device_uuid=device_uuid,
+            cuda_backend=cuda_backend,
+        )
         self._context = zmq.Context()
         previous = os.umask(0o177)  # the socket file is created 0600
         try:

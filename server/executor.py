@@ -3,6 +3,10 @@
 The executor keeps up to ``prefetch_queue_depth`` batches inside DALI so that decoding of the
 next batch overlaps the copy-out of the previous one. A batch keeps its input frames until its
 outputs are collected, because external_source with ``no_copy=True`` reads them in place.
+
+CPU outputs go to the job's shared-memory pool; on a GPU daemon, GPU outputs go to its device
+pool, copied on the job's stream and followed by one interprocess event per batch (Note [GPU
+output lifetime] in ``cuda.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dalid.protocol import (
     SubmitBatch,
 )
 
-from .pool import PoolClosed, PoolTooSmall, RegionPool
+from .cuda import CudaBackend, CudaSlab
+from .pool import PoolClosed, PoolTooSmall, Region, RegionPool
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
 
 log = logging.getLogger("dalid.server")
@@ -57,7 +62,7 @@ class PipelineExecutor:
 
     Building happens in that thread too, so a slow build never holds up the daemon's other
     jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``deliver``
-    sends batch results.
+    sends batch results. ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU outputs.
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class PipelineExecutor:
         pool: RegionPool,
         deliver: Callable[[Message], None],
         on_built: Callable[[PipelineBuildError | None], None],
+        gpu_pool: RegionPool | None = None,
+        cuda: CudaBackend | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.spec = spec
@@ -76,6 +83,10 @@ class PipelineExecutor:
         self.runner: PipelineRunner | None = None
         self.failed = False
         self._pool = pool
+        self._gpu_pool = gpu_pool
+        self._cuda = cuda
+        # The default executor hands outputs over on our stream, without a host sync.
+        self._stream = cuda.stream if cuda is not None and spec.exec_dynamic else None
         self._deliver = deliver
         self._on_built = on_built
         self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
@@ -149,7 +160,7 @@ class PipelineExecutor:
                     continue
                 batch = in_flight.popleft()
                 try:
-                    outputs = runner.collect()
+                    outputs = runner.collect(self._stream)
                 except Exception as error:
                     start_over(batch, ErrorCode.PIPELINE_ERROR, error)
                     continue
@@ -168,7 +179,7 @@ class PipelineExecutor:
                 self._fail(batch, ErrorCode.PIPELINE_ERROR, message)
 
     def _drain(self) -> list[PendingBatch]:
-        batches = []
+        batches: list[PendingBatch] = []
         while True:
             try:
                 batch = self._queue.get_nowait()
@@ -195,64 +206,117 @@ class PipelineExecutor:
 
     def _write(self, batch: PendingBatch, outputs: tuple[Any, ...]) -> None:
         try:
-            tensors = []
-            for index, output in enumerate(outputs):
-                if not output.is_dense_tensor():
-                    shapes = output.shape()
-                    raise BatchFailure(
-                        ErrorCode.INVALID_OUTPUT,
-                        f"output {index} has samples of different shapes ({shapes[:4]}...): "
-                        "a batch is delivered as one tensor, so resize, crop or pad to one shape",
-                    )
-                if type(output).__name__ != "TensorListCPU":
-                    raise BatchFailure(
-                        ErrorCode.INVALID_OUTPUT,
-                        f"output {index} is on the GPU, and this daemon delivers CPU outputs only",
-                    )
-                tensors.append(output.as_tensor())
+            tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
+            on_gpu = [type(output).__name__ == "TensorListGPU" for output in outputs]
             shapes = [tuple(int(x) for x in tensor.shape()) for tensor in tensors]
             dtypes = [_dtype_name(output.dtype) for output in outputs]
             sizes = [
                 math.prod(shape) * np.dtype(dtype).itemsize
                 for shape, dtype in zip(shapes, dtypes, strict=True)
             ]
+            regions = self._allocate(sizes, on_gpu)
             try:
-                regions = self._pool.allocate(sizes, cancelled=self._stopping.is_set)
-            except PoolTooSmall as error:
-                raise BatchFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
-            descriptors = []
-            for region, tensor, output, shape, dtype in zip(
-                regions, tensors, outputs, shapes, dtypes, strict=True
-            ):
-                if region.nbytes:
-                    region.slab.copy_into(region.offset, tensor)  # type: ignore[attr-defined]
-                descriptors.append(
-                    OutputDescriptor(
-                        region_id=region.region_id,
-                        slab=region.slab.name,
-                        slab_size=region.slab.size,
-                        offset=region.offset,
-                        nbytes=region.nbytes,
-                        dtype=dtype,
-                        shape=shape,
-                        layout=output.layout() or "",
-                        device=region.slab.device,
-                    )
+                event = self._copy(regions, tensors, on_gpu)
+            except Exception:
+                self._release(regions)
+                raise
+            descriptors = [
+                OutputDescriptor(
+                    region_id=region.region_id,
+                    slab=region.slab.name,
+                    slab_size=region.slab.size,
+                    offset=region.offset,
+                    nbytes=region.nbytes,
+                    dtype=dtype,
+                    shape=shape,
+                    layout=output.layout() or "",
+                    device=region.slab.device,
+                    # Exported: the daemon frees the slab only once the trainer unmapped it.
+                    ipc_handle=region.slab.export() if isinstance(region.slab, CudaSlab) else "",
                 )
+                for region, output, shape, dtype in zip(
+                    regions, outputs, shapes, dtypes, strict=True
+                )
+            ]
         except BatchFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
         self.batches_done += 1
         self.samples_done += batch.request.batch_size
+        retired = self._pool.take_retired()
+        if self._gpu_pool is not None:
+            retired += self._gpu_pool.take_retired()
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
         self._deliver(
             BatchReady(
                 batch.batch_id,
                 self.pipeline_id,
                 tuple(descriptors),
-                retired_slabs=tuple(self._pool.take_retired()),
+                retired_slabs=tuple(retired),
+                event=event,
             )
         )
+
+    def _dense(self, index: int, output: Any) -> Any:
+        """The output as one tensor; a batch whose samples differ in shape cannot be one."""
+        if not output.is_dense_tensor():
+            shapes = output.shape()
+            raise BatchFailure(
+                ErrorCode.INVALID_OUTPUT,
+                f"output {index} has samples of different shapes ({shapes[:4]}...): "
+                "a batch is delivered as one tensor, so resize, crop or pad to one shape",
+            )
+        if type(output).__name__ == "TensorListGPU" and self._gpu_pool is None:
+            raise BatchFailure(
+                ErrorCode.INVALID_OUTPUT,
+                f"output {index} is on the GPU, and this daemon delivers CPU outputs only",
+            )
+        return output.as_tensor()
+
+    def _allocate(self, sizes: list[int], on_gpu: list[bool]) -> list[Region]:
+        """One region per output, from the pool of its device; all or none."""
+        cpu_sizes = [size for size, gpu in zip(sizes, on_gpu, strict=True) if not gpu]
+        gpu_sizes = [size for size, gpu in zip(sizes, on_gpu, strict=True) if gpu]
+        try:
+            cpu = self._pool.allocate(cpu_sizes, cancelled=self._stopping.is_set)
+            try:
+                gpu = (
+                    self._gpu_pool.allocate(gpu_sizes, cancelled=self._stopping.is_set)
+                    if self._gpu_pool is not None and gpu_sizes
+                    else []
+                )
+            except BaseException:
+                self._pool.release([region.region_id for region in cpu])
+                raise
+        except PoolTooSmall as error:
+            raise BatchFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
+        cpu_left, gpu_left = iter(cpu), iter(gpu)
+        return [next(gpu_left) if g else next(cpu_left) for g in on_gpu]
+
+    def _release(self, regions: list[Region]) -> None:
+        ids = [region.region_id for region in regions]
+        unknown = self._pool.release(ids)
+        if unknown and self._gpu_pool is not None:
+            self._gpu_pool.release(unknown)
+
+    def _copy(self, regions: list[Region], tensors: list[Any], on_gpu: list[bool]) -> str:
+        """Copies every output into its region; the batch event's handle ("" without GPU)."""
+        cuda = self._cuda
+        if cuda is not None and self._stream is not None and not all(on_gpu):
+            # CPU outputs that DALI copied from the GPU are ready in our stream's order only:
+            # a host wait here, in the daemon, for pipelines with outputs on both devices.
+            cuda.synchronize()
+        for region, tensor in zip(regions, tensors, strict=True):
+            if region.nbytes:
+                region.slab.copy_into(region.offset, tensor)
+        if cuda is None or not any(on_gpu):
+            return ""
+        event = cuda.record_batch()
+        if self._stream is None:
+            # The legacy executor reuses its output buffers once released, without regard to
+            # our stream: let the copies finish first.
+            cuda.synchronize()
+        return event
 
     def _fail(self, batch: PendingBatch, code: ErrorCode, message: str) -> None:
         log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)

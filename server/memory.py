@@ -2,7 +2,8 @@
 
 A slab is one block of memory that the daemon creates and maps once and exports to a trainer
 by name; regions of it carry batch outputs. The shared-memory backend below holds CPU outputs;
-a device backend (CUDA IPC) exports GPU slabs the same way, so the pool above does not care.
+the device backend in ``cuda.py`` (CUDA IPC) exports GPU slabs the same way, so the pool above
+does not care.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ PAGE = mmap.PAGESIZE
 
 
 class Slab(Protocol):
-    """One exported block of memory; ``close()`` is idempotent and frees it."""
+    """One exported block of memory; ``close()`` is idempotent and frees it.
+
+    ``device`` is the descriptor's: "cpu" or "cuda". ``view`` is for host memory only.
+    """
 
     name: str
     size: int
@@ -31,6 +35,8 @@ class Slab(Protocol):
     def address(self, offset: int) -> int: ...
 
     def view(self, offset: int, nbytes: int) -> np.ndarray: ...
+
+    def copy_into(self, offset: int, source: object) -> None: ...
 
     def close(self, unmap: bool = True) -> None: ...
 

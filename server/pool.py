@@ -22,13 +22,19 @@ Who may free what, and when:
 6. If the daemon dies, the kernel frees its mappings; the names it had not unlinked are
    unlinked by the next daemon on the same socket, which removes ``dalid-*`` segments whose
    creating daemon is no longer alive.
+7. On a GPU daemon a job has a second pool, of device memory, with the same leases; its region
+   ids come from the same sequence as the shared-memory pool's, so an id names one region of the
+   job. CUDA changes points 2, 3, 5 and 6 for those regions: see Note [GPU output lifetime] in
+   ``cuda.py`` (stream-ordered writes and releases, and slabs freed only once the trainer has
+   unmapped them).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .memory import PAGE, Slab, SlabBackend
@@ -95,7 +101,8 @@ class _SlabSpace:
 class RegionPool:
     """Output regions for one job, at most ``limit_bytes`` of slabs of ``slab_bytes`` or more.
 
-    Thread-safe: executors allocate from their threads while the I/O thread releases.
+    Thread-safe: executors allocate from their threads while the I/O thread releases. Pools of
+    one job pass the same ``region_ids`` so that their ids never collide.
     """
 
     def __init__(
@@ -105,6 +112,8 @@ class RegionPool:
         limit_bytes: int,
         slab_bytes: int,
         alignment: int = ALIGNMENT,
+        *,
+        region_ids: Iterator[int] | None = None,
     ) -> None:
         self._backend = backend
         self._name_prefix = name_prefix
@@ -113,7 +122,8 @@ class RegionPool:
         self._alignment = alignment
         self._spaces: list[_SlabSpace] = []
         self._leases: dict[int, tuple[_SlabSpace, int, int]] = {}
-        self._next_region_id = 1
+        # itertools.count is atomic in CPython, so pools may share one across threads.
+        self._region_ids = region_ids if region_ids is not None else itertools.count(1)
         self._next_slab_number = 0
         self._condition = threading.Condition()
         self._closed = False
@@ -230,8 +240,7 @@ class RegionPool:
             taken.append((placed[0], placed[1], size))
         regions = []
         for (space, offset, size), requested in zip(taken, sizes, strict=True):
-            region_id = self._next_region_id
-            self._next_region_id += 1
+            region_id = next(self._region_ids)
             self._leases[region_id] = (space, offset, size)
             regions.append(Region(region_id, space.slab, offset, requested))
         return regions

@@ -114,10 +114,14 @@ class PipelineRunner:
         self._pipeline._run_once()
         self.scheduled += 1
 
-    def collect(self) -> tuple[Any, ...]:
-        """The outputs (DALI TensorLists) of the oldest scheduled run."""
+    def collect(self, cuda_stream: int | None = None) -> tuple[Any, ...]:
+        """The outputs (DALI TensorLists) of the oldest scheduled run.
+
+        With ``cuda_stream`` (a ``cudaStream_t``; the default executor only) GPU outputs, and CPU
+        outputs copied from the GPU, are ready in that stream's order instead of on the host.
+        """
         self.scheduled -= 1
-        outputs = tuple(self._pipeline.outputs())
+        outputs = tuple(self._pipeline.outputs(cuda_stream))
         if len(outputs) != self.spec.num_outputs:
             raise PipelineBuildError(
                 ErrorCode.INVALID_OUTPUT,

@@ -32,6 +32,15 @@ def random_pipeline():
     return fn.cast(data, dtype=types.FLOAT) + noise
 
 
+@pipeline_def(batch_size=BATCH, num_threads=2, device_id=0, seed=1234)
+def gpu_pipeline():
+    """The two outputs of ``two_output_pipeline``, the first computed on and delivered from the
+    GPU, the second on the CPU: a pipeline with outputs on both devices."""
+    data = fn.external_source(name="data", no_copy=True)
+    scaled = fn.cast(data.gpu(), dtype=types.FLOAT) * 0.5 + 1.0
+    return scaled, data + 7
+
+
 def sample(index: int, offset: int = 0) -> np.ndarray:
     """A small int32 sample whose values identify it."""
     return np.arange(12, dtype=np.int32).reshape(4, 3) + 100 * (index + offset)
@@ -77,7 +86,8 @@ def run_in_process(pipeline, batches: list[dict[str, list[np.ndarray]]]) -> list
         for name, samples in inputs.items():
             pipeline.feed_input(name, samples)
         outputs = pipeline.run()
-        results.append([np.array(out.as_tensor()) for out in outputs])
+        # as_cpu(): a GPU output comes to the host; a CPU one stays as it is.
+        results.append([np.array(out.as_cpu().as_tensor()) for out in outputs])
     return results
 
 

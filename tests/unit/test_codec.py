@@ -70,6 +70,11 @@ def _submit_batch() -> SubmitBatch:
     )
 
 
+# CUDA IPC handles are 64 opaque bytes; zeros included, since a handle may hold them.
+GPU_HANDLE = bytes(range(64)).hex()
+GPU_EVENT = (b"\x00" * 8 + bytes(range(200, 256))).hex()
+
+
 def _examples() -> list[tuple[Message, int | None]]:
     """Instances of every message type (several for some), each with a request id or None."""
     return [
@@ -103,7 +108,21 @@ def _examples() -> list[tuple[Message, int | None]]:
             ),
             2,
         ),
+        (
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                daemon_pid=42,
+                device="gpu1",
+                dali_version="2.4.0",
+                job_id=8,
+                job_token="4567cdef",
+                limits=Limits(4096, 1 << 31, 2 << 30, 64 << 20),
+                device_uuid="GPU-00010203-0405-0607-0809-0a0b0c0d0e0f",
+            ),
+            3,
+        ),
         (Goodbye(), 3),
+        (Goodbye(kept_slabs=("dalid-1-abc-j1-cuda-2",)), 4),
         (Ping(), 2**63 - 1),
         (Pong(daemon_pid=42), 0),
         (Shutdown(), None),
@@ -166,9 +185,44 @@ def _examples() -> list[tuple[Message, int | None]]:
             ),
             None,
         ),
+        (
+            BatchReady(
+                batch_id=12,
+                pipeline_id=3,
+                outputs=(
+                    OutputDescriptor(
+                        region_id=3,
+                        slab="dalid-1-abc-j1-cuda-1",
+                        slab_size=1 << 26,
+                        offset=512,
+                        nbytes=2 * 3 * 4 * 2,
+                        dtype="float16",
+                        shape=(2, 3, 4),
+                        layout="CHW",
+                        device="cuda",
+                        strides=(24, 8, 2),
+                        ipc_handle=GPU_HANDLE,
+                    ),
+                    OutputDescriptor(
+                        region_id=4,
+                        slab="dalid-1-abc-j1-2",
+                        slab_size=1 << 20,
+                        offset=0,
+                        nbytes=8,
+                        dtype="int32",
+                        shape=(2,),
+                    ),
+                ),
+                retired_slabs=("dalid-1-abc-j1-cuda-0",),
+                event=GPU_EVENT,
+            ),
+            None,
+        ),
         (BatchFailed(11, 3, ErrorCode.PIPELINE_ERROR, "DALI said no"), None),
         (ReleaseRegions(region_ids=(1, 2, 3)), None),
         (ReleaseRegions(), None),
+        (ReleaseRegions(region_ids=(3,), event=GPU_EVENT), None),
+        (ReleaseRegions(closed_slabs=("dalid-1-abc-j1-cuda-0",)), None),
         (
             Error(
                 ErrorCode.INVALID_BATCH,
@@ -661,6 +715,63 @@ def test_output_descriptor_checks(fields: dict[str, Any]) -> None:
     header, frames = _encoded_header(_first(BatchReady))
     header["body"]["outputs"][0].update(fields)
     _expect_error(_pack(header, *frames))
+
+
+def _gpu_batch_ready() -> BatchReady:
+    return next(
+        message for message, _ in EXAMPLES if isinstance(message, BatchReady) and message.event
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"ipc_handle": ""},
+        {"ipc_handle": "ab" * 63},  # 63 bytes
+        {"ipc_handle": "zz" * 64},
+        {"device": "gpu0"},
+        {"strides": [24, 8]},  # fewer strides than dimensions
+        {"strides": [24, -8, 2]},
+        {"strides": [48, 8, 2]},  # reaches past the region's bytes
+    ],
+    ids=["no-handle", "short-handle", "not-hex", "device", "strides-ndim", "negative", "reach"],
+)
+def test_gpu_output_descriptor_checks(fields: dict[str, Any]) -> None:
+    header, frames = _encoded_header(_gpu_batch_ready())
+    header["body"]["outputs"][0].update(fields)
+    _expect_error(_pack(header, *frames))
+
+
+def test_a_cpu_output_has_no_ipc_handle() -> None:
+    header, frames = _encoded_header(_first(BatchReady))
+    header["body"]["outputs"][0]["ipc_handle"] = GPU_HANDLE
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize("event", ["", "00" * 63, GPU_EVENT.upper()[:-2] + "xy"])
+def test_gpu_outputs_need_their_batch_event(event: str) -> None:
+    header, frames = _encoded_header(_gpu_batch_ready())
+    header["body"]["event"] = event
+    _expect_error(_pack(header, *frames))
+
+
+def test_a_batch_event_without_gpu_outputs_is_refused() -> None:
+    header, frames = _encoded_header(_first(BatchReady))
+    header["body"]["event"] = GPU_EVENT
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"event": "12"}, {"closed_slabs": [""]}, {"closed_slabs": ["n" * 257]}],
+    ids=["short-event", "empty-name", "long-name"],
+)
+def test_release_regions_gpu_checks(body: dict[str, Any]) -> None:
+    _expect_error(_pack(_header(op="release_regions", body=body)))
+
+
+def test_goodbye_kept_slab_names_are_checked() -> None:
+    _expect_error(_pack(_header(op="goodbye", body={"kept_slabs": [""]})))
 
 
 # --- Fuzzing ------------------------------------------------------------------------------------

@@ -1,0 +1,386 @@
+"""The daemon's GPU memory bookkeeping (server/cuda.py) on a fake CUDA API: no GPU needed.
+
+What runs on a real GPU (CupyApi, the copies, IPC between processes) is in
+tests/integration/test_gpu.py. Here: when slabs are freed, how events are reused, and how the
+daemon applies the trainer's release fences, closed slabs and goodbye (Note [GPU output
+lifetime]).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import uuid
+from typing import Any
+
+import pytest
+
+from dalid.protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    Limits,
+    Message,
+    ReleaseRegions,
+    Role,
+    Welcome,
+)
+from dalid.server.core import DaemonCore
+from dalid.server.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab
+from dalid.server.memory import PAGE, SharedMemoryBackend
+from dalid.server.pool import RegionPool
+
+DEVICE_UUID = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+TRAINER = b"trainer"
+
+
+class FakeApi:
+    """Records the CUDA calls a backend makes; memory is plain numbers."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.allocated: dict[int, int] = {}
+        self.freed: list[int] = []
+        self._next_ptr = 1 << 32
+        self.events: list[int] = []
+        self.opened: dict[int, bytes] = {}
+        self.destroyed: list[int] = []
+        self.on_wait: list[Any] = []
+
+    def malloc(self, size: int) -> int:
+        ptr = self._next_ptr
+        self._next_ptr += size + PAGE
+        self.allocated[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        assert ptr in self.allocated, "freed twice or never allocated"
+        del self.allocated[ptr]
+        self.freed.append(ptr)
+
+    def export_memory(self, ptr: int) -> bytes:
+        return ptr.to_bytes(64, "little")
+
+    def create_stream(self) -> int:
+        return 7
+
+    def destroy_stream(self, stream: int) -> None:
+        self.calls.append(("destroy_stream", stream))
+
+    def create_event(self) -> tuple[int, bytes]:
+        event = 100 + len(self.events)
+        self.events.append(event)
+        return event, event.to_bytes(64, "little")
+
+    def open_event(self, handle: bytes) -> int:
+        event = 1000 + len(self.opened)
+        self.opened[event] = handle
+        return event
+
+    def destroy_event(self, event: int) -> None:
+        self.destroyed.append(event)
+
+    def record(self, event: int, stream: int) -> None:
+        self.calls.append(("record", event, stream))
+
+    def wait(self, stream: int, event: int) -> None:
+        self.calls.append(("wait", stream, event))
+        for hook in self.on_wait:
+            hook()
+
+    def synchronize(self, stream: int) -> None:
+        self.calls.append(("synchronize", stream))
+
+    def copy(self, ptr: int, source: Any, stream: int) -> None:
+        self.calls.append(("copy", ptr, stream))
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    return FakeApi()
+
+
+def _backend(api: FakeApi, ring_size: int = 4) -> CudaBackend:
+    return CudaBackend(0, api=api, ring_size=ring_size)
+
+
+# --- slabs --------------------------------------------------------------------------------------
+
+
+def test_a_slab_never_exported_is_freed_when_the_pool_lets_go(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", 2 * PAGE)
+    assert isinstance(slab, CudaSlab)
+    assert api.allocated == {slab.ptr: 2 * PAGE}
+    assert slab.ipc_handle == api.export_memory(slab.ptr).hex()
+    assert slab.address(256) == slab.ptr + 256
+    with pytest.raises(TypeError, match="no host view"):
+        slab.view(0, 1)
+    slab.close()
+    slab.close()  # idempotent
+    assert api.freed == [slab.ptr]
+    assert backend.awaiting_peer == 0
+
+
+def test_an_exported_slab_waits_until_the_trainer_unmapped_it(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", PAGE)
+    assert slab.export() == slab.ipc_handle
+    slab.close()
+    assert api.freed == []  # CUDA: freeing memory another process maps is undefined
+    assert backend.awaiting_peer == 1
+    backend.peer_closed(["unknown", "s-1"])
+    assert api.freed == [slab.ptr]
+    assert backend.awaiting_peer == 0
+    backend.peer_closed(["s-1"])  # a repeated report changes nothing
+    assert api.freed == [slab.ptr]
+
+
+def test_a_slab_the_trainer_unmapped_first_is_freed_when_the_pool_lets_go(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", PAGE)
+    slab.export()
+    backend.peer_closed(["s-1"])
+    assert api.freed == []  # the pool still holds it
+    slab.close()
+    assert api.freed == [slab.ptr]
+
+
+def test_a_goodbye_frees_all_but_the_kept_slabs(api: FakeApi) -> None:
+    backend = _backend(api)
+    slabs = [backend.create(f"s-{n}", PAGE) for n in range(3)]
+    for slab in slabs:
+        slab.export()
+    backend.peer_kept(["s-1"])
+    for slab in slabs:
+        slab.close()
+    assert sorted(api.freed) == sorted([slabs[0].ptr, slabs[2].ptr])
+    assert backend.awaiting_peer == 1
+    backend.close()  # the trainer is gone
+    assert api.allocated == {}
+
+
+def test_close_frees_everything_and_destroys_stream_and_events(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", PAGE)
+    slab.export()
+    backend.record_batch()
+    backend.wait_for_peer("ab" * 64)
+    backend.close()
+    backend.close()
+    assert api.allocated == {}
+    assert sorted(api.destroyed) == sorted([*api.events, *api.opened])
+    assert ("destroy_stream", backend.stream) in api.calls
+
+
+def test_memory_kept_for_a_writer_that_cannot_be_stopped(api: FakeApi) -> None:
+    backend = _backend(api)
+    kept = backend.create("s-1", PAGE)
+    other = backend.create("s-2", PAGE)
+    kept.close(unmap=False)
+    other.close()
+    backend.close()
+    assert api.allocated == {kept.ptr: PAGE}  # that writer may still copy into it
+    assert api.destroyed == []
+    assert not any(call[0] == "destroy_stream" for call in api.calls)
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+def test_batch_events_form_a_ring_recorded_on_the_stream(api: FakeApi) -> None:
+    backend = _backend(api, ring_size=3)
+    handles = [backend.record_batch() for _ in range(7)]
+    assert len(api.events) == 3  # created once, then reused
+    assert handles[:3] == [event.to_bytes(64, "little").hex() for event in api.events]
+    assert handles[3:] == handles[:3] + handles[:1]
+    records = [call for call in api.calls if call[0] == "record"]
+    assert [event for _, event, _ in records] == [100, 101, 102] * 2 + [100]
+    assert {stream for _, _, stream in records} == {backend.stream}
+
+
+def test_release_fences_are_opened_once_and_waited_on_each_time(api: FakeApi) -> None:
+    backend = _backend(api)
+    backend.wait_for_peer("01" * 64)
+    backend.wait_for_peer("01" * 64)
+    backend.wait_for_peer("02" * 64)
+    assert list(api.opened.values()) == [b"\x01" * 64, b"\x02" * 64]
+    waits = [call for call in api.calls if call[0] == "wait"]
+    assert waits == [("wait", 7, 1000), ("wait", 7, 1000), ("wait", 7, 1001)]
+
+
+def test_the_daemon_opens_a_bounded_number_of_release_fences(api: FakeApi) -> None:
+    backend = _backend(api)
+    for n in range(MAX_PEER_EVENTS):
+        backend.wait_for_peer(n.to_bytes(64, "little").hex())
+    with pytest.raises(ValueError, match="release events"):
+        backend.wait_for_peer("ff" * 64)
+
+
+def test_copies_go_on_the_job_stream(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", PAGE)
+    slab.copy_into(512, object())
+    assert ("copy", slab.ptr + 512, backend.stream) in api.calls
+
+
+# --- in a pool ----------------------------------------------------------------------------------
+
+
+def test_a_retired_gpu_slab_is_freed_once_the_trainer_reports_it(api: FakeApi) -> None:
+    backend = _backend(api)
+    pool = RegionPool(backend, "dalid-test-cuda", 2 * PAGE, PAGE)
+    singles = [pool.allocate([PAGE])[0] for _ in range(2)]
+    for region in singles:
+        assert isinstance(region.slab, CudaSlab)
+        region.slab.export()
+    pool.release([region.region_id for region in singles])
+    (large,) = pool.allocate([2 * PAGE])  # the two empty slabs make way
+    retired = pool.take_retired()
+    assert sorted(retired) == sorted(region.slab.name for region in singles)
+    assert api.freed == []
+    backend.peer_closed(retired)
+    assert sorted(api.freed) == sorted(region.slab.ptr for region in singles)  # type: ignore[attr-defined]
+    pool.release([large.region_id])
+    pool.close()
+    backend.close()
+    assert api.allocated == {}
+
+
+# --- in the daemon core -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_core(api: FakeApi) -> Any:
+    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
+    limits = Limits(
+        max_batch_size=64, max_message_bytes=1 << 20, pool_bytes=4 * PAGE, slab_bytes=PAGE
+    )
+    core = DaemonCore(
+        0,
+        SharedMemoryBackend(),
+        lambda peer, message, rid: pushed.put((peer, message, rid)),
+        limits,
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+        device_uuid=DEVICE_UUID,
+        cuda_backend=lambda: CudaBackend(0, api=api),
+    )
+    yield core
+    core.close()
+    assert api.allocated == {}
+
+
+def _hello(core: DaemonCore) -> Welcome:
+    reply = core.handle(TRAINER, Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER), 1)
+    assert isinstance(reply, Welcome)
+    return reply
+
+
+def test_the_welcome_names_the_gpu(gpu_core: DaemonCore) -> None:
+    assert _hello(gpu_core).device_uuid == DEVICE_UUID
+
+
+def test_region_ids_name_one_region_of_the_job(gpu_core: DaemonCore) -> None:
+    welcome = _hello(gpu_core)
+    job = gpu_core.jobs[welcome.job_id]
+    assert job.gpu_pool is not None
+    cpu = job.pool.allocate([10, 10])
+    gpu = job.gpu_pool.allocate([10, 10])
+    ids = [region.region_id for region in cpu + gpu]
+    assert len(set(ids)) == 4
+    assert gpu_core.handle(TRAINER, ReleaseRegions(tuple(ids)), None) is None
+    assert job.pool.leased_regions == job.gpu_pool.leased_regions == 0
+
+
+def test_gpu_regions_return_only_after_the_stream_waits_on_the_fence(
+    gpu_core: DaemonCore, api: FakeApi
+) -> None:
+    welcome = _hello(gpu_core)
+    job = gpu_core.jobs[welcome.job_id]
+    assert job.gpu_pool is not None
+    (region,) = job.gpu_pool.allocate([100])
+    leased_at_wait: list[int] = []
+    api.on_wait.append(lambda: leased_at_wait.append(job.gpu_pool.leased_regions))  # type: ignore[union-attr]
+    fence = "5a" * 64
+    reply = gpu_core.handle(TRAINER, ReleaseRegions((region.region_id,), event=fence), None)
+    assert reply is None
+    assert leased_at_wait == [1]  # the wait was queued while the region was still leased
+    assert job.gpu_pool.leased_regions == 0
+    assert list(api.opened.values()) == [bytes.fromhex(fence)]
+
+
+def test_a_cpu_daemon_refuses_gpu_release_fields() -> None:
+    core = DaemonCore(
+        "cpu",
+        SharedMemoryBackend(),
+        lambda *_: None,
+        Limits(64, 1 << 20, 4 * PAGE, PAGE),
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+    )
+    try:
+        assert _hello(core).device_uuid == ""
+        for message in (ReleaseRegions(event="00" * 64), ReleaseRegions(closed_slabs=("x",))):
+            reply = core.handle(TRAINER, message, None)
+            assert isinstance(reply, Error)
+            assert reply.code is ErrorCode.MALFORMED_MESSAGE
+    finally:
+        core.close()
+
+
+def test_closed_slabs_free_retired_slabs(gpu_core: DaemonCore, api: FakeApi) -> None:
+    welcome = _hello(gpu_core)
+    job = gpu_core.jobs[welcome.job_id]
+    assert job.gpu_pool is not None
+    singles = [job.gpu_pool.allocate([PAGE])[0] for _ in range(4)]
+    for region in singles:
+        region.slab.export()  # type: ignore[attr-defined]
+    gpu_core.handle(TRAINER, ReleaseRegions(tuple(r.region_id for r in singles)), None)
+    (large,) = job.gpu_pool.allocate([4 * PAGE])
+    retired = tuple(job.gpu_pool.take_retired())
+    assert len(retired) == 4
+    assert api.freed == []
+    gpu_core.handle(TRAINER, ReleaseRegions(closed_slabs=retired), None)
+    assert len(api.freed) == 4
+    gpu_core.handle(TRAINER, ReleaseRegions((large.region_id,)), None)
+
+
+def test_slabs_the_trainer_keeps_outlive_the_job_until_it_exits(
+    gpu_core: DaemonCore, api: FakeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    welcome = _hello(gpu_core)
+    job = gpu_core.jobs[welcome.job_id]
+    assert job.gpu_pool is not None and job.cuda is not None
+    regions = job.gpu_pool.allocate([PAGE, PAGE])
+    for region in regions:
+        region.slab.export()  # type: ignore[attr-defined]
+    kept, other = (region.slab for region in regions)
+    gpu_core.handle(TRAINER, ReleaseRegions((), event="33" * 64), None)
+    reply = gpu_core.handle(TRAINER, Goodbye(kept_slabs=(kept.name,)), 2)
+    assert reply is not None and reply.OP == "ok"
+    assert welcome.job_id not in gpu_core.jobs
+    assert api.freed == [other.ptr]  # type: ignore[attr-defined]
+    assert job.cuda.awaiting_peer == 1
+    # The trainer's fences are let go at once (it destroys them after the goodbye); the
+    # daemon's own events stay until the trainer has gone.
+    assert api.destroyed == list(api.opened)
+    gpu_core.reap()
+    assert api.freed == [other.ptr]  # type: ignore[attr-defined]  # our pid is alive
+    monkeypatch.setattr(gpu_core, "_alive", lambda pid, namespace: False)
+    gpu_core.reap()
+    assert api.allocated == {}
+    assert job.cuda.closed
+
+
+def test_a_dead_trainers_gpu_memory_is_freed_at_once(
+    gpu_core: DaemonCore, api: FakeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    welcome = _hello(gpu_core)
+    job = gpu_core.jobs[welcome.job_id]
+    assert job.gpu_pool is not None
+    for region in job.gpu_pool.allocate([PAGE, 10]):
+        region.slab.export()  # type: ignore[attr-defined]
+    monkeypatch.setattr(gpu_core, "_alive", lambda pid, namespace: False)
+    assert gpu_core.reap() == [welcome.job_id]
+    assert api.allocated == {}

@@ -1,0 +1,330 @@
+"""The trainer's GPU output bookkeeping (client/cuda.py) on a fake device: no GPU needed.
+
+The fake opens "device memory" as host buffers and builds tensors through numpy, keeping the
+region object alive exactly as torch does for ``__cuda_array_interface__`` (the tensor holds
+it), so release on garbage collection, stream grouping, fence reuse and unmapping are tested
+for real. CUDA itself is in tests/integration/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dalid.client.cuda import MAX_FENCES, CudaMappings, pick_device
+from dalid.client.errors import DeviceMismatch
+from dalid.protocol import OutputDescriptor
+
+SLAB_BYTES = 1 << 16
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    name: str
+    complete: bool = True
+    records: list[int] = field(default_factory=list)  # stream numbers
+    ipc: bool = False
+
+
+@dataclass(frozen=True)
+class FakeStream:
+    cuda_stream: int
+    device_index: int = 0
+
+
+class _HostView:
+    """Exposes a region's memory to numpy; holding the region as torch would."""
+
+    def __init__(self, region: Any) -> None:
+        self.region = region
+        interface = dict(region.__cuda_array_interface__)
+        self.__array_interface__ = interface
+
+
+class FakeDevice:
+    def __init__(self) -> None:
+        self.buffers: dict[int, np.ndarray] = {}
+        self.handles: dict[bytes, int] = {}
+        self.closed: list[int] = []
+        self.stream = FakeStream(1)
+        self.opened_events: list[bytes] = []
+        self.waits: list[tuple[int, str]] = []
+        self.fences: list[FakeEvent] = []
+        self.markers: list[FakeEvent] = []
+        self.synchronized: list[FakeEvent] = []
+
+    def open_memory(self, handle: bytes) -> int:
+        assert handle not in self.handles, "a slab handle opened twice"
+        buffer = np.zeros(SLAB_BYTES, dtype=np.uint8)
+        ptr = buffer.ctypes.data
+        self.buffers[ptr] = buffer
+        self.handles[handle] = ptr
+        return ptr
+
+    def close_memory(self, ptr: int) -> None:
+        assert ptr in self.buffers and ptr not in self.closed
+        self.closed.append(ptr)
+
+    def current_stream(self) -> Any:
+        return self.stream
+
+    def open_event(self, handle: bytes) -> Any:
+        self.opened_events.append(handle)
+        return FakeEvent(handle.hex()[:8])
+
+    def wait(self, stream: Any, event: Any) -> None:
+        self.waits.append((stream.cuda_stream, event.name))
+
+    def new_fence(self) -> Any:
+        fence = FakeEvent(f"fence{len(self.fences)}", ipc=True)
+        self.fences.append(fence)
+        return fence
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.records.append(stream.cuda_stream)
+        event.complete = False  # the stream has not reached it yet
+
+    def fence_handle(self, event: Any) -> bytes:
+        return event.name.encode().ljust(64, b"\0")
+
+    def marker(self, stream: Any) -> Any:
+        marker = FakeEvent(f"marker{len(self.markers)}", complete=False)
+        marker.records.append(stream.cuda_stream)
+        self.markers.append(marker)
+        return marker
+
+    def done(self, event: Any) -> bool:
+        return bool(event.complete)
+
+    def synchronize(self, event: Any) -> None:
+        event.complete = True
+        self.synchronized.append(event)
+
+    def tensor(self, region: Any) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(_HostView(region)))
+
+    def write(self, handle: str, offset: int, data: np.ndarray) -> None:
+        buffer = self.buffers[self.handles[bytes.fromhex(handle)]]
+        raw = data.view(np.uint8).reshape(-1)
+        buffer[offset : offset + raw.size] = raw
+
+
+def _handle(n: int) -> str:
+    return bytes([n] * 64).hex()
+
+
+def _descriptor(
+    region_id: int, slab: int, offset: int, shape: tuple[int, ...], dtype: str = "float32"
+) -> OutputDescriptor:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return OutputDescriptor(
+        region_id=region_id,
+        slab=f"dalid-1-x-j1-cuda-{slab}",
+        slab_size=SLAB_BYTES,
+        offset=offset,
+        nbytes=nbytes,
+        dtype=dtype,
+        shape=shape,
+        device="cuda",
+        ipc_handle=_handle(slab),
+    )
+
+
+EVENT_A = "aa" * 64
+EVENT_B = "bb" * 64
+
+
+@pytest.fixture
+def device() -> FakeDevice:
+    return FakeDevice()
+
+
+@pytest.fixture
+def mappings(device: FakeDevice) -> CudaMappings:
+    return CudaMappings(device)
+
+
+def test_regions_are_viewed_in_place_and_slabs_opened_once(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    first = _descriptor(1, slab=1, offset=0, shape=(2, 3))
+    second = _descriptor(2, slab=1, offset=256, shape=(4,), dtype="int64")
+    stream = mappings.begin_batch(EVENT_A)
+    a = mappings.tensor(first, stream)
+    b = mappings.tensor(second, stream)
+    device.write(first.ipc_handle, 0, np.arange(6, dtype=np.float32))
+    device.write(second.ipc_handle, 256, np.array([5, 6, 7, 8], dtype=np.int64))
+    assert a.tolist() == [[0, 1, 2], [3, 4, 5]]  # written after: the tensor views the slab
+    assert b.dtype == torch.int64 and b.tolist() == [5, 6, 7, 8]
+    assert mappings.opened == 1
+    assert mappings.handed_out == 2 and mappings.live_regions == 2
+
+
+def test_each_batch_event_is_opened_once_and_waited_on_per_batch(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    for event in (EVENT_A, EVENT_B, EVENT_A, EVENT_A):
+        assert mappings.begin_batch(event) is device.stream
+    assert device.opened_events == [bytes.fromhex(EVENT_A), bytes.fromhex(EVENT_B)]
+    assert mappings.events_opened == 2
+    assert [name for _, name in device.waits] == ["aaaaaaaa", "bbbbbbbb", "aaaaaaaa", "aaaaaaaa"]
+    with pytest.raises(ValueError, match="without its event"):
+        mappings.begin_batch("")
+
+
+def test_strides_are_honoured(device: FakeDevice, mappings: CudaMappings) -> None:
+    descriptor = OutputDescriptor(
+        region_id=1,
+        slab="dalid-1-x-j1-cuda-1",
+        slab_size=SLAB_BYTES,
+        offset=0,
+        nbytes=6 * 4,
+        dtype="int32",
+        shape=(3, 2),
+        device="cuda",
+        strides=(4, 12),  # the transpose of a C-contiguous (2, 3)
+        ipc_handle=_handle(1),
+    )
+    tensor = mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))
+    device.write(descriptor.ipc_handle, 0, np.arange(6, dtype=np.int32))
+    assert tensor.tolist() == [[0, 3], [1, 4], [2, 5]]
+
+
+def test_a_region_returns_with_a_fence_once_its_last_view_dies(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    stream = mappings.begin_batch(EVENT_A)
+    tensor = mappings.tensor(_descriptor(7, slab=1, offset=0, shape=(4, 4)), stream)
+    view = tensor[1:]
+    del tensor
+    gc.collect()
+    assert mappings.take_released() == []
+    del view
+    gc.collect()
+    (released,) = mappings.take_released()
+    assert released[0] == (7,)
+    (fence,) = device.fences
+    assert released[1] == device.fence_handle(fence).hex()
+    assert fence.records == [stream.cuda_stream]  # recorded on the stream the batch came on
+    assert mappings.live_regions == 0
+    assert mappings.take_released() == []
+
+
+def test_releases_are_grouped_by_delivery_stream(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    kept = []
+    for region_id, stream in enumerate([1, 2, 1], start=1):
+        device.stream = FakeStream(stream)
+        descriptor = _descriptor(region_id, slab=1, offset=256 * region_id, shape=(4,))
+        kept.append(mappings.tensor(descriptor, mappings.begin_batch(EVENT_A)))
+    kept.clear()
+    gc.collect()
+    groups = mappings.take_released()
+    assert sorted(tuple(sorted(ids)) for ids, _ in groups) == [(1, 3), (2,)]
+    assert sorted(fence.records[0] for fence in device.fences) == [1, 2]
+
+
+def test_a_fence_is_reused_only_once_its_last_record_completed(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    def release_one(region_id: int) -> str:
+        descriptor = _descriptor(region_id, slab=1, offset=0, shape=(1,))
+        mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))  # dropped at once
+        gc.collect()
+        ((_, fence),) = mappings.take_released()
+        return fence
+
+    first = release_one(1)
+    second = release_one(2)
+    assert first != second  # the first fence is still pending on the stream
+    device.fences[0].complete = True
+    assert release_one(3) == first
+    assert len(device.fences) == 2
+
+
+def test_fences_are_bounded(device: FakeDevice, mappings: CudaMappings) -> None:
+    for region_id in range(1, MAX_FENCES + 3):
+        # The tensor is dropped at once; reference counting alone releases the region.
+        mappings.tensor(_descriptor(region_id, 1, 0, (1,)), mappings.begin_batch(EVENT_A))
+        assert len(mappings.take_released()) == 1
+    assert len(device.fences) == MAX_FENCES
+    assert device.synchronized  # the oldest was waited for rather than a new one made
+
+
+def test_a_retired_slab_is_unmapped_once_its_streams_passed_its_last_use(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    descriptor = _descriptor(1, slab=3, offset=0, shape=(2,))
+    mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))
+    gc.collect()
+    mappings.take_released()
+    mappings.retire([descriptor.slab, "dalid-1-x-j1-4"])
+    # A slab never mapped here (here: a CPU one) is reported at once.
+    assert mappings.take_closed() == ["dalid-1-x-j1-4"]
+    assert device.closed == []  # work queued on the stream may still read it
+    (marker,) = device.markers
+    marker.complete = True
+    assert mappings.take_closed() == [descriptor.slab]
+    assert device.closed == [device.handles[bytes.fromhex(descriptor.ipc_handle)]]
+    # A later slab of the same name is a new mapping.
+    later = dataclasses.replace(descriptor, region_id=2, ipc_handle=_handle(9))
+    mappings.tensor(later, mappings.begin_batch(EVENT_A))
+    assert mappings.opened == 2
+
+
+def test_a_changed_handle_for_a_mapped_slab_is_refused(mappings: CudaMappings) -> None:
+    stream = mappings.begin_batch(EVENT_A)
+    first = _descriptor(1, slab=1, offset=0, shape=(1,))
+    keep = mappings.tensor(first, stream)
+    changed = dataclasses.replace(first, region_id=2, ipc_handle=_handle(2))
+    with pytest.raises(ValueError, match="changed"):
+        mappings.tensor(changed, stream)
+    del keep
+
+
+def test_closing_unmaps_idle_slabs_and_names_the_viewed_ones(
+    device: FakeDevice, mappings: CudaMappings
+) -> None:
+    stream = mappings.begin_batch(EVENT_A)
+    held = mappings.tensor(_descriptor(1, slab=1, offset=0, shape=(2,)), stream)
+    mappings.tensor(_descriptor(2, slab=2, offset=0, shape=(2,)), stream)  # dropped
+    gc.collect()
+    kept = mappings.close_mappings()
+    assert kept == ("dalid-1-x-j1-cuda-1",)
+    assert device.closed == [device.handles[bytes.fromhex(_handle(2))]]
+    assert device.synchronized  # its stream's work finished before the unmap
+    assert held.tolist() == [0.0, 0.0]  # still mapped for the live tensor
+    mappings.close()
+
+
+# --- which device -------------------------------------------------------------------------------
+
+GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+
+
+def test_the_current_device_is_used_when_it_is_the_daemons() -> None:
+    assert pick_device(GPU_B, [GPU_A, GPU_B], current=1) == 1
+
+
+def test_another_visible_device_of_the_daemon_is_found() -> None:
+    # The trainer's CUDA_VISIBLE_DEVICES renumbered the daemon's GPU.
+    assert pick_device(GPU_B, [GPU_B, GPU_A], current=1) == 0
+
+
+def test_a_gpu_the_trainer_cannot_see_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(DeviceMismatch) as raised:
+        pick_device(GPU_A, [GPU_B], current=0)
+    message = str(raised.value)
+    assert GPU_A in message and GPU_B in message
+    assert "CUDA_VISIBLE_DEVICES=1" in message
