@@ -1,0 +1,196 @@
+"""``python -m bench``: run every contender on the same data, then write and print the results."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .config import QUICK, Settings
+from .contenders import CONTENDERS
+from .dataset import make_imagefolder
+from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
+from .progress import Progress
+from .report import RESULTS_DIR, markdown, write
+from .runner import Outcome, run_once
+from .summary import row_label, run_metrics, summarize
+
+KINDS = [*CONTENDERS, "transport"]
+REDO_DISTURBED = 2  # with --wait-idle, times a run that other processes disturbed is redone
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Compare dalid with DALI in-process, DALI's proxy and a torch+PIL loader.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (about a minute)")
+    parser.add_argument("--images", type=int, help="images in the dataset (default 512)")
+    parser.add_argument("--repeats", type=int, help="runs of every contender (default 3)")
+    parser.add_argument("--jobs", type=int, help="trainers in the multi-job runs (default 2)")
+    parser.add_argument("--epochs", type=int, help="epochs per run, the first warms up (default 5)")
+    parser.add_argument("--batch-size", type=int, help="samples per batch (default 32)")
+    parser.add_argument("--workers", type=int, help="DataLoader workers (default 2)")
+    parser.add_argument("--threads", type=int, help="DALI threads per pipeline (default 2)")
+    parser.add_argument("--classes", type=int, help="class folders in the dataset (default 8)")
+    parser.add_argument("--seed", type=int, help="dataset and pipeline seed (default 0)")
+    parser.add_argument("--transport-iterations", type=int, help="round trips per probe (2000)")
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated subset of {','.join(KINDS)} (default: all)",
+    )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for other processes to go quiet, and redo "
+        "(twice at most) a run they disturbed anyway (default 0: neither)",
+    )
+    parser.add_argument("--cpu", action="store_true", help="CPU pipelines even if a GPU is present")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS_DIR, help="results folder (default bench/results)"
+    )
+    parser.add_argument(
+        "--no-latest",
+        action="store_true",
+        help="do not update LATEST.md, latest.png and the README (quick runs never do)",
+    )
+    return parser.parse_args(argv)
+
+
+_OVERRIDABLE = (
+    "images", "repeats", "jobs", "epochs", "batch_size", "workers", "threads", "classes",
+    "seed", "transport_iterations",
+)  # fmt: skip
+
+
+def make_settings(args: argparse.Namespace) -> Settings:
+    """The defaults (or quick mode's), with the options given on the command line."""
+    settings = QUICK if args.quick else Settings()
+    given = {name: getattr(args, name) for name in _OVERRIDABLE}
+    overrides = {name: value for name, value in given.items() if value is not None}
+    settings = settings.with_(**overrides, gpu=not args.cpu and gpu_present())
+    if settings.images < settings.batch_size:
+        raise SystemExit("--images must hold at least one batch")
+    if settings.epochs <= settings.warmup_epochs:
+        raise SystemExit(f"--epochs must be more than the {settings.warmup_epochs} warm-up epoch")
+    return settings
+
+
+def plan(settings: Settings, only: str | None) -> list[tuple[str, int]]:
+    """(contender, jobs) pairs, one run each per repeat; multi-job runs when jobs > 1."""
+    kinds = KINDS if not only else [k.strip() for k in only.split(",") if k.strip()]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
+    runs = [(kind, 1) for kind in kinds]
+    if settings.jobs > 1:
+        runs += [(kind, settings.jobs) for kind in ("dali", "dalid") if kind in kinds]
+    return runs
+
+
+def _step_name(kind: str, jobs: int, repeat: int, repeats: int) -> str:
+    name = "transport probes" if kind == "transport" else row_label(kind, jobs)
+    return f"{name} (repeat {repeat + 1}/{repeats})"
+
+
+def _step_result(outcome: Outcome) -> str:
+    if outcome.error:
+        return "FAILED: " + outcome.error.strip().splitlines()[-1][:120]
+    if outcome.kind == "transport":
+        return f"done in {outcome.wall_s:.0f} s"
+    return f"{run_metrics(outcome)['samples_per_s']:.0f} samples/s ({outcome.wall_s:.0f} s)"
+
+
+def _run_all(
+    runs: list[tuple[str, int]],
+    settings: Settings,
+    wait_idle: float,
+    workdir: Path,
+    progress: Progress,
+) -> tuple[list[Outcome], list[Outcome]]:
+    """Every run of every repeat; returns the outcomes kept and those redone as disturbed."""
+    outcomes: list[Outcome] = []
+    discarded: list[Outcome] = []
+    for repeat in range(settings.repeats):
+        # Rotated each repeat, so that no contender always runs first or after the same one.
+        shift = repeat % len(runs)
+        for kind, jobs in runs[shift:] + runs[:shift]:
+            step = _step_name(kind, jobs, repeat, settings.repeats)
+            for attempt in range(1 + (REDO_DISTURBED if wait_idle > 0 else 0)):
+                if wait_idle > 0:
+                    progress.start(f"{step}: waiting for other processes to go quiet")
+                    wait_until_idle(wait_idle)
+                progress.start(step)
+                outcome = run_once(kind, jobs, repeat, settings, workdir)
+                if outcome.foreign_cores <= BUSY_CORES or attempt == REDO_DISTURBED:
+                    break
+                progress.note(f"{step}: other processes used {outcome.foreign_cores:.2f} cores")
+                discarded.append(outcome)
+            outcomes.append(outcome)
+            progress.finish(f"{step}: {_step_result(outcome)}")
+    return outcomes, discarded
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    settings = make_settings(args)
+    runs = plan(settings, args.only)
+    started = time.monotonic()
+    created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    progress = Progress(1 + len(runs) * settings.repeats)
+
+    progress.start(f"dataset of {settings.images} images")
+    dataset = make_imagefolder(None, settings.images, settings.classes, settings.seed)
+    settings = settings.with_(dataset_root=str(dataset.root))
+    machine = describe()
+    progress.finish(f"dataset ready: {dataset.root.name}, {dataset.mean_bytes / 1e3:.0f} KB/image")
+
+    workdir = Path(tempfile.mkdtemp(prefix="dalid-bench-"))
+    try:
+        outcomes, discarded = _run_all(runs, settings, args.wait_idle, workdir, progress)
+    except BaseException:
+        progress.note(f"stopped; trainer and daemon logs are in {workdir}")
+        raise
+    # Over the runs only: the time spent waiting for the machine to go quiet does not count.
+    foreign = sum(o.foreign_cores * o.wall_s for o in outcomes) / sum(o.wall_s for o in outcomes)
+
+    report: dict[str, Any] = {
+        "schema": 1,
+        "created_utc": created,
+        "command": "python -m bench" + "".join(f" {arg}" for arg in argv),
+        "elapsed_s": time.monotonic() - started,
+        "settings": settings.describe(),
+        "machine": machine,
+        "dataset": {
+            "root": dataset.root.name,
+            "images": len(dataset.paths),
+            "classes": settings.classes,
+            "mean_kb": dataset.mean_bytes / 1e3,
+        },
+        "foreign_cores": foreign,
+        "redone_runs": len(discarded),
+        "summary": summarize(outcomes),
+    }
+    update_latest = not settings.quick and not args.no_latest and args.output == RESULTS_DIR
+    written = write(report, outcomes, discarded, args.output, update_latest)
+    print(markdown(report))
+    failed = [o for o in outcomes if o.error]
+    if failed:
+        progress.note(f"{len(failed)} run(s) failed; trainer and daemon logs are in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    progress.note("wrote " + ", ".join(str(p) for p in written))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The contenders: four ways of getting the same augmented batches into a training loop.
+
+Each is a context manager that sets its loader up, then yields a function returning one
+epoch's iterator of ``(images, labels)``; :func:`bench.measure.timed_loop` times it. Each runs
+in a trainer subprocess of its own (see :mod:`bench.trainer`), so that CPU time and peak
+memory are that contender's alone; the orchestrator also runs some as several concurrent jobs.
+
+DALI and dalid are imported inside the contenders that use them, so that a trainer process
+loads only what its contender needs: peak memory is one of the measured figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from .config import AREA, CROP, MEAN, RATIO, STD, Settings
+from .dataset import read_imagefolder
+from .measure import EpochFactory
+
+
+def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -> Any:
+    """A DataLoader (``make``: torch's, DALI's or dalid's) with the shared settings."""
+    return make(
+        dataset,
+        batch_size=settings.batch_size,
+        num_workers=settings.workers,
+        shuffle=True,
+        drop_last=True,
+        persistent_workers=settings.workers > 0,
+    )
+
+
+# --- (1) torch DataLoader with PIL -------------------------------------------------------------
+
+
+def random_resized_crop_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params``: area and aspect ratio drawn at random."""
+    area = width * height
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target = area * random.uniform(*AREA)
+        ratio = math.exp(random.uniform(*log_ratio))
+        w = round(math.sqrt(target * ratio))
+        h = round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            x = random.randint(0, width - w)
+            y = random.randint(0, height - h)
+            return x, y, x + w, y + h
+    # Fallback: a central crop at the nearest allowed aspect ratio.
+    ratio = width / height
+    if ratio < RATIO[0]:
+        w, h = width, round(width / RATIO[0])
+    elif ratio > RATIO[1]:
+        w, h = round(height * RATIO[1]), height
+    else:
+        w, h = width, height
+    x, y = (width - w) // 2, (height - h) // 2
+    return x, y, x + w, y + h
+
+
+class PilDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Decode with PIL, then torchvision's RandomResizedCrop, flip and Normalize, by hand."""
+
+    def __init__(self, paths: list[Path], labels: list[int]) -> None:
+        self.paths = paths
+        self.labels = labels
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.paths[index]) as file:
+            image = file.convert("RGB")
+        box = random_resized_crop_box(image.width, image.height)
+        # Crop and resize in one step, as torchvision's resized_crop does with PIL images.
+        image = image.resize((CROP, CROP), Image.Resampling.BILINEAR, box=box)
+        if random.random() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        array = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy
+        return (array.float() - self.mean) / self.std, self.labels[index]
+
+
+@contextlib.contextmanager
+def torch_pil(settings: Settings) -> Iterator[EpochFactory]:
+    folder = read_imagefolder(settings.dataset_root)
+    loader = _loader(settings, PilDataset(list(folder.paths), list(folder.labels)))
+    yield lambda: iter(loader)
+
+
+# --- (2) DALI in-process -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
+    from nvidia.dali.plugin.pytorch import (
+        DALIGenericIterator,
+        LastBatchPolicy,
+    )
+
+    from .pipelines import reader_pipeline
+
+    pipe = reader_pipeline(
+        settings.dataset_root,
+        settings.batch_size,
+        settings.threads,
+        settings.gpu,
+        settings.seed + settings.job,
+    )
+    iterator = DALIGenericIterator(
+        [pipe],
+        ["images", "labels"],
+        reader_name="Reader",
+        last_batch_policy=LastBatchPolicy.DROP,
+        auto_reset=True,
+    )
+
+    def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for outputs in iterator:
+            yield outputs[0]["images"], outputs[0]["labels"]
+
+    yield epoch
+
+
+# --- (3) DALI's proxy, and (4) dalid, which is a drop-in for it --------------------------------
+
+
+class PathDataset(Dataset[tuple[Any, int]]):
+    """Yields ``(proxy(path bytes), label)``: the pipeline reads and decodes the file."""
+
+    def __init__(self, proxy: Any, root: str) -> None:
+        folder = read_imagefolder(root)
+        self.proxy = proxy
+        self.paths = [np.frombuffer(str(path).encode(), dtype=np.int8) for path in folder.paths]
+        self.labels = list(folder.labels)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.proxy(self.paths[index]), self.labels[index]
+
+
+@contextlib.contextmanager
+def dali_proxy(settings: Settings) -> Iterator[EpochFactory]:
+    from .pipelines import patch_nvtx_for_cpu_torch, path_pipeline
+
+    patch_nvtx_for_cpu_torch()  # must come before the proxy module is imported
+    from nvidia.dali.plugin.pytorch.experimental import proxy
+
+    pipe = path_pipeline(
+        settings.batch_size, settings.threads, settings.gpu, settings.seed + settings.job
+    )
+    # Not timed: leaving the DALIServer takes 5 s (its thread polls with a 5 s timeout), and
+    # joining its DataLoader workers at exit about 5 s each.
+    with proxy.DALIServer(pipe) as server:
+        dataset = PathDataset(server.proxy, settings.dataset_root)
+        loader = _loader(settings, dataset, functools.partial(proxy.DataLoader, server))
+        yield lambda: iter(loader)
+
+
+@contextlib.contextmanager
+def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
+    import dalid.client as dalid
+
+    from .pipelines import path_pipeline
+
+    pipe = path_pipeline(
+        settings.batch_size, settings.threads, settings.gpu, settings.seed + settings.job
+    )
+    name = f"bench job {settings.job}"
+    with dalid.connect(settings.device, settings.socket, autostart=False, name=name) as session:
+        dataset = PathDataset(session.proxy(pipe), settings.dataset_root)
+        loader = _loader(settings, dataset, functools.partial(dalid.DataLoader, session))
+        yield lambda: iter(loader)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contender:
+    key: str
+    label: str
+    description: str
+    run: Callable[[Settings], contextlib.AbstractContextManager[EpochFactory]]
+    needs_daemon: bool = False
+
+
+CONTENDERS: dict[str, Contender] = {
+    c.key: c
+    for c in (
+        Contender(
+            "torch-pil",
+            "torch + PIL",
+            "torch DataLoader whose workers decode with PIL, then crop, flip and normalize",
+            torch_pil,
+        ),
+        Contender(
+            "dali",
+            "DALI in-process",
+            "a DALI pipeline in the trainer: fn.readers.file and DALIGenericIterator",
+            dali_inprocess,
+        ),
+        Contender(
+            "dali-proxy",
+            "DALI proxy",
+            "DALI's experimental proxy: DataLoader workers feed paths to a DALIServer thread",
+            dali_proxy,
+        ),
+        Contender(
+            "dalid",
+            "dalid",
+            "the same path pipeline, run by a dalid daemon through dalid.client",
+            dalid_client,
+            needs_daemon=True,
+        ),
+    )
+}

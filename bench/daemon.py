@@ -1,0 +1,108 @@
+"""A dalid daemon subprocess for one benchmark run, stopped with SIGTERM and checked after.
+
+The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
+and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from dalid.protocol import Ping, Pong, ProtocolError, endpoint, transport
+
+SHM = Path("/dev/shm")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+class DaemonFailed(RuntimeError):
+    """The daemon did not start, did not stop cleanly, or left segments behind."""
+
+
+@dataclass(frozen=True)
+class RunningDaemon:
+    pid: int
+    socket: Path
+    log: Path
+
+
+def _answers(socket: Path) -> bool:
+    """Whether a daemon answers a ping on ``socket`` within a second."""
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        transport.send(sock, Ping(), 1)
+        return bool(sock.poll(1000)) and isinstance(transport.recv(sock).message, Pong)
+    except ProtocolError as error:
+        # A daemon of another dalid version, say: it will never answer this bench.
+        raise DaemonFailed(f"the daemon answered, but not as expected: {error}") from None
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def _segments(pid: int) -> list[str]:
+    return sorted(path.name for path in SHM.glob(f"dalid-{pid}-*"))
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
+    """Runs ``dalid serve`` on a private socket until the block ends, then SIGTERM and wait.
+
+    Raises :class:`DaemonFailed` when the daemon exits with an error or leaves ``/dev/shm``
+    segments behind (they are removed, and the failure names them).
+    """
+    # A short private directory: a socket path may hold at most 107 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="dalidb-", dir="/tmp"))
+    socket = directory / "d.sock"
+    log = log_dir / f"daemon-{time.monotonic_ns()}.log"
+    command = [
+        sys.executable, "-m", "dalid.server", "serve", "--device", device,
+        "--socket", str(socket), "--log-level", "WARNING",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (socket.exists() and _answers(socket)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise DaemonFailed(f"the dalid daemon did not start; its log ends:\n{_tail(log)}")
+            time.sleep(0.05)
+        yield RunningDaemon(process.pid, socket, log)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code: int | None
+        try:
+            code = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            code = None
+        leaked = _segments(process.pid)
+        for name in leaked:
+            (SHM / name).unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+    if code != 0 or leaked:
+        raise DaemonFailed(
+            f"the dalid daemon (pid {process.pid}) exited with {code} after SIGTERM and left "
+            f"{leaked or 'no'} shared-memory segments; its log ends:\n{_tail(log)}"
+        )

@@ -1,0 +1,137 @@
+"""An ImageNet-like ImageFolder of JPEGs cut from the two photographs scikit-learn ships.
+
+Each image is a random crop of ``china.jpg`` or ``flower.jpg`` (427x640), rescaled to an
+ImageNet-typical size (300-500 px wide, 400x350 on average), maybe flipped, and saved at a
+random JPEG quality with 4:4:4 chroma so that files average about 110 KB like ImageNet's.
+Image ``i`` depends only on ``(seed, i)``, so a dataset is the same on every machine with the
+same Pillow, and it is cached under ``bench/data/`` by its parameters.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# Bump when the recipe changes, so that caches made by an older recipe are not reused.
+RECIPE_VERSION = 1
+DATA_DIR = Path(__file__).resolve().parent / "data"
+EXTENSION = ".JPEG"  # ImageNet's spelling; DALI's file reader matches it case-insensitively
+_COMPLETE = "COMPLETE.json"
+
+# Tuned once on the sample photographs: 92-100 with 4:4:4 chroma gives ~108 KB on average.
+QUALITY_RANGE = (92, 100)
+WIDTH_RANGE = (300, 500)
+ASPECT_RANGE = (0.65, 1.1)  # height / width
+SCALE_RANGE = (0.8, 1.25)  # source pixels per output pixel
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """A generated dataset: its root and its files in ImageFolder order, with labels."""
+
+    root: Path
+    paths: tuple[Path, ...]
+    labels: tuple[int, ...]
+    total_bytes: int
+
+    @property
+    def mean_bytes(self) -> float:
+        return self.total_bytes / max(1, len(self.paths))
+
+
+def _sources() -> list[Image.Image]:
+    # Imported here, not at the top: trainers read datasets but never generate them, and
+    # scikit-learn would add to the peak memory the benchmark measures in them.
+    from sklearn.datasets import load_sample_images
+
+    return [Image.fromarray(array) for array in load_sample_images().images]
+
+
+def class_name(label: int) -> str:
+    return f"n{label:08d}"  # shaped like an ImageNet WordNet id
+
+
+def _render(sources: list[Image.Image], seed: int, index: int) -> bytes:
+    """The JPEG bytes of image ``index``; depends only on ``(seed, index)``."""
+    rng = np.random.default_rng([seed, index])
+    source = sources[int(rng.integers(len(sources)))]
+    width = int(rng.integers(WIDTH_RANGE[0], WIDTH_RANGE[1] + 1))
+    height = round(width * rng.uniform(*ASPECT_RANGE))
+    scale = min(rng.uniform(*SCALE_RANGE), source.width / width, source.height / height)
+    crop_w, crop_h = width * scale, height * scale
+    x = rng.uniform(0, max(0.0, source.width - crop_w))
+    y = rng.uniform(0, max(0.0, source.height - crop_h))
+    image = source.resize((width, height), Image.Resampling.BICUBIC, (x, y, x + crop_w, y + crop_h))
+    if rng.random() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    quality = int(rng.integers(QUALITY_RANGE[0], QUALITY_RANGE[1] + 1))
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=quality, subsampling=0)
+    return out.getvalue()
+
+
+def dataset_dir(num_images: int, num_classes: int, seed: int) -> Path:
+    """The cache folder of a dataset with these parameters."""
+    return DATA_DIR / f"imagefolder-v{RECIPE_VERSION}-n{num_images}-c{num_classes}-s{seed}"
+
+
+def make_imagefolder(
+    root: str | os.PathLike[str] | None = None,
+    num_images: int = 512,
+    num_classes: int = 8,
+    seed: int = 0,
+) -> ImageFolder:
+    """Generates (or reuses) an ImageFolder of ``num_images`` JPEGs in ``num_classes`` classes.
+
+    ``root`` defaults to a cache folder under ``bench/data/`` named by the parameters. A folder
+    holding a complete dataset with the same parameters is reused as it is.
+    """
+    if num_images < 1 or num_classes < 1:
+        raise ValueError("num_images and num_classes must be positive")
+    path = Path(root) if root is not None else dataset_dir(num_images, num_classes, seed)
+    params = {
+        "recipe": RECIPE_VERSION,
+        "num_images": num_images,
+        "num_classes": num_classes,
+        "seed": seed,
+    }
+    marker = path / _COMPLETE
+    if marker.exists() and json.loads(marker.read_text()).get("params") == params:
+        return read_imagefolder(path)
+    # A partial or different dataset: start over so that no stale file joins the new one.
+    if path.exists():
+        shutil.rmtree(path)
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    sources = _sources()
+    for label in range(num_classes):
+        (staging / class_name(label)).mkdir(parents=True)
+    for index in range(num_images):
+        label = index % num_classes
+        file = staging / class_name(label) / f"{class_name(label)}_{index:06d}{EXTENSION}"
+        file.write_bytes(_render(sources, seed, index))
+    (staging / _COMPLETE).write_text(json.dumps({"params": params}) + "\n")
+    # Renamed into place only once complete, so an interrupted run leaves no half dataset.
+    staging.rename(path)
+    return read_imagefolder(path)
+
+
+def read_imagefolder(root: str | os.PathLike[str]) -> ImageFolder:
+    """The files of ``root`` in ImageFolder order: sorted classes, sorted files, label = index."""
+    folder = Path(root)
+    paths: list[Path] = []
+    labels: list[int] = []
+    classes = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+    for label, name in enumerate(classes):
+        files = sorted((folder / name).glob(f"*{EXTENSION}"))
+        paths.extend(files)
+        labels.extend([label] * len(files))
+    total = sum(path.stat().st_size for path in paths)
+    return ImageFolder(folder, tuple(paths), tuple(labels), total)

@@ -1,0 +1,96 @@
+"""The DALI pipelines of the DALI-based contenders and of the transport probes.
+
+Every contender does the same work per image (see the augmentation in :mod:`bench.config`).
+The DALI contenders differ only in how file bytes enter the pipeline: DALI's own file reader,
+or file paths fed through ``fn.external_source`` and read with ``fn.io.file.read``, which is
+what the proxy APIs need (as in DALI's proxy documentation). On a machine with a GPU the
+decoder is ``mixed`` and the rest runs on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from nvidia.dali import fn, pipeline_def, types
+
+from .config import AREA, CROP, MEAN, RATIO, STD
+
+PATH_INPUT = "paths"
+TINY_INPUT = "data"
+
+
+def _options(batch_size: int, num_threads: int, gpu: bool, **more: Any) -> dict[str, Any]:
+    # device_id None makes a CPU-only pipeline, which needs no GPU or CUDA driver.
+    return {
+        "batch_size": batch_size,
+        "num_threads": num_threads,
+        "device_id": 0 if gpu else None,
+        **more,
+    }
+
+
+def _augment(jpegs: Any, gpu: bool) -> Any:
+    images = fn.decoders.image(
+        jpegs, device="mixed" if gpu else "cpu", output_type=types.DALIImageType.RGB
+    )
+    images = fn.random_resized_crop(
+        images, size=[CROP, CROP], random_area=list(AREA), random_aspect_ratio=list(RATIO)
+    )
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.DALIDataType.FLOAT,
+        output_layout="CHW",
+        mean=list(MEAN),
+        std=list(STD),
+        mirror=fn.random.coin_flip(probability=0.5),
+    )
+
+
+def reader_pipeline(root: str, batch_size: int, num_threads: int, gpu: bool, seed: int) -> Any:
+    """DALI's file reader over an ImageFolder; outputs ``images`` and ``labels``."""
+
+    @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
+    def pipe() -> Any:
+        jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
+        return _augment(jpegs, gpu), labels
+
+    return pipe()
+
+
+def path_pipeline(batch_size: int, num_threads: int, gpu: bool, seed: int) -> Any:
+    """File paths in (int8 arrays through ``external_source``), augmented images out."""
+
+    @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
+    def pipe() -> Any:
+        paths = fn.external_source(name=PATH_INPUT, no_copy=True)
+        return _augment(fn.io.file.read(paths), gpu)  # type: ignore[attr-defined]
+
+    return pipe()
+
+
+def tiny_pipeline(batch_size: int) -> Any:
+    """An empty CPU pipeline: its one output is its input, so a run measures pure overhead."""
+
+    # prefetch_queue_depth=1 so that the in-process baseline can use pipe.run(data=...).
+    @pipeline_def(**_options(batch_size, 1, False, prefetch_queue_depth=1))
+    def pipe() -> Any:
+        return fn.external_source(name=TINY_INPUT, no_copy=True)
+
+    return pipe()
+
+
+def patch_nvtx_for_cpu_torch() -> None:
+    """Lets DALI's proxy import on a CPU-only torch.
+
+    The proxy calls ``torch.cuda.nvtx.range_push`` unconditionally, which raises "NVTX
+    functions not installed" without CUDA; no-ops stand in (see shared/FACTS.md).
+    """
+    if torch.cuda.is_available():
+        return
+
+    def _noop(*_: object, **__: object) -> None:
+        return None
+
+    torch.cuda.nvtx.range_push = _noop
+    torch.cuda.nvtx.range_pop = _noop

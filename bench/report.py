@@ -1,0 +1,298 @@
+"""Writing a run's results: JSON and a PNG per run, LATEST.md, latest.png and the README table."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .machine import BUSY_CORES
+from .runner import Outcome
+from .summary import BASELINE, P50_TARGET_US, P99_TARGET_US
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parent / "README.md"
+README_START = "<!-- results:start -->"
+README_END = "<!-- results:end -->"
+NONE = "n/a"
+DISTURBED = " **Other work competed for the CPU: these numbers are disturbed.**"
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    if value is None or math.isnan(value):
+        return NONE
+    return f"{value:,.{digits}f}"
+
+
+def _range(s: dict[str, float] | None, digits: int = 0, scale: float = 1.0) -> str:
+    """``median [min-max]``, or just the median when there was one value."""
+    if not s or not s.get("n"):
+        return NONE
+    median = _fmt(s["median"] * scale, digits)
+    if s["n"] == 1:
+        return median
+    return f"{median} [{_fmt(s['min'] * scale, digits)}-{_fmt(s['max'] * scale, digits)}]"
+
+
+def _gpu_names(machine: dict[str, Any]) -> str:
+    gpus = machine.get("gpus") or []
+    if not gpus:
+        return "no GPU"
+    return ", ".join(f"{g.get('name')} (driver {g.get('driver_version')})" for g in gpus)
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    packages = machine["packages"]
+    git = machine.get("git", {})
+    commit = (git.get("commit") or "?")[:10] + (" with local changes" if git.get("dirty") else "")
+    return (
+        f"{machine['cpu_model']}, {machine['usable_cpus']} usable CPUs, "
+        f"{machine['memory_gib']} GiB memory, {_gpu_names(machine)}; Python {packages['python']}, "
+        f"DALI {packages['dali']}, torch {packages['torch']}, pyzmq {packages['pyzmq']} "
+        f"(libzmq {packages['libzmq']}), msgpack {packages['msgpack']}, "
+        f"numpy {packages['numpy']}; dalid at {commit}"
+    )
+
+
+def _setup(report: dict[str, Any]) -> list[str]:
+    settings, dataset = report["settings"], report["dataset"]
+    quick = " (quick mode: a smoke test, not a measurement)" if settings["quick"] else ""
+    return [
+        f"Measured {report['created_utc']} with `{report['command']}` in "
+        f"{report['elapsed_s'] / 60:.1f} min{quick}.",
+        "",
+        f"- Machine: {_machine_line(report['machine'])}.",
+        f"- Data: {dataset['images']} JPEGs in {dataset['classes']} classes, "
+        f"{dataset['mean_kb']:.0f} KB on average, read from the page cache. Batch "
+        f"{settings['batch_size']}, {settings['epochs']} epochs per run of which "
+        f"{settings['warmup_epochs']} warm-up, {settings['workers']} DataLoader workers, "
+        f"{settings['threads']} DALI threads per pipeline, {settings['repeats']} repeats, "
+        f"pipelines on the {'GPU' if settings['gpu'] else 'CPU'}.",
+        f"- Other processes on the machine used {report['foreign_cores']:.2f} CPU cores on "
+        "average while this ran (0: the benchmark had the machine to itself)."
+        + (DISTURBED if report["foreign_cores"] > BUSY_CORES else "")
+        + (
+            f" {report['redone_runs']} run(s) that other processes disturbed were redone."
+            if report.get("redone_runs")
+            else ""
+        ),
+        "",
+    ]
+
+
+def _targets(summary: dict[str, Any]) -> list[str]:
+    if not summary["targets"]:
+        return []
+    lines = ["| target | goal | measured: median [min-max] | met |", "|---|---|---|---|"]
+    for target in summary["targets"]:
+        ratio = target["unit"] == "ratio"
+        measured = _range(target["measured"], 1 if ratio else 0, 100.0 if ratio else 1.0)
+        lines.append(
+            f"| {target['name']} | {target['goal'].replace('us', 'µs')} | "
+            f"{measured}{'%' if ratio else ' µs'} | {'yes' if target['met'] else '**no**'} |"
+        )
+    return [*lines, ""]
+
+
+def _contenders(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        "| contender | samples/s | per job | vs DALI in-process | batch interval p50 / p99 ms "
+        "| trainer CPU ms/sample | all CPU ms/sample | trainer peak RSS MiB "
+        "| all peak RSS MiB | other load, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in summary["rows"]:
+        if not row["samples_per_s"]["n"]:
+            error = "; ".join(row["errors"]).replace("\n", " ")[:200]
+            lines.append(f"| {row['label']} | failed: {error} ||||||||||")
+            continue
+        base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
+        ratio = summary["ratios"].get(row["id"], {}).get(base)
+        versus = _range(ratio, 0, 100) + "%" if ratio and ratio["n"] else NONE
+        interval = row["interval_ms"]
+        per_job = _range(row["per_job_samples_per_s"]) if row["jobs"] > 1 else ""
+        cpu = row["cpu_ms_per_sample"]
+        lines.append(
+            f"| {row['label']} | {_range(row['samples_per_s'])} | {per_job} | {versus} | "
+            f"{_fmt(interval.get('p50'), 1)} / {_fmt(interval.get('p99'), 1)} | "
+            f"{_fmt(cpu['trainer']['median'], 2)} | {_fmt(cpu['total']['median'], 2)} | "
+            f"{_fmt(row['trainer_peak_rss_mb']['median'])} | "
+            f"{_fmt(row['total_peak_rss_mb']['median'])} | "
+            f"{_range(row['foreign_cores'], 2)} |"
+        )
+    return [
+        *lines,
+        "",
+        "Samples/s reaching the training loop; for several jobs, all jobs together (and each "
+        'job). "vs DALI in-process" divides by DALI in-process with as many jobs, run in the '
+        "same repeat. Medians over repeats, [min-max] across them. Other load: CPU cores used "
+        "by processes that are not the benchmark's during each run. See README.md for each "
+        "metric.",
+        "",
+    ]
+
+
+def _ratio_matrix(summary: dict[str, Any]) -> list[str]:
+    ids = [row["id"] for row in summary["rows"] if row["samples_per_s"]["n"]]
+    if len(ids) < 2:
+        return []
+    names = {row["id"]: row["label"] for row in summary["rows"]}
+    lines = [
+        "Throughput of each row over each column (median of per-repeat ratios):",
+        "",
+        "| row / column | " + " | ".join(names[i] for i in ids) + " |",
+        "|---|" + "--:|" * len(ids),
+    ]
+    for a in ids:
+        cells = [_fmt(summary["ratios"][a][b]["median"] * 100) + "%" for b in ids]
+        lines.append(f"| {names[a]} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _transport(summary: dict[str, Any]) -> list[str]:
+    transport = summary["transport"]
+    lines = []
+    probes = transport.get("probes", {})
+    if probes:
+        lines += ["| transport probe (empty pipeline) | p50 µs | p99 µs |", "|---|--:|--:|"]
+        for probe in probes.values():
+            p50, p99 = _range(probe["p50_us"]), _range(probe["p99_us"])
+            lines.append(f"| {probe['description']} | {p50} | {p99} |")
+        lines.append("")
+    for error in transport.get("errors", []):
+        lines += [f"Transport probes failed: {error[:300]}", ""]
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The results as markdown: setup, targets, contenders, ratios, transport."""
+    summary = report["summary"]
+    sections = [
+        _setup(report),
+        _targets(summary),
+        _contenders(summary),
+        _ratio_matrix(summary),
+        _transport(summary),
+    ]
+    return "\n".join(line for section in sections for line in section).rstrip() + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Four panels: throughput, batch intervals, CPU per sample, transport round trips."""
+    rows = [row for row in report["summary"]["rows"] if row["samples_per_s"]["n"]]
+    labels = [row["label"].replace(", ", "\n") for row in rows]
+    x = list(range(len(rows)))
+    width = 0.4
+    fig = Figure(figsize=(13, 8.5))
+    FigureCanvasAgg(fig)
+    machine = report["machine"]
+    fig.suptitle(
+        f"dalid benchmark {report['created_utc']}: {machine['cpu_model']}, "
+        f"{machine['usable_cpus']} CPUs, {_gpu_names(machine)}"
+    )
+    axes = fig.subplots(2, 2)
+
+    ax = axes[0][0]
+    medians = [row["samples_per_s"]["median"] for row in rows]
+    below = [m - row["samples_per_s"]["min"] for m, row in zip(medians, rows, strict=True)]
+    above = [row["samples_per_s"]["max"] - m for m, row in zip(medians, rows, strict=True)]
+    ax.bar(x, medians, yerr=[below, above], capsize=4)
+    ax.set_title("samples/s into the training loop (median, min-max)")
+
+    ax = axes[0][1]
+    ax.bar([i - width / 2 for i in x], [r["interval_ms"]["p50"] for r in rows], width, label="p50")
+    ax.bar([i + width / 2 for i in x], [r["interval_ms"]["p99"] for r in rows], width, label="p99")
+    ax.set_title("time between batches in the loop (ms)")
+    ax.legend()
+
+    ax = axes[1][0]
+    bottom = [0.0] * len(rows)
+    for part in ("trainer", "workers", "daemon"):
+        values = [row["cpu_ms_per_sample"][part]["median"] for row in rows]
+        ax.bar(x, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_title("CPU time per sample (ms), by process")
+    ax.legend()
+
+    for ax in (axes[0][0], axes[0][1], axes[1][0]):
+        ax.set_xticks(x, labels, fontsize=8)
+
+    ax = axes[1][1]
+    probes = report["summary"]["transport"].get("probes", {})
+    names = list(probes)
+    px = list(range(len(names)))
+    for offset, key in ((-width / 2, "p50_us"), (width / 2, "p99_us")):
+        values = [probes[name][key]["median"] for name in names]
+        ax.bar([i + offset for i in px], values, width, label=key[:3])
+    for goal, style in ((P50_TARGET_US, "--"), (P99_TARGET_US, ":")):
+        ax.axhline(goal, color="grey", linestyle=style, linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xticks(px, [name.replace("_", "\n", 1) for name in names], fontsize=8)
+    ax.set_title("empty-pipeline round trip (µs, log scale; targets dashed/dotted)")
+    ax.legend()
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _raw_run(outcome: Outcome) -> dict[str, Any]:
+    """A run for the JSON file; transport samples are summarized, not kept one by one."""
+    data = asdict(outcome)
+    data["results"] = [
+        {"transport": "see summary.transport.runs"} if "transport" in result else result
+        for result in outcome.results
+    ]
+    return data
+
+
+def write(
+    report: dict[str, Any],
+    outcomes: Sequence[Outcome],
+    discarded: Sequence[Outcome],
+    directory: Path,
+    update_latest: bool,
+) -> list[Path]:
+    """Writes ``<time>.json`` and ``<time>.png``; with ``update_latest`` also LATEST.md,
+    latest.png and the README's results section. Returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = report["created_utc"].replace(":", "").replace("-", "")
+    prefix = f"{stamp}-quick" if report["settings"]["quick"] else stamp
+    json_path, png_path = directory / f"{prefix}.json", directory / f"{prefix}.png"
+    runs = [_raw_run(outcome) for outcome in outcomes]
+    redone = [_raw_run(outcome) for outcome in discarded]
+    data = {**report, "runs": runs, "disturbed_runs_redone": redone}
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    plot(report, png_path)
+    written = [json_path, png_path]
+    if update_latest:
+        table = markdown(report)
+        latest = directory / "LATEST.md"
+        latest.write_text(
+            f"# dalid benchmark: latest results\n\n{table}\n![latest results](latest.png)\n\n"
+            f"Raw data: [{json_path.name}]({json_path.name}).\n"
+        )
+        (directory / "latest.png").write_bytes(png_path.read_bytes())
+        written += [latest, directory / "latest.png"]
+        if _update_readme(table):
+            written.append(README)
+    return written
+
+
+def _update_readme(table: str) -> bool:
+    """Replaces the README's results section (between its two markers) with ``table``."""
+    if not README.exists():
+        return False
+    text = README.read_text()
+    pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.DOTALL)
+    if not pattern.search(text):
+        return False
+    block = f"{README_START}\n{table}\n![latest results](results/latest.png)\n{README_END}"
+    README.write_text(pattern.sub(lambda _: block, text))
+    return True

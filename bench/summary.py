@@ -1,0 +1,239 @@
+"""From the runs' raw results to the figures the report shows: medians, spreads, ratios.
+
+Throughput of a run with several concurrent jobs is measured over the window in which every
+job is past its warm-up and none has finished, counting the batches of all jobs that arrive
+in it; when the jobs overlap too little for that, over the union of their timed windows.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .contenders import CONTENDERS
+from .measure import LoopResult
+from .runner import Outcome
+
+BASELINE = "dali"  # what the headline ratio compares dalid with
+RATIO_TARGET = 0.95
+P50_TARGET_US = 100.0
+P99_TARGET_US = 500.0
+PROBES = {
+    "os_echo": "OS floor: 1 byte to an echo process over a Unix socketpair",
+    "zmq_echo": "ZeroMQ floor: DEALER -> ROUTER echo process over ipc, no dalid",
+    "ping": "dalid daemon: bare protocol round trip (ping -> pong)",
+    "dalid_b1": "dalid: submit -> ready, 1 tiny sample",
+    "dalid_b1_submit": "... of which proxy call + collate (until the batch is accepted)",
+    "dalid_b1_ready": "... of which waiting for the batch and mapping its output",
+    "dali_b1": "DALI in-process pipe.run, 1 tiny sample",
+    "dalid_b32": "dalid: submit -> ready, 32 tiny samples",
+    "dali_b32": "DALI in-process pipe.run, 32 tiny samples",
+}
+
+
+def row_id(kind: str, jobs: int) -> str:
+    return kind if jobs == 1 else f"{kind}-x{jobs}"
+
+
+def row_label(kind: str, jobs: int) -> str:
+    label = CONTENDERS[kind].label
+    return label if jobs == 1 else f"{label}, {jobs} jobs"
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Median, min and max (and how many values)."""
+    data = list(values)
+    if not data:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {
+        "median": statistics.median(data),
+        "min": min(data),
+        "max": max(data),
+        "n": len(data),
+    }
+
+
+def quantiles(values: Sequence[float]) -> dict[str, float]:
+    array = np.asarray(values, dtype=float)
+    return {
+        "p50": float(np.percentile(array, 50)),
+        "p90": float(np.percentile(array, 90)),
+        "p99": float(np.percentile(array, 99)),
+        "mean": float(array.mean()),
+        "min": float(array.min()),
+        "max": float(array.max()),
+        "n": len(array),
+    }
+
+
+def _arrivals(loops: Sequence[LoopResult], start: int, end: int) -> int:
+    """Samples of all jobs whose batches arrived in ``(start, end]``."""
+    return sum(
+        loop.batch_size * sum(1 for stamp in loop.stamps_ns if start < stamp <= end)
+        for loop in loops
+    )
+
+
+def aggregate_rate(loops: Sequence[LoopResult]) -> tuple[float, str]:
+    """Samples/s of all jobs together, and which window measured it."""
+    if len(loops) == 1:
+        return loops[0].samples_per_s, "timed window"
+    common_start = max(loop.start.t_ns for loop in loops)
+    common_end = min(loop.end.t_ns for loop in loops)
+    typical = statistics.median(loop.end.t_ns - loop.start.t_ns for loop in loops)
+    if common_end - common_start >= 0.5 * typical:
+        samples = _arrivals(loops, common_start, common_end)
+        return samples / ((common_end - common_start) / 1e9), "common window"
+    union_start = min(loop.start.t_ns for loop in loops)
+    union_end = max(loop.end.t_ns for loop in loops)
+    samples = sum(loop.timed_samples for loop in loops)
+    return samples / ((union_end - union_start) / 1e9), "union window"
+
+
+def run_metrics(outcome: Outcome) -> dict[str, Any]:
+    """One run's figures; the daemon's CPU is read over the union of the jobs' windows."""
+    loops = [LoopResult.from_dict(result["loop"]) for result in outcome.results]
+    rate, method = aggregate_rate(loops)
+    timed = sum(loop.timed_samples for loop in loops)
+    trainer_cpu = sum(loop.end.trainer_cpu_s - loop.start.trainer_cpu_s for loop in loops)
+    workers_cpu = sum(loop.end.workers_cpu_s - loop.start.workers_cpu_s for loop in loops)
+    first = min(loops, key=lambda loop: loop.start.t_ns)
+    last = max(loops, key=lambda loop: loop.end.t_ns)
+    daemon_cpu = last.end.daemon_cpu_s - first.start.daemon_cpu_s
+    daemon_samples = _arrivals(loops, first.start.t_ns, last.end.t_ns)
+    per_sample = {
+        "trainer": 1e3 * trainer_cpu / timed,
+        "workers": 1e3 * workers_cpu / timed,
+        "daemon": 1e3 * daemon_cpu / daemon_samples if daemon_samples else 0.0,
+    }
+    per_sample["total"] = sum(per_sample.values())
+    return {
+        "samples_per_s": rate,
+        "rate_window": method,
+        "per_job_samples_per_s": [loop.samples_per_s for loop in loops],
+        "intervals_ms": [value for loop in loops for value in loop.intervals_ms],
+        "first_batch_s": max(loop.first_batch_s for loop in loops),
+        "trainer_cpu_s": trainer_cpu,
+        "cpu_ms_per_sample": per_sample,
+        "trainer_peak_rss_mb": max(loop.trainer_peak_rss_mb for loop in loops),
+        "total_peak_rss_mb": sum(
+            loop.trainer_peak_rss_mb + loop.workers_peak_rss_mb for loop in loops
+        )
+        + max(loop.daemon_peak_rss_mb for loop in loops),
+        "foreign_cores": outcome.foreign_cores,
+    }
+
+
+def _transport_metrics(outcome: Outcome) -> dict[str, dict[str, float]]:
+    return {probe: quantiles(times) for probe, times in outcome.results[0]["transport"].items()}
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Rows per contender, the transport table, the ratio matrix and the targets."""
+    by_row: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_row[(outcome.kind, outcome.jobs)].append(outcome)
+
+    rows: list[dict[str, Any]] = []
+    rates: dict[str, dict[int, float]] = {}
+    transport: dict[str, Any] = {}
+    for (kind, jobs), runs in by_row.items():
+        good = [run for run in runs if run.error is None and run.results]
+        errors = [f"repeat {run.repeat}: {run.error}" for run in runs if run.error]
+        if kind == "transport":
+            probes = [_transport_metrics(run) for run in good]
+            transport = {
+                "probes": {
+                    probe: {
+                        "description": PROBES[probe],
+                        "p50_us": spread(p[probe]["p50"] for p in probes),
+                        "p99_us": spread(p[probe]["p99"] for p in probes),
+                        "mean_us": spread(p[probe]["mean"] for p in probes),
+                    }
+                    for probe in PROBES
+                    if probes and probe in probes[0]
+                },
+                "runs": probes,
+                "errors": errors,
+            }
+            continue
+        metrics = [run_metrics(run) for run in good]
+        row_key = row_id(kind, jobs)
+        rates[row_key] = {
+            run.repeat: m["samples_per_s"] for run, m in zip(good, metrics, strict=True)
+        }
+        intervals = [value for m in metrics for value in m["intervals_ms"]]
+        rows.append(
+            {
+                "id": row_key,
+                "kind": kind,
+                "label": row_label(kind, jobs),
+                "jobs": jobs,
+                "samples_per_s": spread(m["samples_per_s"] for m in metrics),
+                "per_job_samples_per_s": spread(
+                    v for m in metrics for v in m["per_job_samples_per_s"]
+                ),
+                "rate_windows": sorted({m["rate_window"] for m in metrics}),
+                "interval_ms": quantiles(intervals) if intervals else {},
+                "first_batch_s": spread(m["first_batch_s"] for m in metrics),
+                "trainer_cpu_s": spread(m["trainer_cpu_s"] for m in metrics),
+                "cpu_ms_per_sample": {
+                    part: spread(m["cpu_ms_per_sample"][part] for m in metrics)
+                    for part in ("trainer", "workers", "daemon", "total")
+                },
+                "trainer_peak_rss_mb": spread(m["trainer_peak_rss_mb"] for m in metrics),
+                "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
+                "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "errors": errors,
+            }
+        )
+    ratios = _ratios(rates)
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "transport": transport,
+        "targets": _targets(ratios, transport),
+    }
+
+
+def _ratios(rates: dict[str, dict[int, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Throughput of each row over each other, paired by repeat (they ran back to back)."""
+    matrix: dict[str, dict[str, dict[str, float]]] = {}
+    for a, a_rates in rates.items():
+        matrix[a] = {}
+        for b, b_rates in rates.items():
+            paired = [a_rates[r] / b_rates[r] for r in a_rates if r in b_rates and b_rates[r] > 0]
+            matrix[a][b] = spread(paired)
+    return matrix
+
+
+def _targets(ratios: dict[str, Any], transport: dict[str, Any]) -> list[dict[str, Any]]:
+    targets = []
+    ratio = ratios.get("dalid", {}).get(BASELINE)
+    if ratio and ratio["n"]:
+        targets.append(
+            {
+                "name": "dalid (1 job) throughput / DALI in-process",
+                "goal": f">= {RATIO_TARGET:.0%}",
+                "measured": ratio,
+                "unit": "ratio",
+                "met": ratio["median"] >= RATIO_TARGET,
+            }
+        )
+    probe = transport.get("probes", {}).get("dalid_b1")
+    if probe:
+        for key, goal in (("p50_us", P50_TARGET_US), ("p99_us", P99_TARGET_US)):
+            targets.append(
+                {
+                    "name": f"transport round trip {key[:3]} (1 tiny sample, empty pipeline)",
+                    "goal": f"<= {goal:.0f} us",
+                    "measured": probe[key],
+                    "unit": "us",
+                    "met": probe[key]["median"] <= goal,
+                }
+            )
+    return targets

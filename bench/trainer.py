@@ -1,0 +1,67 @@
+"""One trainer process: ``python -m bench.trainer KIND SETTINGS_JSON RESULT_PATH READY_FD``.
+
+It sets up one contender (or the transport probes), writes a byte to ``READY_FD``, waits for a
+line on stdin (the orchestrator starts concurrent trainers together that way), runs, and
+writes its result, or the error that stopped it, as JSON to ``RESULT_PATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import Settings
+from .contenders import CONTENDERS
+from .measure import timed_loop
+
+
+def _ready_then_wait(ready_fd: int) -> int:
+    os.write(ready_fd, b"R")
+    os.close(ready_fd)
+    sys.stdin.readline()
+    return time.monotonic_ns()
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data))
+    partial.replace(path)
+
+
+def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
+    """Sets up ``kind``, waits for the start signal, runs it and returns its result."""
+    if kind == "transport":
+        # Only this trainer loads DALI and dalid up front (peak memory is measured).
+        from .transport import transport_probes
+
+        with transport_probes(settings) as probes:
+            _ready_then_wait(ready_fd)
+            return {"transport": probes()}
+    with CONTENDERS[kind].run(settings) as epochs:
+        go_ns = _ready_then_wait(ready_fd)
+        return {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+
+
+def main(argv: Sequence[str]) -> int:
+    kind, settings_json, result_path, ready_fd = argv
+    result = Path(result_path)
+    try:
+        data = run(kind, Settings.from_json(settings_json), int(ready_fd))
+    except BaseException as error:
+        _write(
+            result,
+            {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
+        )
+        return 1
+    _write(result, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
