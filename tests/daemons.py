@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +95,21 @@ def start_daemon(directory: Path, *args: str, name: str = "d") -> DaemonProcess:
         daemon.stop()
         raise
     return daemon
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Polls ``condition`` until it holds; fails the test naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def kill_leftovers(jobs: Iterable[subprocess.Popen[str]]) -> None:
+    """Kills the job processes still running (a test that failed half-way) and reaps them."""
+    for job in jobs:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 import dalid.client as dalid
 
-from ..daemons import DaemonProcess, own_directory, start_daemon
+from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
 from .helpers import BATCH, ProxyDataset, gpu_pipeline, index_batches, run_in_process, sample
 
 if not torch.cuda.is_available():
@@ -194,7 +193,7 @@ def test_a_closed_session_keeps_the_tensors_it_handed_out(gpu_daemon):
     torch.cuda.synchronize()
     # The daemon keeps the slab until this process exits (Note [GPU output lifetime]).
     np.testing.assert_array_equal(kept[0].cpu().numpy(), sample(first) * 0.5 + 1.0)
-    _wait_for(lambda: "still maps until pid" in gpu_daemon.log_text(), 10, "the kept slab")
+    wait_for(lambda: "still maps until pid" in gpu_daemon.log_text(), 10, "the kept slab")
 
 
 def _job(socket: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -208,15 +207,6 @@ def _job(socket: Path, *args: str, env: dict[str, str] | None = None) -> subproc
     )
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.mark.slow
 def test_two_trainer_processes_at_once(gpu_daemon):
     jobs = [_job(gpu_daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
@@ -226,10 +216,7 @@ def test_two_trainer_processes_at_once(gpu_daemon):
             assert job.returncode == 0, out
             assert "ok 96" in out
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.communicate()
+        kill_leftovers(jobs)
 
 
 def test_a_trainer_without_the_gpu_is_told_why(gpu_daemon):
@@ -248,7 +235,7 @@ def test_a_killed_trainers_gpu_memory_is_freed_and_the_daemon_goes_on(gpu_daemon
         assert "holding" in line, line + job.stdout.read()
         job.send_signal(signal.SIGKILL)
         job.wait(30)
-        _wait_for(
+        wait_for(
             lambda: f"trainer pid {job.pid} is gone" in gpu_daemon.log_text(),
             15,
             "the daemon to notice the dead trainer",

@@ -15,7 +15,7 @@ import pytest
 import dalid.client as dalid
 from dalid.protocol import socket_path
 
-from ..daemons import start_daemon, wait_until_answering
+from ..daemons import kill_leftovers, start_daemon, wait_for, wait_until_answering
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,15 +31,6 @@ def _job(socket: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.mark.slow
 def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
     daemon = start_daemon(short_tmp)
@@ -50,10 +41,7 @@ def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
             assert job.returncode == 0, out
             assert "ok 64" in out
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.communicate()
+        kill_leftovers(jobs)
         assert daemon.stop() == 0
     assert not daemon.segments()
 
@@ -73,22 +61,19 @@ def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
         os.kill(holder.pid, signal.SIGKILL)
         holder.communicate()
         # The killed job's slabs go within 5 s; the survivor's own may come and go meanwhile.
-        _wait_for(
+        wait_for(
             lambda: "job 1: trainer pid" in daemon.log_text() and "gone" in daemon.log_text(),
             5.0,
             "the daemon to notice the killed trainer",
         )
-        _wait_for(
+        wait_for(
             lambda: not any("-j1-" in name for name in daemon.segments()), 5.0, "job 1's slabs"
         )
         out, _ = survivor.communicate(timeout=120)
         assert survivor.returncode == 0, out
         assert "ok 200" in out
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.communicate()
+        kill_leftovers(jobs)
         assert daemon.stop() == 0
     assert not daemon.segments()
 
@@ -180,7 +165,7 @@ def test_autostart_then_dalid_stop(private_runtime_dir):
         check=False,
     )
     assert stop.returncode == 0, stop.stderr
-    _wait_for(lambda: not _alive(pid), 10.0, "the autostarted daemon to exit")
+    wait_for(lambda: not _alive(pid), 10.0, "the autostarted daemon to exit")
     assert not path.exists()
 
 
