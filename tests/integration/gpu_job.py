@@ -10,7 +10,6 @@ output, and prints the error's class and message.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -20,17 +19,11 @@ import torch
 
 import dalid.client as dalid
 
-from .helpers import BATCH, ProxyDataset, gpu_pipeline, sample
+from .helpers import BATCH, ProxyDataset, gpu_pipeline, job_arguments, sample
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--offset", type=int, default=0)
-    parser.add_argument("--length", type=int, default=96)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--hold", action="store_true")
-    args = parser.parse_args()
+    args = job_arguments(default_length=96)
     with dalid.connect(socket=args.socket, autostart=False, name=f"gpu{args.offset}") as session:
         proxy = session.proxy(gpu_pipeline())
         dataset = ProxyDataset(proxy, args.length, offset=args.offset)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -93,3 +95,14 @@ def run_in_process(pipeline, batches: list[dict[str, list[np.ndarray]]]) -> list
 
 def index_batches(length: int, batch: int = BATCH) -> list[list[int]]:
     return [list(range(start, min(start + batch, length))) for start in range(0, length, batch)]
+
+
+def job_arguments(default_length: int) -> argparse.Namespace:
+    """The command line of the job processes the multi-process tests start."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--length", type=int, default=default_length)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hold", action="store_true")
+    return parser.parse_args()

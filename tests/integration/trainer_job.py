@@ -8,7 +8,6 @@ Checks that every batch holds its own samples (offset K), prints one line per ep
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -16,17 +15,11 @@ import numpy as np
 
 import dalid.client as dalid
 
-from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
+from .helpers import BATCH, ProxyDataset, job_arguments, sample, two_output_pipeline
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--offset", type=int, default=0)
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--hold", action="store_true")
-    args = parser.parse_args()
+    args = job_arguments(default_length=64)
     with dalid.connect(socket=args.socket, autostart=False, name=f"job{args.offset}") as session:
         proxy = session.proxy(two_output_pipeline())
         dataset = ProxyDataset(proxy, args.length, offset=args.offset)
