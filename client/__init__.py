@@ -38,13 +38,31 @@ def connect(
     socket: str | os.PathLike[str] | None = None,
     autostart: bool = True,
     name: str | None = None,
+    *,
+    weight: float = 1.0,
+    memory_bytes: int | None = None,
+    max_inflight_batches: int | None = None,
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
     ``socket`` defaults to ``$DALID_SOCKET`` or the per-user runtime directory. With
     ``autostart``, a daemon is started when none answers; it exits after a minute without jobs.
+
+    What the job asks of a daemon that several jobs share: ``weight``, its share when jobs
+    compete (relative to theirs); ``memory_bytes``, output memory reserved for it, and
+    ``max_inflight_batches``, batches it may have queued or running (None: the daemon's
+    defaults). A daemon that cannot give as much refuses the connection with a
+    ``RequestError`` that says what it can give.
     """
-    return Session(device, socket=socket, autostart=autostart, name=name)
+    return Session(
+        device,
+        socket=socket,
+        autostart=autostart,
+        name=name,
+        weight=weight,
+        memory_bytes=memory_bytes,
+        max_inflight_batches=max_inflight_batches,
+    )
 
 
 __all__ = [

@@ -73,7 +73,8 @@ class Connection:
     """A DEALER socket that has been welcomed by the daemon on ``path``.
 
     ``on_push`` receives every message that is not the reply being waited for (batch results,
-    errors about notifications).
+    errors about notifications). A trainer's connection asks for its job's ``weight``,
+    ``memory_bytes`` and ``max_inflight_batches`` (0: the daemon's default).
     """
 
     def __init__(
@@ -87,6 +88,9 @@ class Connection:
         job_token: str | None = None,
         on_push: Callable[[Envelope], None] | None = None,
         hello_timeout: float = 5.0,
+        weight: float = 1.0,
+        memory_bytes: int = 0,
+        max_inflight_batches: int = 0,
     ) -> None:
         self.path = path
         self.device = device
@@ -105,6 +109,9 @@ class Connection:
                 name=name,
                 job_id=job_id,
                 job_token=job_token,
+                weight=weight,
+                memory_bytes=memory_bytes,
+                max_inflight_batches=max_inflight_batches,
             )
             reply = self.request(hello, timeout=hello_timeout, ping=False)
         except BaseException:

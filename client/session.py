@@ -8,6 +8,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     ScheduleBatch,
+    TrainerProgress,
     parse_device,
     socket_path,
 )
@@ -39,6 +41,9 @@ from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, worker_links
 
 log = logging.getLogger("dalid.client")
+
+# How often the trainer tells the daemon how long it has waited for batches (for `dalid status`).
+PROGRESS_INTERVAL_S = 1.0
 
 # A batch this late usually means the daemon's output pool is full of buffers the trainer still
 # holds through live tensors; say so once.
@@ -80,6 +85,23 @@ class _Resources:
         self.mappings.close()
         if self.cuda is not None:
             self.cuda.close()
+
+
+class _Progress:
+    """How long the trainer has waited for batches, reported to the daemon now and then."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+        self.batches = 0
+        self.reported_at = 0.0
+
+    def report(self, connection: Connection, waiting_for: float = 0.0) -> None:
+        """Sends the totals if the last report is old enough; ``waiting_for`` the wait so far."""
+        now = time.monotonic()
+        if now - self.reported_at < PROGRESS_INTERVAL_S:
+            return
+        self.reported_at = now
+        connection.notify(TrainerProgress(self.waited + waiting_for, self.batches))
 
 
 def _graph(pipeline: Any) -> Any:
@@ -141,6 +163,10 @@ class Session:
         autostart: bool = True,
         name: str | None = None,
         connect_timeout: float = 60.0,
+        *,
+        weight: float = 1.0,
+        memory_bytes: int | None = None,
+        max_inflight_batches: int | None = None,
     ) -> None:
         self.device = parse_device(device)
         self.socket = socket_path(self.device, socket)
@@ -154,7 +180,9 @@ class Session:
             connect_timeout=connect_timeout,
             name=name or f"pid {os.getpid()}",
             on_push=functools.partial(_keep_result, self._results),
+            job=JobRequest(weight, memory_bytes or 0, max_inflight_batches or 0),
         )
+        self._progress = _Progress()
         try:
             cuda_index = _daemon_gpu(connection.welcome.device_uuid)
         except DeviceMismatch:
@@ -333,8 +361,11 @@ class Session:
                 resources.never_mapped.extend(names)
 
     def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
+        progress = self._progress
+        progress.batches += 1
         result = self._results.pop(batch_id, None)
         if result is not None:
+            progress.report(self._connection)
             return result
 
         def is_result(envelope: Envelope) -> bool:
@@ -347,6 +378,7 @@ class Session:
         def idle() -> None:
             nonlocal warned
             self._flush_releases()
+            progress.report(self._connection, time.monotonic() - started)
             if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
                 warned = True
                 log.warning(
@@ -360,6 +392,8 @@ class Session:
 
         envelope = self._connection.receive_until(is_result, None, idle=idle)
         assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
+        progress.waited += time.monotonic() - started
+        progress.report(self._connection)
         return envelope.message
 
     def _flush_releases(self) -> None:
@@ -396,6 +430,15 @@ def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelop
         log.warning("dalid daemon: %s", message.message)
 
 
+@dataclass(frozen=True)
+class JobRequest:
+    """What a job asks of the daemon at connect; 0 asks for the daemon's default."""
+
+    weight: float = 1.0
+    memory_bytes: int = 0
+    max_inflight_batches: int = 0
+
+
 def autostart_connect(
     path: Path,
     device: Device,
@@ -404,11 +447,25 @@ def autostart_connect(
     connect_timeout: float,
     name: str,
     on_push: Any,
+    job: JobRequest = JobRequest(),
 ) -> Connection:
     """A trainer connection to the daemon on ``path``, starting one first if allowed."""
+
+    def trainer_connection() -> Connection:
+        return Connection(
+            path,
+            Role.TRAINER,
+            device=device,
+            name=name,
+            on_push=on_push,
+            weight=job.weight,
+            memory_bytes=job.memory_bytes,
+            max_inflight_batches=job.max_inflight_batches,
+        )
+
     if path.exists():
         try:
-            return Connection(path, Role.TRAINER, device=device, name=name, on_push=on_push)
+            return trainer_connection()
         except DaemonUnavailable:
             if not autostart:
                 raise
@@ -416,4 +473,4 @@ def autostart_connect(
     elif not autostart:
         raise DaemonUnavailable(no_daemon_message(path, device))
     start_daemon(device, path, timeout=connect_timeout)
-    return Connection(path, Role.TRAINER, device=device, name=name, on_push=on_push)
+    return trainer_connection()

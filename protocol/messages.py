@@ -15,8 +15,12 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
+
+Version 3 added what a job asks for at ``hello`` (``weight``, ``memory_bytes``,
+``max_inflight_batches``) and is granted in ``Limits``, the ``status`` request with its
+``status_report``, and the trainer's ``trainer_progress`` notification.
 
 Version 2 added the fields of GPU outputs (``Welcome.device_uuid``, ``OutputDescriptor.strides``
 and ``ipc_handle``, ``BatchReady.event``, ``ReleaseRegions.event`` and ``closed_slabs``,
@@ -29,6 +33,8 @@ MAX_INPUTS = 64
 MAX_OUTPUTS = 64
 MAX_NDIM = 16
 MAX_BATCH_SIZE = 65536
+# A job's share of the daemon is its weight over the sum of the weights of the busy jobs.
+MAX_WEIGHT = 1000.0
 # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes; they travel as hex strings.
 CUDA_IPC_HANDLE_BYTES = 64
 # Where an output lies: host shared memory, or device memory of the daemon's GPU.
@@ -109,9 +115,22 @@ class Hello(Message):
     name: str = ""
     job_id: int | None = None
     job_token: str | None = None
+    # What a trainer asks for its job (workers leave them be). 0 asks for the daemon's default.
+    # weight: the job's share of the daemon when jobs compete, relative to the other jobs'.
+    weight: float = 1.0
+    # memory_bytes: output memory reserved for the job (shared memory, and as much GPU memory
+    # on a GPU daemon); max_inflight_batches: batches the job may have queued or running.
+    memory_bytes: int = 0
+    max_inflight_batches: int = 0
 
     def __post_init__(self) -> None:
         _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
+        _check(
+            0 < self.weight <= MAX_WEIGHT,
+            f"hello.weight must be above 0 and at most {MAX_WEIGHT:g}",
+        )
+        _check(self.memory_bytes >= 0, "hello.memory_bytes must not be negative")
+        _check(self.max_inflight_batches >= 0, "hello.max_inflight_batches must not be negative")
         if self.role is Role.WORKER:
             _check(
                 self.job_id is not None and self.job_token is not None,
@@ -121,12 +140,19 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the daemon allows one job."""
+    """What the daemon grants one job.
+
+    ``pool_bytes`` is the job's output memory; ``max_inflight_batches`` the batches it may have
+    queued or running (more wait for their ``batch_accepted``); ``weight`` its share when jobs
+    compete for the daemon.
+    """
 
     max_batch_size: int
     max_message_bytes: int
     pool_bytes: int
     slab_bytes: int
+    max_inflight_batches: int = 16
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -375,6 +401,83 @@ class ReleaseRegions(Message):
             _check_name(name, "a closed slab's name")
 
 
+# --- Status family ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerProgress(Message):
+    """A notification from the trainer: how long it has waited for batches, in total."""
+
+    OP: ClassVar[str] = "trainer_progress"
+    waited_seconds: float
+    batches_received: int
+
+    def __post_init__(self) -> None:
+        _check(self.waited_seconds >= 0, "waited_seconds must not be negative")
+        _check(self.batches_received >= 0, "batches_received must not be negative")
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    """Asks for a :class:`StatusReport`; needs no hello (like ``ping``)."""
+
+    OP: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job as the daemon sees it. Rates are over the last few seconds; totals since start.
+
+    ``queued`` batches wait for their pipeline, ``running`` are inside DALI, ``waiting`` were
+    received over the job's in-flight limit and wait for their ``batch_accepted``, ``deferred``
+    wait for ``schedule_batch``. ``slot_wait_seconds`` is the time batches waited for the daemon
+    while other jobs ran; ``passed_over`` counts the batches of other jobs started meanwhile.
+    """
+
+    job_id: int
+    name: str
+    pid: int
+    weight: float
+    workers: int
+    pipelines: int
+    batches_done: int
+    samples_done: int
+    batches_failed: int
+    batches_per_second: float
+    samples_per_second: float
+    queued: int
+    running: int
+    waiting: int
+    deferred: int
+    max_inflight_batches: int
+    slot_wait_seconds: float
+    passed_over: int
+    trainer_wait_seconds: float
+    regions_held: int
+    bytes_held: int
+    slabs: int
+    memory_bytes: int
+    connected_seconds: float
+
+
+@dataclass(frozen=True)
+class StatusReport(Message):
+    """The daemon and its jobs, at one moment."""
+
+    OP: ClassVar[str] = "status_report"
+    daemon_pid: int
+    device: str
+    device_uuid: str
+    dali_version: str
+    protocol_version: int
+    uptime_seconds: float
+    max_jobs: int
+    concurrency: int
+    memory_limit: int
+    memory_reserved: int
+    jobs: tuple[JobStatus, ...]
+
+
 # --- Errors -------------------------------------------------------------------------------------
 
 
@@ -405,6 +508,9 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     BatchReady,
     BatchFailed,
     ReleaseRegions,
+    TrainerProgress,
+    StatusRequest,
+    StatusReport,
     Error,
 )
 
@@ -421,6 +527,7 @@ __all__ = [
     "Goodbye",
     "Hello",
     "InputBatch",
+    "JobStatus",
     "Limits",
     "Message",
     "Ok",
@@ -433,6 +540,9 @@ __all__ = [
     "Role",
     "ScheduleBatch",
     "Shutdown",
+    "StatusReport",
+    "StatusRequest",
     "SubmitBatch",
+    "TrainerProgress",
     "Welcome",
 ]

@@ -20,11 +20,24 @@ MAX_MESSAGE_BYTES = 1 << 31
 
 
 def make_socket(
-    context: zmq.Context[Any], kind: int, address: str, *, bind: bool
+    context: zmq.Context[Any],
+    kind: int,
+    address: str,
+    *,
+    bind: bool,
+    heartbeat_ms: tuple[int, int] | None = None,
 ) -> zmq.Socket[Any]:
-    """A socket of ``kind`` bound (daemon) or connected (client) to ``address``."""
+    """A socket of ``kind`` bound (daemon) or connected (client) to ``address``.
+
+    ``heartbeat_ms`` (interval, timeout): ZeroMQ pings every peer at that interval and drops
+    the connection of one that answers nothing within the timeout. Any peer answers on its own
+    I/O thread, whatever its program is doing.
+    """
     sock = context.socket(kind)
     try:
+        if heartbeat_ms is not None:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         # Never drop messages silently when a peer is slow: block or poll instead.

@@ -7,12 +7,16 @@ wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it.
 
 from __future__ import annotations
 
+import collections
+import functools
 import hmac
 import itertools
 import logging
 import math
 import os
 import secrets
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +27,8 @@ import numpy as np
 from dalid.protocol import (
     PROTOCOL_VERSION,
     BatchAccepted,
+    BatchFailed,
+    BatchReady,
     Error,
     ErrorCode,
     Goodbye,
@@ -39,16 +45,23 @@ from dalid.protocol import (
     Role,
     ScheduleBatch,
     Shutdown,
+    StatusReport,
+    StatusRequest,
     SubmitBatch,
+    TrainerProgress,
     Welcome,
     device_label,
+    transport,
 )
 
 from .cuda import CudaBackend
 from .executor import PendingBatch, PipelineExecutor
 from .memory import SlabBackend
 from .pool import RegionPool
+from .quotas import QuotaRefused, Quotas, grant
 from .runner import PipelineBuildError, PipelineSpec
+from .scheduler import FairScheduler, JobSlots
+from .status import RateMeter, job_status
 
 log = logging.getLogger("dalid.server")
 
@@ -57,10 +70,22 @@ Push = Callable[[bytes, Message, int | None], None]
 
 
 @dataclass
+class WaitingBatch:
+    """A batch received over its job's in-flight limit: its sender waits for the acceptance."""
+
+    sender: bytes
+    request_id: int | None
+    batch: PendingBatch
+    executor: PipelineExecutor
+
+
+@dataclass
 class Job:
     """One training job: its trainer connection, pipelines, deferred batches and output pools.
 
-    On a GPU daemon ``gpu_pool`` holds its GPU outputs, in memory of ``cuda``.
+    On a GPU daemon ``gpu_pool`` holds its GPU outputs, in memory of ``cuda``. ``inflight``
+    counts the batches handed to its pipelines and not yet answered; batches over its limit
+    wait in ``waiting``. Both change in executor threads too, under ``lock``.
     """
 
     job_id: int
@@ -69,6 +94,7 @@ class Job:
     pid: int
     pid_namespace: int
     name: str
+    limits: Limits
     pool: RegionPool
     gpu_pool: RegionPool | None = None
     cuda: CudaBackend | None = None
@@ -77,16 +103,26 @@ class Job:
     peers: set[bytes] = field(default_factory=set)
     next_batch_id: int = 1
     closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight: int = 0
+    waiting: collections.deque[WaitingBatch] = field(default_factory=collections.deque)
+    batches_failed: int = 0
+    meter: RateMeter = field(default_factory=RateMeter)
+    trainer_waited: float = 0.0
+    connected_at: float = field(default_factory=time.monotonic)
 
-    def close(self) -> None:
-        """Stops the job's pipelines and frees its pools. Idempotent.
+    def close(self) -> list[WaitingBatch]:
+        """Stops the job's pipelines and frees its pools; the batches that still waited.
 
-        GPU slabs the trainer still maps are not freed yet: the caller closes ``cuda`` once the
-        trainer has unmapped them or is gone (Note [GPU output lifetime]).
+        Idempotent. GPU slabs the trainer still maps are not freed yet: the caller closes
+        ``cuda`` once the trainer has unmapped them or is gone (Note [GPU output lifetime]).
         """
         if self.closed:
-            return
+            return []
         self.closed = True
+        with self.lock:
+            waiting = list(self.waiting)
+            self.waiting.clear()
         stopped = [executor.stop() for executor in self.pipelines.values()]
         self.pipelines.clear()
         self.deferred.clear()
@@ -94,6 +130,7 @@ class Job:
         self.pool.close(unmap=all(stopped))
         if self.gpu_pool is not None:
             self.gpu_pool.close(unmap=all(stopped))
+        return waiting
 
 
 @dataclass
@@ -134,8 +171,9 @@ def process_alive(pid: int) -> bool:
 class DaemonCore:
     """Handles requests for one device. ``push(peer, message)`` must be thread-safe.
 
-    On a GPU daemon, ``cuda_backend()`` makes each job's GPU memory and ``device_uuid`` names
-    the GPU in the welcome.
+    ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between busy
+    jobs by weight (:mod:`dalid.server.scheduler`). On a GPU daemon, ``cuda_backend()`` makes
+    each job's GPU memory and ``device_uuid`` names the GPU in the welcome.
     """
 
     def __init__(
@@ -143,9 +181,10 @@ class DaemonCore:
         device: str | int,
         backend: SlabBackend,
         push: Push,
-        limits: Limits,
+        quotas: Quotas,
         instance: str | None = None,
         *,
+        concurrency: int = 4,
         device_uuid: str = "",
         cuda_backend: Callable[[], CudaBackend] | None = None,
     ) -> None:
@@ -159,10 +198,12 @@ class DaemonCore:
         # Ended jobs whose trainer still maps GPU slabs: freed once it exits (see reap).
         self._orphans: list[Job] = []
         self._push = push
-        self.limits = limits
+        self.quotas = quotas
+        self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
         self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
         self._pid_namespace = pid_namespace()
+        self._started = time.monotonic()
         self.jobs: dict[int, Job] = {}
         self.peers: dict[bytes, Peer] = {}
         self._next_job_id = 1
@@ -173,10 +214,12 @@ class DaemonCore:
             Goodbye: self._on_goodbye,
             Ping: self._on_ping,
             Shutdown: self._on_shutdown,
+            StatusRequest: self._on_status,
             RegisterPipeline: self._on_register_pipeline,
             SubmitBatch: self._on_submit_batch,
             ScheduleBatch: self._on_schedule_batch,
             ReleaseRegions: self._on_release_regions,
+            TrainerProgress: self._on_trainer_progress,
         }
 
     # --- entry points ---------------------------------------------------------------------------
@@ -189,7 +232,9 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
                 )
-            if not isinstance(message, Hello | Ping | Shutdown) and identity not in self.peers:
+            if not isinstance(message, Hello | Ping | Shutdown | StatusRequest) and (
+                identity not in self.peers
+            ):
                 raise RequestRefused(
                     ErrorCode.NOT_WELCOMED, f"{message.OP}: send hello first on this connection"
                 )
@@ -229,7 +274,30 @@ class DaemonCore:
         for identity in list(job.peers):
             self.peers.pop(identity, None)
         self.jobs.pop(job.job_id, None)
-        job.close()
+        share = self.scheduler.stats(job.job_id)
+        log.info(
+            "job %d (%s) ended: %d batches, %d samples, %d failed; its batches waited %.1f s "
+            "for other jobs, passed over %d times",
+            job.job_id,
+            job.name or "?",
+            job.meter.batches,
+            job.meter.samples,
+            job.batches_failed,
+            share.waited_seconds,
+            share.passed_over,
+        )
+        self.scheduler.remove_job(job.job_id)
+        for waiting in job.close():
+            # Its sender still waits for the acceptance; tell it why none comes.
+            self._push(
+                waiting.sender,
+                Error(
+                    ErrorCode.UNKNOWN_JOB,
+                    f"job {job.job_id} ended before its batch was accepted",
+                    op=SubmitBatch.OP,
+                ),
+                waiting.request_id,
+            )
         cuda = job.cuda
         if cuda is None or cuda.closed:
             return
@@ -261,6 +329,30 @@ class DaemonCore:
             log.info("job %d: trainer disconnected", peer.job.job_id)
             self.close_job(peer.job)
 
+    def peer_disconnected(self, identity: bytes) -> None:
+        """The connection of ``identity`` closed or stopped answering heartbeats.
+
+        A trainer's ends its job; a worker's takes with it the batches it sent over the job's
+        limit, which nobody else could ask for.
+        """
+        peer = self.peers.get(identity)
+        if peer is None:
+            return
+        if peer.role is Role.TRAINER:
+            log.info(
+                "job %d: the trainer's connection closed, freeing what it held", peer.job.job_id
+            )
+            self.close_job(peer.job)
+            return
+        job = peer.job
+        with job.lock:
+            kept = [waiting for waiting in job.waiting if waiting.sender != identity]
+            dropped = len(job.waiting) - len(kept)
+            job.waiting = collections.deque(kept)
+        if dropped:
+            log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, dropped)
+        self._forget_peer(identity)
+
     def close(self) -> None:
         for job in list(self.jobs.values()):
             self.close_job(job, daemon_stopping=True)
@@ -284,10 +376,27 @@ class DaemonCore:
         if identity in self.peers:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
         if hello.role is Role.TRAINER:
-            job = self._new_job(identity, hello)
+            try:
+                limits = grant(
+                    hello,
+                    self.quotas,
+                    jobs=len(self.jobs),
+                    reserved=self.memory_reserved,
+                    max_message_bytes=transport.MAX_MESSAGE_BYTES,
+                )
+            except QuotaRefused as refusal:
+                raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+            job = self._new_job(identity, hello, limits)
             self.jobs[job.job_id] = job
+            self.scheduler.add_job(job.job_id, limits.weight)
             log.info(
-                "job %d (%s, pid %d) connected", job.job_id, hello.name or "?", hello.client_pid
+                "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight",
+                job.job_id,
+                hello.name or "?",
+                hello.client_pid,
+                limits.weight,
+                limits.pool_bytes >> 20,
+                limits.max_inflight_batches,
             )
         else:
             found = self.jobs.get(hello.job_id or 0)
@@ -309,17 +418,21 @@ class DaemonCore:
             dali_version=self.dali_version,
             job_id=job.job_id,
             job_token=job.token,
-            limits=self.limits,
+            limits=job.limits,
             device_uuid=self.device_uuid,
         )
 
-    def _new_job(self, identity: bytes, hello: Hello) -> Job:
+    @property
+    def memory_reserved(self) -> int:
+        """The output memory the open jobs have reserved (each device counted apart)."""
+        return sum(job.limits.pool_bytes for job in self.jobs.values())
+
+    def _new_job(self, identity: bytes, hello: Hello, limits: Limits) -> Job:
         job_id = self._next_job_id
         self._next_job_id += 1
         prefix = f"dalid-{self._instance}-j{job_id}"
         # One id sequence for both pools: a region id names one region of the job.
         region_ids = itertools.count(1)
-        limits = self.limits
         job = Job(
             job_id=job_id,
             token=secrets.token_hex(16),
@@ -327,6 +440,7 @@ class DaemonCore:
             pid=hello.client_pid,
             pid_namespace=hello.pid_namespace,
             name=hello.name,
+            limits=limits,
             pool=RegionPool(
                 self._backend,
                 prefix,
@@ -361,6 +475,33 @@ class DaemonCore:
     def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())
 
+    def _on_status(self, identity: bytes, _: StatusRequest, _request_id: int | None) -> Message:
+        return self.status()
+
+    def status(self) -> StatusReport:
+        """The daemon and its jobs now (also what the metrics endpoint serves)."""
+        now = time.monotonic()
+        return StatusReport(
+            daemon_pid=os.getpid(),
+            device=device_label(self.device),
+            device_uuid=self.device_uuid,
+            dali_version=self.dali_version,
+            protocol_version=PROTOCOL_VERSION,
+            uptime_seconds=now - self._started,
+            max_jobs=self.quotas.max_jobs,
+            concurrency=self.scheduler.slots,
+            memory_limit=self.quotas.memory_limit,
+            memory_reserved=self.memory_reserved,
+            jobs=tuple(
+                job_status(job, self.scheduler.stats(job.job_id), now) for job in self.jobs.values()
+            ),
+        )
+
+    def _on_trainer_progress(
+        self, identity: bytes, progress: TrainerProgress, _request_id: int | None
+    ) -> None:
+        self.peers[identity].job.trainer_waited = progress.waited_seconds
+
     def _on_shutdown(self, identity: bytes, _: Shutdown, _request_id: int | None) -> Message:
         log.info("shutdown requested")
         self.stop_requested = True
@@ -372,11 +513,11 @@ class DaemonCore:
         peer = self.peers[identity]
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
-        if request.max_batch_size > self.limits.max_batch_size:
+        if request.max_batch_size > self.quotas.max_batch_size:
             raise RequestRefused(
                 ErrorCode.INVALID_PIPELINE,
                 f"max_batch_size {request.max_batch_size} is over this daemon's limit of "
-                f"{self.limits.max_batch_size}",
+                f"{self.quotas.max_batch_size}",
             )
         job = peer.job
         pipeline_id = self._next_pipeline_id
@@ -397,16 +538,17 @@ class DaemonCore:
             PipelineSpec.from_message(request),
             self.device_id,
             pool=job.pool,
-            deliver=lambda message: self._push(trainer, message, None),
+            answer=functools.partial(self._batch_answered, job),
             on_built=on_built,
+            slots=JobSlots(self.scheduler, job.job_id),
             gpu_pool=job.gpu_pool,
             cuda=job.cuda,
         )
         return None  # answered by on_built once the pipeline is built
 
     def _on_submit_batch(
-        self, identity: bytes, request: SubmitBatch, _request_id: int | None
-    ) -> Message:
+        self, identity: bytes, request: SubmitBatch, request_id: int | None
+    ) -> Message | None:
         job = self.peers[identity].job
         executor = self._executor(job, request.pipeline_id)
         spec = executor.spec
@@ -435,10 +577,50 @@ class DaemonCore:
         batch = PendingBatch(job.next_batch_id, request)
         job.next_batch_id += 1
         if request.deferred:
+            # A deferred batch takes no turn until the trainer schedules it, and a limit here
+            # could hold back the very batch the trainer waits for.
             job.deferred[batch.batch_id] = batch
+            return BatchAccepted(batch.batch_id)
+        with job.lock:
+            if job.inflight < job.limits.max_inflight_batches:
+                job.inflight += 1
+                batch.counted = True
+                executor.submit(batch)
+                return BatchAccepted(batch.batch_id)
+            if len(job.waiting) >= self.quotas.max_waiting_batches:
+                raise RequestRefused(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"job {job.job_id} already has {len(job.waiting)} batches waiting over its "
+                    f"limit of {job.limits.max_inflight_batches} in flight: wait for batch "
+                    "acceptances before sending more",
+                )
+            # Backpressure: the sender hears back once an earlier batch of the job is answered.
+            job.waiting.append(WaitingBatch(identity, request_id, batch, executor))
+        return None
+
+    def _batch_answered(
+        self, job: Job, batch: PendingBatch, result: BatchReady | BatchFailed
+    ) -> None:
+        """Delivers a batch's result and lets the job's next waiting batch in.
+
+        Runs in the executor's thread.
+        """
+        if isinstance(result, BatchFailed):
+            job.batches_failed += 1
         else:
-            executor.submit(batch)
-        return BatchAccepted(batch.batch_id)
+            job.meter.add(batch.request.batch_size)
+        self._push(job.trainer, result, None)
+        if not batch.counted:
+            return
+        with job.lock:
+            job.inflight -= 1
+            admitted = job.waiting.popleft() if job.waiting and not job.closed else None
+            if admitted is not None:
+                job.inflight += 1
+                admitted.batch.counted = True
+        if admitted is not None:
+            admitted.executor.submit(admitted.batch)
+            self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)
 
     def _on_schedule_batch(
         self, identity: bytes, request: ScheduleBatch, _request_id: int | None

@@ -3,6 +3,11 @@
 The I/O thread alone touches the socket. Executors hand their results to :meth:`Daemon.push`,
 which queues them and wakes the loop through an eventfd that the poller watches beside the
 socket. Signals wake it the same way.
+
+A peer that dies is noticed by its connection, in any pid namespace: the kernel closes a killed
+process's socket at once, and ZeroMQ heartbeats close one whose process stopped answering
+(frozen, or its host gone). The socket monitor reports the closed file descriptor, which the
+loop maps back to the peer that last sent on it.
 """
 
 from __future__ import annotations
@@ -16,18 +21,21 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from dalid.protocol import (
+    BatchFailed,
+    BatchReady,
     Device,
     GpuUnavailable,
-    Limits,
     Message,
     ProtocolError,
+    StatusReport,
     decode,
     device_label,
     endpoint,
@@ -38,23 +46,36 @@ from dalid.protocol import (
 from .core import DaemonCore, process_alive
 from .cuda import CudaBackend
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
+from .quotas import Quotas
 
 log = logging.getLogger("dalid.server")
 
-GiB = 1 << 30
-MiB = 1 << 20
 EXIT_ALREADY_RUNNING = 3
 EXIT_NO_DEVICE = 4
+# ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
+# dropped, so a frozen client is freed within about 4 s.
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+# How often the status snapshot that the metrics endpoint serves is refreshed.
+SNAPSHOT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
+    """How to run a daemon. ``concurrency``: batches run at once across jobs (0: automatic)."""
+
     device: Device
     socket: Path
     idle_timeout: float | None = None
-    pool_bytes: int = 2 * GiB
-    slab_bytes: int = 64 * MiB
-    max_batch_size: int = 4096
+    quotas: Quotas = field(default_factory=Quotas)
+    concurrency: int = 0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+
+def automatic_concurrency() -> int:
+    """Enough batches at once to keep every core busy, and two pipelines' prefetch at least."""
+    return max(4, os.cpu_count() or 1)
 
 
 class AlreadyRunning(RuntimeError):
@@ -71,8 +92,14 @@ class Daemon:
         self._stop = threading.Event()
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        # The peer that last sent on each connection, by its file descriptor.
+        self._peer_by_fd: dict[int, bytes] = {}
         self._lock_fd: int | None = None
+        self._metrics: Any = None
         self.core: DaemonCore | None = None
+        # The latest status, for the metrics endpoint's thread (replaced whole, never changed).
+        self.snapshot: StatusReport | None = None
 
     # --- wake-ups from other threads and signals ------------------------------------------------
 
@@ -145,12 +172,6 @@ class Daemon:
 
     def _start(self) -> None:
         config = self.config
-        limits = Limits(
-            max_batch_size=config.max_batch_size,
-            max_message_bytes=transport.MAX_MESSAGE_BYTES,
-            pool_bytes=config.pool_bytes,
-            slab_bytes=config.slab_bytes,
-        )
         device_uuid = ""
         cuda_backend = None
         if config.device != "cpu":
@@ -163,24 +184,46 @@ class Daemon:
             config.device,
             SharedMemoryBackend(),
             self.push,
-            limits,
+            config.quotas,
+            concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
             cuda_backend=cuda_backend,
         )
+        self.snapshot = self.core.status()
         self._context = zmq.Context()
         previous = os.umask(0o177)  # the socket file is created 0600
         try:
             self._socket = transport.make_socket(
-                self._context, zmq.ROUTER, endpoint(config.socket), bind=True
+                self._context,
+                zmq.ROUTER,
+                endpoint(config.socket),
+                bind=True,
+                heartbeat_ms=(HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS),
             )
         finally:
             os.umask(previous)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        if config.metrics_port is not None:
+            from .metrics import serve_metrics
+
+            self._metrics = serve_metrics(
+                lambda: self.snapshot, config.metrics_host, config.metrics_port
+            )
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, self._metrics.port)
 
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self.core is not None:
             self.core.close()
             self.core = None
+        if self._monitor is not None:
+            assert self._socket is not None
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -199,16 +242,23 @@ class Daemon:
 
     def _loop(self) -> None:
         assert self._socket is not None and self.core is not None
+        assert self._monitor is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
+        next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         while not self._stop.is_set() and not self.core.stop_requested:
             events = dict(poller.poll(timeout=500))
             if self._wake_fd in events:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
+            # Connection events first: a closed descriptor may already carry a new peer's
+            # messages, and those must not be taken for the old peer's.
+            if self._monitor in events:
+                self._connection_events()
             if self._socket in events:
                 self._receive_all()
             self._flush_outbox()
@@ -216,6 +266,9 @@ class Daemon:
             if now >= next_reap:
                 self.core.reap()
                 next_reap = now + 1.0
+            if now >= next_snapshot:
+                self.snapshot = self.core.status()
+                next_snapshot = now + SNAPSHOT_INTERVAL_S
             if self.core.jobs:
                 idle_since = None
             elif idle_since is None:
@@ -234,6 +287,8 @@ class Daemon:
             except zmq.Again:
                 return
             identity = frames[0].bytes
+            if len(frames) > 1:
+                self._peer_by_fd[frames[1].get(zmq.SRCFD)] = identity
             try:
                 envelope = decode(frames[1:])
             except ProtocolError as error:
@@ -244,11 +299,26 @@ class Daemon:
             if reply is not None:
                 self._send(identity, reply, envelope.request_id)
 
+    def _connection_events(self) -> None:
+        assert self._monitor is not None and self.core is not None
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            # For these two events the value is the connection's file descriptor.
+            identity = self._peer_by_fd.pop(int(event["value"]), None)
+            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
+                self.core.peer_disconnected(identity)
+
     def _flush_outbox(self) -> None:
         assert self.core is not None
         while self._outbox:
             identity, message, request_id = self._outbox.popleft()
-            if self.core.job_for(identity) is None:
+            if (
+                isinstance(message, BatchReady | BatchFailed)
+                and self.core.job_for(identity) is None
+            ):
                 continue  # the job ended while the batch ran; its pool is already freed
             self._send(identity, message, request_id)
 

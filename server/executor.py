@@ -26,7 +26,6 @@ from dalid.protocol import (
     BatchFailed,
     BatchReady,
     ErrorCode,
-    Message,
     OutputDescriptor,
     SubmitBatch,
 )
@@ -34,6 +33,7 @@ from dalid.protocol import (
 from .cuda import CudaBackend, CudaSlab
 from .pool import PoolClosed, PoolTooSmall, Region, RegionPool
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
+from .scheduler import JobSlots
 
 log = logging.getLogger("dalid.server")
 
@@ -43,6 +43,12 @@ class PendingBatch:
     batch_id: int
     request: SubmitBatch
     arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # Whether the batch counts against its job's in-flight limit (deferred ones do not).
+    counted: bool = False
+
+
+Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
+"""answer(batch, result): sends a batch's result on; called from the executor's thread."""
 
 
 class BatchFailure(Exception):
@@ -61,8 +67,10 @@ class PipelineExecutor:
     """Builds one pipeline and runs its batches, in a thread of its own.
 
     Building happens in that thread too, so a slow build never holds up the daemon's other
-    jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``deliver``
-    sends batch results. ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU outputs.
+    jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``answer``
+    sends batch results. Each batch runs in a slot of ``slots`` (the daemon's fair share
+    between jobs; None: no limit). ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU
+    outputs.
     """
 
     def __init__(
@@ -72,8 +80,9 @@ class PipelineExecutor:
         device_id: int | None,
         *,
         pool: RegionPool,
-        deliver: Callable[[Message], None],
+        answer: Answer,
         on_built: Callable[[PipelineBuildError | None], None],
+        slots: JobSlots | None = None,
         gpu_pool: RegionPool | None = None,
         cuda: CudaBackend | None = None,
     ) -> None:
@@ -87,7 +96,9 @@ class PipelineExecutor:
         self._cuda = cuda
         # The default executor hands outputs over on our stream, without a host sync.
         self._stream = cuda.stream if cuda is not None and spec.exec_dynamic else None
-        self._deliver = deliver
+        self._answer = answer
+        self._slots = slots
+        self._slots_held = 0
         self._on_built = on_built
         self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
         self._stopping = threading.Event()
@@ -132,6 +143,8 @@ class PipelineExecutor:
             self.runner.close()
 
     def _loop(self, runner: PipelineRunner) -> None:
+        # Every batch in ``in_flight`` holds a slot of the scheduler, taken before DALI gets it
+        # and given back once DALI is done with it.
         in_flight: collections.deque[PendingBatch] = collections.deque()
         retry: collections.deque[PendingBatch] = collections.deque()
         depth = self.spec.prefetch_queue_depth
@@ -140,6 +153,7 @@ class PipelineExecutor:
             # After a failure the DALI pipeline is dead: fail this batch, rebuild, and run the
             # batches that were inside the old pipeline again, in their order.
             self._fail(failed, code, _dali_message(error))
+            self._give_slots(len(in_flight))
             retry.extendleft(reversed(in_flight))
             in_flight.clear()
             runner.rebuild()
@@ -150,9 +164,16 @@ class PipelineExecutor:
                     batch = self._next_batch(retry, block=not in_flight)
                     if batch is None:
                         break
+                    if not self._take_slot(batch, block=not in_flight):
+                        # Another job's turn: finish what is in flight first.
+                        retry.appendleft(batch)
+                        if not in_flight:
+                            self._stopping.wait(0.05)
+                        break
                     try:
                         self._schedule(runner, batch)
                     except Exception as error:
+                        self._give_slots(1)
                         start_over(batch, ErrorCode.INVALID_BATCH, error)
                         continue
                     in_flight.append(batch)
@@ -162,8 +183,13 @@ class PipelineExecutor:
                 try:
                     outputs = runner.collect(self._stream)
                 except Exception as error:
+                    self._give_slots(1)
                     start_over(batch, ErrorCode.PIPELINE_ERROR, error)
                     continue
+                # The copy-out may wait for the trainer to free buffers: not in a slot. With
+                # more batches ready, ask for the next slot in this job's turn right away.
+                more = bool(retry) or self._queue.qsize() > 0
+                self._give_slots(1, next_cost=batch.request.batch_size if more else None)
                 self._write(batch, outputs)
                 del outputs
                 runner.release()
@@ -177,6 +203,27 @@ class PipelineExecutor:
             message = f"the pipeline stopped working and takes no more batches: {error}"
             for batch in [*in_flight, *retry, *self._drain()]:
                 self._fail(batch, ErrorCode.PIPELINE_ERROR, message)
+        finally:
+            self._give_slots(self._slots_held)
+            if self._slots is not None:
+                self._slots.forfeit()
+
+    def _take_slot(self, batch: PendingBatch, block: bool) -> bool:
+        if self._slots is None:
+            return True
+        if not self._slots.acquire(
+            batch.request.batch_size, block=block, cancelled=self._stopping.is_set
+        ):
+            return False
+        self._slots_held += 1
+        return True
+
+    def _give_slots(self, count: int, next_cost: float | None = None) -> None:
+        if self._slots is None:
+            return
+        for _ in range(min(count, self._slots_held)):
+            self._slots.release(next_cost)
+            self._slots_held -= 1
 
     def _drain(self) -> list[PendingBatch]:
         batches: list[PendingBatch] = []
@@ -247,14 +294,15 @@ class PipelineExecutor:
         if self._gpu_pool is not None:
             retired += self._gpu_pool.take_retired()
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
-        self._deliver(
+        self._answer(
+            batch,
             BatchReady(
                 batch.batch_id,
                 self.pipeline_id,
                 tuple(descriptors),
                 retired_slabs=tuple(retired),
                 event=event,
-            )
+            ),
         )
 
     def _dense(self, index: int, output: Any) -> Any:
@@ -320,7 +368,7 @@ class PipelineExecutor:
 
     def _fail(self, batch: PendingBatch, code: ErrorCode, message: str) -> None:
         log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)
-        self._deliver(BatchFailed(batch.batch_id, self.pipeline_id, code, message))
+        self._answer(batch, BatchFailed(batch.batch_id, self.pipeline_id, code, message))
 
 
 def _dali_message(error: BaseException) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -40,6 +41,19 @@ class DaemonProcess:
 
     def segments(self) -> set[str]:
         return {p.name for p in Path("/dev/shm").glob(f"dalid-{self.pid}-*")}
+
+    def status(self) -> Any:
+        """The daemon's StatusReport, asked for as ``dalid status`` does."""
+        return daemon_status(self.socket)
+
+    def job_segments(self, job_id: int) -> set[str]:
+        return {name for name in self.segments() if f"-j{job_id}-" in name}
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc status")
 
     def stop(self, timeout: float = 20.0) -> int:
         if self.process.poll() is None:
@@ -77,6 +91,24 @@ def wait_until_answering(
     finally:
         context.term()
     raise AssertionError(f"daemon did not answer on {socket} within {timeout} s")
+
+
+def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
+    """One StatusReport from the daemon on ``socket`` (a status request needs no hello)."""
+    from dalid.protocol import StatusReport, StatusRequest, endpoint, transport
+
+    context = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        transport.send(sock, StatusRequest(), 1)
+        if not sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no status from {socket} within {timeout} s")
+        report = transport.recv(sock).message
+        assert isinstance(report, StatusReport), report
+        return report
+    finally:
+        sock.close(linger=0)
+        context.term()
 
 
 def start_daemon(directory: Path, *args: str, name: str = "d") -> DaemonProcess:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
 BATCH = 8
+
+# Job processes print their own lines on stdout; torch's advice on worker counts (these tests run
+# more workers than a small machine has cores, on purpose) would come first.
+warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1234)
@@ -105,4 +110,5 @@ def job_arguments(default_length: int) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=default_length)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--hold", action="store_true")
+    parser.add_argument("--together", type=int, default=0, help="wait for this many jobs")
     return parser.parse_args()

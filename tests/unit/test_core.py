@@ -18,7 +18,6 @@ from dalid.protocol import (
     ErrorCode,
     Hello,
     InputBatch,
-    Limits,
     Message,
     PipelineRegistered,
     RegisterPipeline,
@@ -29,6 +28,7 @@ from dalid.protocol import (
 )
 from dalid.server.core import DaemonCore
 from dalid.server.memory import SharedMemoryBackend
+from dalid.server.quotas import Quotas
 
 TRAINER = b"trainer"
 WORKER = b"worker"
@@ -42,14 +42,12 @@ def doubling():
 @pytest.fixture
 def core():
     pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
-    limits = Limits(
-        max_batch_size=64, max_message_bytes=1 << 20, pool_bytes=1 << 20, slab_bytes=1 << 16
-    )
+    quotas = Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16)
     daemon = DaemonCore(
         "cpu",
         SharedMemoryBackend(),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
-        limits,
+        quotas,
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
     )
     daemon.pushed = pushed  # type: ignore[attr-defined]

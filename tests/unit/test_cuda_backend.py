@@ -21,7 +21,6 @@ from dalid.protocol import (
     ErrorCode,
     Goodbye,
     Hello,
-    Limits,
     Message,
     ReleaseRegions,
     Role,
@@ -31,6 +30,7 @@ from dalid.server.core import DaemonCore
 from dalid.server.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab
 from dalid.server.memory import PAGE, SharedMemoryBackend
 from dalid.server.pool import RegionPool
+from dalid.server.quotas import Quotas
 
 DEVICE_UUID = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 TRAINER = b"trainer"
@@ -255,14 +255,12 @@ def test_a_retired_gpu_slab_is_freed_once_the_trainer_reports_it(api: FakeApi) -
 @pytest.fixture
 def gpu_core(api: FakeApi) -> Any:
     pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
-    limits = Limits(
-        max_batch_size=64, max_message_bytes=1 << 20, pool_bytes=4 * PAGE, slab_bytes=PAGE
-    )
+    quotas = Quotas(max_batch_size=64, pool_bytes=4 * PAGE, slab_bytes=PAGE)
     core = DaemonCore(
         0,
         SharedMemoryBackend(),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
-        limits,
+        quotas,
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
         device_uuid=DEVICE_UUID,
         cuda_backend=lambda: CudaBackend(0, api=api),
@@ -316,7 +314,7 @@ def test_a_cpu_daemon_refuses_gpu_release_fields() -> None:
         "cpu",
         SharedMemoryBackend(),
         lambda *_: None,
-        Limits(64, 1 << 20, 4 * PAGE, PAGE),
+        Quotas(max_batch_size=64, pool_bytes=4 * PAGE, slab_bytes=PAGE),
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
     )
     try:

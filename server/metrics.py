@@ -1,0 +1,106 @@
+"""Prometheus metrics over HTTP (``dalid serve --metrics-port``): the figures of ``dalid status``.
+
+The endpoint serves the daemon's latest status snapshot, which the I/O thread refreshes every
+second; the HTTP thread never touches the daemon's state. It carries counters only, never buffer
+handles or job tokens, and listens only when asked for (on 127.0.0.1 unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dalid.protocol import JobStatus, StatusReport
+
+# (metric, help, kind, field of JobStatus); counters get Prometheus' "_total" suffix.
+JOB_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("dalid_job_batches", "Batches delivered to the job", "counter", "batches_done"),
+    ("dalid_job_samples", "Samples delivered to the job", "counter", "samples_done"),
+    ("dalid_job_batches_failed", "Batches of the job that failed", "counter", "batches_failed"),
+    ("dalid_job_samples_per_second", "Samples per second, recent", "gauge", "samples_per_second"),
+    ("dalid_job_batches_queued", "Batches waiting for their pipeline", "gauge", "queued"),
+    ("dalid_job_batches_running", "Batches inside DALI", "gauge", "running"),
+    ("dalid_job_batches_waiting", "Batches held back over the job's limit", "gauge", "waiting"),
+    ("dalid_job_slot_wait_seconds", "Batches' wait for other jobs", "counter", "slot_wait_seconds"),
+    ("dalid_job_trainer_wait_seconds", "Wait for data", "counter", "trainer_wait_seconds"),
+    ("dalid_job_regions_held", "Output buffers the trainer holds", "gauge", "regions_held"),
+    ("dalid_job_bytes_held", "Bytes of output buffers the trainer holds", "gauge", "bytes_held"),
+    ("dalid_job_memory_bytes", "Output memory reserved for the job", "gauge", "memory_bytes"),
+    ("dalid_job_workers", "DataLoader workers connected", "gauge", "workers"),
+)  # fmt: skip
+
+
+class StatusCollector:
+    """A Prometheus collector over the latest :class:`StatusReport` that ``snapshot`` returns."""
+
+    def __init__(self, snapshot: Callable[[], StatusReport | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        report = self._snapshot()
+        if report is None:
+            return
+        daemon = [report.device]
+        for name, text, value in (
+            ("dalid_jobs", "Jobs connected", len(report.jobs)),
+            ("dalid_max_jobs", "Jobs the daemon accepts", report.max_jobs),
+            ("dalid_concurrency", "Batches the daemon runs at once", report.concurrency),
+            ("dalid_memory_reserved_bytes", "Output memory jobs reserved", report.memory_reserved),
+            ("dalid_memory_limit_bytes", "Output memory jobs may reserve", report.memory_limit),
+            ("dalid_uptime_seconds", "Seconds since the daemon started", report.uptime_seconds),
+        ):
+            gauge = GaugeMetricFamily(name, text, labels=["device"])
+            gauge.add_metric(daemon, value)
+            yield gauge
+        labels = ["device", "job", "name"]
+        for name, text, kind, field in JOB_METRICS:
+            family = (
+                CounterMetricFamily(name, text, labels=labels)
+                if kind == "counter"
+                else GaugeMetricFamily(name, text, labels=labels)
+            )
+            for job in report.jobs:
+                family.add_metric(_job_labels(report, job), float(getattr(job, field)))
+            yield family
+
+
+def _job_labels(report: StatusReport, job: JobStatus) -> list[str]:
+    return [report.device, str(job.job_id), job.name]
+
+
+class MetricsServer:
+    """The HTTP endpoint's server and thread; ``close()`` stops both. Idempotent."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server: Any = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self._thread.join(5.0)
+
+
+def serve_metrics(
+    snapshot: Callable[[], StatusReport | None], host: str, port: int
+) -> MetricsServer:
+    """Starts the endpoint on ``host:port`` (port 0: any free port; see ``.port``)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise RuntimeError(
+            "--metrics-port needs prometheus_client: pip install prometheus-client"
+        ) from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(snapshot))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(server, thread)

@@ -1,0 +1,150 @@
+"""Jobs that die at any moment: noticed within 5 s, everything they held freed, others unharmed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..daemons import DaemonProcess, kill_leftovers, start_daemon, wait_for
+
+pytestmark = pytest.mark.slow
+
+# The promise: a dead job's pipelines and buffers are freed within this long.
+NOTICE_S = 5.0
+
+
+def _job(module: str, socket: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", f"tests.integration.{module}", "--socket", str(socket), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _first_line(job: subprocess.Popen[str]) -> str:
+    assert job.stdout is not None
+    return job.stdout.readline().strip()
+
+
+def _job_id(daemon: DaemonProcess, name: str) -> int:
+    (job,) = [job for job in daemon.status().jobs if job.name == name]
+    return int(job.job_id)
+
+
+def _freed(daemon: DaemonProcess, job_id: int) -> bool:
+    jobs = {job.job_id for job in daemon.status().jobs}
+    return job_id not in jobs and not daemon.job_segments(job_id)
+
+
+def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tmp):
+    daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        victim = _job("trainer_job", daemon.socket, "--hold", "--offset", "5", "--workers", "4")
+        jobs.append(victim)
+        assert _first_line(victim) == "holding"
+        job_id = _job_id(daemon, "job5")
+        assert daemon.job_segments(job_id), "the held batch lives in the daemon's shared memory"
+        survivors = [
+            _job("trainer_job", daemon.socket, "--offset", str(offset), "--length", "400")
+            for offset in (77, 88)
+        ]
+        jobs.extend(survivors)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        # Not communicate(): its DataLoader workers hold its stdout until they notice it died.
+        victim.wait()
+        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the killed job's pipelines and slabs")
+        assert time.monotonic() - killed_at < NOTICE_S
+        # The same job, restarted, connects and runs at once.
+        again = _job("trainer_job", daemon.socket, "--offset", "5", "--length", "64")
+        jobs.append(again)
+        for job, length in ((survivors[0], 400), (survivors[1], 400), (again, 64)):
+            out, _ = job.communicate(timeout=180)
+            assert job.returncode == 0, out
+            assert f"ok {length}" in out
+        victim.communicate()  # its workers are gone by now, and with them its stdout
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def test_a_frozen_trainer_is_dropped_by_the_heartbeat(short_tmp):
+    # A stopped process is alive to the kernel, and its socket stays open: only the heartbeat,
+    # which nobody answers, tells the daemon. The same holds for a trainer in another pid
+    # namespace or on a host that vanished.
+    daemon = start_daemon(short_tmp)
+    victim = _job("trainer_job", daemon.socket, "--hold", "--offset", "6")
+    try:
+        assert _first_line(victim) == "holding"
+        job_id = _job_id(daemon, "job6")
+        os.kill(victim.pid, signal.SIGSTOP)
+        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the frozen job to be dropped")
+        assert "freeing what it held" in daemon.log_text()
+    finally:
+        victim.kill()
+        os.kill(victim.pid, signal.SIGCONT)
+        victim.communicate()
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+def test_a_killed_worker_ends_its_job_and_no_other(short_tmp):
+    daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        victim = _job("load_job", daemon.socket, "--name", "victim", "--workers", "4")
+        other = _job("load_job", daemon.socket, "--name", "other", "--batches", "40")
+        jobs.extend([victim, other])
+        assert _first_line(victim) == "running"
+        job_id = _job_id(daemon, "victim")
+        wait_for(lambda: len(_children(victim.pid)) >= 4, 30, "the victim's workers")
+        os.kill(_children(victim.pid)[0], signal.SIGKILL)
+        # torch's DataLoader notices its dead worker and fails the trainer's loop, which ends
+        # the job; the daemon frees it once the trainer is gone.
+        out, _ = victim.communicate(timeout=60)
+        assert victim.returncode != 0
+        assert "killed by signal" in out
+        exited_at = time.monotonic()
+        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the victim's job to be freed")
+        assert time.monotonic() - exited_at < NOTICE_S
+        out, _ = other.communicate(timeout=120)
+        assert other.returncode == 0, out
+        assert "ok 40" in out
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def test_fifty_connect_and_kill_cycles_leave_the_daemon_at_its_baseline(short_tmp):
+    daemon = start_daemon(short_tmp)
+    try:
+
+        def cycles(count: int) -> None:
+            job = _job("cycle_job", daemon.socket, "--cycles", str(count))
+            out, _ = job.communicate(timeout=300)
+            assert job.returncode == 0 and f"ok {count}" in out, out
+
+        cycles(5)  # first allocations of the daemon's libraries, made once
+        baseline = daemon.rss_bytes()
+        cycles(50)
+        assert not daemon.status().jobs
+        assert not daemon.segments()
+        grown = daemon.rss_bytes() - baseline
+        assert grown < 16 << 20, f"the daemon grew by {grown >> 20} MiB over 50 cycles"
+    finally:
+        assert daemon.stop() == 0

@@ -1,0 +1,286 @@
+"""Many jobs on one daemon, as separate processes: data, fair shares, limits, status and metrics.
+
+Jobs that die are in test_dead_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket as socketlib
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dalid.client as dalid
+from dalid.client import RequestError
+
+from ..daemons import DaemonProcess, kill_leftovers, start_daemon, wait_for
+from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def _trainer(socket: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.trainer_job", "--socket", str(socket), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _load(socket: Path, name: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.load_job",
+            "--socket",
+            str(socket),
+            "--name",
+            name,
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_running(job: subprocess.Popen[str]) -> None:
+    assert job.stdout is not None
+    line = job.stdout.readline()
+    if line.strip() != "running":
+        job.kill()
+        raise AssertionError(f"the job did not start: {line}{job.communicate()[0]}")
+
+
+def _jobs_by_name(daemon: DaemonProcess) -> dict[str, object]:
+    return {job.name: job for job in daemon.status().jobs}
+
+
+def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp):
+    daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        for offset in (10, 20, 30, 40):
+            # Each job starts its loader only once all four are connected.
+            args = ("--offset", str(offset), "--workers", "4", "--length", "96", "--together", "4")
+            jobs.append(_trainer(daemon.socket, *args))
+        outputs = [job.communicate(timeout=300)[0] for job in jobs]
+        for job, out in zip(jobs, outputs, strict=True):
+            assert job.returncode == 0, out
+            assert "ok 96" in out
+        wait_for(lambda: not daemon.status().jobs, 10, "every job to end")
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def _samples(daemon: DaemonProcess) -> dict[str, int]:
+    return {job.name: job.samples_done for job in daemon.status().jobs}
+
+
+def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
+    # One batch at a time, so the daemon's order decides everything.
+    daemon = start_daemon(short_tmp, "--concurrency", "1")
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        jobs.append(_load(daemon.socket, "light", "--weight", "1"))
+        jobs.append(_load(daemon.socket, "heavy", "--weight", "3"))
+        for job in jobs:
+            _wait_running(job)
+        time.sleep(1.0)  # both backlogged from here on
+        before = _samples(daemon)
+        time.sleep(4.0)
+        after = _samples(daemon)
+        light = after["light"] - before["light"]
+        heavy = after["heavy"] - before["heavy"]
+        assert light > 0 and heavy > 0
+        assert 2.0 <= heavy / light <= 4.5, (light, heavy)
+        for job in jobs:
+            assert job.poll() is None, job.communicate()[0]
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+
+
+def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_tmp):
+    daemon = start_daemon(short_tmp, "--concurrency", "1")
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        # Three jobs that keep large batches queued, and one that sends a small batch at a time.
+        for name in ("flood1", "flood2", "flood3"):
+            jobs.append(_load(daemon.socket, name, "--batch", "32"))
+        for job in jobs:
+            _wait_running(job)
+        steady = _load(daemon.socket, "steady", "--batch", "8", "--workers", "0", "--batches", "30")
+        jobs.append(steady)
+        out, _ = steady.communicate(timeout=120)
+        assert steady.returncode == 0, out
+        assert "ok 30" in out
+        # Its job is gone now; the floods ran all along.
+        for flood in jobs[:3]:
+            assert flood.poll() is None
+        log = daemon.log_text()
+        # The daemon logged what each job's batches waited for at its end.
+        match = re.search(r"job \d+ \(steady\) ended: .* passed over (\d+) times", log)
+        assert match is not None, log[-2000:]
+        # First-come-first-served would put each steady batch behind the three floods' queued
+        # batches; fair queueing starts it next, behind only the batch already running.
+        assert int(match.group(1)) <= 30, log[-2000:]
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+
+
+def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
+    daemon = start_daemon(
+        short_tmp,
+        "--max-jobs",
+        "2",
+        "--memory-limit",
+        "3M",
+        "--pool-bytes",
+        "1M",
+        "--max-inflight-batches",
+        "4",
+    )
+    sessions: list[dalid.Session] = []
+
+    def connect(**asks) -> dalid.Session:
+        session = dalid.connect(socket=daemon.socket, autostart=False, **asks)
+        sessions.append(session)
+        return session
+
+    try:
+        big = connect(memory_bytes=2 << 20)
+        assert big.limits.pool_bytes == 2 << 20
+        with pytest.raises(RequestError, match=r"asks for 2 MiB .* has 1 MiB left .* 3 MiB"):
+            connect(memory_bytes=2 << 20)
+        with pytest.raises(RequestError, match=r"at most 4 per job"):
+            connect(max_inflight_batches=5)
+        second = connect(max_inflight_batches=3, weight=2.5)
+        assert second.limits.pool_bytes == 1 << 20  # the daemon's default
+        assert second.limits.max_inflight_batches == 3
+        assert second.limits.weight == 2.5
+        with pytest.raises(RequestError, match=r"already serves 2 jobs.*--max-jobs 2"):
+            connect()
+        big.close()
+        # The freed place and memory are there for the next job at once.
+        third = connect(memory_bytes=2 << 20)
+        assert third.limits.pool_bytes == 2 << 20
+        report = daemon.status()
+        assert report.memory_reserved == 3 << 20
+        assert report.memory_limit == 3 << 20
+    finally:
+        for session in sessions:
+            session.close()
+        assert daemon.stop() == 0
+
+
+def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):
+    daemon = start_daemon(short_tmp, "--concurrency", "1")
+    session = dalid.connect(socket=daemon.socket, autostart=False, max_inflight_batches=1)
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(
+            session,
+            ProxyDataset(proxy, BATCH * 40, offset=3),
+            batch_size=BATCH,
+            num_workers=4,
+            prefetch_factor=4,
+        )
+        peak_inflight = peak_waiting = 0
+        seen = 0
+        for (_, shifted), indices in loader:
+            for row, index in enumerate(indices.tolist()):
+                np.testing.assert_array_equal(shifted[row].numpy(), sample(index, 3) + 7)
+            seen += len(indices)
+            (status,) = daemon.status().jobs
+            peak_inflight = max(peak_inflight, status.queued + status.running)
+            peak_waiting = max(peak_waiting, status.waiting)
+        assert seen == BATCH * 40
+        assert peak_inflight <= 1
+        assert peak_waiting >= 1, "the workers' batches never had to wait"
+    finally:
+        session.close()
+        assert daemon.stop() == 0
+
+
+def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp):
+    daemon = start_daemon(short_tmp)
+    session = dalid.connect(socket=daemon.socket, autostart=False, name="resnet-7", weight=2)
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH * 3), batch_size=BATCH)
+        batches = list(loader)
+        assert len(batches) == 3
+        command = [sys.executable, "-m", "dalid.server", "status", "--socket", str(daemon.socket)]
+        as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
+        report = json.loads(as_json.stdout)
+        assert report["daemon_pid"] == daemon.pid
+        (job,) = report["jobs"]
+        assert job["name"] == "resnet-7"
+        assert job["weight"] == 2
+        assert job["pipelines"] == 1
+        assert job["batches_done"] == 3 and job["samples_done"] == 3 * BATCH
+        # The loader's batches are alive here: the job holds their buffers.
+        assert job["regions_held"] == 6 and job["bytes_held"] > 0
+        assert job["trainer_wait_seconds"] > 0
+        table = subprocess.run([*command, "--once"], capture_output=True, text=True, check=True)
+        assert f"daemon pid {daemon.pid}" in table.stdout
+        assert "resnet-7" in table.stdout and "samples/s" in table.stdout
+    finally:
+        session.close()
+        assert daemon.stop() == 0
+    gone = subprocess.run(
+        [sys.executable, "-m", "dalid.server", "status", "--socket", str(daemon.socket)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert gone.returncode == 1
+    assert "no daemon listens" in gone.stderr
+
+
+def _free_port() -> int:
+    with socketlib.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_metrics_endpoint_serves_the_status_figures(short_tmp):
+    port = _free_port()
+    daemon = start_daemon(short_tmp, "--metrics-port", str(port))
+    session = dalid.connect(socket=daemon.socket, autostart=False, name="metrics-job")
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH * 2), batch_size=BATCH)
+        assert len(list(loader)) == 2
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                return reply.read().decode()
+
+        labels = 'device="cpu",job="1",name="metrics-job"'
+        # The endpoint serves a snapshot that the daemon refreshes every second.
+        wait_for(
+            lambda: f"dalid_job_samples_total{{{labels}}} {2.0 * BATCH}" in scrape(),
+            10,
+            "the job's samples in the metrics",
+        )
+        text = scrape()
+        assert 'dalid_jobs{device="cpu"} 1.0' in text
+        assert f"dalid_job_batches_total{{{labels}}} 2.0" in text
+        assert "job_token" not in text and "dalid-" not in text  # no secrets, no buffer names
+    finally:
+        session.close()
+        assert daemon.stop() == 0
