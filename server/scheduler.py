@@ -113,9 +113,7 @@ class FairScheduler:
             share = self._jobs.get(job_id)
             if share is None:
                 return False
-            if share.reserved:
-                share.reserved -= 1
-                share.running += 1
+            if self._take_reserved(share):
                 return True
             start_tag = max(self._virtual_time, share.finish_tag)
             if self._free > 0 and not any(
@@ -134,7 +132,7 @@ class FairScheduler:
                 share.finish_tag = start_tag + cost / share.weight
                 share.waiting.append(request)
                 self._grant_waiting()
-            while not share.reserved:
+            while not self._take_reserved(share):
                 if cancelled() or self._jobs.get(job_id) is not share:
                     share.claimants -= 1
                     unclaimed = [r for r in share.waiting if not r.reservation]
@@ -144,8 +142,6 @@ class FairScheduler:
                     return False
                 self._changed.wait(CANCEL_POLL_S)
             share.claimants -= 1
-            share.reserved -= 1
-            share.running += 1
             return True
 
     def release(self, job_id: int, next_cost: float | None = None) -> None:
@@ -208,6 +204,15 @@ class FairScheduler:
             return self._free
 
     # --- under the lock -------------------------------------------------------------------------
+
+    @staticmethod
+    def _take_reserved(share: _JobShare) -> bool:
+        """Takes a slot won for the job, if there is one."""
+        if not share.reserved:
+            return False
+        share.reserved -= 1
+        share.running += 1
+        return True
 
     def _all_waiting(self) -> itertools.chain[_Request]:
         return itertools.chain.from_iterable(share.waiting for share in self._jobs.values())
