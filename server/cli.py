@@ -26,6 +26,7 @@ from dalid.protocol import (
 )
 
 from .daemon import Daemon, DaemonConfig
+from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_DEVICE = os.environ.get("DALID_DEVICE", "cpu")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"
     )
+    serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="an image sample whose header declares more pixels is a bad sample, refused before "
+        f"decoding; 0: no limit (default {DEFAULT_MAX_IMAGE_PIXELS}, as Pillow's)",
+    )
     serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
 
     for name, text in (
@@ -118,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool_bytes=args.pool_bytes,
         slab_bytes=args.slab_bytes,
         max_batch_size=args.max_batch_size,
+        max_image_pixels=max(0, args.max_image_pixels),
     )
     return Daemon(config).serve()
 

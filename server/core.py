@@ -401,6 +401,7 @@ class DaemonCore:
             on_built=on_built,
             gpu_pool=job.gpu_pool,
             cuda=job.cuda,
+            max_image_pixels=self.limits.max_image_pixels,
         )
         return None  # answered by on_built once the pipeline is built
 

@@ -37,6 +37,7 @@ from dalid.protocol import (
 
 from .core import DaemonCore, process_alive
 from .cuda import CudaBackend
+from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
 
 log = logging.getLogger("dalid.server")
@@ -55,6 +56,7 @@ class DaemonConfig:
     pool_bytes: int = 2 * GiB
     slab_bytes: int = 64 * MiB
     max_batch_size: int = 4096
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
 
 class AlreadyRunning(RuntimeError):
@@ -150,6 +152,7 @@ class Daemon:
             max_message_bytes=transport.MAX_MESSAGE_BYTES,
             pool_bytes=config.pool_bytes,
             slab_bytes=config.slab_bytes,
+            max_image_pixels=config.max_image_pixels,
         )
         device_uuid = ""
         cuda_backend = None
