@@ -253,3 +253,26 @@ def test_dropin_server_takes_on_error(daemon):
 def test_unknown_policy_is_refused_in_the_caller(session):
     with pytest.raises(dalid.InputError, match="on_error must be one of"):
         session.proxy(decode_pipeline(), on_error="ignore")
+
+
+def test_max_image_pixels_flag(short_tmp):
+    from ..daemons import start_daemon
+
+    daemon = start_daemon(short_tmp, "--max-image-pixels", "3000")
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False) as session:
+            assert session.limits.max_image_pixels == 3000
+            proxy = session.proxy(decode_pipeline(), on_error="skip")
+            small = encode(0)
+            big = encode(1)
+            tiny = _small_jpeg()  # 8x8
+            assert Image.open(io.BytesIO(big)).size == (64, 48)  # 3072 pixels
+            refs = [proxy(as_array(data)) for data in (tiny, big, small, tiny)]
+            images = session.produce_data(torch.utils.data.default_collate(refs))
+            reports = session.last_bad_samples
+            assert [(r.position, r.dropped) for r in reports] == [(1, True), (2, True)]
+            assert "64x48 pixels, over this daemon's limit of 3000" in reports[0].message
+            reference = run_in_process(decode_pipeline(), [{"jpegs": [as_array(tiny)] * 2}])
+            np.testing.assert_array_equal(images.numpy(), reference[0][0])
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
