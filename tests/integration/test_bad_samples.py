@@ -276,3 +276,14 @@ def test_max_image_pixels_flag(short_tmp):
             np.testing.assert_array_equal(images.numpy(), reference[0][0])
     finally:
         assert daemon.stop() == 0, daemon.log_text()
+
+
+def test_skip_in_deterministic_mode(session):
+    proxy = session.proxy(decode_pipeline(), deterministic=True, on_error="skip")
+    indices = list(range(8, 24))
+    loader = dalid.DataLoader(session, ImageDataset(proxy, indices), batch_size=BATCH)
+    for batch_indices, (images, labels, _) in zip(batches_of(indices), loader, strict=True):
+        good = [index for index in batch_indices if index not in BAD]
+        np.testing.assert_array_equal(images.numpy(), expected(good))
+        assert labels.tolist() == [10 * index for index in good]
+    assert [indices[r.dataset_index] for r in loader.bad_samples] == sorted(BAD)
