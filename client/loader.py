@@ -44,7 +44,13 @@ class _ProducingIterator:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._inner)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._loader._batch_indices()  # that batch's indices, so the next batch gets its own
+            raise
         indices = self._loader._batch_indices()
         producer = self._loader.session
         try:

@@ -287,3 +287,24 @@ def test_skip_in_deterministic_mode(session):
         np.testing.assert_array_equal(images.numpy(), expected(good))
         assert labels.tolist() == [10 * index for index in good]
     assert [indices[r.dataset_index] for r in loader.bad_samples] == sorted(BAD)
+
+
+class FlakyDataset(ImageDataset):
+    """Raises for index 0, as a dataset with a missing file does (before any proxy call of its
+    batch: samples already given to the proxy would stay in its unfinished batch)."""
+
+    def __getitem__(self, i: int):
+        if i == 0:
+            raise FileNotFoundError("img0")
+        return super().__getitem__(i)
+
+
+def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(session):
+    proxy = session.proxy(decode_pipeline())
+    loader = dalid.DataLoader(session, FlakyDataset(proxy, list(range(16))), batch_size=BATCH)
+    iterator = iter(loader)
+    with pytest.raises(FileNotFoundError):
+        next(iterator)
+    with pytest.raises(dalid.BatchError) as raised:
+        next(iterator)
+    assert raised.value.dataset_indices == [9, 12, 15]
