@@ -143,11 +143,12 @@ def test_a_job_cannot_release_another_jobs_regions(daemon):
             reply = intruder.notify(ReleaseRegions(tuple(range(1, 64))))
             assert reply is not None and reply.code is ErrorCode.UNKNOWN_REGION  # type: ignore[attr-defined]
             assert "not leased to job" in reply.message  # type: ignore[attr-defined]
-            # Had the release gone through, the next batches would reuse the held regions.
-            for (scaled, _), _ in batches:
-                assert not torch.equal(scaled, held)
+            # Had the release gone through, the next batches would be written into the held
+            # regions (first fit reuses the lowest free offset) and change `held`.
+            later = [scaled.clone() for (scaled, _), _ in batches]
+            assert len(later) == 3
             torch.testing.assert_close(held, kept)
-            assert owner.live_regions >= 2
+            assert owner.live_regions >= 1  # `held` still views its region
             assert intruder.request(Ping()).OP == "pong"
     finally:
         intruder.close()
