@@ -308,3 +308,14 @@ def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(ses
     with pytest.raises(dalid.BatchError) as raised:
         next(iterator)
     assert raised.value.dataset_indices == [9, 12, 15]
+
+
+def test_skip_with_the_legacy_executor(session):
+    pipeline = decode_pipeline(exec_dynamic=False, prefetch_queue_depth=2)
+    proxy = session.proxy(pipeline, on_error="skip")
+    indices = list(range(8, 32))
+    loader = dalid.DataLoader(session, ImageDataset(proxy, indices), batch_size=BATCH)
+    for batch_indices, (images, labels, _) in zip(batches_of(indices), loader, strict=True):
+        good = [index for index in batch_indices if index not in BAD]
+        np.testing.assert_array_equal(images.numpy(), expected(good))
+        assert labels.tolist() == [10 * index for index in good]
