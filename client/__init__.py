@@ -17,6 +17,7 @@ import os
 
 from dalid.protocol import Device
 
+from .badsamples import SampleReport
 from .errors import (
     BatchError,
     DaemonUnavailable,
@@ -79,6 +80,7 @@ __all__ = [
     "ProtocolMismatch",
     "Proxy",
     "RequestError",
+    "SampleReport",
     "Session",
     "connect",
 ]

@@ -6,7 +6,7 @@ Two families: :class:`RequestError` (this request or batch failed; the session g
 
 from __future__ import annotations
 
-from dalid.protocol import Error, ErrorCode
+from dalid.protocol import BadSample, Error, ErrorCode
 
 
 class DalidError(Exception):
@@ -31,12 +31,36 @@ class PipelineError(RequestError):
 
 
 class BatchError(RequestError):
-    """A batch could not be run; the message carries DALI's own."""
+    """A batch could not be run; the message carries DALI's own.
 
-    def __init__(self, code: ErrorCode, message: str, batch_id: int, pipeline_id: int) -> None:
+    ``bad_samples`` names the samples that fail on their own (code ``bad_samples``), by position
+    in the batch; ``dataset_indices`` their indices in the dataset, where dalid's DataLoader
+    knows them (None otherwise).
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        batch_id: int,
+        pipeline_id: int,
+        bad_samples: tuple[BadSample, ...] = (),
+    ) -> None:
         super().__init__(code, f"batch {batch_id} of pipeline {pipeline_id} failed: {message}")
         self.batch_id = batch_id
         self.pipeline_id = pipeline_id
+        self.bad_samples = bad_samples
+        self.dataset_indices: list[int] | None = None
+
+    @property
+    def positions(self) -> list[int]:
+        """Positions in the batch of the bad samples."""
+        return [sample.position for sample in self.bad_samples]
+
+    def name_indices(self, batch_indices: list[int]) -> None:
+        """Adds the dataset indices of the bad samples, given those of the whole batch."""
+        self.dataset_indices = [batch_indices[p] for p in self.positions if p < len(batch_indices)]
+        self.args = (f"{self.args[0]} (dataset indices {self.dataset_indices})",)
 
 
 class DeviceMismatch(DalidError):

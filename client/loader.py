@@ -2,28 +2,72 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from torch.utils import data as torchdata
+
+from .badsamples import SampleReport
+from .errors import BatchError
 
 
 class Producer(Protocol):
     def produce_data(self, obj: Any) -> Any: ...
 
 
+class _RecordingSampler:
+    """The loader's batch sampler, noting each batch of indices it gives, in order."""
+
+    def __init__(self, inner: Iterable[Any]) -> None:
+        self.inner = inner
+        self.given: collections.deque[list[int]] = collections.deque()
+
+    def __iter__(self) -> Iterator[Any]:
+        for indices in self.inner:
+            self.given.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
 class _ProducingIterator:
     """Wraps torch's loader iterator; each batch goes through ``produce_data`` on its way out."""
 
-    def __init__(self, inner: Iterator[Any], producer: Producer) -> None:
+    def __init__(self, inner: Iterator[Any], loader: DataLoader) -> None:
         self._inner = inner
-        self._producer = producer
+        self._loader = loader
 
     def __iter__(self) -> _ProducingIterator:
         return self
 
     def __next__(self) -> Any:
-        return self._producer.produce_data(next(self._inner))
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._loader._batch_indices()  # that batch's indices, so the next batch gets its own
+            raise
+        indices = self._loader._batch_indices()
+        producer = self._loader.session
+        try:
+            produced = producer.produce_data(batch)
+        except BatchError as error:
+            if indices is not None and error.bad_samples:
+                error.name_indices(indices)
+            raise
+        reports: list[SampleReport] = getattr(producer, "last_bad_samples", [])
+        for report in reports:
+            index = (
+                indices[report.position]
+                if indices is not None and report.position < len(indices)
+                else None
+            )
+            self._loader.bad_samples.append(dataclasses.replace(report, dataset_index=index))
+        return produced
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
@@ -32,12 +76,37 @@ class _ProducingIterator:
 class DataLoader(torchdata.DataLoader):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
-    Works with any ``num_workers``, including 0, and with persistent workers.
+    Works with any ``num_workers``, including 0, and with persistent workers. Bad samples that
+    batches came back without, or with replaced (``on_error``), accumulate in ``bad_samples``
+    with their dataset indices; a :class:`BatchError` for bad samples names those indices too
+    (``dataset_indices``). Indices are known with a batch sampler and ``in_order=True``.
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.session = session
+        self.bad_samples: list[SampleReport] = []
+        self._recorder: _RecordingSampler | None = None
+
+    @property
+    def _index_sampler(self) -> Any:
+        # torch's iterators read their indices through this property; recording them here is
+        # how the loader knows the dataset indices of each batch it hands out.
+        sampler = super()._index_sampler
+        if not self._auto_collation or not getattr(self, "in_order", True):
+            return sampler
+        recorder = getattr(self, "_recorder", None)
+        if recorder is None or recorder.inner is not sampler:
+            recorder = self._recorder = _RecordingSampler(sampler)
+        return recorder
+
+    def _batch_indices(self) -> list[int] | None:
+        recorder = self._recorder
+        if recorder is None or not recorder.given:
+            return None
+        return recorder.given.popleft()
 
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
-        return _ProducingIterator(super().__iter__(), self.session)
+        if self._recorder is not None:
+            self._recorder.given.clear()  # a new epoch: indices of the last one are stale
+        return _ProducingIterator(super().__iter__(), self)

@@ -30,6 +30,10 @@ class DALIServer:
 
     The pipeline is registered with the daemon when ``proxy`` is first used or the server
     starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
+
+    Beyond DALI's arguments (``proxy`` is a property there, so it takes none): ``on_error``
+    (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`), ``socket`` and
+    ``autostart``.
     """
 
     def __init__(
@@ -37,6 +41,7 @@ class DALIServer:
         pipeline: Any,
         deterministic: bool = False,
         *,
+        on_error: str = "raise",
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
     ) -> None:
@@ -48,6 +53,7 @@ class DALIServer:
             raise RuntimeError("The provided pipeline doesn't have any inputs")
         self._pipeline = pipeline
         self._deterministic = deterministic
+        self._on_error = on_error
         self._socket = socket
         self._autostart = autostart
         self._session: Session | None = None
@@ -74,7 +80,9 @@ class DALIServer:
         """
         session = self.session
         if not self._registered:
-            fresh = session.proxy(self._pipeline, deterministic=self._deterministic)
+            fresh = session.proxy(
+                self._pipeline, deterministic=self._deterministic, on_error=self._on_error
+            )
             if self._proxy is None:
                 self._proxy = fresh
             else:
@@ -85,6 +93,11 @@ class DALIServer:
 
     def produce_data(self, obj: Any) -> Any:
         return self.session.produce_data(obj)
+
+    @property
+    def last_bad_samples(self) -> list[Any]:
+        """Bad samples skipped or replaced in the last ``produce_data`` call."""
+        return self.session.last_bad_samples if self._session is not None else []
 
     def start_thread(self) -> None:
         """Connects to the daemon and registers the pipeline (DALI starts a thread here)."""

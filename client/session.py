@@ -21,6 +21,7 @@ from dalid.protocol import (
     Envelope,
     Error,
     Limits,
+    OnError,
     PipelineRegistered,
     RegisterPipeline,
     ReleaseRegions,
@@ -31,6 +32,7 @@ from dalid.protocol import (
     socket_path,
 )
 
+from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
 from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError
@@ -189,6 +191,8 @@ class Session:
             connection.close()
             raise
         self._resources = _Resources(connection, SlabMappings(), cuda_index)
+        # Bad samples skipped or replaced in the batches of the last produce_data call.
+        self.last_bad_samples: list[SampleReport] = []
         self._finalizer = weakref.finalize(self, self._resources.close)
 
     # --- properties -----------------------------------------------------------------------------
@@ -231,13 +235,27 @@ class Session:
 
     # --- API ------------------------------------------------------------------------------------
 
-    def proxy(self, pipeline: Any, deterministic: bool = False) -> Proxy:
+    def proxy(self, pipeline: Any, deterministic: bool = False, on_error: str = "raise") -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
 
         With ``deterministic`` a batch runs only when the trainer asks for its outputs, in the
         order the trainer asks, so random operators repeat run to run.
+
+        ``on_error`` says what happens to a batch with bad samples (corrupt or unsupported
+        data, or images over the daemon's ``--max-image-pixels``): ``"raise"`` raises
+        :class:`BatchError` naming them; ``"skip"`` delivers the batch without them, and
+        without their rows of every other per-sample field; ``"replace"`` delivers it with each
+        replaced by a good sample of the batch. Skipped and replaced samples are logged and
+        listed in :attr:`last_bad_samples`; the other per-sample fields of the batch (labels)
+        follow, see :meth:`produce_data`.
         """
         _check_pipeline(pipeline)
+        try:
+            policy = OnError(on_error)
+        except ValueError:
+            raise InputError(
+                f"on_error must be one of {[p.value for p in OnError]}, got {on_error!r}"
+            ) from None
         names = external_source_names(pipeline)
         if not names:
             raise InputError(
@@ -257,6 +275,7 @@ class Session:
             seed=pipeline.seed,
             exec_dynamic=bool(pipeline.exec_dynamic),
             name=getattr(pipeline, "_name", None) or "",
+            on_error=policy,
         )
         reply = self._connection.request(request)
         assert isinstance(reply, PipelineRegistered)
@@ -276,8 +295,22 @@ class Session:
         )
 
     def produce_data(self, obj: Any) -> Any:
-        """``obj`` with every batch reference replaced by its tensor (nested structures too)."""
-        return replace_refs(obj, self._outputs_of)
+        """``obj`` with every batch reference replaced by its tensor (nested structures too).
+
+        Where bad samples were skipped or replaced (``on_error``), every other per-sample field
+        of ``obj`` gets the same treatment (see :func:`follow_bad_samples`), so labels stay aligned
+        with outputs: a skipped sample's label is dropped, a replaced one's is the label of the
+        sample that replaced it.
+        """
+        self.last_bad_samples = []
+        resolved: list[tuple[DALIPipelineRunRef, tuple[torch.Tensor, ...]]] = []
+
+        def resolve(runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
+            produced = self._outputs_of(runs)
+            resolved.extend((run, produced[id(run)]) for run in runs)
+            return produced
+
+        return follow_bad_samples(replace_refs(obj, resolve), resolved, self.last_bad_samples)
 
     def outputs(self, run: DALIPipelineRunRef) -> tuple[torch.Tensor, ...]:
         """The outputs of one batch, waiting for them (and scheduling it if deferred)."""
@@ -331,10 +364,34 @@ class Session:
         for run in runs:
             result = self._wait(run.batch_id)  # type: ignore[arg-type]
             if isinstance(result, BatchFailed):
-                raise BatchError(result.code, result.message, result.batch_id, result.pipeline_id)
+                raise BatchError(
+                    result.code,
+                    result.message,
+                    result.batch_id,
+                    result.pipeline_id,
+                    result.bad_samples,
+                )
             self._retire(result.retired_slabs)
             produced[id(run)] = self._tensors(result)
+            self._report(result)
         return produced
+
+    def _report(self, result: BatchReady) -> None:
+        for bad in result.bad_samples:
+            replaced_by = None if bad.replaced_by < 0 else bad.replaced_by
+            self.last_bad_samples.append(
+                SampleReport(
+                    result.batch_id, result.pipeline_id, bad.position, bad.message, replaced_by
+                )
+            )
+            log.warning(
+                "batch %d of pipeline %d: sample %d %s: %s",
+                result.batch_id,
+                result.pipeline_id,
+                bad.position,
+                "dropped" if replaced_by is None else f"replaced by sample {replaced_by}",
+                bad.message,
+            )
 
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         resources = self._resources

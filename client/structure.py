@@ -128,3 +128,73 @@ def _replace(
         result = item
     memo[key] = result
     return result
+
+
+def take_rows(obj: Any, batch_size: int, rows: list[int], untouched: set[int]) -> Any:
+    """``obj`` with each field that has one row per sample made of the rows ``rows``, in order.
+
+    Such a field is a tensor or numpy array whose first dimension is ``batch_size``, or a list
+    or tuple of ``batch_size`` plain values (strings, numbers): what torch's default collate
+    makes of labels, file names and the like. Leaving rows out drops samples; repeating one
+    stands it in for another. Containers are updated in place or rebuilt as in
+    :func:`replace_refs`; objects whose id is in ``untouched`` (the outputs of the batch, which
+    the daemon already made so) are returned as they are.
+    """
+    import numpy as np
+    import torch
+
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def per_sample(item: Any) -> bool:
+        if isinstance(item, torch.Tensor | np.ndarray):
+            return item.ndim > 0 and item.shape[0] == batch_size
+        return (
+            isinstance(item, list | tuple)
+            and not hasattr(item, "_fields")
+            and len(item) == batch_size
+            and all(isinstance(value, _LEAVES) for value in item)
+        )
+
+    def visit(item: Any, memo: dict[int, Any]) -> Any:
+        key = id(item)
+        if key in untouched or isinstance(item, _LEAVES):
+            return item
+        if key in memo:
+            return memo[key]
+        result: Any
+        if per_sample(item):
+            if isinstance(item, torch.Tensor):
+                result = item.index_select(0, index.to(item.device))
+            elif isinstance(item, np.ndarray):
+                result = item[rows]
+            else:
+                result = type(item)([item[row] for row in rows])
+        elif isinstance(item, list):
+            memo[key] = item
+            item[:] = [visit(value, memo) for value in item]
+            result = item
+        elif isinstance(item, dict):
+            memo[key] = item
+            for name in list(item):
+                item[name] = visit(item[name], memo)
+            result = item
+        elif isinstance(item, tuple):
+            values = [visit(value, memo) for value in item]
+            if hasattr(item, "_fields"):
+                result = type(item)(*values)
+            else:
+                result = tuple(values) if type(item) is tuple else type(item)(values)
+        elif _is_frozen_dataclass(item):
+            changes = {f.name: visit(getattr(item, f.name), memo) for f in dataclasses.fields(item)}
+            result = dataclasses.replace(item, **changes)
+        elif _is_plain_object(item):
+            memo[key] = item
+            for name, value in list(vars(item).items()):
+                setattr(item, name, visit(value, memo))
+            result = item
+        else:
+            result = item
+        memo[key] = result
+        return result
+
+    return visit(obj, {})

@@ -28,6 +28,8 @@ class ErrorCode(StrEnum):
     INVALID_BATCH = "invalid_batch"
     # Running the batch failed.
     PIPELINE_ERROR = "pipeline_error"
+    # Some samples failed on their own (corrupt, unsupported, too large); the batch names them.
+    BAD_SAMPLES = "bad_samples"
     INVALID_OUTPUT = "invalid_output"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     # The daemon itself.

@@ -20,7 +20,9 @@ PROTOCOL_VERSION = 3
 
 Version 3 added what a job asks for at ``hello`` (``weight``, ``memory_bytes``,
 ``max_inflight_batches``) and is granted in ``Limits``, the ``status`` request with its
-``status_report``, and the trainer's ``trainer_progress`` notification.
+``status_report``, the trainer's ``trainer_progress`` notification, and bad samples:
+``RegisterPipeline.on_error``, ``Limits.max_image_pixels`` and ``bad_samples`` in ``BatchReady``
+and ``BatchFailed``.
 
 Version 2 added the fields of GPU outputs (``Welcome.device_uuid``, ``OutputDescriptor.strides``
 and ``ipc_handle``, ``BatchReady.event``, ``ReleaseRegions.event`` and ``closed_slabs``,
@@ -91,6 +93,18 @@ class Message:
     OP: ClassVar[str] = ""
 
 
+class OnError(StrEnum):
+    """What the daemon does with a batch that has bad samples (corrupt, unsupported, too large).
+
+    ``raise``: the batch fails, naming them. ``skip``: the batch comes back without them.
+    ``replace``: each is replaced by a good sample of the same batch.
+    """
+
+    RAISE = "raise"
+    SKIP = "skip"
+    REPLACE = "replace"
+
+
 class Role(StrEnum):
     """What a connection is for: the trainer owns a job, workers submit batches to it."""
 
@@ -153,6 +167,8 @@ class Limits:
     slab_bytes: int
     max_inflight_batches: int = 16
     weight: float = 1.0
+    # An image sample declaring more pixels is a bad sample, refused before decoding; 0: no limit.
+    max_image_pixels: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,6 +248,7 @@ class RegisterPipeline(Message):
     seed: int | None = None
     exec_dynamic: bool = True
     name: str = ""
+    on_error: OnError = OnError.RAISE
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
@@ -349,6 +366,23 @@ class OutputDescriptor:
 
 
 @dataclass(frozen=True)
+class BadSample:
+    """A sample that made its batch fail, by its position in the batch as submitted.
+
+    ``replaced_by`` is the position of the good sample whose outputs took its place (policy
+    ``replace``), or -1: it was dropped (``skip``) or the batch failed.
+    """
+
+    position: int
+    message: str
+    replaced_by: int = -1
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.position < MAX_BATCH_SIZE, "a bad sample's position is out of range")
+        _check(-1 <= self.replaced_by < MAX_BATCH_SIZE, "replaced_by is out of range")
+
+
+@dataclass(frozen=True)
 class BatchReady(Message):
     """Pushed to the job's trainer when a batch has run; one descriptor per pipeline output."""
 
@@ -361,6 +395,8 @@ class BatchReady(Message):
     # Hex of a cudaIpcEventHandle recorded after this batch's GPU outputs were written; the
     # trainer's stream waits on it before using them. Empty when no output is on the GPU.
     event: str = ""
+    # Samples left out (outputs have fewer rows) or replaced, by the pipeline's on_error.
+    bad_samples: tuple[BadSample, ...] = ()
 
     def __post_init__(self) -> None:
         on_gpu = any(output.device == "cuda" for output in self.outputs)
@@ -377,6 +413,8 @@ class BatchFailed(Message):
     pipeline_id: int
     code: ErrorCode
     message: str
+    # The samples found to fail on their own (code ``bad_samples``), each with DALI's message.
+    bad_samples: tuple[BadSample, ...] = ()
 
 
 # --- Buffer family ------------------------------------------------------------------------------
@@ -519,6 +557,7 @@ __all__ = [
     "DTYPES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "BadSample",
     "BatchAccepted",
     "BatchFailed",
     "BatchReady",
@@ -531,6 +570,7 @@ __all__ = [
     "Limits",
     "Message",
     "Ok",
+    "OnError",
     "OutputDescriptor",
     "Ping",
     "PipelineRegistered",

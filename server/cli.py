@@ -29,6 +29,7 @@ from dalid.protocol import (
 )
 
 from .daemon import Daemon, DaemonConfig
+from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 from .memory import SHM_DIR
 from .quotas import Quotas
 
@@ -136,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"
     )
+    serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="an image sample whose header declares more pixels is a bad sample, refused before "
+        f"decoding; 0: no limit (default {DEFAULT_MAX_IMAGE_PIXELS}, as Pillow's)",
+    )
     serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
 
     for name, text in (
@@ -192,6 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit if args.memory_limit is not None else shm_size(),
         max_inflight_batches=args.max_inflight_batches,
         max_batch_size=args.max_batch_size,
+        max_image_pixels=max(0, args.max_image_pixels),
     )
     if quotas.pool_bytes > quotas.memory_limit:
         print(

@@ -543,6 +543,7 @@ class DaemonCore:
             slots=JobSlots(self.scheduler, job.job_id),
             gpu_pool=job.gpu_pool,
             cuda=job.cuda,
+            max_image_pixels=job.limits.max_image_pixels,
         )
         return None  # answered by on_built once the pipeline is built
 

@@ -16,20 +16,23 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dalid.protocol import (
+    BadSample,
     BatchFailed,
     BatchReady,
     ErrorCode,
+    OnError,
     OutputDescriptor,
     SubmitBatch,
 )
 
+from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
 from .cuda import CudaBackend, CudaSlab
 from .pool import PoolClosed, PoolTooSmall, Region, RegionPool
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
@@ -70,7 +73,8 @@ class PipelineExecutor:
     jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``answer``
     sends batch results. Each batch runs in a slot of ``slots`` (the daemon's fair share
     between jobs; None: no limit). ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU
-    outputs.
+    outputs. A batch that fails, or has images over ``max_image_pixels``, is answered by the
+    pipeline's on_error policy (:mod:`dalid.server.badsamples`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class PipelineExecutor:
         slots: JobSlots | None = None,
         gpu_pool: RegionPool | None = None,
         cuda: CudaBackend | None = None,
+        max_image_pixels: int = 0,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.spec = spec
@@ -96,6 +101,7 @@ class PipelineExecutor:
         self._cuda = cuda
         # The default executor hands outputs over on our stream, without a host sync.
         self._stream = cuda.stream if cuda is not None and spec.exec_dynamic else None
+        self._max_image_pixels = max_image_pixels
         self._answer = answer
         self._slots = slots
         self._slots_held = 0
@@ -149,14 +155,18 @@ class PipelineExecutor:
         retry: collections.deque[PendingBatch] = collections.deque()
         depth = self.spec.prefetch_queue_depth
 
-        def start_over(failed: PendingBatch, code: ErrorCode, error: Exception) -> None:
-            # After a failure the DALI pipeline is dead: fail this batch, rebuild, and run the
-            # batches that were inside the old pipeline again, in their order.
-            self._fail(failed, code, _dali_message(error))
+        def start_over(
+            failed: PendingBatch, code: ErrorCode, error: Exception | None, bad: dict[int, str]
+        ) -> None:
+            # After a failure the DALI pipeline is dead, and looking for bad samples needs an
+            # idle one: rebuild, answer this batch, then run the batches that were inside the
+            # old pipeline again, in their order (they take their slots anew).
             self._give_slots(len(in_flight))
             retry.extendleft(reversed(in_flight))
             in_flight.clear()
-            runner.rebuild()
+            if error is not None or runner.scheduled:
+                runner.rebuild()
+            self._recover(runner, failed, code, error, bad)
 
         try:
             while not self._stopping.is_set():
@@ -170,11 +180,17 @@ class PipelineExecutor:
                         if not in_flight:
                             self._stopping.wait(0.05)
                         break
+                    failure: Exception | None = None
+                    oversized: dict[int, str] = {}
                     try:
-                        self._schedule(runner, batch)
+                        oversized = self._prepare(batch)
+                        if not oversized:
+                            runner.schedule(batch.arrays)
                     except Exception as error:
+                        failure = error
+                    if failure is not None or oversized:
                         self._give_slots(1)
-                        start_over(batch, ErrorCode.INVALID_BATCH, error)
+                        start_over(batch, ErrorCode.INVALID_BATCH, failure, oversized)
                         continue
                     in_flight.append(batch)
                 if self._stopping.is_set() or not in_flight:
@@ -184,7 +200,7 @@ class PipelineExecutor:
                     outputs = runner.collect(self._stream)
                 except Exception as error:
                     self._give_slots(1)
-                    start_over(batch, ErrorCode.PIPELINE_ERROR, error)
+                    start_over(batch, ErrorCode.PIPELINE_ERROR, error, {})
                     continue
                 # The copy-out may wait for the trainer to free buffers: not in a slot. With
                 # more batches ready, ask for the next slot in this job's turn right away.
@@ -245,13 +261,88 @@ class PipelineExecutor:
         except queue.Empty:
             return None
 
-    @staticmethod
-    def _schedule(runner: PipelineRunner, batch: PendingBatch) -> None:
+    def _prepare(self, batch: PendingBatch) -> dict[int, str]:
+        """Views the batch's frames as arrays; the image samples over the pixel limit."""
         if not batch.arrays:
             batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
-        runner.schedule(batch.arrays)
+        return oversized_images(batch.arrays, self._max_image_pixels)
 
-    def _write(self, batch: PendingBatch, outputs: tuple[Any, ...]) -> None:
+    def _recover(
+        self,
+        runner: PipelineRunner,
+        batch: PendingBatch,
+        code: ErrorCode,
+        error: Exception | None,
+        bad: dict[int, str],
+    ) -> None:
+        """Answers a batch that failed, or has ``bad`` samples, on the idle ``runner``.
+
+        Finds the samples that fail on their own and applies the pipeline's on_error policy
+        (see :mod:`dalid.server.badsamples`). Leaves ``runner`` idle and working.
+        """
+        arrays = batch.arrays
+        # Whether the pipeline has run since it was last built: a batch that fails then gets a
+        # fresh one, as after any failure, so the trials leave no trace (the dimensionality
+        # external_source remembers, say).
+        ran = False
+
+        def trial(positions: list[int]) -> Exception | None:
+            nonlocal ran
+            try:
+                runner.schedule(select(arrays, positions))
+                runner.collect()
+            except Exception as failure:
+                runner.rebuild()
+                ran = False
+                return failure
+            runner.release()
+            ran = True
+            return None
+
+        def fail(code: ErrorCode, message: str, report: Sequence[BadSample] = ()) -> None:
+            if ran:
+                runner.rebuild()
+            self._fail(batch, code, message, report)
+
+        size = batch.request.batch_size
+        candidates = [position for position in range(size) if position not in bad]
+        if arrays:
+            bad.update(find_bad(candidates, trial, whole_failed=None if bad else error))
+        if not bad:
+            assert error is not None
+            fail(code, dali_message(error))
+            return
+        policy = self.spec.on_error
+        positions, report = plan(policy, size, bad)
+        if not positions:
+            every = "" if policy is OnError.RAISE else "every sample of the batch is bad: "
+            fail(ErrorCode.BAD_SAMPLES, every + summary(report), report)
+            return
+        try:
+            runner.schedule(select(arrays, positions))
+            outputs = runner.collect(self._stream)
+        except Exception as failure:
+            runner.rebuild()
+            self._fail(batch, ErrorCode.PIPELINE_ERROR, dali_message(failure), report)
+            return
+        log.warning(
+            "pipeline %d batch %d: %s %s",
+            self.pipeline_id,
+            batch.batch_id,
+            "skipped" if policy is OnError.SKIP else "replaced",
+            summary(report),
+        )
+        self._write(batch, outputs, report, len(positions))
+        del outputs
+        runner.release()
+
+    def _write(
+        self,
+        batch: PendingBatch,
+        outputs: tuple[Any, ...],
+        bad_samples: Sequence[BadSample] = (),
+        samples: int | None = None,
+    ) -> None:
         try:
             tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
             on_gpu = [type(output).__name__ == "TensorListGPU" for output in outputs]
@@ -289,7 +380,7 @@ class PipelineExecutor:
             self._fail(batch, failure.code, str(failure))
             return
         self.batches_done += 1
-        self.samples_done += batch.request.batch_size
+        self.samples_done += batch.request.batch_size if samples is None else samples
         retired = self._pool.take_retired()
         if self._gpu_pool is not None:
             retired += self._gpu_pool.take_retired()
@@ -302,6 +393,7 @@ class PipelineExecutor:
                 tuple(descriptors),
                 retired_slabs=tuple(retired),
                 event=event,
+                bad_samples=tuple(bad_samples),
             ),
         )
 
@@ -366,15 +458,15 @@ class PipelineExecutor:
             cuda.synchronize()
         return event
 
-    def _fail(self, batch: PendingBatch, code: ErrorCode, message: str) -> None:
+    def _fail(
+        self,
+        batch: PendingBatch,
+        code: ErrorCode,
+        message: str,
+        bad_samples: Sequence[BadSample] = (),
+    ) -> None:
         log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)
-        self._answer(batch, BatchFailed(batch.batch_id, self.pipeline_id, code, message))
-
-
-def _dali_message(error: BaseException) -> str:
-    """DALI's message without its C++ context lines and the lines it repeats."""
-    lines: list[str] = []
-    for line in str(error).strip().splitlines():
-        if line.strip() and "C++ context" not in line and line not in lines:
-            lines.append(line)
-    return "\n".join(lines) or type(error).__name__
+        self._answer(
+            batch,
+            BatchFailed(batch.batch_id, self.pipeline_id, code, message, tuple(bad_samples)),
+        )

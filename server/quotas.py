@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from dalid.protocol import Hello, Limits
 
+from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -24,7 +26,8 @@ class Quotas:
     memory all jobs together may reserve (0: no limit). ``max_inflight_batches``: the most
     batches one job may have queued or running, and what a job that asks for none gets.
     ``max_waiting_batches``: batches a job may have waiting over that limit before more are
-    refused (each holds its samples in the daemon's memory).
+    refused (each holds its samples in the daemon's memory). ``max_image_pixels``: an image
+    sample declaring more is a bad sample (0: no limit).
     """
 
     max_jobs: int = 64
@@ -34,6 +37,7 @@ class Quotas:
     max_inflight_batches: int = 16
     max_waiting_batches: int = 256
     max_batch_size: int = 4096
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
 
 class QuotaRefused(Exception):
@@ -72,6 +76,7 @@ def grant(
         slab_bytes=quotas.slab_bytes,
         max_inflight_batches=inflight,
         weight=hello.weight,
+        max_image_pixels=quotas.max_image_pixels,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline
+from dalid.protocol import ErrorCode, InputBatch, OnError, RegisterPipeline
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class PipelineSpec:
     seed: int | None = None
     exec_dynamic: bool = True
     name: str = ""
+    on_error: OnError = OnError.RAISE
 
     @classmethod
     def from_message(cls, message: RegisterPipeline) -> PipelineSpec:
@@ -40,6 +41,7 @@ class PipelineSpec:
             seed=message.seed,
             exec_dynamic=message.exec_dynamic,
             name=message.name,
+            on_error=message.on_error,
         )
 
 

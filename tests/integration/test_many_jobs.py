@@ -10,18 +10,20 @@ import re
 import socket as socketlib
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
+import torch
 
 import dalid.client as dalid
 from dalid.client import RequestError
 
 from ..daemons import DaemonProcess, kill_leftovers, start_daemon, wait_for
-from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
+from .helpers import BATCH, ProxyDataset, two_output_pipeline
+from .load_job import Images, heavy_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -93,8 +95,10 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []
     try:
-        jobs.append(_load(daemon.socket, "light", "--weight", "1"))
-        jobs.append(_load(daemon.socket, "heavy", "--weight", "3"))
+        # Shares hold among jobs that keep the daemon busy: the heavier one gets the workers to
+        # keep three times as many batches coming.
+        jobs.append(_load(daemon.socket, "light", "--weight", "1", "--workers", "2"))
+        jobs.append(_load(daemon.socket, "heavy", "--weight", "3", "--workers", "4"))
         for job in jobs:
             _wait_running(job)
         time.sleep(1.0)  # both backlogged from here on
@@ -189,30 +193,38 @@ def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
 def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     session = dalid.connect(socket=daemon.socket, autostart=False, max_inflight_batches=1)
+    samples: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for status in daemon.status().jobs:
+                samples.append((status.queued + status.running, status.waiting))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
     try:
-        proxy = session.proxy(two_output_pipeline())
+        # Four workers make batches faster than the daemon runs the heavy pipeline.
+        proxy = session.proxy(heavy_pipeline(BATCH))
         loader = dalid.DataLoader(
-            session,
-            ProxyDataset(proxy, BATCH * 40, offset=3),
-            batch_size=BATCH,
-            num_workers=4,
-            prefetch_factor=4,
+            session, Images(proxy, BATCH * 30), batch_size=BATCH, num_workers=4, prefetch_factor=4
         )
-        peak_inflight = peak_waiting = 0
+        watcher.start()
         seen = 0
-        for (_, shifted), indices in loader:
-            for row, index in enumerate(indices.tolist()):
-                np.testing.assert_array_equal(shifted[row].numpy(), sample(index, 3) + 7)
+        for (blurred, _), indices in loader:
+            expected = (indices % 251).to(torch.uint8).view(-1, 1, 1, 1)
+            assert torch.equal(blurred, expected.expand_as(blurred))
             seen += len(indices)
-            (status,) = daemon.status().jobs
-            peak_inflight = max(peak_inflight, status.queued + status.running)
-            peak_waiting = max(peak_waiting, status.waiting)
-        assert seen == BATCH * 40
-        assert peak_inflight <= 1
-        assert peak_waiting >= 1, "the workers' batches never had to wait"
+        assert seen == BATCH * 30
     finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join()
         session.close()
         assert daemon.stop() == 0
+    assert samples
+    assert max(inflight for inflight, _ in samples) <= 1
+    assert max(waiting for _, waiting in samples) >= 1, "the workers' batches never had to wait"
 
 
 def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    BadSample,
     BatchAccepted,
     BatchFailed,
     BatchReady,
@@ -28,6 +29,7 @@ from dalid.protocol import (
     Limits,
     Message,
     Ok,
+    OnError,
     OutputDescriptor,
     Ping,
     PipelineRegistered,
@@ -125,6 +127,18 @@ def _examples() -> list[tuple[Message, int | None]]:
             ),
             3,
         ),
+        (
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                daemon_pid=43,
+                device="cpu",
+                dali_version="2.4.0",
+                job_id=9,
+                job_token="89ab",
+                limits=Limits(4096, 1 << 31, 2 << 30, 64 << 20, max_image_pixels=89_478_485),
+            ),
+            3,
+        ),
         (Goodbye(), 3),
         (Goodbye(kept_slabs=("dalid-1-abc-j1-cuda-2",)), 4),
         (Ping(), 2**63 - 1),
@@ -142,6 +156,7 @@ def _examples() -> list[tuple[Message, int | None]]:
                 seed=1234,
                 exec_dynamic=False,
                 name="train",
+                on_error=OnError.SKIP,
             ),
             6,
         ),
@@ -223,6 +238,35 @@ def _examples() -> list[tuple[Message, int | None]]:
             None,
         ),
         (BatchFailed(11, 3, ErrorCode.PIPELINE_ERROR, "DALI said no"), None),
+        (
+            BatchFailed(
+                12,
+                3,
+                ErrorCode.BAD_SAMPLES,
+                "2 bad samples",
+                (BadSample(0, "nvImageCodec failure: '#4'"), BadSample(5, "too large")),
+            ),
+            None,
+        ),
+        (
+            BatchReady(
+                batch_id=13,
+                pipeline_id=3,
+                outputs=(
+                    OutputDescriptor(
+                        region_id=5,
+                        slab="dalid-1-abc-j1-1",
+                        slab_size=1 << 20,
+                        offset=0,
+                        nbytes=8,
+                        dtype="int32",
+                        shape=(2,),
+                    ),
+                ),
+                bad_samples=(BadSample(1, "corrupt", replaced_by=0),),
+            ),
+            None,
+        ),
         (ReleaseRegions(region_ids=(1, 2, 3)), None),
         (ReleaseRegions(), None),
         (ReleaseRegions(region_ids=(3,), event=GPU_EVENT), None),
@@ -960,3 +1004,28 @@ def test_fuzz_mutated_messages(data: st.DataObject, example: int, mutation: str)
             data.draw(st.binary(max_size=16)),
         )
     _check_decode(frames)
+
+
+def test_bad_sample_fields_are_checked_on_both_sides() -> None:
+    with pytest.raises(ValueError, match="position is out of range"):
+        BadSample(-1, "x")
+    with pytest.raises(ValueError, match="replaced_by is out of range"):
+        BadSample(0, "x", replaced_by=-2)
+    frames = _wire(encode(BatchFailed(1, 2, ErrorCode.BAD_SAMPLES, "x", (BadSample(3, "y"),))))
+    header = msgpack.unpackb(frames[0], raw=False)
+    header["body"]["bad_samples"][0]["position"] = -4
+    with pytest.raises(ProtocolError, match="position is out of range"):
+        decode([msgpack.packb(header), *frames[1:]])
+    header["body"]["bad_samples"] = [{"position": 1, "message": "y", "replaced_by": "0"}]
+    with pytest.raises(ProtocolError, match="must be an int"):
+        decode([msgpack.packb(header), *frames[1:]])
+
+
+def test_an_unknown_on_error_policy_is_malformed() -> None:
+    request = RegisterPipeline(memoryview(b"p"), ("x",), 1, 1, 1, 1, on_error=OnError.REPLACE)
+    frames = _wire(encode(request, 1))
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert header["body"]["on_error"] == "replace"
+    header["body"]["on_error"] = "ignore"
+    with pytest.raises(ProtocolError, match="'ignore' is not one of"):
+        decode([msgpack.packb(header), *frames[1:]])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dalid.client.refs import DALIOutputBatchRef, DALIPipelineRunRef
-from dalid.client.structure import find_runs, replace_refs
+from dalid.client.structure import find_runs, replace_refs, take_rows
 
 
 class Output:
@@ -329,3 +329,28 @@ def test_foreign_objects_beside_refs_are_left_untouched(foreign: Any) -> None:
     replace_refs(batch, FakeResolver())
     assert batch["image"] == Output(run, 0)
     assert batch["meta"] is foreign
+
+
+def test_take_rows_follows_per_sample_fields_only():
+    Pair = namedtuple("Pair", "labels names")
+    outputs = torch.zeros(2, 3)  # the daemon's outputs, already with the rows taken
+    other = torch.arange(8).reshape(4, 2)
+    obj = {
+        "images": outputs,
+        "pair": Pair(torch.tensor([10, 11, 12, 13]), ("a", "b", "c", "d")),
+        "array": np.arange(4) * 2,
+        "files": ["w", "x", "y", "z"],
+        "not_per_sample": torch.ones(3),
+        "scalar": torch.tensor(5),
+        "mixed": [torch.ones(1), "x", 1, 2],  # holds a tensor: a container, not a field
+    }
+    result = take_rows(obj, 4, [0, 2], {id(outputs)})
+    assert result["images"] is outputs
+    assert result["pair"].labels.tolist() == [10, 12] and result["pair"].names == ("a", "c")
+    assert result["array"].tolist() == [0, 4]
+    assert result["files"] == ["w", "y"]
+    assert result["not_per_sample"].tolist() == [1, 1, 1]
+    assert int(result["scalar"]) == 5
+    assert len(result["mixed"]) == 4
+    # Repeated rows stand one sample in for another.
+    assert take_rows(other, 4, [0, 0, 2, 3], set()).tolist() == [[0, 1], [0, 1], [4, 5], [6, 7]]
