@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
 
 Version 2 added the fields of GPU outputs (``Welcome.device_uuid``, ``OutputDescriptor.strides``
@@ -144,6 +144,9 @@ class Welcome(Message):
     # The UUID of the daemon's GPU ("GPU-xxxxxxxx-xxxx-..."), "" for a CPU daemon. The trainer
     # receives GPU outputs only on the device with this UUID, whatever its own ordinals.
     device_uuid: str = ""
+    # The inode of the daemon's pid namespace: a client in the same namespace watches
+    # ``daemon_pid`` to notice at once that the daemon died (0: unknown).
+    pid_namespace: int = 0
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,7 @@ class DaemonCore:
             job_token=job.token,
             limits=self.limits,
             device_uuid=self.device_uuid,
+            pid_namespace=self._pid_namespace,
         )
 
     def _new_job(self, identity: bytes, hello: Hello) -> Job:
