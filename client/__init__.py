@@ -38,13 +38,15 @@ def connect(
     socket: str | os.PathLike[str] | None = None,
     autostart: bool = True,
     name: str | None = None,
+    reconnect: bool = False,
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
     ``socket`` defaults to ``$DALID_SOCKET`` or the per-user runtime directory. With
     ``autostart``, a daemon is started when none answers; it exits after a minute without jobs.
+    With ``reconnect``, the job carries on across a restart of the daemon, losing no batch.
     """
-    return Session(device, socket=socket, autostart=autostart, name=name)
+    return Session(device, socket=socket, autostart=autostart, name=name, reconnect=reconnect)
 
 
 __all__ = [

@@ -29,7 +29,8 @@ class DALIServer:
     """DALI's ``DALIServer`` API, backed by the daemon for ``pipeline``'s device.
 
     The pipeline is registered with the daemon when ``proxy`` is first used or the server
-    starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
+    starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once. With
+    ``reconnect``, the job carries on across a restart of the daemon (see ``Session``).
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class DALIServer:
         *,
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
+        reconnect: bool = False,
     ) -> None:
         try:
             _check_pipeline(pipeline)
@@ -50,6 +52,7 @@ class DALIServer:
         self._deterministic = deterministic
         self._socket = socket
         self._autostart = autostart
+        self._reconnect = reconnect
         self._session: Session | None = None
         self._proxy: Proxy | None = None
         self._registered = False
@@ -59,7 +62,10 @@ class DALIServer:
         """The dalid session behind this server, connected on first use."""
         if self._session is None or self._session.closed:
             self._session = Session(
-                pipeline_device(self._pipeline), socket=self._socket, autostart=self._autostart
+                pipeline_device(self._pipeline),
+                socket=self._socket,
+                autostart=self._autostart,
+                reconnect=self._reconnect,
             )
             self._registered = False
         return self._session
@@ -74,11 +80,8 @@ class DALIServer:
         """
         session = self.session
         if not self._registered:
-            fresh = session.proxy(self._pipeline, deterministic=self._deterministic)
-            if self._proxy is None:
-                self._proxy = fresh
-            else:
-                self._proxy.retarget(fresh.target)
+            # The session points this proxy at each new registration (after a reconnection too).
+            self._proxy = session._register(self._pipeline, self._deterministic, proxy=self._proxy)
             self._registered = True
         assert self._proxy is not None
         return self._proxy
