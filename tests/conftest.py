@@ -83,9 +83,10 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    """A CPU daemon shared by the tests of one module; checked for a clean stop."""
+    """A CPU daemon (under its supervisor) shared by the tests of one module; checked for a
+    clean stop of both."""
     directory = own_directory()
-    running = start_daemon(directory)
+    running = start_daemon(directory, supervised=True)
     try:
         yield running
     finally:
