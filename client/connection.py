@@ -158,7 +158,7 @@ class Connection:
         if isinstance(envelope.message, Error):
             if self._daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
                 # A welcomed connection is unknown to the daemon only if it is another one.
-                raise self._gone("another daemon now answers on its socket (it was restarted)")
+                raise self.gone_error("another daemon now answers on its socket (it was restarted)")
             raise error_from_reply(envelope.message)
         return envelope.message
 
@@ -198,12 +198,12 @@ class Connection:
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
                     last_watch = now
                     if not process_running(self._daemon_pid):
-                        raise self._gone("its process has exited (was it killed?)")
+                        raise self.gone_error("its process has exited (was it killed?)")
                 if ping and ping_id is None and silent > PING_AFTER_S:
                     ping_id = next(self._request_ids)
                     self._send(Ping(), ping_id)
                 elif ping and silent > PING_AFTER_S + PING_TIMEOUT_S:
-                    raise self._gone(
+                    raise self.gone_error(
                         f"no reply to a ping in {PING_TIMEOUT_S:.0f} s (was it killed?)"
                     )
                 continue
@@ -217,7 +217,9 @@ class Connection:
                     and self._daemon_pid
                     and pong.daemon_pid != self._daemon_pid
                 ):
-                    raise self._gone(f"daemon pid {pong.daemon_pid} now answers (it was restarted)")
+                    raise self.gone_error(
+                        f"daemon pid {pong.daemon_pid} now answers (it was restarted)"
+                    )
                 ping_id = None
                 continue
             if done(envelope):
@@ -244,7 +246,8 @@ class Connection:
         if sock is not None and self._pid == os.getpid():
             sock.close(linger=0)
 
-    def _gone(self, why: str) -> DaemonUnavailable:
+    def gone_error(self, why: str) -> DaemonUnavailable:
+        """The error for a daemon found gone, saying ``why`` and what to do."""
         return DaemonUnavailable(
             f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) is gone: {why}. "
             "`dalid serve` restarts a crashed daemon; connect again, or connect with "

@@ -502,7 +502,14 @@ class Session:
         tensors = []
         for output in result.outputs:
             if output.device == "cpu":
-                tensors.append(resources.mappings.tensor(output))
+                try:
+                    tensors.append(resources.mappings.tensor(output))
+                except FileNotFoundError:
+                    # Only a daemon that died, its segments removed by its successor, loses
+                    # a slab it has just named (Note [Output buffer lifetime], point 6).
+                    raise resources.connection.gone_error(
+                        f"its shared memory {output.slab} was removed"
+                    ) from None
                 continue
             cuda = resources.gpu()
             if stream is None:
