@@ -86,11 +86,15 @@ class _WorkerLinks:
             if link is not None and self._pid == os.getpid():
                 link.close(goodbye=goodbye)
 
-    def lose(self, target: ProxyTarget) -> None:
-        """Drops the link to a daemon that is gone; later batches go to the trainer unsent."""
+    def lose(self, target: ProxyTarget) -> bool:
+        """Drops the link to a daemon that is gone; later batches go to the trainer unsent.
+        Whether the link was in use until now."""
         self.close_job(target.socket, target.job_id, target.job_token, goodbye=False)
+        key = (target.socket, target.job_id, target.job_token)
         with self._lock:
-            self._lost.add((target.socket, target.job_id, target.job_token))
+            known = key in self._lost
+            self._lost.add(key)
+        return not known
 
 
 worker_links = _WorkerLinks()
@@ -238,8 +242,9 @@ class Proxy:
             lost = isinstance(error, DaemonUnavailable) or error.code is ErrorCode.UNKNOWN_JOB
             if not target.reconnect or isinstance(error, ProtocolMismatch) or not lost:
                 raise
-            worker_links.lose(target)
-            log.info("batch left for the trainer to submit: %s", error)
+            if worker_links.lose(target):
+                log.info("%s; the trainer submits this process's batches of job %d from now on",
+                         error, target.job_id)  # fmt: skip
             return
         assert isinstance(reply, BatchAccepted)
         run.batch_id = reply.batch_id

@@ -100,6 +100,36 @@ def test_batches_of_a_killed_daemon_are_submitted_again(short_tmp, deterministic
             assert second.stop() == 0
 
 
+def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
+    from dalid.client import proxy as dali_proxy
+
+    first = start_daemon(short_tmp)
+    second = None
+    server = dali_proxy.DALIServer(
+        two_output_pipeline(), socket=first.socket, autostart=False, reconnect=True
+    )
+    try:
+        with server:
+            dataset = ProxyDataset(server.proxy, 4 * BATCH)
+            loader = dali_proxy.DataLoader(server, dataset, batch_size=BATCH, num_workers=0)
+            seen = []
+            for step, ((scaled, shifted), indices) in enumerate(loader):
+                for row, index in enumerate(indices.tolist()):
+                    np.testing.assert_array_equal(shifted[row].numpy(), sample(index) + 7)
+                    np.testing.assert_array_equal(scaled[row].numpy(), sample(index) * 0.5 + 1)
+                seen += indices.tolist()
+                if step == 1:
+                    os.kill(first.pid, signal.SIGKILL)
+                    first.process.wait()
+                    second = start_daemon(short_tmp)
+            assert seen == list(range(4 * BATCH))
+            assert server.session.reconnects == 1
+            assert server.session.daemon_pid == second.pid
+    finally:
+        if second is not None:
+            assert second.stop() == 0
+
+
 def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
