@@ -41,9 +41,11 @@ log = logging.getLogger("dalid.client")
 # How long the daemon may stay silent while we wait before we ping it, and how long a ping
 # may go unanswered before the daemon counts as gone. Where the daemon's pid means something
 # here (same pid namespace), a silent wait also checks every WATCH_EVERY_S that its process
-# lives, so a killed daemon is noticed at once; the ping covers the other cases.
+# lives, so a killed daemon is noticed at once; a daemon that lives but does not answer then
+# gets the longer PING_TIMEOUT_WATCHED_S, since a busy machine may delay a live daemon's pong.
 PING_AFTER_S = 1.0
 PING_TIMEOUT_S = 5.0
+PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
 
 _context: zmq.Context[Any] | None = None
@@ -202,9 +204,9 @@ class Connection:
                 if ping and ping_id is None and silent > PING_AFTER_S:
                     ping_id = next(self._request_ids)
                     self._send(Ping(), ping_id)
-                elif ping and silent > PING_AFTER_S + PING_TIMEOUT_S:
+                elif ping and silent > PING_AFTER_S + self._ping_timeout:
                     raise self.gone_error(
-                        f"no reply to a ping in {PING_TIMEOUT_S:.0f} s (was it killed?)"
+                        f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
                     )
                 continue
             envelope = self._recv(sock)
@@ -245,6 +247,10 @@ class Connection:
         sock, self._socket = self._socket, None
         if sock is not None and self._pid == os.getpid():
             sock.close(linger=0)
+
+    @property
+    def _ping_timeout(self) -> float:
+        return PING_TIMEOUT_WATCHED_S if self._watch_daemon else PING_TIMEOUT_S
 
     def gone_error(self, why: str) -> DaemonUnavailable:
         """The error for a daemon found gone, saying ``why`` and what to do."""

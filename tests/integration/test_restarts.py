@@ -143,6 +143,45 @@ def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
     assert not daemon.segments()
 
 
+@pytest.fixture
+def unwatched_daemon_pid(monkeypatch):
+    """This process in another pid namespace than the daemon, as far as the client can tell:
+    the daemon's pid cannot be watched, and only pings tell whether it lives."""
+    from dalid.client import connection
+
+    monkeypatch.setattr(connection, "pid_namespace", lambda: 1)
+    monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)
+
+
+def test_a_killed_daemon_whose_pid_cannot_be_watched_is_noticed_by_ping(
+    short_tmp, unwatched_daemon_pid
+):
+    daemon = start_daemon(short_tmp)
+    with dalid.connect(socket=daemon.socket, autostart=False) as session:
+        batch = _batch(session.proxy(two_output_pipeline()), 0)
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.process.wait()
+        with pytest.raises(dalid.DaemonUnavailable, match="no reply to a ping in 1 s"):
+            session.produce_data(batch)
+    assert start_daemon(short_tmp).stop() == 0
+
+
+def test_a_restarted_daemon_whose_pid_cannot_be_watched_is_noticed_by_its_pong(
+    short_tmp, unwatched_daemon_pid
+):
+    first = start_daemon(short_tmp)
+    with dalid.connect(socket=first.socket, autostart=False) as session:
+        batch = _batch(session.proxy(two_output_pipeline()), 0)
+        os.kill(first.pid, signal.SIGKILL)
+        first.process.wait()
+        second = start_daemon(short_tmp)
+        try:
+            with pytest.raises(dalid.DaemonUnavailable, match=f"pid {second.pid} now answers"):
+                session.produce_data(batch)
+        finally:
+            assert second.stop() == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp, workers):
@@ -244,6 +283,30 @@ def test_two_daemons_under_one_supervisor(short_tmp):
         assert supervisor.wait(30) == 0, log.read_text()
         assert not any(_alive(pid) for pid in (a, b, ping_pid(sockets[0]) or 0) if pid)
         assert not any(path.exists() for path in sockets)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+
+
+def test_serve_devices_cpu_supervises_a_daemon_on_the_default_socket(short_tmp):
+    log = short_tmp / "serve.log"
+    with log.open("wb") as out:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "dalid.server", "serve", "--devices", "cpu"],
+            env={**os.environ, "DALID_RUNTIME_DIR": str(short_tmp)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    socket = short_tmp / "cpu.sock"
+    try:
+        wait_for(lambda: ping_pid(socket) is not None, 60.0, "the CPU daemon to answer")
+        child = ping_pid(socket)
+        assert child is not None and child != supervisor.pid
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(30) == 0, log.read_text()
+        assert not _alive(child)
+        assert not socket.exists()
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
