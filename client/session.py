@@ -74,6 +74,10 @@ MAX_RECONNECTS = 5
 #    A batch is delivered once: its ref is turned into tensors once, and results that came
 #    from the old daemon but were not yet delivered are dropped with it, so nothing arrives
 #    twice and nothing is lost.
+# 4. Workers that were running at the restart hold the old job in their pickled proxy and no
+#    way to learn the new one: until they are started again (each epoch, unless
+#    persistent_workers), their batches reach the trainer unsent and the trainer submits
+#    them, one at a time. GPU outputs follow the same steps; that path has not run on a GPU.
 
 
 class _Resources:
@@ -483,9 +487,10 @@ class Session:
         """Submits a batch of an abandoned daemon (or one a worker could not send) to this one."""
         registration = self._pipeline_keys[(run.job_token, run.pipeline_id)]
         if not run.call_args:
-            raise DaemonUnavailable(
+            # Not DaemonUnavailable: reconnecting again would not bring the inputs back.
+            raise InputError(
                 f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
-                "were not kept: connect with reconnect=True before making the proxy"
+                "are gone: it was delivered already, or its proxy was made by another session"
             )
         inputs = batch_inputs(registration.request.input_names, run.call_args)
         request = SubmitBatch(registration.pipeline_id, inputs, deferred=run.deterministic)
