@@ -118,6 +118,7 @@ class Connection:
         # The welcomed daemon's pid, and whether this process can watch it (same namespace).
         self._daemon_pid = 0
         self._watch_daemon = False
+        self._daemon_gone = False
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
             process_context(), zmq.DEALER, endpoint(path), bind=False
         )
@@ -235,7 +236,7 @@ class Connection:
         """
         if self._socket is None:
             return
-        if goodbye and self._pid == os.getpid():
+        if goodbye and self._pid == os.getpid() and not self._daemon_gone:
             try:
                 self.request(Goodbye(kept_slabs), timeout=2.0, ping=False)
             except Exception as error:  # closing must not fail because the daemon is gone
@@ -253,7 +254,9 @@ class Connection:
         return PING_TIMEOUT_WATCHED_S if self._watch_daemon else PING_TIMEOUT_S
 
     def gone_error(self, why: str) -> DaemonUnavailable:
-        """The error for a daemon found gone, saying ``why`` and what to do."""
+        """The error for a daemon found gone, saying ``why`` and what to do. From then on
+        ``close`` waits for no goodbye."""
+        self._daemon_gone = True
         return DaemonUnavailable(
             f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) is gone: {why}. "
             "`dalid serve` restarts a crashed daemon; connect again, or connect with "
