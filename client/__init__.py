@@ -43,6 +43,7 @@ def connect(
     weight: float = 1.0,
     memory_bytes: int | None = None,
     max_inflight_batches: int | None = None,
+    reconnect: bool = False,
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
@@ -54,6 +55,8 @@ def connect(
     ``max_inflight_batches``, batches it may have queued or running (None: the daemon's
     defaults). A daemon that cannot give as much refuses the connection with a
     ``RequestError`` that says what it can give.
+
+    With ``reconnect``, the job carries on across a restart of the daemon, losing no batch.
     """
     return Session(
         device,
@@ -63,6 +66,7 @@ def connect(
         weight=weight,
         memory_bytes=memory_bytes,
         max_inflight_batches=max_inflight_batches,
+        reconnect=reconnect,
     )
 
 

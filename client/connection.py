@@ -21,6 +21,7 @@ from dalid.protocol import (
     PROTOCOL_VERSION,
     Envelope,
     Error,
+    ErrorCode,
     Goodbye,
     Hello,
     Message,
@@ -38,9 +39,14 @@ from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 log = logging.getLogger("dalid.client")
 
 # How long the daemon may stay silent while we wait before we ping it, and how long a ping
-# may go unanswered before the daemon counts as gone.
-PING_AFTER_S = 2.0
-PING_TIMEOUT_S = 10.0
+# may go unanswered before the daemon counts as gone. Where the daemon's pid means something
+# here (same pid namespace), a silent wait also checks every WATCH_EVERY_S that its process
+# lives, so a killed daemon is noticed at once; a daemon that lives but does not answer then
+# gets the longer PING_TIMEOUT_WATCHED_S, since a busy machine may delay a live daemon's pong.
+PING_AFTER_S = 1.0
+PING_TIMEOUT_S = 5.0
+PING_TIMEOUT_WATCHED_S = 30.0
+WATCH_EVERY_S = 0.25
 
 _context: zmq.Context[Any] | None = None
 _context_pid = -1
@@ -60,6 +66,22 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` names a live process in this pid namespace (a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The state follows the parenthesised command name, which may itself hold spaces.
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def no_daemon_message(path: Path, device: str | int) -> str:
@@ -97,6 +119,10 @@ class Connection:
         self._pid = os.getpid()
         self._on_push = on_push or self._log_push
         self._request_ids = itertools.count(1)
+        # The welcomed daemon's pid, and whether this process can watch it (same namespace).
+        self._daemon_pid = 0
+        self._watch_daemon = False
+        self._daemon_gone = False
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
             process_context(), zmq.DEALER, endpoint(path), bind=False
         )
@@ -120,6 +146,8 @@ class Connection:
             raise
         assert isinstance(reply, Welcome)
         self.welcome: Welcome = reply
+        self._daemon_pid = reply.daemon_pid
+        self._watch_daemon = reply.pid_namespace != 0 and reply.pid_namespace == pid_namespace()
 
     @property
     def closed(self) -> bool:
@@ -138,6 +166,9 @@ class Connection:
                 f"{timeout:.0f} s)"
             )
         if isinstance(envelope.message, Error):
+            if self._daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
+                # A welcomed connection is unknown to the daemon only if it is another one.
+                raise self.gone_error("another daemon now answers on its socket (it was restarted)")
             raise error_from_reply(envelope.message)
         return envelope.message
 
@@ -160,7 +191,7 @@ class Connection:
         """
         sock = self._live_socket()
         deadline = None if timeout is None else time.monotonic() + timeout
-        last_heard = time.monotonic()
+        last_heard = last_watch = time.monotonic()
         ping_id: int | None = None
         while True:
             if idle is not None:
@@ -172,20 +203,33 @@ class Connection:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             if not sock.poll(int(wait * 1000) + 1):
-                silent = time.monotonic() - last_heard
+                now = time.monotonic()
+                silent = now - last_heard
+                if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
+                    last_watch = now
+                    if not process_running(self._daemon_pid):
+                        raise self.gone_error("its process has exited (was it killed?)")
                 if ping and ping_id is None and silent > PING_AFTER_S:
                     ping_id = next(self._request_ids)
                     self._send(Ping(), ping_id)
-                elif ping and silent > PING_AFTER_S + PING_TIMEOUT_S:
-                    raise DaemonUnavailable(
-                        f"the dalid daemon on {endpoint(self.path)} stopped answering "
-                        f"(no reply to a ping in {PING_TIMEOUT_S:.0f} s): was it killed?"
+                elif ping and silent > PING_AFTER_S + self._ping_timeout:
+                    raise self.gone_error(
+                        f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
                     )
                 continue
             envelope = self._recv(sock)
             last_heard = time.monotonic()
             if ping_id is not None and envelope.request_id == ping_id:
-                assert isinstance(envelope.message, Pong | Error)
+                pong = envelope.message
+                assert isinstance(pong, Pong | Error)
+                if (
+                    isinstance(pong, Pong)
+                    and self._daemon_pid
+                    and pong.daemon_pid != self._daemon_pid
+                ):
+                    raise self.gone_error(
+                        f"daemon pid {pong.daemon_pid} now answers (it was restarted)"
+                    )
                 ping_id = None
                 continue
             if done(envelope):
@@ -199,7 +243,7 @@ class Connection:
         """
         if self._socket is None:
             return
-        if goodbye and self._pid == os.getpid():
+        if goodbye and self._pid == os.getpid() and not self._daemon_gone:
             try:
                 self.request(Goodbye(kept_slabs), timeout=2.0, ping=False)
             except Exception as error:  # closing must not fail because the daemon is gone
@@ -211,6 +255,20 @@ class Connection:
         sock, self._socket = self._socket, None
         if sock is not None and self._pid == os.getpid():
             sock.close(linger=0)
+
+    @property
+    def _ping_timeout(self) -> float:
+        return PING_TIMEOUT_WATCHED_S if self._watch_daemon else PING_TIMEOUT_S
+
+    def gone_error(self, why: str) -> DaemonUnavailable:
+        """The error for a daemon found gone, saying ``why`` and what to do. From then on
+        ``close`` waits for no goodbye."""
+        self._daemon_gone = True
+        return DaemonUnavailable(
+            f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) is gone: {why}. "
+            "`dalid serve` restarts a crashed daemon; connect again, or connect with "
+            "reconnect=True to have a job carry on by itself"
+        )
 
     def _live_socket(self) -> zmq.Socket[Any]:
         if self._socket is None:

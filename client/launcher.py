@@ -1,9 +1,10 @@
 """Starting a daemon on demand (``connect(..., autostart=True)``).
 
 The daemon is started detached (its own session, reparented away from the trainer) so that it
-outlives the job that started it; it exits by itself after ``--idle-timeout`` seconds with no
-job. Two trainers racing to start one are safe: the second daemon finds the socket's lock
-taken and exits, and both trainers connect to the first.
+outlives the job that started it, under its supervisor, which restarts it if it crashes; it
+exits by itself after ``--idle-timeout`` seconds with no job, and its supervisor with it. Two
+trainers racing to start one are safe: the second daemon finds the socket's lock taken and
+exits, and both trainers connect to the first.
 """
 
 from __future__ import annotations

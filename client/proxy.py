@@ -32,8 +32,9 @@ class DALIServer:
     starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
 
     Beyond DALI's arguments (``proxy`` is a property there, so it takes none): ``on_error``
-    (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`), ``socket`` and
-    ``autostart``.
+    (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`), ``socket``,
+    ``autostart`` and ``reconnect`` (the job carries on across a restart of the daemon, see
+    ``Session``).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class DALIServer:
         on_error: str = "raise",
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
+        reconnect: bool = False,
     ) -> None:
         try:
             _check_pipeline(pipeline)
@@ -56,6 +58,7 @@ class DALIServer:
         self._on_error = on_error
         self._socket = socket
         self._autostart = autostart
+        self._reconnect = reconnect
         self._session: Session | None = None
         self._proxy: Proxy | None = None
         self._registered = False
@@ -65,7 +68,10 @@ class DALIServer:
         """The dalid session behind this server, connected on first use."""
         if self._session is None or self._session.closed:
             self._session = Session(
-                pipeline_device(self._pipeline), socket=self._socket, autostart=self._autostart
+                pipeline_device(self._pipeline),
+                socket=self._socket,
+                autostart=self._autostart,
+                reconnect=self._reconnect,
             )
             self._registered = False
         return self._session
@@ -80,13 +86,10 @@ class DALIServer:
         """
         session = self.session
         if not self._registered:
-            fresh = session.proxy(
-                self._pipeline, deterministic=self._deterministic, on_error=self._on_error
+            # The session points this proxy at each new registration (after a reconnection too).
+            self._proxy = session._register(
+                self._pipeline, self._deterministic, proxy=self._proxy, on_error=self._on_error
             )
-            if self._proxy is None:
-                self._proxy = fresh
-            else:
-                self._proxy.retarget(fresh.target)
             self._registered = True
         assert self._proxy is not None
         return self._proxy

@@ -19,20 +19,34 @@ if TYPE_CHECKING:
 class DALIPipelineRunRef:
     """One pipeline run (a batch). ``batch_id`` is the daemon's id once submitted."""
 
-    def __init__(self, pipeline_id: int, job_id: int, deterministic: bool) -> None:
+    def __init__(
+        self,
+        pipeline_id: int,
+        job_id: int,
+        deterministic: bool,
+        *,
+        job_token: str = "",
+        keeps_inputs: bool = False,
+    ) -> None:
         self.pipeline_id = pipeline_id
         self.job_id = job_id
+        # The job (of one daemon instance) that batch_id and pipeline_id belong to.
+        self.job_token = job_token
         self.deterministic = deterministic
         self.batch_id: int | None = None
         self.batch_size = 0
-        # Inputs gathered in the worker until collation; never pickled (see __getstate__).
+        # Inputs gathered in the worker until collation. Pickled to the trainer and kept until
+        # the outputs are delivered only with ``keeps_inputs`` (a session with reconnect=True),
+        # so that the trainer can submit the batch again to a restarted daemon.
         self.call_args: dict[str, list[Any]] = {}
+        self.keeps_inputs = keeps_inputs
         self.is_scheduled = False
         self.is_complete = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["call_args"] = {}
+        if not self.keeps_inputs:
+            state["call_args"] = {}
         return state
 
     def __repr__(self) -> str:

@@ -7,14 +7,15 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dalid.protocol import (
+    BatchAccepted,
     BatchFailed,
     BatchReady,
     Device,
@@ -27,6 +28,7 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     ScheduleBatch,
+    SubmitBatch,
     TrainerProgress,
     parse_device,
     socket_path,
@@ -35,12 +37,12 @@ from dalid.protocol import (
 from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
 from .cuda import CudaMappings, TorchDevice, local_device
-from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError
+from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError, ProtocolMismatch
 from .launcher import start_daemon
 from .memory import SlabMappings
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
-from .transform import Proxy, ProxyTarget, worker_links
+from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
 
 log = logging.getLogger("dalid.client")
 
@@ -50,6 +52,38 @@ PROGRESS_INTERVAL_S = 1.0
 # A batch this late usually means the daemon's output pool is full of buffers the trainer still
 # holds through live tensors; say so once.
 SLOW_BATCH_WARNING_S = 30.0
+# How many times in a row one call may find the daemon gone and reconnect before it gives up.
+MAX_RECONNECTS = 5
+
+# Note [Daemon restarts]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A daemon keeps nothing across a restart: the new one on the socket knows none of the old
+# one's jobs, pipelines, batch ids or regions. What each process holds, and what it does when
+# it finds the daemon gone (the connection notices within a second where the daemon's pid can
+# be watched, a few seconds otherwise, and raises DaemonUnavailable):
+#
+# 1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
+#    batch and the job (``job_token``, unique to one job of one daemon instance). With
+#    reconnect=True the ref also carries the batch's inputs, and keeps them until the trainer
+#    has delivered its outputs. A worker that finds the daemon gone leaves the batch unsent
+#    (``batch_id`` None) and stops using that job's link; the trainer submits it.
+# 2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
+#    whole: its connection (no goodbye), its slab mappings and the results it had received
+#    but not yet delivered. Tensors already delivered stay valid: their pages stay mapped
+#    until the tensors are freed (the new daemon unlinks the old segments' names), and their
+#    releases go to the abandoned mappings, never to the new daemon, whose region ids and
+#    slabs are unrelated. Then it connects again (a new job), registers every pipeline again
+#    and points the proxies it made at the new registrations (workers started from then on
+#    submit to the new job).
+# 3. When the trainer delivers a batch whose ref names an abandoned job, or no batch at all,
+#    it submits the batch again from the inputs the ref carries, under the pipeline's new id.
+#    A batch is delivered once: its ref is turned into tensors once, and results that came
+#    from the old daemon but were not yet delivered are dropped with it, so nothing arrives
+#    twice and nothing is lost.
+# 4. Workers that were running at the restart hold the old job in their pickled proxy and no
+#    way to learn the new one: until they are started again (each epoch, unless
+#    persistent_workers), their batches reach the trainer unsent and the trainer submits
+#    them, one at a time. GPU outputs follow the same steps; that path has not run on a GPU.
 
 
 class _Resources:
@@ -78,8 +112,23 @@ class _Resources:
             self.cuda = CudaMappings(TorchDevice(index))
         return self.cuda
 
+    def abandon(self) -> None:
+        """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
+
+        Mappings close as at the end of a job: tensors that view them keep them (Note [Daemon
+        restarts]); their releases are dropped with this object.
+        """
+        welcome = self.connection.welcome
+        worker_links.close_job(self.connection.path, welcome.job_id, welcome.job_token, False)
+        self.connection.abort()
+        self.mappings.close()
+        if self.cuda is not None:
+            self.cuda.close_mappings()
+            self.cuda.close()
+
     def close(self) -> None:
-        worker_links.close_job(self.connection.path, self.connection.welcome.job_id)
+        welcome = self.connection.welcome
+        worker_links.close_job(self.connection.path, welcome.job_id, welcome.job_token)
         # GPU slabs are unmapped before the goodbye, which names those tensors still view
         # (Note [GPU output lifetime] in dalid.server.cuda).
         kept = self.cuda.close_mappings() if self.cuda is not None else ()
@@ -104,6 +153,17 @@ class _Progress:
             return
         self.reported_at = now
         connection.notify(TrainerProgress(self.waited + waiting_for, self.batches))
+
+
+@dataclass
+class _Registration:
+    """A pipeline this session registered, kept to register it again with a new daemon."""
+
+    request: RegisterPipeline
+    deterministic: bool
+    pipeline_id: int = 0
+    # The proxies made for it, pointed at each new registration.
+    proxies: weakref.WeakSet[Proxy] = field(default_factory=weakref.WeakSet)
 
 
 def _graph(pipeline: Any) -> Any:
@@ -156,6 +216,12 @@ class Session:
     stream that was current when they were produced (it waits on the daemon, the host does
     not). Each region goes back to the daemon when the last tensor viewing it is
     garbage-collected; a GPU region once the work queued on that stream until then has run.
+
+    With ``reconnect``, a daemon that is killed or restarted does not end the job: the session
+    connects to the daemon that comes back on the socket (waiting up to ``connect_timeout``),
+    registers its pipelines again and submits again every batch not yet delivered, so none is
+    lost or delivered twice (Note [Daemon restarts]). Batches then carry their inputs from the
+    DataLoader workers to the trainer, a copy that costs little beside decoding them.
     """
 
     def __init__(
@@ -169,31 +235,47 @@ class Session:
         weight: float = 1.0,
         memory_bytes: int | None = None,
         max_inflight_batches: int | None = None,
+        reconnect: bool = False,
     ) -> None:
         self.device = parse_device(device)
         self.socket = socket_path(self.device, socket)
+        self.reconnect = reconnect
+        self._autostart = autostart
+        self._connect_timeout = connect_timeout
+        self._name = name or f"pid {os.getpid()}"
         # Results that arrived while waiting for another; filled by the connection. Neither it
         # nor the connection may hold the session itself, or the finalizer would never run.
         self._results: dict[int, BatchReady | BatchFailed] = {}
-        connection = autostart_connect(
-            self.socket,
-            self.device,
-            autostart=autostart,
-            connect_timeout=connect_timeout,
-            name=name or f"pid {os.getpid()}",
-            on_push=functools.partial(_keep_result, self._results),
-            job=JobRequest(weight, memory_bytes or 0, max_inflight_batches or 0),
-        )
+        self._registrations: list[_Registration] = []
+        # Every (job_token, pipeline_id) this session was given, in any daemon generation.
+        self._pipeline_keys: dict[tuple[str, int], _Registration] = {}
+        self.reconnects = 0
+        self._job_request = JobRequest(weight, memory_bytes or 0, max_inflight_batches or 0)
         self._progress = _Progress()
+        # Bad samples skipped or replaced in the batches of the last produce_data call.
+        self.last_bad_samples: list[SampleReport] = []
+        self._resources = self._open(
+            autostart_connect(
+                self.socket,
+                self.device,
+                autostart=autostart,
+                connect_timeout=connect_timeout,
+                name=self._name,
+                on_push=functools.partial(_keep_result, self._results),
+                job=self._job_request,
+            )
+        )
+        self._finalizer = weakref.finalize(self, self._resources.close)
+
+    @staticmethod
+    def _open(connection: Connection) -> _Resources:
+        """The resources of one daemon generation, owning ``connection`` from here on."""
         try:
             cuda_index = _daemon_gpu(connection.welcome.device_uuid)
         except DeviceMismatch:
             connection.close()
             raise
-        self._resources = _Resources(connection, SlabMappings(), cuda_index)
-        # Bad samples skipped or replaced in the batches of the last produce_data call.
-        self.last_bad_samples: list[SampleReport] = []
-        self._finalizer = weakref.finalize(self, self._resources.close)
+        return _Resources(connection, SlabMappings(), cuda_index)
 
     # --- properties -----------------------------------------------------------------------------
 
@@ -249,6 +331,16 @@ class Session:
         listed in :attr:`last_bad_samples`; the other per-sample fields of the batch (labels)
         follow, see :meth:`produce_data`.
         """
+        return self._register(pipeline, deterministic, on_error=on_error)
+
+    def _register(
+        self,
+        pipeline: Any,
+        deterministic: bool,
+        proxy: Proxy | None = None,
+        on_error: str = "raise",
+    ) -> Proxy:
+        """Registers ``pipeline``; ``proxy``, when given, is pointed at it instead of a new one."""
         _check_pipeline(pipeline)
         try:
             policy = OnError(on_error)
@@ -277,21 +369,38 @@ class Session:
             name=getattr(pipeline, "_name", None) or "",
             on_error=policy,
         )
-        reply = self._connection.request(request)
+        registration = _Registration(request, deterministic)
+        self._with_reconnect(lambda: self._register_now(registration))
+        self._registrations.append(registration)
+        target = self._target_of(registration)
+        if proxy is None:
+            proxy = Proxy(target)
+        else:
+            proxy.retarget(target)
+        registration.proxies.add(proxy)
+        return proxy
+
+    def _register_now(self, registration: _Registration) -> None:
+        reply = self._connection.request(registration.request)
         assert isinstance(reply, PipelineRegistered)
+        registration.pipeline_id = reply.pipeline_id
+        token = self._connection.welcome.job_token
+        self._pipeline_keys[(token, reply.pipeline_id)] = registration
+
+    def _target_of(self, registration: _Registration) -> ProxyTarget:
         welcome = self._connection.welcome
-        return Proxy(
-            ProxyTarget(
-                socket=self.socket,
-                device=self.device,
-                job_id=welcome.job_id,
-                job_token=welcome.job_token,
-                pipeline_id=reply.pipeline_id,
-                input_names=tuple(names),
-                num_outputs=request.num_outputs,
-                max_batch_size=pipeline.max_batch_size,
-                deterministic=deterministic,
-            )
+        request = registration.request
+        return ProxyTarget(
+            socket=self.socket,
+            device=self.device,
+            job_id=welcome.job_id,
+            job_token=welcome.job_token,
+            pipeline_id=registration.pipeline_id,
+            input_names=request.input_names,
+            num_outputs=request.num_outputs,
+            max_batch_size=request.max_batch_size,
+            deterministic=registration.deterministic,
+            reconnect=self.reconnect,
         )
 
     def produce_data(self, obj: Any) -> Any:
@@ -340,22 +449,94 @@ class Session:
             raise DaemonUnavailable("this dalid session is closed")
         return self._resources.connection
 
+    def _with_reconnect(self, action: Callable[[], Any]) -> Any:
+        """``action()``; with ``reconnect``, again after each reconnection to a new daemon."""
+        gone = False
+        for attempt in range(MAX_RECONNECTS + 1):
+            try:
+                if gone:
+                    self._reconnect_now()
+                return action()
+            except DaemonUnavailable as error:
+                if not self.reconnect or isinstance(error, ProtocolMismatch) or self.closed:
+                    raise
+                if attempt == MAX_RECONNECTS:
+                    raise DaemonUnavailable(
+                        f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
+                    ) from error
+                log.warning("%s: reconnecting", error)
+                gone = True
+        raise AssertionError("unreachable")
+
+    def _reconnect_now(self) -> None:
+        """Abandons the daemon that is gone and starts over with the one on the socket now."""
+        self._finalizer.detach()
+        self._resources.abandon()
+        self._results.clear()
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                connection = autostart_connect(
+                    self.socket,
+                    self.device,
+                    autostart=self._autostart,
+                    connect_timeout=max(remaining, 1.0),
+                    name=self._name,
+                    on_push=functools.partial(_keep_result, self._results),
+                    hello_timeout=min(max(remaining, 1.0), 5.0),
+                    job=self._job_request,
+                )
+                break
+            except DaemonUnavailable as error:
+                if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
+                    raise DaemonUnavailable(
+                        f"no dalid daemon came back on {self.socket} within "
+                        f"{self._connect_timeout:.0f} s: {error}"
+                    ) from error
+                time.sleep(0.2)
+        self._resources = self._open(connection)
+        self._finalizer = weakref.finalize(self, self._resources.close)
+        self.reconnects += 1
+        log.warning(
+            "reconnected to the dalid daemon on %s (pid %d), job %d",
+            self.socket,
+            self.daemon_pid,
+            self.job_id,
+        )
+        for registration in self._registrations:
+            self._register_now(registration)
+            for proxy in registration.proxies:
+                proxy.retarget(self._target_of(registration))
+
     def _outputs_of(
         self, runs: Iterable[DALIPipelineRunRef]
     ) -> dict[int, tuple[torch.Tensor, ...]]:
         """Tensors for each run (keyed by ``id(run)``), in the order the runs are given."""
         runs = list(runs)
         for run in runs:
-            if run.batch_id is None:
+            if run.batch_id is None and not (self.reconnect and run.call_args):
                 raise InputError(
                     "a batch reference that was never submitted: collate the proxy's sample "
                     "references (torch's default collate does) before produce_data"
                 )
-            if run.job_id != self.job_id:
+            if (run.job_token, run.pipeline_id) not in self._pipeline_keys:
                 raise InputError(
                     f"batch {run.batch_id} belongs to job {run.job_id}, not to this session's "
                     f"job {self.job_id}"
                 )
+        produced: dict[int, tuple[torch.Tensor, ...]] = self._with_reconnect(
+            lambda: self._deliver(runs)
+        )
+        for run in runs:
+            run.call_args = {}  # delivered: the inputs kept for a resubmission can go
+        return produced
+
+    def _deliver(self, runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
+        token = self._connection.welcome.job_token
+        for run in runs:
+            if run.batch_id is None or run.job_token != token:
+                self._submit_again(run)
         for run in runs:
             if not run.is_scheduled:
                 self._connection.request(ScheduleBatch(run.batch_id))  # type: ignore[arg-type]
@@ -393,13 +574,38 @@ class Session:
                 bad.message,
             )
 
+    def _submit_again(self, run: DALIPipelineRunRef) -> None:
+        """Submits a batch of an abandoned daemon (or one a worker could not send) to this one."""
+        registration = self._pipeline_keys[(run.job_token, run.pipeline_id)]
+        if not run.call_args:
+            # Not DaemonUnavailable: reconnecting again would not bring the inputs back.
+            raise InputError(
+                f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
+                "are gone: it was delivered already, or its proxy was made by another session"
+            )
+        inputs = batch_inputs(registration.request.input_names, run.call_args)
+        request = SubmitBatch(registration.pipeline_id, inputs, deferred=run.deterministic)
+        reply = self._connection.request(request)
+        assert isinstance(reply, BatchAccepted)
+        welcome = self._connection.welcome
+        run.job_id, run.job_token = welcome.job_id, welcome.job_token
+        run.pipeline_id, run.batch_id = registration.pipeline_id, reply.batch_id
+        run.is_scheduled = not run.deterministic
+
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         resources = self._resources
         stream = None
         tensors = []
         for output in result.outputs:
             if output.device == "cpu":
-                tensors.append(resources.mappings.tensor(output))
+                try:
+                    tensors.append(resources.mappings.tensor(output))
+                except FileNotFoundError:
+                    # Only a daemon that died, its segments removed by its successor, loses
+                    # a slab it has just named (Note [Output buffer lifetime], point 6).
+                    raise resources.connection.gone_error(
+                        f"its shared memory {output.slab} was removed"
+                    ) from None
                 continue
             cuda = resources.gpu()
             if stream is None:
@@ -505,6 +711,7 @@ def autostart_connect(
     name: str,
     on_push: Any,
     job: JobRequest = JobRequest(),
+    hello_timeout: float = 5.0,
 ) -> Connection:
     """A trainer connection to the daemon on ``path``, starting one first if allowed."""
 
@@ -515,6 +722,7 @@ def autostart_connect(
             device=device,
             name=name,
             on_push=on_push,
+            hello_timeout=hello_timeout,
             weight=job.weight,
             memory_bytes=job.memory_bytes,
             max_inflight_batches=job.max_inflight_batches,

@@ -8,6 +8,7 @@ process's own worker connection and returns at once with the daemon's batch id.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -16,11 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from dalid.protocol import DTYPES, BatchAccepted, InputBatch, Role, SubmitBatch
+from dalid.protocol import DTYPES, BatchAccepted, ErrorCode, InputBatch, Role, SubmitBatch
 
 from .connection import Connection
-from .errors import InputError
+from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
 from .refs import DALIOutputSampleRef, DALIPipelineRunRef
+
+log = logging.getLogger("dalid.client")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class ProxyTarget:
     num_outputs: int
     max_batch_size: int
     deterministic: bool
+    # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
+    reconnect: bool = False
+
+
+_LinkKey = tuple[Path, int, str]
 
 
 class _WorkerLinks:
@@ -44,15 +52,20 @@ class _WorkerLinks:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._links: dict[tuple[Path, int], Connection] = {}
+        self._links: dict[_LinkKey, Connection] = {}
+        # Jobs whose daemon is gone: their batches are left for the trainer to submit.
+        self._lost: set[_LinkKey] = set()
 
     def get(self, target: ProxyTarget) -> Connection:
         with self._lock:
             if self._pid != os.getpid():
                 # Inherited across fork: the parent's sockets are not ours to use or close.
                 self._links = {}
+                self._lost = set()
                 self._pid = os.getpid()
-            key = (target.socket, target.job_id)
+            key = (target.socket, target.job_id, target.job_token)
+            if key in self._lost:
+                raise DaemonUnavailable(f"the daemon of job {target.job_id} is gone")
             link = self._links.get(key)
             if link is None or link.closed:
                 link = Connection(
@@ -66,11 +79,22 @@ class _WorkerLinks:
                 self._links[key] = link
             return link
 
-    def close_job(self, socket: Path, job_id: int) -> None:
+    def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
+        """Closes this process's link to a job (``goodbye=False``: its daemon is gone)."""
         with self._lock:
-            link = self._links.pop((socket, job_id), None)
+            link = self._links.pop((socket, job_id, job_token), None)
             if link is not None and self._pid == os.getpid():
-                link.close()
+                link.close(goodbye=goodbye)
+
+    def lose(self, target: ProxyTarget) -> bool:
+        """Drops the link to a daemon that is gone; later batches go to the trainer unsent.
+        Whether the link was in use until now."""
+        self.close_job(target.socket, target.job_id, target.job_token, goodbye=False)
+        key = (target.socket, target.job_id, target.job_token)
+        with self._lock:
+            known = key in self._lost
+            self._lost.add(key)
+        return not known
 
 
 worker_links = _WorkerLinks()
@@ -189,26 +213,54 @@ class Proxy:
     def _current_run(self) -> DALIPipelineRunRef:
         run: DALIPipelineRunRef | None = getattr(self._local, "run", None)
         if run is None or run.is_complete:
+            target = self._target
             run = DALIPipelineRunRef(
-                self._target.pipeline_id, self._target.job_id, self._target.deterministic
+                target.pipeline_id,
+                target.job_id,
+                target.deterministic,
+                job_token=target.job_token,
+                keeps_inputs=target.reconnect,
             )
             self._local.run = run
         return run
 
     def _submit(self, run: DALIPipelineRunRef) -> None:
-        """Sends a collated batch to the daemon; it runs at once unless deterministic."""
-        inputs = tuple(
-            InputBatch(
-                name=name,
-                dtype=run.call_args[name][0].dtype.name,
-                shapes=tuple(tuple(sample.shape) for sample in run.call_args[name]),
-                samples=tuple(run.call_args[name]),
-            )
-            for name in self._target.input_names
+        """Sends a collated batch to the daemon; it runs at once unless deterministic.
+
+        With ``reconnect``, a daemon found gone is not an error here: the batch reaches the
+        trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
+        """
+        target = self._target
+        request = SubmitBatch(
+            target.pipeline_id,
+            batch_inputs(target.input_names, run.call_args),
+            deferred=run.deterministic,
         )
-        request = SubmitBatch(self._target.pipeline_id, inputs, deferred=run.deterministic)
-        reply = worker_links.get(self._target).request(request)
+        try:
+            reply = worker_links.get(target).request(request)
+        except (DaemonUnavailable, RequestError) as error:
+            lost = isinstance(error, DaemonUnavailable) or error.code is ErrorCode.UNKNOWN_JOB
+            if not target.reconnect or isinstance(error, ProtocolMismatch) or not lost:
+                raise
+            if worker_links.lose(target):
+                log.info("%s; the trainer submits this process's batches of job %d from now on",
+                         error, target.job_id)  # fmt: skip
+            return
         assert isinstance(reply, BatchAccepted)
         run.batch_id = reply.batch_id
         run.is_scheduled = not run.deterministic
-        run.call_args = {}
+        if not run.keeps_inputs:
+            run.call_args = {}
+
+
+def batch_inputs(names: tuple[str, ...], call_args: dict[str, list[Any]]) -> tuple[InputBatch, ...]:
+    """The gathered samples of a batch as the inputs of a ``SubmitBatch``."""
+    return tuple(
+        InputBatch(
+            name=name,
+            dtype=call_args[name][0].dtype.name,
+            shapes=tuple(tuple(sample.shape) for sample in call_args[name]),
+            samples=tuple(call_args[name]),
+        )
+        for name in names
+    )

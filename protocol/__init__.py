@@ -16,7 +16,7 @@ from .address import (
 )
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
-from .gpu import GpuUnavailable, format_uuid, gpu_uuid
+from .gpu import GpuUnavailable, format_uuid, gpu_count, gpu_uuid
 from .messages import (
     CUDA_IPC_HANDLE_BYTES,
     DTYPES,
@@ -93,6 +93,7 @@ __all__ = [
     "encode",
     "endpoint",
     "format_uuid",
+    "gpu_count",
     "gpu_uuid",
     "parse_device",
     "runtime_dir",

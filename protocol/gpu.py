@@ -44,6 +44,16 @@ def gpu_uuid(ordinal: int) -> str:
     return format_uuid(bytes(raw))
 
 
+def gpu_count() -> int:
+    """How many CUDA devices this process sees (after ``CUDA_VISIBLE_DEVICES``), with no CUDA
+    context made. Raises :class:`GpuUnavailable` without a driver."""
+    cuda = _driver()
+    _call(cuda, cuda.cuInit(0), "cuInit")
+    count = ctypes.c_int()
+    _call(cuda, cuda.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    return count.value
+
+
 @functools.cache
 def _driver() -> Any:
     try:

@@ -186,6 +186,9 @@ class Welcome(Message):
     # The UUID of the daemon's GPU ("GPU-xxxxxxxx-xxxx-..."), "" for a CPU daemon. The trainer
     # receives GPU outputs only on the device with this UUID, whatever its own ordinals.
     device_uuid: str = ""
+    # The inode of the daemon's pid namespace: a client in the same namespace watches
+    # ``daemon_pid`` to notice at once that the daemon died (0: unknown).
+    pid_namespace: int = 0
 
 
 @dataclass(frozen=True)

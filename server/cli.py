@@ -1,5 +1,10 @@
 """The ``dalid`` command: ``dalid serve`` runs a daemon, ``dalid status`` shows one, ``dalid stop``
-asks one to exit."""
+asks one to exit.
+
+``dalid serve`` runs each daemon as the child of a supervisor that restarts it when it crashes
+(:mod:`dalid.server.supervisor`); ``--no-supervisor`` runs the daemon in the command's own
+process.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from dalid.protocol import (
     StatusReport,
     StatusRequest,
     endpoint,
+    gpu_count,
     parse_device,
     socket_path,
     transport,
@@ -32,6 +38,7 @@ from .daemon import Daemon, DaemonConfig
 from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 from .memory import SHM_DIR
 from .quotas import Quotas
+from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 
 DEFAULT_DEVICE = os.environ.get("DALID_DEVICE", "cpu")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -65,12 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the daemon for one device in the foreground")
-    serve.add_argument(
+    serve = commands.add_parser(
+        "serve", help="run the daemon for a device (or one per device) in the foreground"
+    )
+    which = serve.add_mutually_exclusive_group()
+    which.add_argument(
         "--device",
         type=_device,
         default=DEFAULT_DEVICE,
         help="'cpu' for CPU pipelines or a GPU ordinal (default: $DALID_DEVICE, else cpu)",
+    )
+    which.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="one daemon per device: 'all' (every GPU), or a list such as 0,1 or cpu; with "
+        "several, each listens on <runtime dir>/<device>.sock and logs to <device>.sock.log",
+    )
+    serve.add_argument(
+        "--no-supervisor",
+        action="store_true",
+        help="run the daemon in this process, not in a child restarted when it crashes "
+        "(debugging; one device only)",
     )
     serve.add_argument(
         "--socket",
@@ -194,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
     )
+    if not args.no_supervisor or args.devices is not None:
+        return _supervise(args)
     quotas = Quotas(
         max_jobs=args.max_jobs,
         pool_bytes=args.pool_bytes,
@@ -267,6 +291,23 @@ class DaemonLine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    try:
+        devices = [args.device] if args.devices is None else parse_devices(args.devices, gpu_count)
+        if args.no_supervisor:
+            raise DeviceListError("--no-supervisor runs one daemon: use --device")
+        options = [
+            *(["--idle-timeout", str(args.idle_timeout)] if args.idle_timeout is not None else []),
+            "--pool-bytes", str(args.pool_bytes), "--slab-bytes", str(args.slab_bytes),
+            "--max-batch-size", str(args.max_batch_size), "--log-level", args.log_level,
+        ]  # fmt: skip
+        specs = child_specs(devices, args.socket, options)
+    except DeviceListError as error:
+        print(f"dalid serve: {error}", file=sys.stderr)
+        return 2
+    return Supervisor(specs).run()
 
 
 def _ask(args: argparse.Namespace, request: Message) -> int:

@@ -420,6 +420,7 @@ class DaemonCore:
             job_token=job.token,
             limits=job.limits,
             device_uuid=self.device_uuid,
+            pid_namespace=self._pid_namespace,
         )
 
     @property

@@ -25,16 +25,30 @@ def _dalid_segments() -> set[str]:
 
 
 def _dalid_daemons() -> list[int]:
-    """Pids of `dalid serve` processes that this session's tests started (by socket path)."""
+    """Pids of `dalid serve` processes (supervisors and daemons) that this session's tests
+    started: by a socket path in their command line, or by the runtime directory in their
+    environment (a supervisor of `--devices` names no socket)."""
     out = subprocess.run(
         ["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True, check=False
     )
     pids = []
     for line in out.stdout.splitlines():
         pid, _, command = line.partition(" ")
-        if any(directory in command for directory in OWN_DIRECTORIES):
+        if any(directory in command for directory in OWN_DIRECTORIES) or _own_runtime(pid):
             pids.append(int(pid))
     return pids
+
+
+def _own_runtime(pid: str) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    for entry in environ:
+        name, _, value = entry.decode(errors="replace").partition("=")
+        if name == "DALID_RUNTIME_DIR":
+            return any(value.rstrip("/") + "/" == directory for directory in OWN_DIRECTORIES)
+    return False
 
 
 def _owner_alive(segment: str) -> bool:
@@ -83,9 +97,10 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    """A CPU daemon shared by the tests of one module; checked for a clean stop."""
+    """A CPU daemon (under its supervisor) shared by the tests of one module; checked for a
+    clean stop of both."""
     directory = own_directory()
-    running = start_daemon(directory)
+    running = start_daemon(directory, supervised=True)
     try:
         yield running
     finally:

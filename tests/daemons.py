@@ -1,4 +1,9 @@
-"""Starting and stopping real daemon subprocesses for tests."""
+"""Starting and stopping real daemon subprocesses for tests.
+
+``start_daemon`` runs ``dalid serve --no-supervisor`` (the daemon is the process the test
+holds, so killing it kills the daemon) unless ``supervised``: then the process is the
+supervisor, and the daemon is its child (``daemon_pid``), restarted when it crashes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +36,36 @@ class DaemonProcess:
     socket: Path
     process: subprocess.Popen[bytes]
     log: Path
+    supervised: bool = False
+    # Every daemon pid seen serving the socket (the supervisor's children, when supervised).
+    daemon_pids: list[int] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
+        """The process the test started: the daemon, or its supervisor."""
         return self.process.pid
+
+    def daemon_pid(self, timeout: float = 30.0) -> int:
+        """The pid of the daemon answering on the socket now (waiting for one to answer)."""
+        if not self.supervised:
+            return self.pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = ping_pid(self.socket)
+            if pid is not None:
+                if pid not in self.daemon_pids:
+                    self.daemon_pids.append(pid)
+                return pid
+            time.sleep(0.05)
+        raise AssertionError(f"no daemon answered on {self.socket} within {timeout} s")
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
     def segments(self) -> set[str]:
-        return {p.name for p in Path("/dev/shm").glob(f"dalid-{self.pid}-*")}
+        """The shared-memory segments of this daemon, of any of its children, past or present."""
+        pids = {self.pid, *self.daemon_pids, *descendants(self.pid)}
+        return {p.name for pid in pids for p in Path("/dev/shm").glob(f"dalid-{pid}-*")}
 
     def status(self) -> Any:
         """The daemon's StatusReport, asked for as ``dalid status`` does."""
@@ -66,6 +91,43 @@ class DaemonProcess:
                 log = self.log_text()
                 raise AssertionError(f"daemon did not stop on SIGTERM:\n{log}") from None
         return self.process.returncode
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below ``pid``."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def ping_pid(socket: Path, timeout: float = 1.0) -> int | None:
+    """The pid in the daemon's answer to a ping on ``socket``; None if none answers."""
+    from dalid.protocol import Ping, Pong, endpoint, transport
+
+    if not socket.exists():
+        return None
+    context = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        transport.send(sock, Ping(), 1)
+        if sock.poll(int(timeout * 1000)):
+            reply = transport.recv(sock).message
+            if isinstance(reply, Pong):
+                return reply.daemon_pid
+        return None
+    finally:
+        sock.close(linger=0)
+        context.term()
 
 
 def wait_until_answering(
@@ -111,18 +173,20 @@ def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
         context.term()
 
 
-def start_daemon(directory: Path, *args: str, name: str = "d") -> DaemonProcess:
+def start_daemon(
+    directory: Path, *args: str, name: str = "d", supervised: bool = False
+) -> DaemonProcess:
     socket = directory / f"{name}.sock"
     log = directory / f"{name}.log"
+    command = [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket), *args]
+    if not supervised:
+        command.append("--no-supervisor")
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    daemon = DaemonProcess(socket, process, log)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    daemon = DaemonProcess(socket, process, log, supervised)
     try:
         wait_until_answering(socket, process)
+        daemon.daemon_pid()
     except BaseException:
         daemon.stop()
         raise

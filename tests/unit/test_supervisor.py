@@ -1,0 +1,165 @@
+"""The supervisor's logic: device lists, child commands, restarts, with real child processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dalid.protocol import GpuUnavailable
+from dalid.server.supervisor import (
+    ChildSpec,
+    DeviceListError,
+    RestartPolicy,
+    State,
+    Supervisor,
+    child_specs,
+    exit_status,
+    parse_devices,
+)
+
+QUICK = RestartPolicy(first_delay_s=0.01, max_delay_s=0.05, fast_crash_s=30.0, max_fast_crashes=3)
+
+
+def _gpus(count: int):
+    return lambda: count
+
+
+def _no_driver() -> int:
+    raise GpuUnavailable("the CUDA driver (libcuda.so.1) cannot be loaded")
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "expected"),
+    [
+        ("all", 2, [0, 1]),
+        ("ALL", 1, [0]),
+        ("0,1", 0, [0, 1]),
+        ("3", 0, [3]),
+        ("cpu", 0, ["cpu"]),
+        ("cpu, 1", 0, ["cpu", 1]),
+    ],
+)
+def test_device_lists(text, count, expected):
+    assert parse_devices(text, _gpus(count)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "gpu_count", "message"),
+    [
+        ("all", _gpus(0), "reports no GPU"),
+        ("all", _no_driver, "no usable GPU"),
+        ("0,0", _gpus(2), "gpu0 twice"),
+        ("0,x", _gpus(2), "device must be"),
+        ("", _gpus(2), "device must be"),
+    ],
+)
+def test_bad_device_lists_are_refused(text, gpu_count, message):
+    with pytest.raises(DeviceListError, match=message):
+        parse_devices(text, gpu_count)
+
+
+def test_one_device_keeps_its_socket_and_the_supervisor_output(tmp_path):
+    (spec,) = child_specs(["cpu"], str(tmp_path / "x.sock"), ["--idle-timeout", "5"])
+    assert spec.log is None
+    assert spec.command[-6:] == ("--device", "cpu", "--socket", str(tmp_path / "x.sock"),
+                                 "--idle-timeout", "5")  # fmt: skip
+    assert "--no-supervisor" in spec.command
+
+
+def test_several_devices_get_a_socket_and_log_each_in_the_runtime_dir(private_runtime_dir):
+    specs = child_specs([0, 1, "cpu"], None, [])
+    assert [spec.name for spec in specs] == ["gpu0", "gpu1", "cpu"]
+    for spec in specs:
+        socket = private_runtime_dir / f"{spec.name}.sock"
+        assert spec.command[spec.command.index("--socket") + 1] == str(socket)
+        assert spec.log == private_runtime_dir / f"{spec.name}.sock.log"
+
+
+def test_several_devices_refuse_one_socket(private_runtime_dir, monkeypatch):
+    with pytest.raises(DeviceListError, match="a socket each"):
+        child_specs([0, 1], "/tmp/one.sock", [])
+    monkeypatch.setenv("DALID_SOCKET", "/tmp/one.sock")
+    with pytest.raises(DeviceListError, match="a socket each"):
+        child_specs([0, 1], None, [])
+
+
+def test_restart_delay_doubles_up_to_its_limit():
+    policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_exit_status_of_a_killed_child():
+    assert exit_status(-signal.SIGKILL) == 137
+    assert exit_status(1) == 1
+
+
+def _python(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code)
+
+
+def test_a_child_that_keeps_crashing_is_given_up():
+    supervisor = Supervisor([ChildSpec("crash", _python("raise SystemExit(1)"))], QUICK)
+    assert supervisor.run() == 1
+    (child,) = supervisor.children
+    assert child.state is State.DONE
+    assert len(child.pids) == QUICK.max_fast_crashes + 1
+
+
+def test_a_child_killed_by_a_signal_is_restarted(tmp_path):
+    # The first run kills itself; the second finds its mark and stops cleanly.
+    mark = tmp_path / "ran"
+    code = (
+        "import os, pathlib, signal\n"
+        f"mark = pathlib.Path({str(mark)!r})\n"
+        "if not mark.exists():\n"
+        "    mark.touch()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    supervisor = Supervisor([ChildSpec("once", _python(code))], QUICK)
+    assert supervisor.run() == 0
+    assert supervisor.children[0].restarts == 1
+
+
+@pytest.mark.parametrize("status", [2, 3, 4])
+def test_a_child_that_cannot_start_is_not_restarted(status):
+    supervisor = Supervisor([ChildSpec("no", _python(f"raise SystemExit({status})"))], QUICK)
+    assert supervisor.run() == status
+    assert len(supervisor.children[0].pids) == 1
+
+
+def test_the_supervisor_exits_once_every_child_stopped_cleanly(tmp_path: Path):
+    log = tmp_path / "b.log"
+    specs = [
+        ChildSpec("a", _python("pass")),
+        ChildSpec("b", _python("print('hello from b')"), log),
+    ]
+    supervisor = Supervisor(specs, QUICK)
+    assert supervisor.run() == 0
+    assert all(child.restarts == 0 for child in supervisor.children)
+    assert log.read_text() == "hello from b\n"
+
+
+def test_nothing_to_supervise_is_an_error():
+    with pytest.raises(ValueError, match="nothing to supervise"):
+        Supervisor([])
+
+
+def test_serve_devices_all_without_a_gpu_is_a_clear_error():
+    from dalid.protocol import gpu_count
+
+    try:
+        gpu_count()
+        pytest.skip("this machine has a CUDA driver")
+    except GpuUnavailable:
+        pass
+    result = subprocess.run(
+        [sys.executable, "-m", "dalid.server", "serve", "--devices", "all"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--devices all: this machine has no usable GPU" in result.stderr
+    assert "--devices cpu" in result.stderr
