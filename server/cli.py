@@ -1,13 +1,14 @@
-"""The ``dalid`` command: ``dalid serve`` runs a daemon, ``dalid stop`` asks one to exit."""
+"""The ``dalid`` command: ``dalid serve`` runs a daemon, ``dalid stop`` asks one to exit,
+``dalid ping`` checks that one answers. Options are defined in :mod:`dalid.server.config`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -20,36 +21,16 @@ from dalid.protocol import (
     ProtocolError,
     Shutdown,
     endpoint,
-    parse_device,
     socket_path,
     transport,
 )
 
+from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
 
-DEFAULT_DEVICE = os.environ.get("DALID_DEVICE", "cpu")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``512M``, ``2G``, ``1048576`` or ``64MiB`` as a number of bytes."""
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = value[-1] if value and value[-1] in _UNITS else ""
-    number = value[: len(value) - len(unit)]
-    try:
-        size = int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return size
-
-
-def _device(text: str) -> str | int:
-    try:
-        return parse_device(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+log = logging.getLogger("dalid.server")
+# As argparse exits on a bad flag.
+EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,73 +39,52 @@ def build_parser() -> argparse.ArgumentParser:
         description="A daemon that runs NVIDIA DALI pipelines for many PyTorch training jobs.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="run the daemon for one device in the foreground")
-    serve.add_argument(
-        "--device",
-        type=_device,
-        default=DEFAULT_DEVICE,
-        help="'cpu' for CPU pipelines or a GPU ordinal (default: $DALID_DEVICE, else cpu)",
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon for one device in the foreground",
+        description="Runs the daemon for one device in the foreground. Each option is taken "
+        "from its flag, else its environment variable, else the TOML file (--config or "
+        f"${CONFIG_ENV}), else its default.",
     )
-    serve.add_argument(
-        "--socket",
-        help="socket path (default: $DALID_SOCKET, else <runtime dir>/<device>.sock)",
-    )
-    serve.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="exit after this long with no connected job (default: never)",
-    )
-    serve.add_argument(
-        "--pool-bytes",
-        type=parse_size,
-        default="2G",
-        help="output memory each job may hold, e.g. 2G (default 2G); on a GPU daemon, this much "
-        "host memory and this much device memory",
-    )
-    serve.add_argument(
-        "--slab-bytes",
-        type=parse_size,
-        default="64M",
-        help="size of each slab outputs are carved from, shared memory or GPU memory (default 64M)",
-    )
-    serve.add_argument(
-        "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"
-    )
-    serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
-
+    add_options(serve)
     for name, text in (
         ("stop", "ask the daemon for a device to exit"),
         ("ping", "exit 0 if the daemon for a device answers (for health checks)"),
     ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--device", type=_device, default=DEFAULT_DEVICE)
-        command.add_argument("--socket")
+        command = commands.add_parser(
+            name, help=text, description=f"{text[0].upper()}{text[1:]}; finds it as serve does."
+        )
+        add_options(command, [option for option in OPTIONS if option.locates_daemon])
         command.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
-    )
-    config = DaemonConfig(
-        device=args.device,
-        socket=socket_path(args.device, args.socket),
-        idle_timeout=args.idle_timeout,
-        pool_bytes=args.pool_bytes,
-        slab_bytes=args.slab_bytes,
-        max_batch_size=args.max_batch_size,
-    )
-    return Daemon(config).serve()
+def _settings(args: argparse.Namespace, serving: bool) -> dict[str, Any]:
+    options = OPTIONS if serving else [option for option in OPTIONS if option.locates_daemon]
+    return resolve(vars(args), options=options)
 
 
-def _ask(args: argparse.Namespace, request: Message) -> int:
+def _socket(settings: dict[str, Any]) -> Path:
+    return socket_path(settings["device"], settings["socket"], directory=settings["runtime_dir"])
+
+
+def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
+    pipelines = settings["pipelines"]
+    if pipelines is not None and not pipelines.is_dir():
+        raise ConfigError(f"pipelines: {pipelines} is not a directory")
+    return DaemonConfig(
+        device=settings["device"],
+        socket=_socket(settings),
+        idle_timeout=settings["idle_timeout"],
+        pool_bytes=settings["pool_bytes"],
+        slab_bytes=settings["slab_bytes"],
+        max_batch_size=settings["max_batch_size"],
+        pipelines=pipelines,
+    )
+
+
+def _ask(path: Path, timeout: float, request: Message) -> int:
     """Sends one request that needs no hello and waits for its answer; the exit status."""
-    path = socket_path(args.device, args.socket)
     if not path.exists():
         print(f"dalid: no daemon listens on {endpoint(path)}", file=sys.stderr)
         return 1
@@ -132,7 +92,7 @@ def _ask(args: argparse.Namespace, request: Message) -> int:
     sock = transport.make_socket(context, zmq.DEALER, endpoint(path), bind=False)
     try:
         transport.send(sock, request, 1)
-        if not sock.poll(int(args.timeout * 1000)):
+        if not sock.poll(int(timeout * 1000)):
             print(f"dalid: the daemon on {endpoint(path)} did not answer", file=sys.stderr)
             return 1
         try:
@@ -145,7 +105,7 @@ def _ask(args: argparse.Namespace, request: Message) -> int:
             return 1
         if isinstance(reply, Pong):
             print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(path)}")
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         while isinstance(request, Shutdown) and path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return 0
@@ -156,10 +116,24 @@ def _ask(args: argparse.Namespace, request: Message) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
+    serving = args.command == "serve"
+    try:
+        settings = _settings(args, serving)
+        # A socket path too long, or a runtime directory others can enter, is refused here.
+        config = _daemon_config(settings) if serving else None
+        path = config.socket if config is not None else _socket(settings)
+    except (ConfigError, OSError, ValueError) as error:
+        print(f"dalid {args.command}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if config is not None:
+        logging.basicConfig(
+            level=settings["log_level"],
+            format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
+        )
+        log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
+        return Daemon(config).serve()
     # Shutdown and ping need no hello: whoever can open the socket (mode 0600) may send them.
-    return _ask(args, Shutdown() if args.command == "stop" else Ping())
+    return _ask(path, args.timeout, Shutdown() if args.command == "stop" else Ping())
 
 
 if __name__ == "__main__":

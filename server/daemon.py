@@ -55,6 +55,8 @@ class DaemonConfig:
     pool_bytes: int = 2 * GiB
     slab_bytes: int = 64 * MiB
     max_batch_size: int = 4096
+    # A pipeline repository: Python files of @pipeline_def functions clients select by name.
+    pipelines: Path | None = None
 
 
 class AlreadyRunning(RuntimeError):
