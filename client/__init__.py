@@ -28,6 +28,7 @@ from .errors import (
     RequestError,
 )
 from .loader import DataLoader
+from .named import RepositoryPipeline, named_pipeline
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
 from .transform import Proxy
@@ -60,7 +61,9 @@ __all__ = [
     "PipelineError",
     "ProtocolMismatch",
     "Proxy",
+    "RepositoryPipeline",
     "RequestError",
     "Session",
     "connect",
+    "named_pipeline",
 ]

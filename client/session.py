@@ -34,6 +34,7 @@ from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError
 from .launcher import start_daemon
 from .memory import SlabMappings
+from .named import RepositoryPipeline
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, worker_links
@@ -206,9 +207,17 @@ class Session:
     def proxy(self, pipeline: Any, deterministic: bool = False) -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
 
-        With ``deterministic`` a batch runs only when the trainer asks for its outputs, in the
-        order the trainer asks, so random operators repeat run to run.
+        ``pipeline`` is a DALI pipeline, or a pipeline of the daemon's repository: a
+        :class:`RepositoryPipeline` (``named_pipeline(name, batch_size=..., **parameters)``),
+        or just its name. With ``deterministic`` a batch runs only when the trainer asks for
+        its outputs, in the order the trainer asks, so random operators repeat run to run.
         """
+        if isinstance(pipeline, str):
+            pipeline = RepositoryPipeline(pipeline)
+        if isinstance(pipeline, RepositoryPipeline):
+            registered = self._connection.request(pipeline.request())
+            assert isinstance(registered, PipelineRegistered)
+            return self._proxy_for(registered, deterministic)
         _check_pipeline(pipeline)
         names = external_source_names(pipeline)
         if not names:
@@ -232,6 +241,10 @@ class Session:
         )
         reply = self._connection.request(request)
         assert isinstance(reply, PipelineRegistered)
+        return self._proxy_for(reply, deterministic)
+
+    def _proxy_for(self, registered: PipelineRegistered, deterministic: bool) -> Proxy:
+        """The proxy of a pipeline as the daemon built it (names, outputs, batch size)."""
         welcome = self._connection.welcome
         return Proxy(
             ProxyTarget(
@@ -239,10 +252,10 @@ class Session:
                 device=self.device,
                 job_id=welcome.job_id,
                 job_token=welcome.job_token,
-                pipeline_id=reply.pipeline_id,
-                input_names=tuple(names),
-                num_outputs=request.num_outputs,
-                max_batch_size=pipeline.max_batch_size,
+                pipeline_id=registered.pipeline_id,
+                input_names=registered.input_names,
+                num_outputs=registered.num_outputs,
+                max_batch_size=registered.max_batch_size,
                 deterministic=deterministic,
             )
         )

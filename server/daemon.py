@@ -38,6 +38,7 @@ from dalid.protocol import (
 from .core import DaemonCore, process_alive
 from .cuda import CudaBackend
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
+from .repository import PipelineRepository
 
 log = logging.getLogger("dalid.server")
 
@@ -161,6 +162,10 @@ class Daemon:
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
             cuda_backend = functools.partial(CudaBackend, device_id)
             log.info("GPU %d is %s", device_id, device_uuid)
+        # Before the socket is bound: a client never finds a daemon whose repository is missing.
+        repository = (
+            PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
+        )
         self.core = DaemonCore(
             config.device,
             SharedMemoryBackend(),
@@ -168,6 +173,7 @@ class Daemon:
             limits,
             device_uuid=device_uuid,
             cuda_backend=cuda_backend,
+            repository=repository,
         )
         self._context = zmq.Context()
         previous = os.umask(0o177)  # the socket file is created 0600
