@@ -1,11 +1,13 @@
 """Train an image classifier on an ImageFolder, with dalid decoding and augmenting the images.
 
-    python -m examples.imagefolder_train [--data DIR] [--epochs 1] [--socket PATH]
+    python -m examples.imagefolder_train [--data DIR] [--epochs 1] [--socket PATH] [--named]
 
 The training loop is that of a torchvision ImageFolder script; only the transform changes: the
 dataset hands each file path to the dalid proxy, and the daemon reads, decodes, crops, flips
 and normalizes the images. Without ``--data`` a small dataset is generated. Without
 ``--socket`` the script connects to the daemon of its device (starting one if none runs).
+With ``--named`` it uses the pipeline ``train`` of the daemon's repository instead of its own
+(a daemon started with ``dalid serve --pipelines examples/pipelines``).
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ def train_pipeline():
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_arguments(parser)
+    parser.add_argument(
+        "--named", action="store_true", help="use the pipeline 'train' of the daemon's repository"
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
 
     with dataset_root(args) as root, dalid.connect(socket=args.socket) as session:
-        pipeline = train_pipeline(batch_size=args.batch_size, num_threads=2, device_id=None)
+        if args.named:
+            pipeline = dalid.named_pipeline(
+                "train", batch_size=args.batch_size, num_threads=2, size=SIZE
+            )
+        else:
+            pipeline = train_pipeline(batch_size=args.batch_size, num_threads=2, device_id=None)
         dataset = ImageFolder(root, transform=session.proxy(pipeline))
         loader = dalid.DataLoader(
             session,

@@ -11,7 +11,7 @@ import pytest
 
 from bench.dataset import make_imagefolder
 
-from ..daemons import own_directory
+from ..daemons import own_directory, start_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,10 +24,10 @@ def images():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run(module: str, daemon, images: Path) -> str:
+def _run(module: str, daemon, images: Path, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", module, "--data", str(images), "--socket", str(daemon.socket),
-         "--batch-size", "8", "--workers", "2"],
+         "--batch-size", "8", "--workers", "2", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -37,6 +37,21 @@ def _run(module: str, daemon, images: Path) -> str:
 @pytest.mark.slow
 def test_imagefolder_training(daemon, images):
     out = _run("examples.imagefolder_train", daemon, images)
+    assert "trained on 24 images in 3 classes" in out
+
+
+@pytest.mark.slow
+def test_imagefolder_training_with_the_repository_pipeline(images):
+    directory = own_directory()
+    daemon = start_daemon(directory, "--pipelines", str(ROOT / "examples" / "pipelines"))
+    try:
+        out = _run("examples.imagefolder_train", daemon, images, "--named")
+    finally:
+        code = daemon.stop()
+        log = daemon.log_text()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code == 0, log
+    assert "pipeline repository" in log and ": train" in log
     assert "trained on 24 images in 3 classes" in out
 
 
