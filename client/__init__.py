@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from dalid.protocol import Device
+from dalid.protocol import SOCKET_ENV, Device
 
 from .errors import (
     BatchError,
@@ -29,22 +29,37 @@ from .errors import (
 )
 from .loader import DataLoader
 from .named import RepositoryPipeline, named_pipeline
+from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
 from .transform import Proxy
 
 
 def connect(
-    device: Device = "cpu",
+    device: Device | None = None,
     socket: str | os.PathLike[str] | None = None,
     autostart: bool = True,
     name: str | None = None,
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
-    ``socket`` defaults to ``$DALID_SOCKET`` or the per-user runtime directory. With
-    ``autostart``, a daemon is started when none answers; it exits after a minute without jobs.
+    Without ``device``, the daemon of this process's GPU: ``LOCAL_RANK``, else torch's current
+    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.placement`).
+    ``socket`` defaults to ``$DALID_SOCKET`` or the device's socket in the per-user runtime
+    directory. With ``autostart``, a daemon is started when none answers; it exits after a
+    minute without jobs.
     """
+    if device is None:
+        # An explicit socket wins; the device then only says which daemon autostart starts.
+        explicit = socket is not None or bool(os.environ.get(SOCKET_ENV))
+        try:
+            device, found = default_daemon()
+        except InputError:
+            if not explicit:
+                raise
+            device, found = "cpu", None
+        if not explicit:
+            socket = found
     return Session(device, socket=socket, autostart=autostart, name=name)
 
 

@@ -13,6 +13,7 @@ from .address import (
     parse_device,
     runtime_dir,
     socket_path,
+    uuid_socket_path,
 )
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
@@ -87,4 +88,5 @@ __all__ = [
     "parse_device",
     "runtime_dir",
     "socket_path",
+    "uuid_socket_path",
 ]

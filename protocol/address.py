@@ -92,3 +92,8 @@ def socket_path(
 def endpoint(path: Path) -> str:
     """The ZeroMQ endpoint of a socket path."""
     return f"ipc://{path}"
+
+
+def uuid_socket_path(directory: Path, device_uuid: str) -> Path:
+    """The link a GPU daemon makes to its socket, named by its GPU's UUID (``GPU-...``)."""
+    return directory / f"{device_uuid}.sock"

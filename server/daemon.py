@@ -33,6 +33,7 @@ from dalid.protocol import (
     endpoint,
     gpu_uuid,
     transport,
+    uuid_socket_path,
 )
 
 from .core import DaemonCore, process_alive
@@ -75,6 +76,7 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._lock_fd: int | None = None
+        self._uuid_link: Path | None = None
         self.core: DaemonCore | None = None
 
     # --- wake-ups from other threads and signals ------------------------------------------------
@@ -183,6 +185,21 @@ class Daemon:
             )
         finally:
             os.umask(previous)
+        if device_uuid:
+            self._link_by_uuid(device_uuid)
+
+    def _link_by_uuid(self, device_uuid: str) -> None:
+        """``<socket dir>/<GPU UUID>.sock``, a link to the socket: a trainer finds the daemon
+        of the GPU it was given by the GPU's UUID, whatever ordinal it has there."""
+        link = uuid_socket_path(self.config.socket.parent, device_uuid)
+        try:
+            if link.is_symlink():
+                link.unlink()  # a daemon of this GPU that died; we serve it now
+            link.symlink_to(self.config.socket.name)
+        except OSError as error:
+            log.warning("cannot link %s to the socket: %s", link, error)
+            return
+        self._uuid_link = link
 
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
@@ -195,6 +212,11 @@ class Daemon:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._uuid_link is not None:
+            with contextlib.suppress(OSError):
+                if os.readlink(self._uuid_link) == self.config.socket.name:
+                    self._uuid_link.unlink()
+            self._uuid_link = None
         if self._lock_fd is not None:
             self.config.socket.unlink(missing_ok=True)
             os.close(self._lock_fd)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dalid.client.placement import default_daemon
 from dalid.server.cli import build_parser
 from dalid.server.config import resolve
 
@@ -185,6 +186,18 @@ def test_kubernetes_daemonset_and_job_share_the_node_runtime_dir_ipc_pid_and_uid
         assert pod["securityContext"]["runAsUser"] != 0
     assert daemons["securityContext"]["runAsUser"] == job["securityContext"]["runAsUser"]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_kubernetes_trainer_finds_the_daemon_of_its_gpu_by_uuid(tmp_path):
+    job = _pod(DOCKER / "k8s" / "trainer-job.yaml")
+    (trainer,) = job["containers"]
+    # What the device plugin adds: the UUID of the GPU it gave the container.
+    env = {item["name"]: item["value"] for item in trainer["env"]}
+    env["NVIDIA_VISIBLE_DEVICES"] = "GPU-12345678-abcd-abcd-abcd-123456789abc"
+    (tmp_path / "gpu1.sock").touch()
+    link = tmp_path / "GPU-12345678-abcd-abcd-abcd-123456789abc.sock"
+    link.symlink_to("gpu1.sock")  # what the daemon of that GPU makes
+    assert default_daemon(env, tmp_path) == (0, link)
 
 
 def test_kubernetes_daemons_serve_one_gpu_each_with_real_dalid_commands():
