@@ -250,7 +250,8 @@ def resolve(
     config_path = flags.get("config")
     if config_path is None and environ.get(CONFIG_ENV):
         config_path = Path(environ[CONFIG_ENV])
-    from_file = read_toml(Path(config_path), options) if config_path is not None else {}
+    # Every key of the table is valid in the file, so `dalid ping` reads the daemon's own file.
+    from_file = read_toml(Path(config_path)) if config_path is not None else {}
     values: dict[str, Any] = {}
     for option in options:
         if option.name in flags:

@@ -131,15 +131,15 @@ def test_bad_flag_is_a_usage_error(capsys):
     assert "--pool-bytes" in capsys.readouterr().err
 
 
-def test_ping_and_stop_find_the_daemon_with_the_same_options(tmp_path):
+def test_ping_and_stop_find_the_daemon_with_the_daemons_own_file(tmp_path):
     config = _toml(tmp_path, 'device = 3\nsocket = "/run/d.sock"\npool_bytes = "1G"\n')
     args = build_parser().parse_args(["ping", "--config", str(config)])
     locating = [option for option in OPTIONS if option.locates_daemon]
-    with pytest.raises(ConfigError, match="unknown key 'pool_bytes'"):
-        resolve(vars(args), environ={}, options=locating)
-    config.write_text('device = 3\nsocket = "/run/d.sock"\n')
     settings = resolve(vars(args), environ={}, options=locating)
     assert settings == {"device": 3, "runtime_dir": None, "socket": Path("/run/d.sock")}
+    config.write_text("device = 3\npool = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'pool'"):
+        resolve(vars(args), environ={}, options=locating)
 
 
 def test_help_names_every_flag_variable_and_default():
