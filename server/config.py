@@ -212,7 +212,7 @@ def _argparse_type(option: Option) -> Callable[[str], Any]:
     return parse
 
 
-def read_toml(path: Path, options: Iterable[Option] = OPTIONS) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     """The options set in the TOML file at ``path``. Unknown keys and bad values raise."""
     try:
         with path.open("rb") as file:
@@ -223,7 +223,7 @@ def read_toml(path: Path, options: Iterable[Option] = OPTIONS) -> dict[str, Any]
         raise ConfigError(f"config file {path} cannot be read: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-    known = {option.name: option for option in options}
+    known = OPTIONS_BY_NAME
     values: dict[str, Any] = {}
     for key, value in table.items():
         option = known.get(key)
@@ -242,7 +242,7 @@ def resolve(
     environ: Mapping[str, str] | None = None,
     options: Sequence[Option] = OPTIONS,
 ) -> dict[str, Any]:
-    """Every option's value: flag > environment > TOML file > default.
+    """The value of each of ``options``: flag > environment > TOML file > default.
 
     ``flags`` holds the parsed flags that were given (and ``config`` if ``--config`` was).
     """
