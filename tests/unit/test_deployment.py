@@ -20,7 +20,7 @@ import yaml
 
 from dalid.client.placement import default_daemon
 from dalid.server.cli import build_parser
-from dalid.server.config import resolve
+from dalid.server.config import OPTIONS, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -149,6 +149,12 @@ def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need()
     # The daemon's arguments parse, and its socket is the one the trainer is given.
     settings = _serve_settings(["serve", *daemon["command"]], daemon_env)
     assert [str(settings["device"])] == gpus[0]
+    # The image's health check pings that same daemon.
+    healthcheck = dict(_instructions(DOCKER / "Dockerfile"))["HEALTHCHECK"].split(" CMD ", 1)[1]
+    ping = build_parser().parse_args(_exec_form(healthcheck)[1:])
+    locating = [option for option in OPTIONS if option.locates_daemon]
+    pinged = resolve(vars(ping), environ=daemon_env, options=locating)
+    assert all(pinged[name] == settings[name] for name in pinged)
     socket = trainer["command"][trainer["command"].index("--socket") + 1]
     assert socket == f"{runtime}/gpu{settings['device']}.sock"
     # The repository directory the daemon is given is mounted.
