@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from dalid.protocol import Device
+from dalid.protocol import SOCKET_ENV, Device
 
 from .badsamples import SampleReport
 from .errors import (
@@ -29,13 +29,15 @@ from .errors import (
     RequestError,
 )
 from .loader import DataLoader
+from .named import RepositoryPipeline, named_pipeline
+from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
 from .transform import Proxy
 
 
 def connect(
-    device: Device = "cpu",
+    device: Device | None = None,
     socket: str | os.PathLike[str] | None = None,
     autostart: bool = True,
     name: str | None = None,
@@ -47,8 +49,11 @@ def connect(
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
-    ``socket`` defaults to ``$DALID_SOCKET`` or the per-user runtime directory. With
-    ``autostart``, a daemon is started when none answers; it exits after a minute without jobs.
+    Without ``device``, the daemon of this process's GPU: ``LOCAL_RANK``, else torch's current
+    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.placement`).
+    ``socket`` defaults to ``$DALID_SOCKET`` or the device's socket in the per-user runtime
+    directory. With ``autostart``, a daemon is started when none answers; it exits after a
+    minute without jobs.
 
     What the job asks of a daemon that several jobs share: ``weight``, its share when jobs
     compete (relative to theirs); ``memory_bytes``, output memory reserved for it, and
@@ -58,6 +63,17 @@ def connect(
 
     With ``reconnect``, the job carries on across a restart of the daemon, losing no batch.
     """
+    if device is None:
+        # An explicit socket wins; the device then only says which daemon autostart starts.
+        explicit = socket is not None or bool(os.environ.get(SOCKET_ENV))
+        try:
+            device, found = default_daemon()
+        except InputError:
+            if not explicit:
+                raise
+            device, found = "cpu", None
+        if not explicit:
+            socket = found
     return Session(
         device,
         socket=socket,
@@ -83,8 +99,10 @@ __all__ = [
     "PipelineError",
     "ProtocolMismatch",
     "Proxy",
+    "RepositoryPipeline",
     "RequestError",
     "SampleReport",
     "Session",
     "connect",
+    "named_pipeline",
 ]

@@ -27,7 +27,8 @@ class InputError(DalidError, ValueError):
 
 
 class PipelineError(RequestError):
-    """The daemon could not build the pipeline (including a device it does not serve)."""
+    """The daemon could not build the pipeline (including a device it does not serve, and a
+    name its pipeline repository does not have)."""
 
 
 class BatchError(RequestError):
@@ -75,7 +76,11 @@ class ProtocolMismatch(DaemonUnavailable):
     """The daemon speaks another protocol version than this client."""
 
 
-_PIPELINE_CODES = {ErrorCode.INVALID_PIPELINE, ErrorCode.DEVICE_MISMATCH}
+_PIPELINE_CODES = {
+    ErrorCode.INVALID_PIPELINE,
+    ErrorCode.DEVICE_MISMATCH,
+    ErrorCode.UNKNOWN_PIPELINE,
+}
 
 
 def error_from_reply(reply: Error) -> DalidError:

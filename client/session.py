@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -24,6 +25,7 @@ from dalid.protocol import (
     Limits,
     OnError,
     PipelineRegistered,
+    RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
     Role,
@@ -40,6 +42,7 @@ from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError, ProtocolMismatch
 from .launcher import start_daemon
 from .memory import SlabMappings
+from .named import RepositoryPipeline
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
@@ -159,9 +162,10 @@ class _Progress:
 class _Registration:
     """A pipeline this session registered, kept to register it again with a new daemon."""
 
-    request: RegisterPipeline
+    request: RegisterPipeline | RegisterNamedPipeline
     deterministic: bool
-    pipeline_id: int = 0
+    # The daemon's answer to the latest registration: the pipeline as it built it.
+    registered: PipelineRegistered | None = None
     # The proxies made for it, pointed at each new registration.
     proxies: weakref.WeakSet[Proxy] = field(default_factory=weakref.WeakSet)
 
@@ -320,8 +324,10 @@ class Session:
     def proxy(self, pipeline: Any, deterministic: bool = False, on_error: str = "raise") -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
 
-        With ``deterministic`` a batch runs only when the trainer asks for its outputs, in the
-        order the trainer asks, so random operators repeat run to run.
+        ``pipeline`` is a DALI pipeline, or a pipeline of the daemon's repository: a
+        :class:`RepositoryPipeline` (``named_pipeline(name, batch_size=..., **parameters)``),
+        or just its name. With ``deterministic`` a batch runs only when the trainer asks for
+        its outputs, in the order the trainer asks, so random operators repeat run to run.
 
         ``on_error`` says what happens to a batch with bad samples (corrupt or unsupported
         data, or images over the daemon's ``--max-image-pixels``): ``"raise"`` raises
@@ -341,34 +347,19 @@ class Session:
         on_error: str = "raise",
     ) -> Proxy:
         """Registers ``pipeline``; ``proxy``, when given, is pointed at it instead of a new one."""
-        _check_pipeline(pipeline)
         try:
             policy = OnError(on_error)
         except ValueError:
             raise InputError(
                 f"on_error must be one of {[p.value for p in OnError]}, got {on_error!r}"
             ) from None
-        names = external_source_names(pipeline)
-        if not names:
-            raise InputError(
-                "the pipeline has no external_source: dalid feeds pipelines through "
-                "fn.external_source(name=...) inputs"
-            )
-        depth = pipeline.prefetch_queue_depth
-        if isinstance(depth, dict):
-            depth = max(depth.values())
-        request = RegisterPipeline(
-            serialized=memoryview(pipeline.serialize()),
-            input_names=tuple(names),
-            num_outputs=output_count(pipeline),
-            max_batch_size=pipeline.max_batch_size,
-            num_threads=pipeline.num_threads,
-            prefetch_queue_depth=int(depth),
-            seed=pipeline.seed,
-            exec_dynamic=bool(pipeline.exec_dynamic),
-            name=getattr(pipeline, "_name", None) or "",
-            on_error=policy,
-        )
+        if isinstance(pipeline, str):
+            pipeline = RepositoryPipeline(pipeline)
+        request: RegisterPipeline | RegisterNamedPipeline
+        if isinstance(pipeline, RepositoryPipeline):
+            request = dataclasses.replace(pipeline.request(), on_error=policy)
+        else:
+            request = self._serialized_request(pipeline, policy)
         registration = _Registration(request, deterministic)
         self._with_reconnect(lambda: self._register_now(registration))
         self._registrations.append(registration)
@@ -380,25 +371,52 @@ class Session:
         registration.proxies.add(proxy)
         return proxy
 
+    @staticmethod
+    def _serialized_request(pipeline: Any, policy: OnError) -> RegisterPipeline:
+        _check_pipeline(pipeline)
+        names = external_source_names(pipeline)
+        if not names:
+            raise InputError(
+                "the pipeline has no external_source: dalid feeds pipelines through "
+                "fn.external_source(name=...) inputs"
+            )
+        depth = pipeline.prefetch_queue_depth
+        if isinstance(depth, dict):
+            depth = max(depth.values())
+        return RegisterPipeline(
+            serialized=memoryview(pipeline.serialize()),
+            input_names=tuple(names),
+            num_outputs=output_count(pipeline),
+            max_batch_size=pipeline.max_batch_size,
+            num_threads=pipeline.num_threads,
+            prefetch_queue_depth=int(depth),
+            seed=pipeline.seed,
+            exec_dynamic=bool(pipeline.exec_dynamic),
+            name=getattr(pipeline, "_name", None) or "",
+            on_error=policy,
+        )
+
     def _register_now(self, registration: _Registration) -> None:
         reply = self._connection.request(registration.request)
         assert isinstance(reply, PipelineRegistered)
-        registration.pipeline_id = reply.pipeline_id
+        registration.registered = reply
         token = self._connection.welcome.job_token
         self._pipeline_keys[(token, reply.pipeline_id)] = registration
 
     def _target_of(self, registration: _Registration) -> ProxyTarget:
+        """Where a proxy sends its batches: the pipeline as the daemon built it."""
         welcome = self._connection.welcome
-        request = registration.request
+        registered = registration.registered
+        assert registered is not None
         return ProxyTarget(
             socket=self.socket,
             device=self.device,
             job_id=welcome.job_id,
             job_token=welcome.job_token,
-            pipeline_id=registration.pipeline_id,
-            input_names=request.input_names,
-            num_outputs=request.num_outputs,
-            max_batch_size=request.max_batch_size,
+            pipeline_id=registered.pipeline_id,
+            input_names=registered.input_names,
+            num_outputs=registered.num_outputs,
+            max_batch_size=registered.max_batch_size,
             deterministic=registration.deterministic,
             reconnect=self.reconnect,
         )
@@ -583,13 +601,15 @@ class Session:
                 f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
                 "are gone: it was delivered already, or its proxy was made by another session"
             )
-        inputs = batch_inputs(registration.request.input_names, run.call_args)
-        request = SubmitBatch(registration.pipeline_id, inputs, deferred=run.deterministic)
+        assert registration.registered is not None
+        inputs = batch_inputs(registration.registered.input_names, run.call_args)
+        pipeline_id = registration.registered.pipeline_id
+        request = SubmitBatch(pipeline_id, inputs, deferred=run.deterministic)
         reply = self._connection.request(request)
         assert isinstance(reply, BatchAccepted)
         welcome = self._connection.welcome
         run.job_id, run.job_token = welcome.job_id, welcome.job_token
-        run.pipeline_id, run.batch_id = registration.pipeline_id, reply.batch_id
+        run.pipeline_id, run.batch_id = pipeline_id, reply.batch_id
         run.is_scheduled = not run.deterministic
 
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:

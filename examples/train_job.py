@@ -17,12 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
-from torch.utils.data import Dataset
 
 import dalid.client as dalid
+from examples.imagefolder import ImageFolder, classifier
 
 CROP = 160
 
@@ -43,37 +42,6 @@ def training_pipeline(decoder_device: str = "cpu"):
         mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
         std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
         mirror=fn.random.coin_flip(probability=0.5),
-    )
-
-
-class ImageFolder(Dataset):
-    """``root/<class>/<file>`` with the dalid proxy as transform, like torchvision's."""
-
-    def __init__(self, root: Path, transform) -> None:
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        self.samples = [
-            (str(path), label)
-            for label, name in enumerate(classes)
-            for path in sorted((root / name).iterdir())
-        ]
-        self.classes = classes
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int):
-        path, label = self.samples[index]
-        return self.transform(np.frombuffer(path.encode(), dtype=np.int8)), label
-
-
-def model(num_classes: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, kernel_size=7, stride=4),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16, num_classes),
     )
 
 
@@ -104,7 +72,7 @@ def main() -> int:
             drop_last=True,
             persistent_workers=args.workers > 0,
         )
-        net = model(len(dataset.classes))
+        net = classifier(len(dataset.classes))
         optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         started = time.perf_counter()
         waited = 0.0

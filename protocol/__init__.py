@@ -13,6 +13,7 @@ from .address import (
     parse_device,
     runtime_dir,
     socket_path,
+    uuid_socket_path,
 )
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
@@ -38,6 +39,7 @@ from .messages import (
     Ping,
     PipelineRegistered,
     Pong,
+    RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
     Role,
@@ -78,6 +80,7 @@ __all__ = [
     "PipelineRegistered",
     "Pong",
     "ProtocolError",
+    "RegisterNamedPipeline",
     "RegisterPipeline",
     "ReleaseRegions",
     "Role",
@@ -98,4 +101,5 @@ __all__ = [
     "parse_device",
     "runtime_dir",
     "socket_path",
+    "uuid_socket_path",
 ]

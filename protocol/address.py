@@ -38,14 +38,14 @@ def device_label(device: Device) -> str:
     return "cpu" if device == "cpu" else f"gpu{device}"
 
 
-def runtime_dir(create: bool = True) -> Path:
+def runtime_dir(create: bool = True, explicit: str | os.PathLike[str] | None = None) -> Path:
     """The per-user directory holding daemon sockets and logs, mode 0700.
 
-    ``$DALID_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/dalid``, else ``/tmp/dalid-$UID``. An existing
-    directory that another user owns or others can enter is refused: a socket there could be
-    someone else's daemon.
+    ``explicit``, else ``$DALID_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/dalid``, else
+    ``/tmp/dalid-$UID``. An existing directory that another user owns or others can enter is
+    refused: a socket there could be someone else's daemon.
     """
-    explicit = os.environ.get(RUNTIME_DIR_ENV)
+    explicit = explicit or os.environ.get(RUNTIME_DIR_ENV)
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if explicit:
         path = Path(explicit)
@@ -67,14 +67,19 @@ def runtime_dir(create: bool = True) -> Path:
     return path
 
 
-def socket_path(device: Device = "cpu", explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The daemon socket for ``device``: ``explicit``, else ``$DALID_SOCKET``, else the default."""
+def socket_path(
+    device: Device = "cpu",
+    explicit: str | os.PathLike[str] | None = None,
+    directory: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The daemon socket for ``device``: ``explicit``, else ``$DALID_SOCKET``, else the default
+    (in ``directory``, else the runtime directory)."""
     if explicit is not None:
         path = Path(explicit)
     elif os.environ.get(SOCKET_ENV):
         path = Path(os.environ[SOCKET_ENV])
     else:
-        path = runtime_dir() / f"{device_label(device)}.sock"
+        path = runtime_dir(explicit=directory) / f"{device_label(device)}.sock"
     path = path.absolute()
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise ValueError(
@@ -87,3 +92,8 @@ def socket_path(device: Device = "cpu", explicit: str | os.PathLike[str] | None 
 def endpoint(path: Path) -> str:
     """The ZeroMQ endpoint of a socket path."""
     return f"ipc://{path}"
+
+
+def uuid_socket_path(directory: Path, device_uuid: str) -> Path:
+    """The link a GPU daemon makes to its socket, named by its GPU's UUID (``GPU-...``)."""
+    return directory / f"{device_uuid}.sock"

@@ -9,6 +9,7 @@ message is refused by the sender before it is sent and by the receiver when it a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
@@ -19,10 +20,12 @@ PROTOCOL_VERSION = 3
 """Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
 
 Version 3 added what a job asks for at ``hello`` (``weight``, ``memory_bytes``,
-``max_inflight_batches``) and is granted in ``Limits``, the ``status`` request with its
-``status_report``, the trainer's ``trainer_progress`` notification, and bad samples:
-``RegisterPipeline.on_error``, ``Limits.max_image_pixels`` and ``bad_samples`` in ``BatchReady``
-and ``BatchFailed``.
+``max_inflight_batches``) and is granted in ``Limits``; the ``status`` request with its
+``status_report``; the trainer's ``trainer_progress`` notification; bad samples
+(``on_error`` of a registration, ``Limits.max_image_pixels``, ``bad_samples`` in ``BatchReady``
+and ``BatchFailed``); ``Welcome.pid_namespace``; and pipelines of the daemon's repository
+(``RegisterNamedPipeline``) with what ``PipelineRegistered`` tells of the pipeline built
+(``input_names``, ``num_outputs``, ``max_batch_size``).
 
 Version 2 added the fields of GPU outputs (``Welcome.device_uuid``, ``OutputDescriptor.strides``
 and ``ipc_handle``, ``BatchReady.event``, ``ReleaseRegions.event`` and ``closed_slabs``,
@@ -266,9 +269,62 @@ class RegisterPipeline(Message):
 
 
 @dataclass(frozen=True)
+class RegisterNamedPipeline(Message):
+    """A pipeline of the daemon's repository (``dalid serve --pipelines DIR``), by name.
+
+    The daemon calls the ``@pipeline_def`` function ``name`` with its own device_id, the build
+    arguments given here (None: the definition's own default) and ``parameters``, a JSON object
+    of further keyword arguments.
+    """
+
+    OP: ClassVar[str] = "register_named_pipeline"
+    name: str
+    parameters: str = "{}"
+    batch_size: int | None = None
+    num_threads: int | None = None
+    prefetch_queue_depth: int | None = None
+    seed: int | None = None
+    on_error: OnError = OnError.RAISE
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "a pipeline name")
+        try:
+            parameters = json.loads(self.parameters)
+        except ValueError:
+            raise ValueError("parameters must be a JSON object") from None
+        _check(isinstance(parameters, dict), "parameters must be a JSON object")
+        reserved = sorted(set(parameters) & NAMED_PIPELINE_BUILD_ARGUMENTS)
+        _check(not reserved, f"parameters may not set {reserved}: they have fields of their own")
+        _check(
+            self.batch_size is None or 0 < self.batch_size <= MAX_BATCH_SIZE,
+            "batch_size out of range",
+        )
+        _check(
+            self.num_threads is None or 0 < self.num_threads <= 1024,
+            "num_threads must be 1 to 1024",
+        )
+        _check(
+            self.prefetch_queue_depth is None or 0 < self.prefetch_queue_depth <= 64,
+            "prefetch_queue_depth must be 1 to 64",
+        )
+
+
+# Arguments of a named pipeline's build with fields of their own, or that the daemon sets.
+NAMED_PIPELINE_BUILD_ARGUMENTS = frozenset(
+    {"batch_size", "num_threads", "prefetch_queue_depth", "seed", "device_id"}
+)
+
+
+@dataclass(frozen=True)
 class PipelineRegistered(Message):
+    """Reply to a registration: the pipeline's id and, as built, its external_source names (in
+    definition order), its number of outputs and its batch size."""
+
     OP: ClassVar[str] = "pipeline_registered"
     pipeline_id: int
+    input_names: tuple[str, ...] = ()
+    num_outputs: int = 0
+    max_batch_size: int = 0
 
 
 # --- Batch family -------------------------------------------------------------------------------
@@ -542,6 +598,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Shutdown,
     Ok,
     RegisterPipeline,
+    RegisterNamedPipeline,
     PipelineRegistered,
     SubmitBatch,
     BatchAccepted,
@@ -578,6 +635,7 @@ __all__ = [
     "Ping",
     "PipelineRegistered",
     "Pong",
+    "RegisterNamedPipeline",
     "RegisterPipeline",
     "ReleaseRegions",
     "Role",

@@ -1,9 +1,9 @@
-"""The ``dalid`` command: ``dalid serve`` runs a daemon, ``dalid status`` shows one, ``dalid stop``
-asks one to exit.
+"""The ``dalid`` command: ``dalid serve`` runs daemons, ``dalid status`` shows one, ``dalid stop``
+asks one to exit, ``dalid ping`` checks that one answers.
 
-``dalid serve`` runs each daemon as the child of a supervisor that restarts it when it crashes
-(:mod:`dalid.server.supervisor`); ``--no-supervisor`` runs the daemon in the command's own
-process.
+Options are defined once, in :mod:`dalid.server.config`. ``dalid serve`` runs each daemon as the
+child of a supervisor that restarts it when it crashes (:mod:`dalid.server.supervisor`);
+``--no-supervisor`` runs the daemon in the command's own process.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from dalid.protocol import (
+    RUNTIME_DIR_ENV,
     Error,
     Message,
     Ping,
@@ -29,40 +31,21 @@ from dalid.protocol import (
     StatusRequest,
     endpoint,
     gpu_count,
-    parse_device,
     socket_path,
     transport,
 )
 
+from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
-from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 from .memory import SHM_DIR
 from .quotas import Quotas
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 
-DEFAULT_DEVICE = os.environ.get("DALID_DEVICE", "cpu")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``512M``, ``2G``, ``1048576`` or ``64MiB`` as a number of bytes."""
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = value[-1] if value and value[-1] in _UNITS else ""
-    number = value[: len(value) - len(unit)]
-    try:
-        size = int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return size
-
-
-def _device(text: str) -> str | int:
-    try:
-        return parse_device(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+log = logging.getLogger("dalid.server")
+# As argparse exits on a bad flag.
+EXIT_USAGE = 2
+# Options the supervisor sets for each child itself rather than passing on.
+PER_CHILD = frozenset({"device", "devices", "socket"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,112 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="A daemon that runs NVIDIA DALI pipelines for many PyTorch training jobs.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
     serve = commands.add_parser(
-        "serve", help="run the daemon for a device (or one per device) in the foreground"
+        "serve",
+        help="run the daemon for a device (or one per device) in the foreground",
+        description="Runs the daemon for one device (--devices: one per device) in the "
+        "foreground, restarted when it crashes. Each option is taken from its flag, else its "
+        "environment variable, else the TOML file (--config or "
+        f"${CONFIG_ENV}), else its default.",
     )
-    which = serve.add_mutually_exclusive_group()
-    which.add_argument(
-        "--device",
-        type=_device,
-        default=DEFAULT_DEVICE,
-        help="'cpu' for CPU pipelines or a GPU ordinal (default: $DALID_DEVICE, else cpu)",
-    )
-    which.add_argument(
-        "--devices",
-        metavar="LIST",
-        help="one daemon per device: 'all' (every GPU), or a list such as 0,1 or cpu; with "
-        "several, each listens on <runtime dir>/<device>.sock and logs to <device>.sock.log",
-    )
+    add_options(serve)
     serve.add_argument(
         "--no-supervisor",
         action="store_true",
         help="run the daemon in this process, not in a child restarted when it crashes "
         "(debugging; one device only)",
     )
-    serve.add_argument(
-        "--socket",
-        help="socket path (default: $DALID_SOCKET, else <runtime dir>/<device>.sock)",
-    )
-    serve.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="exit after this long with no connected job (default: never)",
-    )
-    serve.add_argument(
-        "--pool-bytes",
-        type=parse_size,
-        default="1G",
-        help="output memory of a job that asks for none, e.g. 2G (default 1G); on a GPU daemon, "
-        "this much host memory and this much device memory",
-    )
-    serve.add_argument(
-        "--memory-limit",
-        type=parse_size,
-        default=None,
-        help="output memory all jobs together may reserve; a job that asks for more than is "
-        f"left is refused at connect (default: the size of {SHM_DIR})",
-    )
-    serve.add_argument(
-        "--max-jobs", type=_positive, default=64, help="jobs served at once (default 64)"
-    )
-    serve.add_argument(
-        "--max-inflight-batches",
-        type=_positive,
-        default=16,
-        metavar="N",
-        help="batches one job may have queued or running; more wait (default 16, also what a "
-        "job that asks for none gets)",
-    )
-    serve.add_argument(
-        "--concurrency",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help="batches run at once across all jobs, shared by weight when jobs compete "
-        "(default: the number of CPU cores, at least 4)",
-    )
-    serve.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics over HTTP on this port (default: no HTTP listener)",
-    )
-    serve.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address the metrics endpoint listens on (default 127.0.0.1)",
-    )
-    serve.add_argument(
-        "--slab-bytes",
-        type=parse_size,
-        default="64M",
-        help="size of each slab outputs are carved from, shared memory or GPU memory (default 64M)",
-    )
-    serve.add_argument(
-        "--max-batch-size", type=int, default=4096, help="largest batch a pipeline may declare"
-    )
-    serve.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=DEFAULT_MAX_IMAGE_PIXELS,
-        metavar="N",
-        help="an image sample whose header declares more pixels is a bad sample, refused before "
-        f"decoding; 0: no limit (default {DEFAULT_MAX_IMAGE_PIXELS}, as Pillow's)",
-    )
-    serve.add_argument("--log-level", default=os.environ.get("DALID_LOG_LEVEL", "INFO"))
-
     for name, text in (
         ("stop", "ask the daemon for a device to exit"),
         ("ping", "exit 0 if the daemon for a device answers (for health checks)"),
         ("status", "show the daemon for a device and its jobs, live"),
     ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--device", type=_device, default=DEFAULT_DEVICE)
-        command.add_argument("--socket")
+        command = commands.add_parser(
+            name, help=text, description=f"{text[0].upper()}{text[1:]}; finds it as serve does."
+        )
+        add_options(command, [option for option in OPTIONS if option.locates_daemon])
         command.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
         if name == "status":
             command.add_argument(
@@ -189,20 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="SECONDS",
                 help="refresh period of the live table (default 1)",
             )
-            command.add_argument(
-                "--once", action="store_true", help="print the table once and exit"
-            )
+            command.add_argument("--once", action="store_true", help="print the table once")
     return parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
+def _settings(args: argparse.Namespace, serving: bool) -> dict[str, Any]:
+    options = OPTIONS if serving else [option for option in OPTIONS if option.locates_daemon]
+    return resolve(vars(args), options=options)
+
+
+def _socket(settings: dict[str, Any]) -> Path:
+    return socket_path(settings["device"], settings["socket"], directory=settings["runtime_dir"])
 
 
 def shm_size() -> int:
@@ -211,39 +109,67 @@ def shm_size() -> int:
     return info.f_frsize * info.f_blocks
 
 
-def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
-    )
-    if not args.no_supervisor or args.devices is not None:
-        return _supervise(args)
+def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
+    pipelines = settings["pipelines"]
+    if pipelines is not None and not pipelines.is_dir():
+        raise ConfigError(f"pipelines: {pipelines} is not a directory")
+    limit = settings["memory_limit"]
     quotas = Quotas(
-        max_jobs=args.max_jobs,
-        pool_bytes=args.pool_bytes,
-        slab_bytes=args.slab_bytes,
-        memory_limit=args.memory_limit if args.memory_limit is not None else shm_size(),
-        max_inflight_batches=args.max_inflight_batches,
-        max_batch_size=args.max_batch_size,
-        max_image_pixels=max(0, args.max_image_pixels),
+        max_jobs=settings["max_jobs"],
+        pool_bytes=settings["pool_bytes"],
+        slab_bytes=settings["slab_bytes"],
+        memory_limit=limit if limit is not None else shm_size(),
+        max_inflight_batches=settings["max_inflight_batches"],
+        max_batch_size=settings["max_batch_size"],
+        max_image_pixels=settings["max_image_pixels"],
     )
     if quotas.pool_bytes > quotas.memory_limit:
-        print(
-            f"dalid: --pool-bytes {args.pool_bytes} is more than --memory-limit "
-            f"{quotas.memory_limit}: no job could connect",
-            file=sys.stderr,
+        raise ConfigError(
+            f"pool_bytes {quotas.pool_bytes} is more than memory_limit {quotas.memory_limit}: "
+            "no job could connect"
         )
-        return 2
-    config = DaemonConfig(
-        device=args.device,
-        socket=socket_path(args.device, args.socket),
-        idle_timeout=args.idle_timeout,
+    return DaemonConfig(
+        device=settings["device"],
+        socket=_socket(settings),
+        idle_timeout=settings["idle_timeout"],
+        pipelines=pipelines,
         quotas=quotas,
-        concurrency=args.concurrency or 0,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        concurrency=settings["concurrency"] or 0,
+        metrics_port=settings["metrics_port"],
+        metrics_host=settings["metrics_host"],
     )
-    return Daemon(config).serve()
+
+
+def _child_options(settings: dict[str, Any]) -> list[str]:
+    """The resolved options as flags for each child daemon (flags win over all else there)."""
+    flags: list[str] = []
+    for option in OPTIONS:
+        value = settings[option.name]
+        if option.name not in PER_CHILD and value is not None:
+            flags += [option.flag, str(value)]
+    return flags
+
+
+def _supervise(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    try:
+        if settings["devices"] is not None and "device" in vars(args):
+            raise DeviceListError("--device and --devices: give one of them")
+        devices = (
+            [settings["device"]]
+            if settings["devices"] is None
+            else parse_devices(settings["devices"], gpu_count)
+        )
+        if args.no_supervisor:
+            raise DeviceListError("--no-supervisor runs one daemon: use --device")
+        if settings["runtime_dir"] is not None:
+            # Children of several devices place their sockets in the runtime directory.
+            os.environ[RUNTIME_DIR_ENV] = str(settings["runtime_dir"])
+        socket = None if settings["socket"] is None else str(settings["socket"])
+        specs = child_specs(devices, socket, _child_options(settings))
+    except DeviceListError as error:
+        print(f"dalid serve: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return Supervisor(specs).run()
 
 
 class NoAnswer(Exception):
@@ -253,15 +179,13 @@ class NoAnswer(Exception):
 class DaemonLine:
     """A connection for requests that need no hello (ping, status, shutdown). Closes once."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.path = socket_path(args.device, args.socket)
-        self.timeout = args.timeout
-        if not self.path.exists():
-            raise NoAnswer(f"no daemon listens on {endpoint(self.path)}")
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        if not path.exists():
+            raise NoAnswer(f"no daemon listens on {endpoint(path)}")
         self._context: zmq.Context[Any] = zmq.Context()
-        self._socket = transport.make_socket(
-            self._context, zmq.DEALER, endpoint(self.path), bind=False
-        )
+        self._socket = transport.make_socket(self._context, zmq.DEALER, endpoint(path), bind=False)
         self._request_ids = iter(range(1, 1 << 62))
 
     def ask(self, request: Message) -> Message:
@@ -293,32 +217,15 @@ class DaemonLine:
         self.close()
 
 
-def _supervise(args: argparse.Namespace) -> int:
-    try:
-        devices = [args.device] if args.devices is None else parse_devices(args.devices, gpu_count)
-        if args.no_supervisor:
-            raise DeviceListError("--no-supervisor runs one daemon: use --device")
-        options = [
-            *(["--idle-timeout", str(args.idle_timeout)] if args.idle_timeout is not None else []),
-            "--pool-bytes", str(args.pool_bytes), "--slab-bytes", str(args.slab_bytes),
-            "--max-batch-size", str(args.max_batch_size), "--log-level", args.log_level,
-        ]  # fmt: skip
-        specs = child_specs(devices, args.socket, options)
-    except DeviceListError as error:
-        print(f"dalid serve: {error}", file=sys.stderr)
-        return 2
-    return Supervisor(specs).run()
-
-
-def _ask(args: argparse.Namespace, request: Message) -> int:
+def _ask(path: Path, timeout: float, request: Message) -> int:
     """Sends one request that needs no hello and waits for its answer; the exit status."""
     try:
-        with DaemonLine(args) as line:
+        with DaemonLine(path, timeout) as line:
             reply = line.ask(request)
             if isinstance(reply, Pong):
-                print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(line.path)}")
-            deadline = time.monotonic() + args.timeout
-            while isinstance(request, Shutdown) and line.path.exists():
+                print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(path)}")
+            deadline = time.monotonic() + timeout
+            while isinstance(request, Shutdown) and path.exists():
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
@@ -328,13 +235,13 @@ def _ask(args: argparse.Namespace, request: Message) -> int:
         return 1
 
 
-def _status(args: argparse.Namespace) -> int:
+def _status(path: Path, args: argparse.Namespace) -> int:
     """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C."""
     from .status_view import as_json, table
 
     try:
-        with DaemonLine(args) as line:
-            where = endpoint(line.path)
+        with DaemonLine(path, args.timeout) as line:
+            where = endpoint(path)
             report = line.ask(StatusRequest())
             assert isinstance(report, StatusReport)
             if args.json:
@@ -366,12 +273,29 @@ def _status(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
+    serving = args.command == "serve"
+    try:
+        settings = _settings(args, serving)
+        supervising = serving and (not args.no_supervisor or settings["devices"] is not None)
+        # A socket path too long, or a runtime directory others can enter, is refused here.
+        config = _daemon_config(settings) if serving and not supervising else None
+        path = config.socket if config is not None else _socket(settings)
+    except (ConfigError, OSError, ValueError) as error:
+        print(f"dalid {args.command}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if serving:
+        logging.basicConfig(
+            level=settings["log_level"],
+            format="%(asctime)s dalid[%(process)d] %(levelname)s %(message)s",
+        )
+        log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
+        if config is None:
+            return _supervise(args, settings)
+        return Daemon(config).serve()
     if args.command == "status":
-        return _status(args)
+        return _status(path, args)
     # Shutdown and ping need no hello: whoever can open the socket (mode 0600) may send them.
-    return _ask(args, Shutdown() if args.command == "stop" else Ping())
+    return _ask(path, args.timeout, Shutdown() if args.command == "stop" else Ping())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import collections
 import functools
 import hmac
 import itertools
+import json
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from dalid.protocol import (
     PipelineRegistered,
     Pong,
     ProtocolError,
+    RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
     Role,
@@ -59,7 +61,8 @@ from .executor import PendingBatch, PipelineExecutor
 from .memory import SlabBackend
 from .pool import RegionPool
 from .quotas import QuotaRefused, Quotas, grant
-from .runner import PipelineBuildError, PipelineSpec
+from .repository import PipelineRepository
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .scheduler import FairScheduler, JobSlots
 from .status import RateMeter, job_status
 
@@ -173,7 +176,8 @@ class DaemonCore:
 
     ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between busy
     jobs by weight (:mod:`dalid.server.scheduler`). On a GPU daemon, ``cuda_backend()`` makes
-    each job's GPU memory and ``device_uuid`` names the GPU in the welcome.
+    each job's GPU memory and ``device_uuid`` names the GPU in the welcome. ``repository``
+    holds the pipelines clients may select by name.
     """
 
     def __init__(
@@ -187,9 +191,11 @@ class DaemonCore:
         concurrency: int = 4,
         device_uuid: str = "",
         cuda_backend: Callable[[], CudaBackend] | None = None,
+        repository: PipelineRepository | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
+        self.repository = repository or PipelineRepository()
         self.device = device
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
@@ -216,6 +222,7 @@ class DaemonCore:
             Shutdown: self._on_shutdown,
             StatusRequest: self._on_status,
             RegisterPipeline: self._on_register_pipeline,
+            RegisterNamedPipeline: self._on_register_named_pipeline,
             SubmitBatch: self._on_submit_batch,
             ScheduleBatch: self._on_schedule_batch,
             ReleaseRegions: self._on_release_regions,
@@ -511,33 +518,80 @@ class DaemonCore:
     def _on_register_pipeline(
         self, identity: bytes, request: RegisterPipeline, request_id: int | None
     ) -> Message | None:
-        peer = self.peers[identity]
-        if peer.role is not Role.TRAINER:
-            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
+        job = self._registering_job(identity)
         if request.max_batch_size > self.quotas.max_batch_size:
             raise RequestRefused(
                 ErrorCode.INVALID_PIPELINE,
                 f"max_batch_size {request.max_batch_size} is over this daemon's limit of "
                 f"{self.quotas.max_batch_size}",
             )
-        job = peer.job
+        spec = PipelineSpec.from_message(request)
+        make_runner = functools.partial(PipelineRunner, spec, self.device_id)
+        self._start_pipeline(job, request, make_runner, request_id)
+        return None  # answered once the pipeline is built
+
+    def _on_register_named_pipeline(
+        self, identity: bytes, request: RegisterNamedPipeline, request_id: int | None
+    ) -> Message | None:
+        job = self._registering_job(identity)
+        parameters = json.loads(request.parameters)
+        build_arguments = {
+            name: getattr(request, name)
+            for name in ("batch_size", "num_threads", "prefetch_queue_depth", "seed")
+            if getattr(request, name) is not None
+        }
+        build_arguments["device_id"] = self.device_id
+        try:
+            definition = self.repository.definition(request.name, build_arguments, parameters)
+        except KeyError as error:
+            raise RequestRefused(ErrorCode.UNKNOWN_PIPELINE, error.args[0]) from None
+        make_runner = functools.partial(
+            PipelineRunner.from_definition,
+            request.name,
+            definition,
+            self.device_id,
+            self.quotas.max_batch_size,
+            on_error=request.on_error,
+        )
+        self._start_pipeline(job, request, make_runner, request_id)
+        return None  # answered once the pipeline is built
+
+    def _registering_job(self, identity: bytes) -> Job:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
+        return peer.job
+
+    def _start_pipeline(
+        self,
+        job: Job,
+        request: RegisterPipeline | RegisterNamedPipeline,
+        make_runner: Callable[[], PipelineRunner],
+        request_id: int | None,
+    ) -> None:
+        """Starts the pipeline's executor, which builds it; the reply leaves once it is built."""
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         trainer = job.trainer
 
-        def on_built(error: PipelineBuildError | None) -> None:
+        def on_built(result: PipelineSpec | PipelineBuildError) -> None:
             # Runs in the executor's thread: the reply leaves through the outbox.
-            if error is None:
-                log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, request.name)
-                self._push(trainer, PipelineRegistered(pipeline_id), request_id)
+            if isinstance(result, PipelineSpec):
+                log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, result.name)
+                reply: Message = PipelineRegistered(
+                    pipeline_id,
+                    input_names=result.input_names,
+                    num_outputs=result.num_outputs,
+                    max_batch_size=result.max_batch_size,
+                )
             else:
-                log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, error)
-                self._push(trainer, Error(error.code, str(error), op=request.OP), request_id)
+                log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, result)
+                reply = Error(result.code, str(result), op=request.OP)
+            self._push(trainer, reply, request_id)
 
         job.pipelines[pipeline_id] = PipelineExecutor(
             pipeline_id,
-            PipelineSpec.from_message(request),
-            self.device_id,
+            make_runner,
             pool=job.pool,
             answer=functools.partial(self._batch_answered, job),
             on_built=on_built,
@@ -546,7 +600,6 @@ class DaemonCore:
             cuda=job.cuda,
             max_image_pixels=job.limits.max_image_pixels,
         )
-        return None  # answered by on_built once the pipeline is built
 
     def _on_submit_batch(
         self, identity: bytes, request: SubmitBatch, request_id: int | None
@@ -554,6 +607,10 @@ class DaemonCore:
         job = self.peers[identity].job
         executor = self._executor(job, request.pipeline_id)
         spec = executor.spec
+        if spec is None:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_PIPELINE, f"pipeline {request.pipeline_id} is not built yet"
+            )
         names = [item.name for item in request.inputs]
         if sorted(names) != sorted(spec.input_names):
             raise RequestRefused(

@@ -41,12 +41,14 @@ from dalid.protocol import (
     endpoint,
     gpu_uuid,
     transport,
+    uuid_socket_path,
 )
 
 from .core import DaemonCore, process_alive
 from .cuda import CudaBackend
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
 from .quotas import Quotas
+from .repository import PipelineRepository
 
 log = logging.getLogger("dalid.server")
 
@@ -67,6 +69,8 @@ class DaemonConfig:
     device: Device
     socket: Path
     idle_timeout: float | None = None
+    # A pipeline repository: Python files of @pipeline_def functions clients select by name.
+    pipelines: Path | None = None
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
     metrics_port: int | None = None
@@ -97,6 +101,7 @@ class Daemon:
         self._peer_by_fd: dict[int, bytes] = {}
         self._lock_fd: int | None = None
         self._metrics: Any = None
+        self._uuid_link: Path | None = None
         self.core: DaemonCore | None = None
         # The latest status, for the metrics endpoint's thread (replaced whole, never changed).
         self.snapshot: StatusReport | None = None
@@ -180,6 +185,10 @@ class Daemon:
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
             cuda_backend = functools.partial(CudaBackend, device_id)
             log.info("GPU %d is %s", device_id, device_uuid)
+        # Before the socket is bound: a client never finds a daemon whose repository is missing.
+        repository = (
+            PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
+        )
         self.core = DaemonCore(
             config.device,
             SharedMemoryBackend(),
@@ -188,6 +197,7 @@ class Daemon:
             concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
             cuda_backend=cuda_backend,
+            repository=repository,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
@@ -210,6 +220,21 @@ class Daemon:
                 lambda: self.snapshot, config.metrics_host, config.metrics_port
             )
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, self._metrics.port)
+        if device_uuid:
+            self._link_by_uuid(device_uuid)
+
+    def _link_by_uuid(self, device_uuid: str) -> None:
+        """``<socket dir>/<GPU UUID>.sock``, a link to the socket: a trainer finds the daemon
+        of the GPU it was given by the GPU's UUID, whatever ordinal it has there."""
+        link = uuid_socket_path(self.config.socket.parent, device_uuid)
+        try:
+            if link.is_symlink():
+                link.unlink()  # a daemon of this GPU that died; we serve it now
+            link.symlink_to(self.config.socket.name)
+        except OSError as error:
+            log.warning("cannot link %s to the socket: %s", link, error)
+            return
+        self._uuid_link = link
 
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
@@ -230,6 +255,11 @@ class Daemon:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._uuid_link is not None:
+            with contextlib.suppress(OSError):
+                if os.readlink(self._uuid_link) == self.config.socket.name:
+                    self._uuid_link.unlink()
+            self._uuid_link = None
         if self._lock_fd is not None:
             self.config.socket.unlink(missing_ok=True)
             os.close(self._lock_fd)

@@ -70,37 +70,36 @@ class PipelineExecutor:
     """Builds one pipeline and runs its batches, in a thread of its own.
 
     Building happens in that thread too, so a slow build never holds up the daemon's other
-    jobs; ``on_built`` receives None, or the PipelineBuildError, once it is done. ``answer``
-    sends batch results. Each batch runs in a slot of ``slots`` (the daemon's fair share
-    between jobs; None: no limit). ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU
-    outputs. A batch that fails, or has images over ``max_image_pixels``, is answered by the
-    pipeline's on_error policy (:mod:`dalid.server.badsamples`).
+    jobs: ``make_runner`` builds it, and ``on_built`` receives the built pipeline's spec, or the
+    PipelineBuildError, once it is done; ``spec`` is None until then. ``answer`` sends batch
+    results. Each batch runs in a slot of ``slots`` (the daemon's fair share between jobs;
+    None: no limit). ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU outputs. A batch
+    that fails, or has images over ``max_image_pixels``, is answered by the pipeline's on_error
+    policy (:mod:`dalid.server.badsamples`).
     """
 
     def __init__(
         self,
         pipeline_id: int,
-        spec: PipelineSpec,
-        device_id: int | None,
+        make_runner: Callable[[], PipelineRunner],
         *,
         pool: RegionPool,
         answer: Answer,
-        on_built: Callable[[PipelineBuildError | None], None],
+        on_built: Callable[[PipelineSpec | PipelineBuildError], None],
         slots: JobSlots | None = None,
         gpu_pool: RegionPool | None = None,
         cuda: CudaBackend | None = None,
         max_image_pixels: int = 0,
     ) -> None:
         self.pipeline_id = pipeline_id
-        self.spec = spec
-        self._device_id = device_id
+        self.spec: PipelineSpec | None = None
+        self._make_runner = make_runner
         self.runner: PipelineRunner | None = None
         self.failed = False
         self._pool = pool
         self._gpu_pool = gpu_pool
         self._cuda = cuda
-        # The default executor hands outputs over on our stream, without a host sync.
-        self._stream = cuda.stream if cuda is not None and spec.exec_dynamic else None
+        self._stream: int | None = None
         self._max_image_pixels = max_image_pixels
         self._answer = answer
         self._slots = slots
@@ -137,23 +136,28 @@ class PipelineExecutor:
 
     def _run(self) -> None:
         try:
-            self.runner = PipelineRunner(self.spec, self._device_id)
+            runner = self._make_runner()
         except PipelineBuildError as error:
             self.failed = True
             self._on_built(error)
             return
-        self._on_built(None)
+        if self._cuda is not None and runner.spec.exec_dynamic:
+            # The default executor hands outputs over on our stream, without a host sync.
+            self._stream = self._cuda.stream
+        self.runner = runner
+        self.spec = runner.spec
+        self._on_built(runner.spec)
         try:
-            self._loop(self.runner)
+            self._loop(runner)
         finally:
-            self.runner.close()
+            runner.close()
 
     def _loop(self, runner: PipelineRunner) -> None:
         # Every batch in ``in_flight`` holds a slot of the scheduler, taken before DALI gets it
         # and given back once DALI is done with it.
         in_flight: collections.deque[PendingBatch] = collections.deque()
         retry: collections.deque[PendingBatch] = collections.deque()
-        depth = self.spec.prefetch_queue_depth
+        depth = runner.spec.prefetch_queue_depth
 
         def start_over(
             failed: PendingBatch, code: ErrorCode, error: Exception | None, bad: dict[int, str]
@@ -312,6 +316,7 @@ class PipelineExecutor:
             assert error is not None
             fail(code, dali_message(error))
             return
+        assert self.spec is not None  # built before any batch runs
         policy = self.spec.on_error
         positions, report = plan(policy, size, bad)
         if not positions:

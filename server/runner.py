@@ -5,18 +5,25 @@ The daemon's executors drive it; tests drive it directly in-process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dalid.protocol import ErrorCode, InputBatch, OnError, RegisterPipeline
+from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """What the daemon needs to build (and rebuild) a client's pipeline."""
+    """What the daemon needs to build (and rebuild) a client's pipeline.
+
+    A serialized pipeline, or a ``definition`` of the daemon's repository: a callable that
+    returns a new unbuilt pipeline at each call (see :meth:`PipelineRunner.from_definition`).
+    """
 
     serialized: bytes
     input_names: tuple[str, ...]
@@ -28,6 +35,7 @@ class PipelineSpec:
     exec_dynamic: bool = True
     name: str = ""
     on_error: OnError = OnError.RAISE
+    definition: Callable[[], Any] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_message(cls, message: RegisterPipeline) -> PipelineSpec:
@@ -69,14 +77,61 @@ class PipelineRunner:
     scheduled batch. After a failure the DALI pipeline object is dead: ``rebuild`` replaces it.
     """
 
-    def __init__(self, spec: PipelineSpec, device_id: int | None) -> None:
+    def __init__(self, spec: PipelineSpec, device_id: int | None, pipeline: Any = None) -> None:
         self.spec = spec
         self.device_id = device_id
         self._pipeline: Any = None
         self.scheduled = 0
-        self._build()
+        # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first.
+        self._build(pipeline)
 
-    def _build(self) -> None:
+    @classmethod
+    def from_definition(
+        cls,
+        name: str,
+        definition: Callable[[], Any],
+        device_id: int | None,
+        max_batch_size: int,
+        on_error: OnError = OnError.RAISE,
+    ) -> PipelineRunner:
+        """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
+
+        ``definition`` makes a new unbuilt pipeline at each call (a rebuild calls it again).
+        """
+        try:
+            pipeline = definition()
+        except Exception as error:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE,
+                f"pipeline {name!r} of the repository raised {type(error).__name__}: {error}\n"
+                + traceback.format_exc(),
+            ) from None
+        input_names, num_outputs = _graph_summary(pipeline, name)
+        if pipeline.max_batch_size > max_batch_size:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE,
+                f"pipeline {name!r}: batch size {pipeline.max_batch_size} is over this daemon's "
+                f"limit of {max_batch_size}",
+            )
+        depth = pipeline.prefetch_queue_depth
+        if isinstance(depth, dict):
+            depth = max(depth.values())
+        spec = PipelineSpec(
+            serialized=b"",
+            input_names=input_names,
+            num_outputs=num_outputs,
+            max_batch_size=pipeline.max_batch_size,
+            num_threads=pipeline.num_threads,
+            prefetch_queue_depth=int(depth),
+            seed=pipeline.seed,
+            exec_dynamic=bool(pipeline.exec_dynamic),
+            name=name,
+            on_error=on_error,
+            definition=definition,
+        )
+        return cls(spec, device_id, pipeline)
+
+    def _build(self, pipeline: Any = None) -> None:
         from nvidia.dali import Pipeline
 
         kwargs: dict[str, Any] = {
@@ -90,7 +145,10 @@ class PipelineRunner:
         if self.spec.seed is not None:
             kwargs["seed"] = self.spec.seed
         try:
-            pipeline = Pipeline.deserialize(serialized_pipeline=self.spec.serialized, **kwargs)
+            if pipeline is None and self.spec.definition is not None:
+                pipeline = self.spec.definition()
+            elif pipeline is None:
+                pipeline = Pipeline.deserialize(serialized_pipeline=self.spec.serialized, **kwargs)
             pipeline.build()
         except Exception as error:
             text = str(error)
@@ -149,3 +207,41 @@ class PipelineRunner:
     def close(self) -> None:
         self._pipeline = None
         self.scheduled = 0
+
+
+def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
+    """The external_source names (in definition order) and output count of a pipeline."""
+    from nvidia.dali import Pipeline
+    from nvidia.dali.external_source import ExternalSource
+
+    if not isinstance(pipeline, Pipeline):
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE,
+            f"pipeline {name!r} of the repository returned a {type(pipeline).__name__}, not a "
+            "DALI pipeline: decorate it with @pipeline_def",
+        )
+    try:
+        if not pipeline._py_graph_built:
+            pipeline._build_graph()
+    except Exception as error:
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE,
+            f"pipeline {name!r} of the repository could not be defined: {type(error).__name__}: "
+            f"{error}",
+        ) from None
+    names = tuple(op.name for op in pipeline._ops or () if isinstance(op._op, ExternalSource))
+    problems = []
+    if not 0 < len(names) <= MAX_INPUTS:
+        problems.append(f"it has {len(names)} external_source inputs (1 to {MAX_INPUTS} needed)")
+    if any(not 0 < len(input_name) <= MAX_NAME_LENGTH for input_name in names):
+        problems.append("an external_source name is empty or too long: name each one")
+    if len(set(names)) != len(names):
+        problems.append(f"external_source names repeat: {list(names)}")
+    num_outputs = int(pipeline._num_outputs)
+    if not 0 < num_outputs <= MAX_OUTPUTS:
+        problems.append(f"it has {num_outputs} outputs (1 to {MAX_OUTPUTS} allowed)")
+    if problems:
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} cannot be served: {'; '.join(problems)}"
+        )
+    return names, num_outputs

@@ -117,7 +117,8 @@ def test_a_killed_worker_ends_its_job_and_no_other(short_tmp):
         # the job; the daemon frees it once the trainer is gone.
         out, _ = victim.communicate(timeout=60)
         assert victim.returncode != 0
-        assert "killed by signal" in out
+        # "DataLoader worker (pid N) is killed by signal", or the reset of its queue's pipe.
+        assert "killed by signal" in out or "Connection reset by peer" in out, out
         exited_at = time.monotonic()
         wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the victim's job to be freed")
         assert time.monotonic() - exited_at < NOTICE_S

@@ -280,3 +280,18 @@ class _Files(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         return self.proxy(self.files[index])
+
+
+def test_the_daemon_answers_on_a_link_named_by_its_gpu_uuid():
+    daemon, directory = _start()
+    try:
+        with _session(daemon) as session:
+            uuid = session._resources.connection.welcome.device_uuid
+        link = directory / f"{uuid}.sock"
+        assert link.is_symlink() and link.resolve() == daemon.socket.resolve()
+        with dalid.connect(socket=link, autostart=False) as session:
+            assert session.daemon_pid == daemon.pid
+        assert daemon.stop() == 0
+        assert not link.is_symlink(), "the daemon removes its link when it stops"
+    finally:
+        _stop(daemon, directory)

@@ -137,7 +137,9 @@ def test_client_notices_a_killed_daemon(short_tmp, monkeypatch):
     monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
-        proxy = session.proxy(two_output_pipeline())
+        # Deterministic: the batch waits in the daemon until produce_data asks for it, so its
+        # result cannot arrive before the kill, however busy the machine.
+        proxy = session.proxy(two_output_pipeline(), deterministic=True)
         refs = [proxy(sample(i)) for i in range(2)]
         import torch
 

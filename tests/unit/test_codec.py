@@ -35,6 +35,7 @@ from dalid.protocol import (
     PipelineRegistered,
     Pong,
     ProtocolError,
+    RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
     Role,
@@ -172,6 +173,24 @@ def _examples() -> list[tuple[Message, int | None]]:
             7,
         ),
         (PipelineRegistered(pipeline_id=3), 6),
+        (
+            PipelineRegistered(
+                pipeline_id=4, input_names=("images", "angles"), num_outputs=2, max_batch_size=32
+            ),
+            6,
+        ),
+        (RegisterNamedPipeline(name="train"), 10),
+        (
+            RegisterNamedPipeline(
+                name="resnet_train",
+                parameters='{"crop": 224, "mean": [0.5, 0.5, 0.5]}',
+                batch_size=64,
+                num_threads=4,
+                prefetch_queue_depth=2,
+                seed=7,
+            ),
+            11,
+        ),
         (_submit_batch(), 8),
         (BatchAccepted(batch_id=11), 8),
         (ScheduleBatch(batch_id=11), 9),
@@ -799,6 +818,26 @@ def test_message_checks(op: str, body: dict[str, Any]) -> None:
 )
 def test_register_pipeline_checks(fields: dict[str, Any]) -> None:
     header, frames = _encoded_header(_first(RegisterPipeline))
+    header["body"].update(fields)
+    _expect_error(_pack(header, *frames))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"name": ""},
+        {"parameters": "[1, 2]"},
+        {"parameters": "{not json"},
+        {"parameters": '{"device_id": 3}'},
+        {"parameters": '{"batch_size": 3}'},
+        {"batch_size": 0},
+        {"num_threads": 2000},
+        {"prefetch_queue_depth": 0},
+    ],
+    ids=["name", "array", "not-json", "device-id", "batch-size-param", "batch", "threads", "depth"],
+)
+def test_register_named_pipeline_checks(fields: dict[str, Any]) -> None:
+    header, frames = _encoded_header(_first(RegisterNamedPipeline))
     header["body"].update(fields)
     _expect_error(_pack(header, *frames))
 

@@ -1,0 +1,69 @@
+"""The examples run end to end on the CPU, with small sizes, against a real daemon."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.dataset import make_imagefolder
+
+from ..daemons import own_directory, start_daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def images():
+    directory = own_directory("dalid-ex-")
+    dataset = make_imagefolder(directory / "images", num_images=24, num_classes=3, seed=1)
+    yield dataset.root
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(module: str, daemon, images: Path, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--data", str(images), "--socket", str(daemon.socket),
+         "--batch-size", "8", "--workers", "2", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_imagefolder_training(daemon, images):
+    out = _run("examples.imagefolder_train", daemon, images)
+    assert "trained on 24 images in 3 classes" in out
+
+
+@pytest.mark.slow
+def test_imagefolder_training_with_the_repository_pipeline(images):
+    directory = own_directory()
+    daemon = start_daemon(directory, "--pipelines", str(ROOT / "examples" / "pipelines"))
+    try:
+        out = _run("examples.imagefolder_train", daemon, images, "--named")
+    finally:
+        code = daemon.stop()
+        log = daemon.log_text()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code == 0, log
+    assert "pipeline repository" in log and ": train" in log
+    assert "trained on 24 images in 3 classes" in out
+
+
+@pytest.mark.slow
+def test_lightning_datamodule(daemon, images):
+    pytest.importorskip("lightning")
+    out = _run("examples.lightning_datamodule", daemon, images)
+    assert "trained on 24 images with Lightning" in out
+
+
+@pytest.mark.slow
+def test_multi_input_pipeline(daemon, images):
+    out = _run("examples.multi_input", daemon, images)
+    assert "24 samples rotated and cropped, each with its own parameters" in out
+    assert out.count("rotated") >= 3
