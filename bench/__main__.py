@@ -124,13 +124,14 @@ def _run_all(
         shift = repeat % len(runs)
         for kind, jobs in runs[shift:] + runs[:shift]:
             step = _step_name(kind, jobs, repeat, settings.repeats)
-            for attempt in range(1 + (REDO_DISTURBED if wait_idle > 0 else 0)):
+            attempts = 1 + (REDO_DISTURBED if wait_idle > 0 else 0)
+            for attempt in range(attempts):
                 if wait_idle > 0:
                     progress.start(f"{step}: waiting for other processes to go quiet")
                     wait_until_idle(wait_idle)
                 progress.start(step)
                 outcome = run_once(kind, jobs, repeat, settings, workdir)
-                if outcome.foreign_cores <= BUSY_CORES or attempt == REDO_DISTURBED:
+                if outcome.foreign_cores <= BUSY_CORES or attempt == attempts - 1:
                     break
                 progress.note(f"{step}: other processes used {outcome.foreign_cores:.2f} cores")
                 discarded.append(outcome)
