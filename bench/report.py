@@ -16,7 +16,7 @@ from . import scaling_report
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE, P50_TARGET_US, P99_TARGET_US
-from .table import NONE, fmt, spread_text
+from .table import NONE, fmt, gpu_names, spread_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -25,20 +25,13 @@ README_END = "<!-- results:end -->"
 DISTURBED = " **Other work competed for the CPU: these numbers are disturbed.**"
 
 
-def _gpu_names(machine: dict[str, Any]) -> str:
-    gpus = machine.get("gpus") or []
-    if not gpus:
-        return "no GPU"
-    return ", ".join(f"{g.get('name')} (driver {g.get('driver_version')})" for g in gpus)
-
-
 def _machine_line(machine: dict[str, Any]) -> str:
     packages = machine["packages"]
     git = machine.get("git", {})
     commit = (git.get("commit") or "?")[:10] + (" with local changes" if git.get("dirty") else "")
     return (
         f"{machine['cpu_model']}, {machine['usable_cpus']} usable CPUs, "
-        f"{machine['memory_gib']} GiB memory, {_gpu_names(machine)}; Python {packages['python']}, "
+        f"{machine['memory_gib']} GiB memory, {gpu_names(machine)}; Python {packages['python']}, "
         f"DALI {packages['dali']}, torch {packages['torch']}, pyzmq {packages['pyzmq']} "
         f"(libzmq {packages['libzmq']}), msgpack {packages['msgpack']}, "
         f"numpy {packages['numpy']}; dalid at {commit}"
@@ -186,7 +179,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     machine = report["machine"]
     fig.suptitle(
         f"dalid benchmark {report['created_utc']}: {machine['cpu_model']}, "
-        f"{machine['usable_cpus']} CPUs, {_gpu_names(machine)}"
+        f"{machine['usable_cpus']} CPUs, {gpu_names(machine)}"
     )
     axes = fig.subplots(2, 2)
 

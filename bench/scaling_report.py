@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from .contenders import CONTENDERS
 from .scaling import SCALED
 from .summary import BASELINE
-from .table import NONE, fmt, spread_text
+from .table import NONE, fmt, gpu_names, spread_text
 
 
 def scaling_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -114,7 +114,11 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         return False
     fig = Figure(figsize=(13, 8.5))
     FigureCanvasAgg(fig)
-    fig.suptitle(f"dalid scaling {report['created_utc']}: jobs through one daemon or in-process")
+    machine = report["machine"]
+    fig.suptitle(
+        f"dalid scaling {report['created_utc']}: jobs through one daemon or in-process; "
+        f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs, {gpu_names(machine)}"
+    )
     axes = fig.subplots(2, 2)
     panels = (
         (axes[0][0], "samples_per_s", "samples/s, all jobs (median, min-max)"),

@@ -1,8 +1,9 @@
-"""Numbers as the markdown tables of a report show them."""
+"""Numbers and names as the tables and plots of a report show them."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 NONE = "n/a"
 
@@ -22,3 +23,11 @@ def spread_text(s: dict[str, float] | None, digits: int = 0, scale: float = 1.0)
     if s["n"] == 1:
         return median
     return f"{median} [{fmt(s['min'] * scale, digits)}-{fmt(s['max'] * scale, digits)}]"
+
+
+def gpu_names(machine: dict[str, Any]) -> str:
+    """The machine's GPUs and driver, or "no GPU"."""
+    gpus = machine.get("gpus") or []
+    if not gpus:
+        return "no GPU"
+    return ", ".join(f"{g.get('name')} (driver {g.get('driver_version')})" for g in gpus)
