@@ -178,11 +178,16 @@ METRICS = (*FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daem
 
 
 def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[str, Any]:
-    """Per field, the median over the samples in ``[start_ns, end_ns]`` (the timed window;
-    all samples when none fall in it) and the peak over all samples; None where unread.
-    The daemon's peak RSS is its own high-water mark, which covers its set-up too."""
+    """Per field, the median over the samples in ``[start_ns, end_ns]`` (the timed window; the
+    sample nearest to its middle when none falls in it) and the peak over all samples; None
+    where unread. The daemon's peak RSS is its own high-water mark, set-up included."""
     samples = list(memory.get("samples", []))
-    inside = [s for s in samples if start_ns <= s["t_ns"] <= end_ns] or samples
+    inside = [s for s in samples if start_ns <= s["t_ns"] <= end_ns]
+    if not inside and samples:
+        # A short window between two samples: before it pools are still filling, after it
+        # jobs have ended and released theirs.
+        middle = (start_ns + end_ns) / 2
+        inside = [min(samples, key=lambda s: abs(s["t_ns"] - middle))]
     metrics: dict[str, Any] = {"samples": len(samples), "window_samples": len(inside)}
     for name in FIELDS:
         steady = [s[name] for s in inside if s[name] is not None]

@@ -56,10 +56,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
         base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
         ratio = ratios.get(row["id"], {}).get(base)
         versus = spread_text(ratio, 0, 100) + "%" if ratio and ratio["n"] else NONE
+        union = "*" if "union window" in row["rate_windows"] else ""
         lines.append(
             f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | "
-            f"{spread_text(row['samples_per_s'])} | "
-            f"{spread_text(row['job_share_samples_per_s'])} | {versus} | "
+            f"{spread_text(row['samples_per_s'])}{union} | "
+            f"{spread_text(row['job_share_samples_per_s'])}{union} | {versus} | "
             f"{spread_text(row['fairness'], 3)} | {spread_text(row['foreign_cores'], 2)} |"
         )
     gpu = any(row["memory"].get("gpu_mb", {}).get("n") for row in rows)
@@ -67,7 +68,13 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
         "Per job: each job's samples/s while every job ran (the common window), median "
         "[min-max] over jobs and repeats. Jain's fairness index (sum x)² / (n · sum x²) over "
-        "those per-job rates: 1 when the jobs share evenly, 1/n when one job gets everything.",
+        "those per-job rates: 1 when the jobs share evenly, 1/n when one job gets everything."
+        + (
+            " *: in some repeat the jobs overlapped too little for a common window; there, all "
+            "jobs are measured over the union of their timed windows, each job over its own."
+            if any("union window" in row["rate_windows"] for row in rows)
+            else ""
+        ),
         "",
         "| jobs | contender | trainers PSS MiB (peak) | trainers RSS sum MiB "
         "| daemon RSS MiB (peak) | daemon PSS MiB | daemon /dev/shm MiB (peak) "
@@ -94,7 +101,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
         "Memory sampled from the start signal on, every second (less often when a sample "
         "would cost over 5% of a core); each figure is its median over the samples in the "
-        "timed window, (peak) its highest sample, both medians over repeats. Trainers: every "
+        "timed window (or the sample nearest to it), (peak) its highest sample, both medians "
+        "over repeats. Trainers: every "
         "trainer process and its DataLoader workers. PSS (proportional set size) divides each "
         "shared page among the processes that map it, so it adds up across processes; a sum of "
         "RSS counts pages workers share with their trainer once per process. The daemon's peak "

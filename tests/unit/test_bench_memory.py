@@ -98,10 +98,11 @@ def test_memory_metrics_take_the_median_in_the_window_and_the_peak_over_all() ->
     assert metrics["gpu_peak_mb"] is None
 
 
-def test_memory_metrics_without_samples_in_the_window_use_them_all() -> None:
-    samples = [_sample(0, 100, None), _sample(1, 300, None)]
-    metrics = memory_metrics({"samples": samples}, round(5e9), round(6e9))
-    assert metrics["window_samples"] == 2
-    assert metrics["trainers_pss_mb"] == 200
+def test_memory_metrics_without_samples_in_the_window_use_the_nearest() -> None:
+    samples = [_sample(0, 100, None), _sample(1, 300, None), _sample(9, 500, None)]
+    metrics = memory_metrics({"samples": samples}, round(2e9), round(3e9))
+    assert metrics["window_samples"] == 1
+    assert metrics["trainers_pss_mb"] == 300
+    assert metrics["trainers_pss_peak_mb"] == 500
     assert metrics["daemon_rss_mb"] is None
     assert memory_metrics({}, 0, 1)["samples"] == 0
