@@ -19,10 +19,18 @@ from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
 from .report import RESULTS_DIR, markdown, write
 from .runner import Outcome, run_once
+from .scaling import SCALING, add_scaling_runs, parse_job_counts
 from .summary import row_label, run_metrics, summarize
 
-KINDS = [*CONTENDERS, "transport"]
+KINDS = [*CONTENDERS, "transport", SCALING]
 REDO_DISTURBED = 2  # with --wait-idle, times a run that other processes disturbed is redone
+
+
+def _job_counts(text: str) -> tuple[int, ...]:
+    try:
+        return parse_job_counts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -34,6 +42,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--images", type=int, help="images in the dataset (default 512)")
     parser.add_argument("--repeats", type=int, help="runs of every contender (default 3)")
     parser.add_argument("--jobs", type=int, help="trainers in the multi-job runs (default 2)")
+    parser.add_argument(
+        "--scaling-jobs",
+        type=_job_counts,
+        help="job counts of the scaling runs, comma-separated (default 1,2,4,8; quick: 1,2,4)",
+    )
     parser.add_argument("--epochs", type=int, help="epochs per run, the first warms up (default 5)")
     parser.add_argument("--batch-size", type=int, help="samples per batch (default 32)")
     parser.add_argument("--workers", type=int, help="DataLoader workers (default 2)")
@@ -66,8 +79,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 _OVERRIDABLE = (
-    "images", "repeats", "jobs", "epochs", "batch_size", "workers", "threads", "classes",
-    "seed", "transport_iterations",
+    "images", "repeats", "jobs", "scaling_jobs", "epochs", "batch_size", "workers", "threads",
+    "classes", "seed", "transport_iterations",
 )  # fmt: skip
 
 
@@ -84,16 +97,19 @@ def make_settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def plan(settings: Settings, only: str | None) -> list[tuple[str, int]]:
-    """(contender, jobs) pairs, one run each per repeat; multi-job runs when jobs > 1."""
+def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], Settings]:
+    """(contender, jobs) pairs, one run each per repeat: multi-job runs when jobs > 1, and the
+    scaling runs; and the settings, without scaling job counts when they are not run."""
     kinds = KINDS if not only else [k.strip() for k in only.split(",") if k.strip()]
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
-    runs = [(kind, 1) for kind in kinds]
+    runs = [(kind, 1) for kind in kinds if kind != SCALING]
     if settings.jobs > 1:
         runs += [(kind, settings.jobs) for kind in ("dali", "dalid") if kind in kinds]
-    return runs
+    if SCALING not in kinds:
+        return runs, settings.with_(scaling_jobs=())
+    return add_scaling_runs(runs, settings.scaling_jobs), settings
 
 
 def _step_name(kind: str, jobs: int, repeat: int, repeats: int) -> str:
@@ -124,13 +140,14 @@ def _run_all(
         shift = repeat % len(runs)
         for kind, jobs in runs[shift:] + runs[:shift]:
             step = _step_name(kind, jobs, repeat, settings.repeats)
-            for attempt in range(1 + (REDO_DISTURBED if wait_idle > 0 else 0)):
+            attempts = 1 + (REDO_DISTURBED if wait_idle > 0 else 0)
+            for attempt in range(attempts):
                 if wait_idle > 0:
                     progress.start(f"{step}: waiting for other processes to go quiet")
                     wait_until_idle(wait_idle)
                 progress.start(step)
                 outcome = run_once(kind, jobs, repeat, settings, workdir)
-                if outcome.foreign_cores <= BUSY_CORES or attempt == REDO_DISTURBED:
+                if outcome.foreign_cores <= BUSY_CORES or attempt == attempts - 1:
                     break
                 progress.note(f"{step}: other processes used {outcome.foreign_cores:.2f} cores")
                 discarded.append(outcome)
@@ -143,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     settings = make_settings(args)
-    runs = plan(settings, args.only)
+    runs, settings = plan(settings, args.only)
     started = time.monotonic()
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     progress = Progress(1 + len(runs) * settings.repeats)

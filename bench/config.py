@@ -29,6 +29,7 @@ class Settings:
     workers: int = 2  # DataLoader worker processes
     threads: int = 2  # DALI CPU threads per pipeline
     jobs: int = 2  # concurrent trainers in the multi-job contenders
+    scaling_jobs: tuple[int, ...] = (1, 2, 4, 8)  # job counts of the scaling runs; () if none
     repeats: int = 3
     transport_iterations: int = 2000
     gpu: bool = False
@@ -56,7 +57,8 @@ class Settings:
 
     @classmethod
     def from_json(cls, text: str) -> Settings:
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        return cls(**{**data, "scaling_jobs": tuple(data["scaling_jobs"])})
 
     def describe(self) -> dict[str, Any]:
         """The settings that define the run (without per-trainer fields), for the report."""
@@ -66,4 +68,6 @@ class Settings:
         return data
 
 
-QUICK = Settings(images=128, epochs=2, repeats=1, transport_iterations=300, quick=True)
+QUICK = Settings(
+    images=128, epochs=2, repeats=1, transport_iterations=300, scaling_jobs=(1, 2, 4), quick=True
+)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -13,39 +12,17 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from . import scaling_report
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE, P50_TARGET_US, P99_TARGET_US
+from .table import NONE, fmt, gpu_names, spread_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
 README_START = "<!-- results:start -->"
 README_END = "<!-- results:end -->"
-NONE = "n/a"
 DISTURBED = " **Other work competed for the CPU: these numbers are disturbed.**"
-
-
-def _fmt(value: float | None, digits: int = 0) -> str:
-    if value is None or math.isnan(value):
-        return NONE
-    return f"{value:,.{digits}f}"
-
-
-def _range(s: dict[str, float] | None, digits: int = 0, scale: float = 1.0) -> str:
-    """``median [min-max]``, or just the median when there was one value."""
-    if not s or not s.get("n"):
-        return NONE
-    median = _fmt(s["median"] * scale, digits)
-    if s["n"] == 1:
-        return median
-    return f"{median} [{_fmt(s['min'] * scale, digits)}-{_fmt(s['max'] * scale, digits)}]"
-
-
-def _gpu_names(machine: dict[str, Any]) -> str:
-    gpus = machine.get("gpus") or []
-    if not gpus:
-        return "no GPU"
-    return ", ".join(f"{g.get('name')} (driver {g.get('driver_version')})" for g in gpus)
 
 
 def _machine_line(machine: dict[str, Any]) -> str:
@@ -54,7 +31,7 @@ def _machine_line(machine: dict[str, Any]) -> str:
     commit = (git.get("commit") or "?")[:10] + (" with local changes" if git.get("dirty") else "")
     return (
         f"{machine['cpu_model']}, {machine['usable_cpus']} usable CPUs, "
-        f"{machine['memory_gib']} GiB memory, {_gpu_names(machine)}; Python {packages['python']}, "
+        f"{machine['memory_gib']} GiB memory, {gpu_names(machine)}; Python {packages['python']}, "
         f"DALI {packages['dali']}, torch {packages['torch']}, pyzmq {packages['pyzmq']} "
         f"(libzmq {packages['libzmq']}), msgpack {packages['msgpack']}, "
         f"numpy {packages['numpy']}; dalid at {commit}"
@@ -93,7 +70,7 @@ def _targets(summary: dict[str, Any]) -> list[str]:
     lines = ["| target | goal | measured: median [min-max] | met |", "|---|---|---|---|"]
     for target in summary["targets"]:
         ratio = target["unit"] == "ratio"
-        measured = _range(target["measured"], 1 if ratio else 0, 100.0 if ratio else 1.0)
+        measured = spread_text(target["measured"], 1 if ratio else 0, 100.0 if ratio else 1.0)
         lines.append(
             f"| {target['name']} | {target['goal'].replace('us', 'µs')} | "
             f"{measured}{'%' if ratio else ' µs'} | {'yes' if target['met'] else '**no**'} |"
@@ -101,31 +78,37 @@ def _targets(summary: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _contenders(summary: dict[str, Any]) -> list[str]:
+def _main_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Contenders with one job and with ``--jobs``; the other job counts are scaling runs."""
+    counts = (1, report["settings"]["jobs"])
+    return [row for row in report["summary"]["rows"] if row["jobs"] in counts]
+
+
+def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| contender | samples/s | per job | vs DALI in-process | batch interval p50 / p99 ms "
         "| trainer CPU ms/sample | all CPU ms/sample | trainer peak RSS MiB "
         "| all peak RSS MiB | other load, cores |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for row in summary["rows"]:
+    for row in rows:
         if not row["samples_per_s"]["n"]:
             error = "; ".join(row["errors"]).replace("\n", " ")[:200]
             lines.append(f"| {row['label']} | failed: {error} ||||||||||")
             continue
         base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
         ratio = summary["ratios"].get(row["id"], {}).get(base)
-        versus = _range(ratio, 0, 100) + "%" if ratio and ratio["n"] else NONE
+        versus = spread_text(ratio, 0, 100) + "%" if ratio and ratio["n"] else NONE
         interval = row["interval_ms"]
-        per_job = _range(row["per_job_samples_per_s"]) if row["jobs"] > 1 else ""
+        per_job = spread_text(row["per_job_samples_per_s"]) if row["jobs"] > 1 else ""
         cpu = row["cpu_ms_per_sample"]
         lines.append(
-            f"| {row['label']} | {_range(row['samples_per_s'])} | {per_job} | {versus} | "
-            f"{_fmt(interval.get('p50'), 1)} / {_fmt(interval.get('p99'), 1)} | "
-            f"{_fmt(cpu['trainer']['median'], 2)} | {_fmt(cpu['total']['median'], 2)} | "
-            f"{_fmt(row['trainer_peak_rss_mb']['median'])} | "
-            f"{_fmt(row['total_peak_rss_mb']['median'])} | "
-            f"{_range(row['foreign_cores'], 2)} |"
+            f"| {row['label']} | {spread_text(row['samples_per_s'])} | {per_job} | {versus} | "
+            f"{fmt(interval.get('p50'), 1)} / {fmt(interval.get('p99'), 1)} | "
+            f"{fmt(cpu['trainer']['median'], 2)} | {fmt(cpu['total']['median'], 2)} | "
+            f"{fmt(row['trainer_peak_rss_mb']['median'])} | "
+            f"{fmt(row['total_peak_rss_mb']['median'])} | "
+            f"{spread_text(row['foreign_cores'], 2)} |"
         )
     return [
         *lines,
@@ -139,8 +122,8 @@ def _contenders(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def _ratio_matrix(summary: dict[str, Any]) -> list[str]:
-    ids = [row["id"] for row in summary["rows"] if row["samples_per_s"]["n"]]
+def _ratio_matrix(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    ids = [row["id"] for row in rows if row["samples_per_s"]["n"]]
     if len(ids) < 2:
         return []
     names = {row["id"]: row["label"] for row in summary["rows"]}
@@ -151,7 +134,7 @@ def _ratio_matrix(summary: dict[str, Any]) -> list[str]:
         "|---|" + "--:|" * len(ids),
     ]
     for a in ids:
-        cells = [_fmt(summary["ratios"][a][b]["median"] * 100) + "%" for b in ids]
+        cells = [fmt(summary["ratios"][a][b]["median"] * 100) + "%" for b in ids]
         lines.append(f"| {names[a]} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
@@ -163,7 +146,7 @@ def _transport(summary: dict[str, Any]) -> list[str]:
     if probes:
         lines += ["| transport probe (empty pipeline) | p50 µs | p99 µs |", "|---|--:|--:|"]
         for probe in probes.values():
-            p50, p99 = _range(probe["p50_us"]), _range(probe["p99_us"])
+            p50, p99 = spread_text(probe["p50_us"]), spread_text(probe["p99_us"])
             lines.append(f"| {probe['description']} | {p50} | {p99} |")
         lines.append("")
     for error in transport.get("errors", []):
@@ -177,8 +160,9 @@ def markdown(report: dict[str, Any]) -> str:
     sections = [
         _setup(report),
         _targets(summary),
-        _contenders(summary),
-        _ratio_matrix(summary),
+        _contenders(summary, _main_rows(report)),
+        _ratio_matrix(summary, _main_rows(report)),
+        scaling_report.markdown(report),
         _transport(summary),
     ]
     return "\n".join(line for section in sections for line in section).rstrip() + "\n"
@@ -186,7 +170,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Four panels: throughput, batch intervals, CPU per sample, transport round trips."""
-    rows = [row for row in report["summary"]["rows"] if row["samples_per_s"]["n"]]
+    rows = [row for row in _main_rows(report) if row["samples_per_s"]["n"]]
     labels = [row["label"].replace(", ", "\n") for row in rows]
     x = list(range(len(rows)))
     width = 0.4
@@ -195,7 +179,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     machine = report["machine"]
     fig.suptitle(
         f"dalid benchmark {report['created_utc']}: {machine['cpu_model']}, "
-        f"{machine['usable_cpus']} CPUs, {_gpu_names(machine)}"
+        f"{machine['usable_cpus']} CPUs, {gpu_names(machine)}"
     )
     axes = fig.subplots(2, 2)
 
@@ -271,28 +255,41 @@ def write(
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     plot(report, png_path)
     written = [json_path, png_path]
+    scaling_png = directory / f"{prefix}-scaling.png"
+    scaled = scaling_report.plot(report, scaling_png)
+    if scaled:
+        written.append(scaling_png)
     if update_latest:
         table = markdown(report)
-        latest = directory / "LATEST.md"
+        latest, latest_scaling = directory / "LATEST.md", directory / "latest-scaling.png"
+        images = ["latest.png", *(["latest-scaling.png"] if scaled else [])]
         latest.write_text(
-            f"# dalid benchmark: latest results\n\n{table}\n![latest results](latest.png)\n\n"
-            f"Raw data: [{json_path.name}]({json_path.name}).\n"
+            f"# dalid benchmark: latest results\n\n{table}\n"
+            + "".join(f"![latest results]({image})\n\n" for image in images)
+            + f"Raw data: [{json_path.name}]({json_path.name}).\n"
         )
         (directory / "latest.png").write_bytes(png_path.read_bytes())
         written += [latest, directory / "latest.png"]
-        if _update_readme(table):
+        if scaled:
+            latest_scaling.write_bytes(scaling_png.read_bytes())
+            written.append(latest_scaling)
+        else:  # an older run's scaling plot would not match the table
+            latest_scaling.unlink(missing_ok=True)
+        if _update_readme(table, [f"results/{image}" for image in images]):
             written.append(README)
     return written
 
 
-def _update_readme(table: str) -> bool:
-    """Replaces the README's results section (between its two markers) with ``table``."""
+def _update_readme(table: str, images: list[str]) -> bool:
+    """Replaces the README's results section (between its two markers) with ``table`` and
+    ``images``."""
     if not README.exists():
         return False
     text = README.read_text()
     pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.DOTALL)
     if not pattern.search(text):
         return False
-    block = f"{README_START}\n{table}\n![latest results](results/latest.png)\n{README_END}"
+    pictures = "\n".join(f"![latest results]({image})" for image in images)
+    block = f"{README_START}\n{table}\n{pictures}\n{README_END}"
     README.write_text(pattern.sub(lambda _: block, text))
     return True

@@ -22,6 +22,7 @@ from .config import Settings
 from .contenders import CONTENDERS
 from .daemon import DaemonFailed, running_daemon
 from .machine import LoadMeter
+from .memory import MemorySampler, gpu_used_mib
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP_TIMEOUT_S = 180.0
@@ -38,6 +39,8 @@ class Outcome:
     wall_s: float = 0.0
     foreign_cores: float = 0.0  # CPU other processes on the machine used meanwhile
     results: list[dict[str, Any]] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)  # see MemorySampler.to_dict
+    gpu_baseline_mb: float | None = None  # GPU memory in use before the run started
     error: str | None = None
 
 
@@ -118,25 +121,35 @@ def _stop(trainer: _Trainer) -> None:
         os.close(trainer.ready_fd)
 
 
-def _run_trainers(kind: str, settings: Settings, jobs: int, workdir: Path) -> list[dict[str, Any]]:
+def _run_trainers(
+    kind: str, settings: Settings, jobs: int, workdir: Path, outcome: Outcome
+) -> None:
+    """Runs the trainers into ``outcome``: their results, and for a contender the memory its
+    processes used from the start signal on (not for the transport probes: latency)."""
     trainers: list[_Trainer] = []
     try:
         for job in range(jobs):
             trainers.append(_launch(kind, settings.with_(job=job), workdir))
         _wait_ready(trainers, SETUP_TIMEOUT_S)
-        for trainer in trainers:
-            assert trainer.process.stdin is not None
-            trainer.process.stdin.write(b"go\n")
-            trainer.process.stdin.flush()
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        for trainer in trainers:
-            trainer.process.wait(max(1.0, deadline - time.monotonic()))
+        sampler = MemorySampler(
+            [t.process.pid for t in trainers], settings.daemon_pid, outcome.gpu_baseline_mb
+        )
+        with sampler.running() if kind != "transport" else contextlib.nullcontext():
+            for trainer in trainers:
+                assert trainer.process.stdin is not None
+                trainer.process.stdin.write(b"go\n")
+                trainer.process.stdin.flush()
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            for trainer in trainers:
+                trainer.process.wait(max(1.0, deadline - time.monotonic()))
+        if sampler.samples:
+            outcome.memory = sampler.to_dict()
         results = []
         for trainer in trainers:
             if trainer.process.returncode != 0:
                 raise RuntimeError(trainer.error())
             results.append(json.loads(trainer.result.read_text()))
-        return results
+        outcome.results = results
     finally:
         for trainer in trainers:
             _stop(trainer)
@@ -147,13 +160,14 @@ def run_once(kind: str, jobs: int, repeat: int, settings: Settings, workdir: Pat
     outcome = Outcome(kind, jobs, repeat)
     started = time.monotonic()
     load = LoadMeter.start()
+    outcome.gpu_baseline_mb = gpu_used_mib() if settings.gpu else None
     try:
         if needs_daemon(kind):
             with running_daemon(settings.device, workdir) as daemon:
                 settings = settings.with_(socket=str(daemon.socket), daemon_pid=daemon.pid)
-                outcome.results = _run_trainers(kind, settings, jobs, workdir)
+                _run_trainers(kind, settings, jobs, workdir, outcome)
         else:
-            outcome.results = _run_trainers(kind, settings, jobs, workdir)
+            _run_trainers(kind, settings, jobs, workdir, outcome)
     except DaemonFailed as error:
         outcome.error = str(error)
     except Exception as error:  # one failed run must not end a long benchmark

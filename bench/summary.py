@@ -16,7 +16,10 @@ import numpy as np
 
 from .contenders import CONTENDERS
 from .measure import LoopResult
+from .memory import METRICS as MEMORY_METRICS
+from .memory import memory_metrics
 from .runner import Outcome
+from .scaling import jain_index
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
 RATIO_TARGET = 0.95
@@ -78,26 +81,34 @@ def _arrivals(loops: Sequence[LoopResult], start: int, end: int) -> int:
     )
 
 
-def aggregate_rate(loops: Sequence[LoopResult]) -> tuple[float, str]:
-    """Samples/s of all jobs together, and which window measured it."""
+def window_rates(loops: Sequence[LoopResult]) -> tuple[float, list[float], str]:
+    """Samples/s of all jobs together, of each job, and which window measured them.
+
+    In the common window each job's rate is its share of the total while every job ran, so the
+    per-job rates add up to the total and show how the jobs shared the machine. In the union
+    window (jobs that overlapped too little), each job's rate is over its own timed window.
+    """
     if len(loops) == 1:
-        return loops[0].samples_per_s, "timed window"
+        return loops[0].samples_per_s, [loops[0].samples_per_s], "timed window"
     common_start = max(loop.start.t_ns for loop in loops)
     common_end = min(loop.end.t_ns for loop in loops)
     typical = statistics.median(loop.end.t_ns - loop.start.t_ns for loop in loops)
     if common_end - common_start >= 0.5 * typical:
-        samples = _arrivals(loops, common_start, common_end)
-        return samples / ((common_end - common_start) / 1e9), "common window"
+        seconds = (common_end - common_start) / 1e9
+        per_job = [_arrivals([loop], common_start, common_end) / seconds for loop in loops]
+        return sum(per_job), per_job, "common window"
     union_start = min(loop.start.t_ns for loop in loops)
     union_end = max(loop.end.t_ns for loop in loops)
     samples = sum(loop.timed_samples for loop in loops)
-    return samples / ((union_end - union_start) / 1e9), "union window"
+    own = [loop.samples_per_s for loop in loops]
+    return samples / ((union_end - union_start) / 1e9), own, "union window"
 
 
 def run_metrics(outcome: Outcome) -> dict[str, Any]:
-    """One run's figures; the daemon's CPU is read over the union of the jobs' windows."""
+    """One run's figures; the daemon's CPU and memory are read over the union of the jobs'
+    windows."""
     loops = [LoopResult.from_dict(result["loop"]) for result in outcome.results]
-    rate, method = aggregate_rate(loops)
+    rate, shares, method = window_rates(loops)
     timed = sum(loop.timed_samples for loop in loops)
     trainer_cpu = sum(loop.end.trainer_cpu_s - loop.start.trainer_cpu_s for loop in loops)
     workers_cpu = sum(loop.end.workers_cpu_s - loop.start.workers_cpu_s for loop in loops)
@@ -115,6 +126,8 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "samples_per_s": rate,
         "rate_window": method,
         "per_job_samples_per_s": [loop.samples_per_s for loop in loops],
+        "job_share_samples_per_s": shares,
+        "fairness": jain_index(shares),
         "intervals_ms": [value for loop in loops for value in loop.intervals_ms],
         "first_batch_s": max(loop.first_batch_s for loop in loops),
         "trainer_cpu_s": trainer_cpu,
@@ -124,6 +137,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
             loop.trainer_peak_rss_mb + loop.workers_peak_rss_mb for loop in loops
         )
         + max(loop.daemon_peak_rss_mb for loop in loops),
+        "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
     }
 
@@ -177,6 +191,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "per_job_samples_per_s": spread(
                     v for m in metrics for v in m["per_job_samples_per_s"]
                 ),
+                "job_share_samples_per_s": spread(
+                    v for m in metrics for v in m["job_share_samples_per_s"]
+                ),
+                "fairness": spread(m["fairness"] for m in metrics),
                 "rate_windows": sorted({m["rate_window"] for m in metrics}),
                 "interval_ms": quantiles(intervals) if intervals else {},
                 "first_batch_s": spread(m["first_batch_s"] for m in metrics),
@@ -187,6 +205,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 },
                 "trainer_peak_rss_mb": spread(m["trainer_peak_rss_mb"] for m in metrics),
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
+                "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
                 "errors": errors,
             }
@@ -197,6 +216,14 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "ratios": ratios,
         "transport": transport,
         "targets": _targets(ratios, transport),
+    }
+
+
+def _memory_spreads(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each memory figure over repeats; runs where it could not be read are left out."""
+    return {
+        name: spread(run[name] for run in runs if run.get(name) is not None)
+        for name in MEMORY_METRICS
     }
 
 

@@ -1,0 +1,199 @@
+"""Memory of a run's processes, sampled by the orchestrator while the trainers run.
+
+Resident sizes (RSS) count a page once per process that maps it: DataLoader workers share
+most of their pages with the trainer they forked from, and a dalid trainer maps the daemon's
+shared-memory slabs, so a sum of RSS overstates. The sampler therefore also reads PSS
+(proportional set size, ``/proc/<pid>/smaps_rollup``), which divides each shared page among
+the processes that map it, so that PSS adds up across processes. Beside them: the daemon's
+high-water mark (``VmHWM``), the bytes its ``/dev/shm/dalid-<pid>-*`` segments hold, and, with
+a GPU, the GPU memory in use (``nvidia-smi``, over the reading before the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .measure import descendants
+
+_PROC = Path("/proc")
+SHM = Path("/dev/shm")
+INTERVAL_S = 1.0
+# Reading PSS walks a process's page tables, about 1 ms of CPU per 100 MiB resident: with many
+# jobs the sampler waits longer between samples, so that it takes at most this much of a core.
+MAX_CPU_SHARE = 0.05
+MIB = 1024 * 1024
+
+
+def _kib_fields(path: Path, names: Sequence[str]) -> dict[str, float]:
+    """``Name:  123 kB`` lines of a /proc file, in MiB; empty when the file cannot be read."""
+    found: dict[str, float] = {}
+    try:
+        text = path.read_text()
+    except OSError:  # the process has exited, or smaps_rollup is missing (Linux < 4.14)
+        return found
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in names:
+            found[name] = int(rest.split()[0]) / 1024
+    return found
+
+
+def process_memory(pid: int) -> tuple[float, float | None, float]:
+    """RSS, PSS (None where the kernel does not say) and VmHWM of a live process, in MiB."""
+    status = _kib_fields(_PROC / str(pid) / "status", ("VmRSS", "VmHWM"))
+    rollup = _kib_fields(_PROC / str(pid) / "smaps_rollup", ("Pss",))
+    return status.get("VmRSS", 0.0), rollup.get("Pss"), status.get("VmHWM", 0.0)
+
+
+def shm_mib(daemon_pid: int) -> float:
+    """Memory held by the daemon's shared-memory segments (allocated pages, not their sizes)."""
+    total = 0
+    for path in SHM.glob(f"dalid-{daemon_pid}-*"):
+        with contextlib.suppress(OSError):  # a segment unlinked meanwhile
+            total += path.stat().st_blocks * 512
+    return total / MIB
+
+
+def gpu_used_mib() -> float | None:
+    """GPU memory in use on every GPU together (``nvidia-smi``), or None without one."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+        return float(sum(float(line) for line in out.stdout.split()))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One reading of every process of a run, in MiB; None where it cannot be read."""
+
+    t_ns: int
+    processes: int  # trainers and their workers
+    trainers_rss_mb: float  # trainers and their workers: a sum of RSS, which overstates
+    trainers_pss_mb: float | None
+    daemon_rss_mb: float | None
+    daemon_pss_mb: float | None
+    daemon_hwm_mb: float | None
+    daemon_shm_mb: float | None
+    gpu_mb: float | None  # over the reading before the run started
+    all_pss_mb: float | None  # trainers, workers and daemon: PSS adds up across processes
+
+    @classmethod
+    def take(
+        cls, trainer_pids: Sequence[int], daemon_pid: int, gpu_baseline: float | None
+    ) -> MemorySample:
+        pids = [p for trainer in trainer_pids for p in (trainer, *descendants(trainer))]
+        live = [reading for reading in map(process_memory, pids) if reading[0] > 0]
+        # A process that exits between the two reads has an RSS and no PSS: leave it out.
+        pss = [reading[1] for reading in live if reading[1] is not None]
+        trainers_pss = sum(pss) if pss or not live else None
+        daemon = process_memory(daemon_pid) if daemon_pid else None
+        daemon_pss = daemon[1] if daemon else 0.0
+        missing = trainers_pss is None or daemon_pss is None
+        gpu = gpu_used_mib() if gpu_baseline is not None else None
+        return cls(
+            t_ns=time.monotonic_ns(),
+            processes=len(live),
+            trainers_rss_mb=sum(reading[0] for reading in live),
+            trainers_pss_mb=trainers_pss,
+            daemon_rss_mb=daemon[0] if daemon else None,
+            daemon_pss_mb=daemon[1] if daemon else None,
+            daemon_hwm_mb=daemon[2] if daemon else None,
+            daemon_shm_mb=shm_mib(daemon_pid) if daemon_pid else None,
+            gpu_mb=None if gpu is None or gpu_baseline is None else gpu - gpu_baseline,
+            all_pss_mb=None if missing else (trainers_pss or 0.0) + (daemon_pss or 0.0),
+        )
+
+
+class MemorySampler:
+    """Samples a run's processes on a thread from start to stop: every ``interval_s``, or
+    less often when a sample costs more than ``MAX_CPU_SHARE`` of that in CPU time."""
+
+    def __init__(
+        self,
+        trainer_pids: Sequence[int],
+        daemon_pid: int,
+        gpu_baseline: float | None,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
+        self.trainer_pids = list(trainer_pids)
+        self.daemon_pid = daemon_pid
+        self.gpu_baseline = gpu_baseline
+        self.interval_s = interval_s
+        self.samples: list[MemorySample] = []
+        self.cpu_s = 0.0  # what sampling cost, on the orchestrator's CPU
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            started = time.thread_time()
+            self.samples.append(
+                MemorySample.take(self.trainer_pids, self.daemon_pid, self.gpu_baseline)
+            )
+            cost = time.thread_time() - started
+            self.cpu_s += cost
+            if self._stop.wait(max(self.interval_s, cost / MAX_CPU_SHARE)):
+                return
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[MemorySampler]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "interval_s": self.interval_s,
+            "sampler_cpu_s": self.cpu_s,
+            "samples": [asdict(sample) for sample in self.samples],
+        }
+
+
+# --- from samples to figures -------------------------------------------------------------------
+
+FIELDS = (
+    "trainers_rss_mb", "trainers_pss_mb", "daemon_rss_mb", "daemon_pss_mb", "daemon_shm_mb",
+    "gpu_mb", "all_pss_mb",
+)  # fmt: skip
+# The figures memory_metrics returns: each field's median in the window and its peak.
+METRICS = (*FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daemon_peak_rss_mb")
+
+
+def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[str, Any]:
+    """Per field, the median over the samples in ``[start_ns, end_ns]`` (the timed window; the
+    sample nearest to its middle when none falls in it) and the peak over all samples; None
+    where unread. The daemon's peak RSS is its own high-water mark, set-up included."""
+    samples = list(memory.get("samples", []))
+    inside = [s for s in samples if start_ns <= s["t_ns"] <= end_ns]
+    if not inside and samples:
+        # A short window between two samples: before it pools are still filling, after it
+        # jobs have ended and released theirs.
+        middle = (start_ns + end_ns) / 2
+        inside = [min(samples, key=lambda s: abs(s["t_ns"] - middle))]
+    metrics: dict[str, Any] = {"samples": len(samples), "window_samples": len(inside)}
+    for name in FIELDS:
+        steady = [s[name] for s in inside if s[name] is not None]
+        every = [s[name] for s in samples if s[name] is not None]
+        metrics[name] = statistics.median(steady) if steady else None
+        metrics[name.replace("_mb", "_peak_mb")] = max(every) if every else None
+    hwm = [s["daemon_hwm_mb"] for s in samples if s["daemon_hwm_mb"] is not None]
+    metrics["daemon_peak_rss_mb"] = max(hwm) if hwm else None
+    return metrics

@@ -1,0 +1,166 @@
+"""The scaling section of a report: throughput, fairness and memory by job count, and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .contenders import CONTENDERS
+from .scaling import SCALED
+from .summary import BASELINE
+from .table import NONE, fmt, gpu_names, spread_text
+
+
+def scaling_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary rows of the scaling runs that measured something, by job count."""
+    counts = report["settings"].get("scaling_jobs") or []
+    rows = [
+        row
+        for row in report["summary"]["rows"]
+        if row["kind"] in SCALED and row["jobs"] in counts and row["samples_per_s"]["n"]
+    ]
+    return sorted(rows, key=lambda row: (row["jobs"], SCALED.index(row["kind"])))
+
+
+def _memory(row: dict[str, Any], name: str, peak: str | None = None) -> str:
+    """``median (peak)`` of one memory figure, medians over repeats."""
+    memory = row["memory"]
+    value = memory.get(name, {})
+    if not value.get("n"):
+        return NONE
+    text = fmt(value["median"])
+    highest = memory.get(peak or "", {})
+    return f"{text} ({fmt(highest['median'])})" if highest.get("n") else text
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    """Two tables: throughput and fairness by job count, then the memory of each setting."""
+    rows = scaling_rows(report)
+    if not rows:
+        return []
+    ratios = report["summary"]["ratios"]
+    dali, dalid = (CONTENDERS[kind].label for kind in SCALED)
+    lines = [
+        f"Scaling: N training jobs through one dalid daemon ({dalid}) or each with its own "
+        f"in-process pipeline ({dali}), every job with its own trainer process and DataLoader "
+        "workers, all started together.",
+        "",
+        "| jobs | contender | samples/s, all jobs | per job | vs DALI in-process "
+        "| Jain's fairness | other load, cores |",
+        "|--:|---|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
+        ratio = ratios.get(row["id"], {}).get(base)
+        versus = spread_text(ratio, 0, 100) + "%" if ratio and ratio["n"] else NONE
+        union = "*" if "union window" in row["rate_windows"] else ""
+        lines.append(
+            f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | "
+            f"{spread_text(row['samples_per_s'])}{union} | "
+            f"{spread_text(row['job_share_samples_per_s'])}{union} | {versus} | "
+            f"{spread_text(row['fairness'], 3)} | {spread_text(row['foreign_cores'], 2)} |"
+        )
+    gpu = any(row["memory"].get("gpu_mb", {}).get("n") for row in rows)
+    lines += [
+        "",
+        "Per job: each job's samples/s while every job ran (the common window), median "
+        "[min-max] over jobs and repeats. Jain's fairness index (sum x)² / (n · sum x²) over "
+        "those per-job rates: 1 when the jobs share evenly, 1/n when one job gets everything."
+        + (
+            " *: in some repeat the jobs overlapped too little for a common window; there, all "
+            "jobs are measured over the union of their timed windows, each job over its own."
+            if any("union window" in row["rate_windows"] for row in rows)
+            else ""
+        ),
+        "",
+        "| jobs | contender | trainers PSS MiB (peak) | trainers RSS sum MiB "
+        "| daemon RSS MiB (peak) | daemon PSS MiB | daemon /dev/shm MiB (peak) "
+        "| all processes PSS MiB (peak) |" + (" GPU MiB (peak) |" if gpu else ""),
+        "|--:|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if gpu else ""),
+    ]
+    for row in rows:
+        daemon = CONTENDERS[row["kind"]].needs_daemon
+        cells = [
+            _memory(row, "trainers_pss_mb", "trainers_pss_peak_mb"),
+            _memory(row, "trainers_rss_mb"),
+            _memory(row, "daemon_rss_mb", "daemon_peak_rss_mb") if daemon else "",
+            _memory(row, "daemon_pss_mb") if daemon else "",
+            _memory(row, "daemon_shm_mb", "daemon_shm_peak_mb") if daemon else "",
+            _memory(row, "all_pss_mb", "all_pss_peak_mb"),
+        ]
+        if gpu:
+            cells.append(_memory(row, "gpu_mb", "gpu_peak_mb"))
+        lines.append(
+            f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | " + " | ".join(cells) + " |"
+        )
+    return [
+        *lines,
+        "",
+        "Memory sampled from the start signal on, every second (less often when a sample "
+        "would cost over 5% of a core); each figure is its median over the samples in the "
+        "timed window (or the sample nearest to it), (peak) its highest sample, both medians "
+        "over repeats. Trainers: every "
+        "trainer process and its DataLoader workers. PSS (proportional set size) divides each "
+        "shared page among the processes that map it, so it adds up across processes; a sum of "
+        "RSS counts pages workers share with their trainer once per process. The daemon's peak "
+        "RSS is its high-water mark (VmHWM). /dev/shm: pages its output slabs hold, which the "
+        "daemon's and the trainers' PSS include too."
+        + (" GPU: memory in use over the reading before the run (nvidia-smi)." if gpu else ""),
+        "",
+    ]
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Throughput, per-job throughput, fairness and memory against the job count; False (and
+    nothing written) when the report has fewer than two job counts."""
+    rows = scaling_rows(report)
+    counts = sorted({row["jobs"] for row in rows})
+    if len(counts) < 2:
+        return False
+    fig = Figure(figsize=(13, 8.5))
+    FigureCanvasAgg(fig)
+    machine = report["machine"]
+    fig.suptitle(
+        f"dalid scaling {report['created_utc']}: jobs through one daemon or in-process; "
+        f"{machine['cpu_model']}, {machine['usable_cpus']} CPUs, {gpu_names(machine)}"
+    )
+    axes = fig.subplots(2, 2)
+    panels = (
+        (axes[0][0], "samples_per_s", "samples/s, all jobs (median, min-max)"),
+        (axes[0][1], "job_share_samples_per_s", "samples/s per job (median, min-max)"),
+        (axes[1][0], "fairness", "Jain's fairness index over jobs (1 = even)"),
+    )
+    axes[1][0].set_ylim(top=1.05)
+    memory = axes[1][1]
+    for index, kind in enumerate(SCALED):
+        mine = [row for row in rows if row["kind"] == kind]
+        x = [row["jobs"] for row in mine]
+        label, color = CONTENDERS[kind].label, f"C{index}"
+        for ax, name, title in panels:
+            medians = [row[name]["median"] for row in mine]
+            below = [m - row[name]["min"] for m, row in zip(medians, mine, strict=True)]
+            above = [row[name]["max"] - m for m, row in zip(medians, mine, strict=True)]
+            ax.errorbar(
+                x, medians, yerr=[below, above], marker="o", capsize=4, color=color, label=label
+            )
+            ax.set_title(title)
+        pss = [row["memory"]["all_pss_mb"].get("median") for row in mine]
+        memory.plot(x, pss, marker="o", color=color, label=f"{label}: all processes, PSS")
+        if CONTENDERS[kind].needs_daemon:
+            rss = [row["memory"]["daemon_rss_mb"].get("median") for row in mine]
+            memory.plot(
+                x, rss, marker="s", linestyle="--", color=color, label=f"{label}: daemon RSS"
+            )
+    memory.set_title("memory in the timed window (MiB)")
+    for ax in (axes[0][0], axes[0][1], axes[1][0], memory):
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlabel("concurrent jobs")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
