@@ -9,6 +9,7 @@ child of a supervisor that restarts it when it crashes (:mod:`dalid.server.super
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -166,6 +167,13 @@ def _supervise(args: argparse.Namespace, settings: dict[str, Any]) -> int:
             os.environ[RUNTIME_DIR_ENV] = str(settings["runtime_dir"])
         socket = None if settings["socket"] is None else str(settings["socket"])
         specs = child_specs(devices, socket, _child_options(settings))
+        port = settings["metrics_port"]
+        if port and len(specs) > 1:
+            # One endpoint per daemon: the port given, and the ones after it, in device order.
+            specs = [
+                dataclasses.replace(spec, command=(*spec.command, "--metrics-port", str(port + i)))
+                for i, spec in enumerate(specs)
+            ]
     except DeviceListError as error:
         print(f"dalid serve: {error}", file=sys.stderr)
         return EXIT_USAGE

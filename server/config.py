@@ -236,7 +236,8 @@ OPTIONS: tuple[Option, ...] = (
         "metrics_port",
         parse_port,
         None,
-        "serve Prometheus metrics over HTTP on this port",
+        "serve Prometheus metrics over HTTP on this port (with --devices, one port per daemon "
+        "from this one on, in device order)",
         "PORT",
         default_text="no HTTP listener",
     ),

@@ -178,3 +178,20 @@ def test_a_bad_config_file_stops_serve_with_a_message(tmp_path):
     )
     assert result.returncode == 2
     assert "unknown key 'max_batch'" in result.stderr and "max_batch_size" in result.stderr
+
+
+def test_a_supervised_child_gets_every_option_the_supervisor_resolved(tmp_path):
+    from dalid.server.cli import PER_CHILD, _child_options
+
+    config = _toml(tmp_path, 'memory_limit = "3G"\nmax_jobs = 5\n')
+    settings = _serve(
+        "--concurrency", "2", "--metrics-port", "9400", "--pool-bytes", "256M",
+        environ={CONFIG_ENV: str(config), "DALID_MAX_INFLIGHT_BATCHES": "7"},
+    )  # fmt: skip
+    child_args = build_parser().parse_args(["serve", *_child_options(settings)])
+    # The child reads no file and no environment of its own for these: its flags say it all.
+    child = resolve(vars(child_args), environ={})
+    for name, value in settings.items():
+        if name not in PER_CHILD:
+            assert child[name] == value, name
+    assert child["memory_limit"] == 3 << 30 and child["max_inflight_batches"] == 7
