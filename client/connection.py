@@ -31,6 +31,8 @@ from dalid.protocol import (
     Role,
     Welcome,
     endpoint,
+    pid_namespace,
+    process_running,
     transport,
 )
 
@@ -59,29 +61,6 @@ def process_context() -> zmq.Context[Any]:
         _context = zmq.Context()
         _context_pid = os.getpid()
     return _context
-
-
-def pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def process_running(pid: int) -> bool:
-    """Whether ``pid`` names a live process in this pid namespace (a zombie is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    # The state follows the parenthesised command name, which may itself hold spaces.
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def no_daemon_message(path: Path, device: str | int) -> str:

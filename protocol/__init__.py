@@ -18,6 +18,7 @@ from .address import (
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
 from .gpu import GpuUnavailable, format_uuid, gpu_count, gpu_uuid
+from .liveness import pid_namespace, process_running
 from .messages import (
     CUDA_IPC_HANDLE_BYTES,
     DTYPES,
@@ -99,6 +100,8 @@ __all__ = [
     "gpu_count",
     "gpu_uuid",
     "parse_device",
+    "pid_namespace",
+    "process_running",
     "runtime_dir",
     "socket_path",
     "uuid_socket_path",

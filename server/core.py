@@ -53,6 +53,8 @@ from dalid.protocol import (
     TrainerProgress,
     Welcome,
     device_label,
+    pid_namespace,
+    process_running,
     transport,
 )
 
@@ -153,24 +155,6 @@ class RequestRefused(Exception):
         self.code = code
 
 
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 where /proc does not tell)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class DaemonCore:
     """Handles requests for one device. ``push(peer, message)`` must be thread-safe.
 
@@ -239,6 +223,10 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
                 )
+            if isinstance(message, TrainerProgress) and identity not in self.peers:
+                # Figures for `dalid status` only, from a connection of a daemon that was
+                # replaced (it has not noticed yet): nothing to apply, nobody to tell.
+                return None
             if not isinstance(message, Hello | Ping | Shutdown | StatusRequest) and (
                 identity not in self.peers
             ):
@@ -751,4 +739,4 @@ class DaemonCore:
     def _alive(self, pid: int, namespace: int) -> bool:
         if namespace != self._pid_namespace or pid <= 0:
             return True  # another pid namespace: its pid means nothing here
-        return process_alive(pid)
+        return process_running(pid)

@@ -40,11 +40,12 @@ from dalid.protocol import (
     device_label,
     endpoint,
     gpu_uuid,
+    process_running,
     transport,
     uuid_socket_path,
 )
 
-from .core import DaemonCore, process_alive
+from .core import DaemonCore
 from .cuda import CudaBackend
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
 from .quotas import Quotas
@@ -370,7 +371,7 @@ def _remove_stale_segments() -> None:
         if len(parts) < 3 or not parts[1].isdigit():
             continue
         try:
-            if path.stat().st_uid != uid or process_alive(int(parts[1])):
+            if path.stat().st_uid != uid or process_running(int(parts[1])):
                 continue
             path.unlink()
             log.info("removed stale shared memory %s", path.name)

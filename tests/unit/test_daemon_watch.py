@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from dalid.client.connection import process_running
+from dalid.protocol import process_running
 
 
 def test_process_running_tells_live_zombie_and_reaped_processes_apart():
