@@ -114,7 +114,8 @@ def test_daemon_image_entrypoint_and_healthcheck_are_dalid_commands():
     settings = _serve_settings(entrypoint[1:], env)
     assert settings["device"] == 0 and str(settings["runtime_dir"]) == "/run/dalid"
     healthcheck = _exec_form(instructions["HEALTHCHECK"].split(" CMD ", 1)[1])
-    assert healthcheck[:2] == ["dalid", "ping"]
+    # `dalid status` answers only if the daemon does, and leaves its figures in the health log.
+    assert healthcheck[:2] == ["dalid", "status"]
     build_parser().parse_args(healthcheck[1:])
     volumes = [a for k, a in _instructions(DOCKER / "Dockerfile") if k == "VOLUME"]
     assert volumes == [env["DALID_RUNTIME_DIR"]]
@@ -149,7 +150,7 @@ def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need()
     # The daemon's arguments parse, and its socket is the one the trainer is given.
     settings = _serve_settings(["serve", *daemon["command"]], daemon_env)
     assert [str(settings["device"])] == gpus[0]
-    # The image's health check pings that same daemon.
+    # The image's health check asks that same daemon.
     healthcheck = dict(_instructions(DOCKER / "Dockerfile"))["HEALTHCHECK"].split(" CMD ", 1)[1]
     ping = build_parser().parse_args(_exec_form(healthcheck)[1:])
     locating = [option for option in OPTIONS if option.locates_daemon]
