@@ -655,7 +655,9 @@ class DaemonCore:
         if isinstance(result, BatchFailed):
             job.batches_failed += 1
         else:
-            job.meter.add(batch.request.batch_size)
+            # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
+            skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
+            job.meter.add(batch.request.batch_size - skipped)
         self._push(job.trainer, result, None)
         if not batch.counted:
             return

@@ -107,8 +107,6 @@ class PipelineExecutor:
         self._on_built = on_built
         self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
         self._stopping = threading.Event()
-        self.batches_done = 0
-        self.samples_done = 0
         self._thread = threading.Thread(
             target=self._run, name=f"dalid-pipeline-{pipeline_id}", daemon=True
         )
@@ -337,7 +335,7 @@ class PipelineExecutor:
             "skipped" if policy is OnError.SKIP else "replaced",
             summary(report),
         )
-        self._write(batch, outputs, report, len(positions))
+        self._write(batch, outputs, report)
         del outputs
         runner.release()
 
@@ -346,7 +344,6 @@ class PipelineExecutor:
         batch: PendingBatch,
         outputs: tuple[Any, ...],
         bad_samples: Sequence[BadSample] = (),
-        samples: int | None = None,
     ) -> None:
         try:
             tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
@@ -384,8 +381,6 @@ class PipelineExecutor:
         except BatchFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
-        self.batches_done += 1
-        self.samples_done += batch.request.batch_size if samples is None else samples
         retired = self._pool.take_retired()
         if self._gpu_pool is not None:
             retired += self._gpu_pool.take_retired()

@@ -203,6 +203,21 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_job(module: str, socket: Path, *args: str) -> subprocess.Popen[str]:
+    """A job script of tests/integration (``trainer_job``, ``load_job``, ...) as its own
+    process, talking to the daemon on ``socket``; its stdout and stderr in one text pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", f"tests.integration.{module}", "--socket", str(socket), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def kill_leftovers(jobs: Iterable[subprocess.Popen[str]]) -> None:
     """Kills the job processes still running (a test that failed half-way) and reaps them."""
     for job in jobs:

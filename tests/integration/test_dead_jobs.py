@@ -5,27 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from ..daemons import DaemonProcess, kill_leftovers, start_daemon, wait_for
+from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 
 pytestmark = pytest.mark.slow
 
 # The promise: a dead job's pipelines and buffers are freed within this long.
 NOTICE_S = 5.0
-
-
-def _job(module: str, socket: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", f"tests.integration.{module}", "--socket", str(socket), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def _first_line(job: subprocess.Popen[str]) -> str:
@@ -47,13 +37,15 @@ def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tm
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
-        victim = _job("trainer_job", daemon.socket, "--hold", "--offset", "5", "--workers", "4")
+        victim = start_job(
+            "trainer_job", daemon.socket, "--hold", "--offset", "5", "--workers", "4"
+        )
         jobs.append(victim)
         assert _first_line(victim) == "holding"
         job_id = _job_id(daemon, "job5")
         assert daemon.job_segments(job_id), "the held batch lives in the daemon's shared memory"
         survivors = [
-            _job("trainer_job", daemon.socket, "--offset", str(offset), "--length", "400")
+            start_job("trainer_job", daemon.socket, "--offset", str(offset), "--length", "400")
             for offset in (77, 88)
         ]
         jobs.extend(survivors)
@@ -64,7 +56,7 @@ def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tm
         wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the killed job's pipelines and slabs")
         assert time.monotonic() - killed_at < NOTICE_S
         # The same job, restarted, connects and runs at once.
-        again = _job("trainer_job", daemon.socket, "--offset", "5", "--length", "64")
+        again = start_job("trainer_job", daemon.socket, "--offset", "5", "--length", "64")
         jobs.append(again)
         for job, length in ((survivors[0], 400), (survivors[1], 400), (again, 64)):
             out, _ = job.communicate(timeout=180)
@@ -82,7 +74,7 @@ def test_a_frozen_trainer_is_dropped_by_the_heartbeat(short_tmp):
     # which nobody answers, tells the daemon. The same holds for a trainer in another pid
     # namespace or on a host that vanished.
     daemon = start_daemon(short_tmp)
-    victim = _job("trainer_job", daemon.socket, "--hold", "--offset", "6")
+    victim = start_job("trainer_job", daemon.socket, "--hold", "--offset", "6")
     try:
         assert _first_line(victim) == "holding"
         job_id = _job_id(daemon, "job6")
@@ -106,8 +98,8 @@ def test_a_killed_worker_ends_its_job_and_no_other(short_tmp):
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
-        victim = _job("load_job", daemon.socket, "--name", "victim", "--workers", "4")
-        other = _job("load_job", daemon.socket, "--name", "other", "--batches", "40")
+        victim = start_job("load_job", daemon.socket, "--name", "victim", "--workers", "4")
+        other = start_job("load_job", daemon.socket, "--name", "other", "--batches", "40")
         jobs.extend([victim, other])
         assert _first_line(victim) == "running"
         job_id = _job_id(daemon, "victim")
@@ -136,7 +128,7 @@ def test_fifty_connect_and_kill_cycles_leave_the_daemon_at_its_baseline(short_tm
     try:
 
         def cycles(count: int) -> None:
-            job = _job("cycle_job", daemon.socket, "--cycles", str(count))
+            job = start_job("cycle_job", daemon.socket, "--cycles", str(count))
             out, _ = job.communicate(timeout=300)
             assert job.returncode == 0 and f"ok {count}" in out, out
 

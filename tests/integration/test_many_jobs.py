@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,38 +20,11 @@ import torch
 import dalid.client as dalid
 from dalid.client import RequestError
 
-from ..daemons import DaemonProcess, kill_leftovers, start_daemon, wait_for
+from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 from .helpers import BATCH, ProxyDataset, two_output_pipeline
 from .load_job import Images, heavy_pipeline
 
 pytestmark = pytest.mark.slow
-
-
-def _trainer(socket: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.trainer_job", "--socket", str(socket), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _load(socket: Path, name: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.load_job",
-            "--socket",
-            str(socket),
-            "--name",
-            name,
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def _wait_running(job: subprocess.Popen[str]) -> None:
@@ -63,10 +35,6 @@ def _wait_running(job: subprocess.Popen[str]) -> None:
         raise AssertionError(f"the job did not start: {line}{job.communicate()[0]}")
 
 
-def _jobs_by_name(daemon: DaemonProcess) -> dict[str, object]:
-    return {job.name: job for job in daemon.status().jobs}
-
-
 def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp):
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
@@ -74,7 +42,7 @@ def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp):
         for offset in (10, 20, 30, 40):
             # Each job starts its loader only once all four are connected.
             args = ("--offset", str(offset), "--workers", "4", "--length", "96", "--together", "4")
-            jobs.append(_trainer(daemon.socket, *args))
+            jobs.append(start_job("trainer_job", daemon.socket, *args))
         outputs = [job.communicate(timeout=300)[0] for job in jobs]
         for job, out in zip(jobs, outputs, strict=True):
             assert job.returncode == 0, out
@@ -97,8 +65,16 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
     try:
         # Shares hold among jobs that keep the daemon busy: the heavier one gets the workers to
         # keep three times as many batches coming.
-        jobs.append(_load(daemon.socket, "light", "--weight", "1", "--workers", "2"))
-        jobs.append(_load(daemon.socket, "heavy", "--weight", "3", "--workers", "4"))
+        jobs.append(
+            start_job(
+                "load_job", daemon.socket, "--name", "light", "--weight", "1", "--workers", "2"
+            )
+        )
+        jobs.append(
+            start_job(
+                "load_job", daemon.socket, "--name", "heavy", "--weight", "3", "--workers", "4"
+            )
+        )
         for job in jobs:
             _wait_running(job)
         time.sleep(1.0)  # both backlogged from here on
@@ -122,10 +98,21 @@ def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_
     try:
         # Three jobs that keep large batches queued, and one that sends a small batch at a time.
         for name in ("flood1", "flood2", "flood3"):
-            jobs.append(_load(daemon.socket, name, "--batch", "32"))
+            jobs.append(start_job("load_job", daemon.socket, "--name", name, "--batch", "32"))
         for job in jobs:
             _wait_running(job)
-        steady = _load(daemon.socket, "steady", "--batch", "8", "--workers", "0", "--batches", "30")
+        steady = start_job(
+            "load_job",
+            daemon.socket,
+            "--name",
+            "steady",
+            "--batch",
+            "8",
+            "--workers",
+            "0",
+            "--batches",
+            "30",
+        )
         jobs.append(steady)
         out, _ = steady.communicate(timeout=120)
         assert steady.returncode == 0, out

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,26 +15,16 @@ import pytest
 import dalid.client as dalid
 from dalid.protocol import socket_path
 
-from ..daemons import kill_leftovers, start_daemon, wait_for, wait_until_answering
+from ..daemons import kill_leftovers, start_daemon, start_job, wait_for, wait_until_answering
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _job(socket: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.trainer_job", "--socket", str(socket), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 @pytest.mark.slow
 def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
     daemon = start_daemon(short_tmp)
-    jobs = [_job(daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
+    jobs = [
+        start_job("trainer_job", daemon.socket, "--offset", str(offset)) for offset in (0, 1000)
+    ]
     try:
         for job in jobs:
             out, _ = job.communicate(timeout=120)
@@ -52,12 +41,12 @@ def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
-        holder = _job(daemon.socket, "--hold", "--offset", "5")
+        holder = start_job("trainer_job", daemon.socket, "--hold", "--offset", "5")
         jobs.append(holder)
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "holding"
         assert daemon.segments(), "the held batch lives in the daemon's shared memory"
-        survivor = _job(daemon.socket, "--offset", "77", "--length", "200")
+        survivor = start_job("trainer_job", daemon.socket, "--offset", "77", "--length", "200")
         jobs.append(survivor)
         os.kill(holder.pid, signal.SIGKILL)
         holder.communicate()
