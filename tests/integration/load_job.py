@@ -26,11 +26,11 @@ from . import helpers  # noqa: F401  (its warning filter)
 SIDE = 96
 
 
-def heavy_pipeline(batch: int):
+def heavy_pipeline(batch: int, window: int = 15):
     @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5)
     def blur():
         data = fn.external_source(name="data", no_copy=True, layout="HWC")
-        return fn.gaussian_blur(data, window_size=15, sigma=3.0), data
+        return fn.gaussian_blur(data, window_size=window, sigma=window / 5), data
 
     return blur()
 
@@ -59,11 +59,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--window", type=int, default=15)
     args = parser.parse_args()
     with dalid.connect(
         socket=args.socket, autostart=False, name=args.name, weight=args.weight
     ) as session:
-        proxy = session.proxy(heavy_pipeline(args.batch))
+        proxy = session.proxy(heavy_pipeline(args.batch, args.window))
         length = args.batch * (args.batches or 1_000_000)
         loader = dalid.DataLoader(
             session,
