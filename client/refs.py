@@ -8,6 +8,8 @@ references of one worker batch submits that batch to the daemon and yields batch
 
 from __future__ import annotations
 
+import weakref
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate_fn_map
@@ -42,12 +44,43 @@ class DALIPipelineRunRef:
         self.keeps_inputs = keeps_inputs
         self.is_scheduled = False
         self.is_complete = False
+        # Per sample, the references the proxy handed out for it; see Note [Abandoned samples].
+        self._sample_refs: list[list[weakref.ref[DALIOutputSampleRef]]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_sample_refs"] = []
         if not self.keeps_inputs:
             state["call_args"] = {}
         return state
+
+    def add_sample(self, refs: tuple[DALIOutputSampleRef, ...]) -> None:
+        """Records the references of the sample just added at index ``batch_size``."""
+        self._sample_refs.append([weakref.ref(ref) for ref in refs])
+        self.batch_size += 1
+
+    def drop_abandoned(self) -> None:
+        """Drops the samples no reference stands for any more (their ``__getitem__`` raised)."""
+        live = [
+            index
+            for index, refs in enumerate(self._sample_refs)
+            if any(ref() is not None for ref in refs)
+        ]
+        if len(live) < self.batch_size:
+            self.keep_samples(live)
+
+    def keep_samples(self, indices: list[int]) -> None:
+        """Keeps only the samples at ``indices`` (increasing), renumbering their references."""
+        self.call_args = {
+            name: [samples[index] for index in indices] for name, samples in self.call_args.items()
+        }
+        self._sample_refs = [self._sample_refs[index] for index in indices]
+        for position, refs in enumerate(self._sample_refs):
+            for ref in refs:
+                sample = ref()
+                if sample is not None:
+                    sample.sample_idx = position
+        self.batch_size = len(indices)
 
     def __repr__(self) -> str:
         return (
@@ -85,6 +118,17 @@ class DALIOutputBatchRef:
         return f"DALIOutputBatchRef(pipe_run_ref={self.pipe_run_ref}, output_idx={self.output_idx})"
 
 
+# Note [Abandoned samples]
+# A worker builds one batch at a time: each proxy call appends a sample to the current run,
+# and collation ends the run. A ``__getitem__`` that raises after its proxy call (a label file
+# that is missing, say) leaves its sample in the run although the DataLoader never collates
+# it; so does a collate_fn that filters samples out, or a dataset that retries another index.
+# Such samples must not shift the next batch or fill it past max_batch_size. Collation keeps
+# exactly the samples it is given, and a full run first drops the samples whose references
+# are all gone; either way the kept samples' references are renumbered in place, so every
+# output of the batch agrees on the indices.
+
+
 def collate_sample_refs(
     samples: list[DALIOutputSampleRef], *, collate_fn_map: Any = None
 ) -> DALIOutputBatchRef:
@@ -92,21 +136,33 @@ def collate_sample_refs(
     if not samples:
         raise ValueError("cannot collate an empty batch of dalid sample references")
     first = samples[0]
-    for index, sample in enumerate(samples):
-        if sample.pipe_run_ref is not first.pipe_run_ref or sample.output_idx != first.output_idx:
+    run = first.pipe_run_ref
+    for sample in samples:
+        if sample.pipe_run_ref is not run or sample.output_idx != first.output_idx:
             raise RuntimeError(
                 "all samples of a batch must come from one proxy run: a batch mixes samples "
                 "of several pipelines or workers"
             )
-        if sample.sample_idx != index:
-            raise RuntimeError(
-                f"unexpected sample order: sample {sample.sample_idx} at position {index} "
-                "(was the batch shuffled or filtered after the proxy call?)"
-            )
-    run = first.pipe_run_ref
+    indices = [sample.sample_idx for sample in samples]
+    first_output = not run.is_complete
+    # Whatever happens below, this worker's next proxy call starts a new batch.
     run.is_complete = True
-    if run.batch_id is None:
+    if first_output:
+        for earlier, later in pairwise(indices):
+            if later <= earlier:
+                raise RuntimeError(
+                    f"unexpected sample order: sample {later} after sample {earlier} (was the "
+                    "batch shuffled after the proxy call?)"
+                )
+        if indices != list(range(run.batch_size)):
+            run.keep_samples(indices)  # Note [Abandoned samples]
         first.proxy._submit(run)
+    elif indices != list(range(run.batch_size)):
+        raise RuntimeError(
+            f"output {first.output_idx} of the batch has samples {indices}, but its other "
+            f"outputs had {run.batch_size} samples in order: every output of a sample must "
+            "stay in the batch"
+        )
     return DALIOutputBatchRef(run, first.output_idx)
 
 

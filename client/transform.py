@@ -186,6 +186,8 @@ class Proxy:
                 f"the pipeline takes {self.__signature__} (its external_source names): {error}"
             ) from None
         run = self._current_run()
+        if run.batch_size >= self._target.max_batch_size:
+            run.drop_abandoned()  # Note [Abandoned samples] in refs.py
         index = run.batch_size
         if index >= self._target.max_batch_size:
             raise InputError(
@@ -203,11 +205,11 @@ class Proxy:
                 )
         for name, array in arrays.items():
             run.call_args.setdefault(name, []).append(array)
-        run.batch_size += 1
         refs = tuple(
             DALIOutputSampleRef(self, run, output, index)
             for output in range(self._target.num_outputs)
         )
+        run.add_sample(refs)
         return refs[0] if len(refs) == 1 else refs
 
     def _current_run(self) -> DALIPipelineRunRef:

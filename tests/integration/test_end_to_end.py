@@ -140,6 +140,51 @@ def test_persistent_workers_across_epochs(session):
         assert total == 20
 
 
+class LabelFailsAfterTheProxy(ProxyDataset):
+    """Its ``__getitem__`` raises for the indices in ``missing`` after its proxy call took the
+    sample, as a dataset does when an image loads but its label file is missing."""
+
+    def __init__(self, proxy, length: int, missing: set[int]) -> None:
+        super().__init__(proxy, length)
+        self.missing = missing
+
+    def __getitem__(self, index: int):
+        out, _ = super().__getitem__(index)
+        if index in self.missing:
+            raise FileNotFoundError(f"no label for sample {index}")
+        return out, index
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sample_that_raised_after_the_proxy_call_leaves_later_batches_right(session, num_workers):
+    proxy = session.proxy(two_output_pipeline())
+    dataset = LabelFailsAfterTheProxy(proxy, 40, missing={3, 17})
+    loader = dalid.DataLoader(
+        session,
+        dataset,
+        batch_size=BATCH,  # the pipeline's max_batch_size: no room for a left-over sample
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+    for _ in range(2):  # the same workers go on into a second epoch
+        iterator = iter(loader)
+        delivered: list[int] = []
+        failed = 0
+        while True:
+            try:
+                (_, shifted), indices = next(iterator)
+            except StopIteration:
+                break
+            except FileNotFoundError:
+                failed += 1  # a trainer that logs a bad batch and carries on
+                continue
+            for row, index in enumerate(indices.tolist()):
+                np.testing.assert_array_equal(shifted[row].numpy(), sample(index) + 7)
+            delivered.extend(indices.tolist())
+        assert failed == 2
+        assert delivered == [index for index in range(40) if index // BATCH not in (0, 2)]
+
+
 def _random_epoch(session, num_workers):
     proxy = session.proxy(random_pipeline(), deterministic=True)
     loader = dalid.DataLoader(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dalid.client.errors import InputError
-from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef
+from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef, collate_sample_refs
 from dalid.client.transform import Proxy, ProxyTarget
 
 
@@ -161,13 +161,13 @@ def test_each_thread_builds_its_own_batch() -> None:
 
 def test_more_samples_than_max_batch_size() -> None:
     proxy = _proxy(max_batch_size=3)
-    for _ in range(3):
-        proxy(_sample())
+    held = [proxy(_sample()) for _ in range(3)]  # what a DataLoader holds until collation
     with pytest.raises(InputError, match="max_batch_size"):
         proxy(_sample())
     run = _run_of_current(proxy)
     assert run.batch_size == 3
     assert len(run.call_args["images"]) == 3
+    assert [ref.sample_idx for ref in held] == [0, 1, 2]
 
 
 def _run_of_current(proxy: Proxy) -> DALIPipelineRunRef:
@@ -281,6 +281,72 @@ def test_a_refused_call_leaves_the_batch_unchanged() -> None:
     args = _run_of_current(proxy).call_args
     assert _run_of_current(proxy).batch_size == 2
     assert len(args["images"]) == len(args["labels"]) == 2
+
+
+# --- Abandoned samples (Note [Abandoned samples]) -----------------------------------------------
+
+
+def _recording_proxy(**kwargs: Any) -> tuple[Proxy, list[DALIPipelineRunRef]]:
+    proxy = Proxy(_target(**kwargs))
+    submitted: list[DALIPipelineRunRef] = []
+    proxy._submit = submitted.append  # type: ignore[method-assign]
+    return proxy, submitted
+
+
+def _values(run: DALIPipelineRunRef) -> list[int]:
+    return [int(sample[0, 0]) for sample in run.call_args["images"]]
+
+
+def test_a_full_batch_drops_the_samples_whose_getitem_raised() -> None:
+    proxy, submitted = _recording_proxy(max_batch_size=3)
+    proxy(_sample(99))  # its __getitem__ raised after the call: nothing holds the ref
+    batch = [proxy(_sample(value)) for value in (1, 2)]
+    batch.append(proxy(_sample(3)))  # the run was full; the abandoned sample made room
+    assert [ref.sample_idx for ref in batch] == [0, 1, 2]
+    collate_sample_refs(batch)
+    assert len(submitted) == 1
+    assert _values(submitted[0]) == [1, 2, 3]
+
+
+def test_a_batch_that_is_not_full_keeps_only_the_samples_collated() -> None:
+    proxy, submitted = _recording_proxy(num_outputs=2, max_batch_size=8)
+    first = proxy(_sample(1))
+    proxy(_sample(99))  # abandoned, or filtered out by a collate_fn
+    last = proxy(_sample(3))
+    images = collate_sample_refs([first[0], last[0]])
+    labels = collate_sample_refs([first[1], last[1]])  # the second output agrees
+    assert images.pipe_run_ref is labels.pipe_run_ref is submitted[0]
+    assert _values(submitted[0]) == [1, 3]
+    assert submitted[0].batch_size == 2
+    assert [first[1].sample_idx, last[1].sample_idx] == [0, 1]
+
+
+def test_outputs_that_disagree_on_the_samples_are_refused() -> None:
+    proxy, _ = _recording_proxy(num_outputs=2, max_batch_size=8)
+    refs = [proxy(_sample(value)) for value in range(3)]
+    collate_sample_refs([ref[0] for ref in refs])
+    with pytest.raises(RuntimeError, match="every output of a sample"):
+        collate_sample_refs([refs[0][1], refs[2][1]])
+
+
+def test_a_shuffled_batch_is_refused_and_the_next_batch_starts_afresh() -> None:
+    proxy, submitted = _recording_proxy(max_batch_size=4)
+    refs = [proxy(_sample(value)) for value in range(3)]
+    with pytest.raises(RuntimeError, match="shuffled"):
+        collate_sample_refs([refs[1], refs[0], refs[2]])
+    assert not submitted
+    fresh = [proxy(_sample(value)) for value in (7, 8, 9, 10)]
+    assert [ref.sample_idx for ref in fresh] == [0, 1, 2, 3]
+    collate_sample_refs(fresh)
+    assert _values(submitted[0]) == [7, 8, 9, 10]
+
+
+def test_a_run_pickles_without_its_sample_references() -> None:
+    proxy, _ = _recording_proxy()
+    ref = proxy(_sample())
+    copy = pickle.loads(pickle.dumps(ref.pipe_run_ref))
+    assert copy.batch_size == 1
+    assert copy._sample_refs == []
 
 
 # --- Pickling -----------------------------------------------------------------------------------
