@@ -319,6 +319,11 @@ class Daemon:
                 return
             identity = frames[0].bytes
             if len(frames) > 1:
+                # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to
+                # the monitor before it accepts the connection that reuses the descriptor, so
+                # handling the reports that are in now keeps an old peer's close from being
+                # taken for this sender's.
+                self._connection_events()
                 self._peer_by_fd[frames[1].get(zmq.SRCFD)] = identity
             try:
                 envelope = decode(frames[1:])

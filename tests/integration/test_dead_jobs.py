@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import zmq
+
+import dalid.client as dalid
+from dalid.protocol import Ping, Pong, transport
+from dalid.protocol.address import endpoint
 
 from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
+from .helpers import two_output_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -140,4 +147,36 @@ def test_fifty_connect_and_kill_cycles_leave_the_daemon_at_its_baseline(short_tm
         grown = daemon.rss_bytes() - baseline
         assert grown < 16 << 20, f"the daemon grew by {grown >> 20} MiB over 50 cycles"
     finally:
+        assert daemon.stop() == 0
+
+
+def _ping_and_close_until(socket: Path, stop: threading.Event) -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        while not stop.is_set():
+            probe = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+            try:
+                transport.send(probe, Ping(), 1)
+                assert isinstance(transport.recv(probe).message, Pong)
+            finally:
+                probe.close(linger=0)
+    finally:
+        context.term()
+
+
+def test_connections_closing_while_jobs_connect_take_no_job_with_them(short_tmp):
+    # A closed connection's descriptor is reused at once by the next one to open (each
+    # DataLoader worker that ends closes one): its close must never end the new peer's job.
+    daemon = start_daemon(short_tmp)
+    stop = threading.Event()
+    churn = threading.Thread(target=_ping_and_close_until, args=(daemon.socket, stop))
+    churn.start()
+    try:
+        for _ in range(60):
+            with dalid.connect(socket=daemon.socket, autostart=False, name="next") as session:
+                for _ in range(3):
+                    session.proxy(two_output_pipeline())
+    finally:
+        stop.set()
+        churn.join(10)
         assert daemon.stop() == 0
