@@ -191,10 +191,10 @@ def test_client_raises_protocol_mismatch_from_another_daemon(short_tmp):
 
 def test_batch_larger_than_pipeline_max_is_refused_in_the_caller(session):
     proxy = session.proxy(two_output_pipeline())
-    for index in range(BATCH):
-        proxy(sample(index))
+    held = [proxy(sample(index)) for index in range(BATCH)]  # as a DataLoader holds them
     with pytest.raises(dalid.InputError, match="max_batch_size"):
         proxy(sample(BATCH))
+    assert len(held) == BATCH
 
 
 def test_dataset_returning_str_gets_a_hint(session):
