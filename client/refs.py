@@ -100,6 +100,14 @@ class DALIOutputSampleRef:
         self.output_idx = output_idx
         self.sample_idx = sample_idx
 
+    # A reference names one output of one sample of the batch being built; a copy (a dataset
+    # that deep-copies its samples, say) names the same, so it is the same object.
+    def __copy__(self) -> DALIOutputSampleRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DALIOutputSampleRef:
+        return self
+
     def __repr__(self) -> str:
         return (
             f"DALIOutputSampleRef({self.pipe_run_ref}, output_idx={self.output_idx}, "
@@ -154,6 +162,11 @@ def collate_sample_refs(
                     f"unexpected sample order: sample {later} after sample {earlier} (was the "
                     "batch shuffled after the proxy call?)"
                 )
+        if indices[-1] >= run.batch_size:
+            raise RuntimeError(
+                f"sample {indices[-1]} is not in its batch any more: a copy of a dalid "
+                "reference outlived the one the proxy returned"
+            )
         if indices != list(range(run.batch_size)):
             run.keep_samples(indices)  # Note [Abandoned samples]
         first.proxy._submit(run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import pickle
 import threading
@@ -339,6 +340,16 @@ def test_a_shuffled_batch_is_refused_and_the_next_batch_starts_afresh() -> None:
     assert [ref.sample_idx for ref in fresh] == [0, 1, 2, 3]
     collate_sample_refs(fresh)
     assert _values(submitted[0]) == [7, 8, 9, 10]
+
+
+def test_a_copied_sample_keeps_its_place_in_the_batch() -> None:
+    proxy, submitted = _recording_proxy(max_batch_size=3)
+    first = copy.deepcopy({"image": proxy(_sample(1)), "label": 1})["image"]
+    second = copy.copy(proxy(_sample(2)))
+    third = proxy(_sample(3))
+    assert [first.sample_idx, second.sample_idx, third.sample_idx] == [0, 1, 2]
+    collate_sample_refs([first, second, third])
+    assert _values(submitted[0]) == [1, 2, 3]
 
 
 def test_a_run_pickles_without_its_sample_references() -> None:
