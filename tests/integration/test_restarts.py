@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,6 +199,50 @@ def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp,
         # Every sample once, each equal to the pipeline's output, after one reconnection.
         assert f"ok {LENGTH} reconnects 1" in out, out
         assert daemon.daemon_pid() != first
+    finally:
+        kill_leftovers([job])
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+    assert not daemon.socket.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, deterministic):
+    daemon = start_daemon(short_tmp, supervised=True)
+    first = daemon.daemon_pid()
+    pause_at = 3
+    job = _job(
+        daemon.socket,
+        "--reconnect",
+        "--workers", "2",
+        "--persistent-workers",
+        "--epochs", "2",
+        "--length", str(LENGTH),
+        "--pause-at", str(pause_at),
+        "--step-seconds", "0.05",
+        *(["--deterministic"] if deterministic else []),
+    )  # fmt: skip
+    try:
+        _kill_daemon_at_pause(job, first)
+        out, _ = job.communicate(timeout=180)
+        assert job.returncode == 0, out
+        # Each epoch saw every sample once, each equal to the pipeline's output.
+        assert f"ok {2 * LENGTH} reconnects 1" in out, out
+        after_kill = re.search(r"epoch 1 trainer-submitted (\d+)", out)
+        assert after_kill is not None, out
+        # The trainer submits the batches that were in flight at the kill (two workers, two
+        # batches ahead each), and those made before it had reconnected, not the rest of the
+        # epoch (LENGTH / BATCH - pause_at batches) as it would if the workers could not rejoin.
+        assert int(after_kill[1]) <= LENGTH // BATCH // 2, out
+        # Persistent workers started before the kill submit every batch of the next epoch.
+        assert "epoch 2 trainer-submitted 0" in out, out
+        second = daemon.daemon_pid()
+        assert second != first
+        joined = re.findall(
+            r"job \d+: worker pid (\d+) joined as job \d+ of an earlier", daemon.log_text()
+        )
+        assert len(set(joined)) == 2, daemon.log_text()
     finally:
         kill_leftovers([job])
         assert daemon.stop() == 0
