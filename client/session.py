@@ -25,6 +25,7 @@ from dalid.protocol import (
     EarlierPipeline,
     Envelope,
     Error,
+    ErrorCode,
     Limits,
     OnError,
     PipelineRegistered,
@@ -42,7 +43,14 @@ from dalid.protocol import (
 from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
 from .cuda import CudaMappings, TorchDevice, local_device
-from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError, ProtocolMismatch
+from .errors import (
+    BatchError,
+    DaemonUnavailable,
+    DeviceMismatch,
+    InputError,
+    ProtocolMismatch,
+    RequestError,
+)
 from .launcher import start_daemon
 from .memory import SlabMappings
 from .named import RepositoryPipeline
@@ -544,7 +552,12 @@ class Session:
                     earlier_jobs=tuple(self._earlier_jobs),
                 )
                 break
-            except DaemonUnavailable as error:
+            except (DaemonUnavailable, RequestError) as error:
+                # A daemon that lives on (it stopped answering pings for a while) may not have
+                # ended our abandoned job yet, which holds an identity the hello claims; it
+                # does once it notices that job's connection closed.
+                if isinstance(error, RequestError) and error.code is not ErrorCode.JOB_CLAIMED:
+                    raise
                 if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
                     raise DaemonUnavailable(
                         f"no dalid daemon came back on {self.socket} within "

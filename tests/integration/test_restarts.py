@@ -104,6 +104,36 @@ def test_batches_of_a_killed_daemon_are_submitted_again(short_tmp, deterministic
             assert second.stop() == 0
 
 
+def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp, monkeypatch):
+    """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
+    to it, and its hello names the abandoned job, still open there until the daemon notices
+    that its connection closed. The claim is refused (job_claimed) until then."""
+    from dalid.client import session as session_module
+    from dalid.protocol import ErrorCode
+
+    refusals = []
+    connect = session_module.autostart_connect
+
+    def connect_after_a_refusal(*args, **kwargs):
+        if not refusals:
+            refusals.append(kwargs["earlier_jobs"])
+            raise dalid.RequestError(ErrorCode.JOB_CLAIMED, "earlier job 1 is a live job")
+        return connect(*args, **kwargs)
+
+    daemon = start_daemon(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, reconnect=True) as session:
+            proxy = session.proxy(two_output_pipeline())
+            first_job = session.job_id
+            monkeypatch.setattr(session_module, "autostart_connect", connect_after_a_refusal)
+            session._reconnect_now()  # what a ping gone unanswered leads to
+            assert [job.job_id for job in refusals[0]] == [first_job]
+            assert session.reconnects == 1 and session.job_id != first_job
+            _check(session.produce_data(_batch(proxy, 0)), 0)
+    finally:
+        assert daemon.stop() == 0
+
+
 def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
     from dalid.client import proxy as dali_proxy
 
