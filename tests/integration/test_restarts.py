@@ -241,7 +241,6 @@ def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp,
 def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, deterministic):
     daemon = start_daemon(short_tmp, supervised=True)
     first = daemon.daemon_pid()
-    pause_at = 3
     job = _job(
         daemon.socket,
         "--reconnect",
@@ -249,7 +248,6 @@ def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, determini
         "--persistent-workers",
         "--epochs", "2",
         "--length", str(LENGTH),
-        "--pause-at", str(pause_at),
         "--step-seconds", "0.05",
         *(["--deterministic"] if deterministic else []),
     )  # fmt: skip
@@ -259,13 +257,10 @@ def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, determini
         assert job.returncode == 0, out
         # Each epoch saw every sample once, each equal to the pipeline's output.
         assert f"ok {2 * LENGTH} reconnects 1" in out, out
-        after_kill = re.search(r"epoch 1 trainer-submitted (\d+)", out)
-        assert after_kill is not None, out
-        # The trainer submits the batches that were in flight at the kill (two workers, two
-        # batches ahead each), and those made before it had reconnected, not the rest of the
-        # epoch (LENGTH / BATCH - pause_at batches) as it would if the workers could not rejoin.
-        assert int(after_kill[1]) <= LENGTH // BATCH // 2, out
-        # Persistent workers started before the kill submit every batch of the next epoch.
+        # In the epoch of the kill the trainer submits the batches that were in flight, and
+        # those the workers made before they rejoined (how many depends on timing). Persistent
+        # workers started before the kill then submit every batch of the next epoch: without
+        # rejoining, the trainer would submit all of them.
         assert "epoch 2 trainer-submitted 0" in out, out
         second = daemon.daemon_pid()
         assert second != first
