@@ -19,6 +19,7 @@ import zmq
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    EarlierJob,
     Envelope,
     Error,
     ErrorCode,
@@ -75,7 +76,8 @@ class Connection:
 
     ``on_push`` receives every message that is not the reply being waited for (batch results,
     errors about notifications). A trainer's connection asks for its job's ``weight``,
-    ``memory_bytes`` and ``max_inflight_batches`` (0: the daemon's default).
+    ``memory_bytes`` and ``max_inflight_batches`` (0: the daemon's default), and names the jobs
+    it had on earlier daemons (``earlier_jobs``) so that their workers join its new job.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Connection:
         weight: float = 1.0,
         memory_bytes: int = 0,
         max_inflight_batches: int = 0,
+        earlier_jobs: tuple[EarlierJob, ...] = (),
     ) -> None:
         self.path = path
         self.device = device
@@ -117,6 +120,7 @@ class Connection:
                 weight=weight,
                 memory_bytes=memory_bytes,
                 max_inflight_batches=max_inflight_batches,
+                earlier_jobs=earlier_jobs,
             )
             reply = self.request(hello, timeout=hello_timeout, ping=False)
         except BaseException:

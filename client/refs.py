@@ -32,10 +32,14 @@ class DALIPipelineRunRef:
     ) -> None:
         self.pipeline_id = pipeline_id
         self.job_id = job_id
-        # The job (of one daemon instance) that batch_id and pipeline_id belong to.
+        # The job (of one daemon instance) that the proxy named the pipeline in: with
+        # pipeline_id, how the trainer's session finds the pipeline.
         self.job_token = job_token
         self.deterministic = deterministic
         self.batch_id: int | None = None
+        # The token of the job that accepted batch_id. Another job's than job_token when a
+        # worker rejoined its trainer's job on a restarted daemon (Note [Daemon restarts]).
+        self.accepted_by = ""
         self.batch_size = 0
         # Inputs gathered in the worker until collation. Pickled to the trainer and kept until
         # the outputs are delivered only with ``keeps_inputs`` (a session with reconnect=True),

@@ -16,12 +16,16 @@ from typing import Any
 import torch
 
 from dalid.protocol import (
+    MAX_EARLIER_JOBS,
     BatchAccepted,
     BatchFailed,
     BatchReady,
     Device,
+    EarlierJob,
+    EarlierPipeline,
     Envelope,
     Error,
+    ErrorCode,
     Limits,
     OnError,
     PipelineRegistered,
@@ -39,7 +43,14 @@ from dalid.protocol import (
 from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
 from .cuda import CudaMappings, TorchDevice, local_device
-from .errors import BatchError, DaemonUnavailable, DeviceMismatch, InputError, ProtocolMismatch
+from .errors import (
+    BatchError,
+    DaemonUnavailable,
+    DeviceMismatch,
+    InputError,
+    ProtocolMismatch,
+    RequestError,
+)
 from .launcher import start_daemon
 from .memory import SlabMappings
 from .named import RepositoryPipeline
@@ -66,10 +77,11 @@ MAX_RECONNECTS = 5
 # be watched, a few seconds otherwise, and raises DaemonUnavailable):
 #
 # 1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
-#    batch and the job (``job_token``, unique to one job of one daemon instance). With
-#    reconnect=True the ref also carries the batch's inputs, and keeps them until the trainer
-#    has delivered its outputs. A worker that finds the daemon gone leaves the batch unsent
-#    (``batch_id`` None) and stops using that job's link; the trainer submits it.
+#    batch, the job its proxy names (``job_token``, unique to one job of one daemon instance)
+#    and the job that accepted the batch (``accepted_by``, the token of its link's welcome).
+#    With reconnect=True the ref also carries the batch's inputs, and keeps them until the
+#    trainer has delivered its outputs. A worker that finds the daemon gone leaves the batch
+#    unsent (``batch_id`` None) and drops that job's link; the trainer submits it.
 # 2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
 #    whole: its connection (no goodbye), its slab mappings and the results it had received
 #    but not yet delivered. Tensors already delivered stay valid: their pages stay mapped
@@ -77,16 +89,26 @@ MAX_RECONNECTS = 5
 #    releases go to the abandoned mappings, never to the new daemon, whose region ids and
 #    slabs are unrelated. Then it connects again (a new job), registers every pipeline again
 #    and points the proxies it made at the new registrations (workers started from then on
-#    submit to the new job).
-# 3. When the trainer delivers a batch whose ref names an abandoned job, or no batch at all,
-#    it submits the batch again from the inputs the ref carries, under the pipeline's new id.
+#    submit to the new job). Its hello names every job it had on earlier daemons
+#    (``earlier_jobs``), and each registration the pipeline's id in each of them
+#    (``earlier_ids``): the new daemon knows nothing of them, so the trainer, which outlives
+#    them all, is what carries them from daemon to daemon.
+# 3. When the trainer delivers a batch that another job accepted (one of an abandoned
+#    daemon), or no job at all, it submits the batch again from the inputs the ref carries,
+#    under the pipeline's new id.
 #    A batch is delivered once: its ref is turned into tensors once, and results that came
 #    from the old daemon but were not yet delivered are dropped with it, so nothing arrives
 #    twice and nothing is lost.
-# 4. Workers that were running at the restart hold the old job in their pickled proxy and no
-#    way to learn the new one: until they are started again (each epoch, unless
-#    persistent_workers), their batches reach the trainer unsent and the trainer submits
-#    them, one at a time. GPU outputs follow the same steps; that path has not run on a GPU.
+# 4. Workers that were running at the restart hold an earlier job in their pickled proxy. A
+#    worker tries that job again with a new hello at its next batch, and while hellos fail at
+#    most once per REJOIN_EVERY_S (each waits at most REJOIN_HELLO_TIMEOUT_S). The new daemon
+#    welcomes it
+#    into the trainer's new job once the trainer has reconnected, and runs its batches, which
+#    name the pipeline's earlier id, on the pipeline registered again; the welcome's token
+#    becomes the refs' ``accepted_by``, so the trainer waits for those batches instead of
+#    submitting them again. Until then (daemon still down, trainer not reconnected or the
+#    pipeline not registered again yet) its batches reach the trainer unsent, as in point 1.
+#    GPU outputs follow the same steps; that path has not run on a GPU.
 
 
 class _Resources:
@@ -253,7 +275,13 @@ class Session:
         self._registrations: list[_Registration] = []
         # Every (job_token, pipeline_id) this session was given, in any daemon generation.
         self._pipeline_keys: dict[tuple[str, int], _Registration] = {}
+        # The jobs this session had on daemons it reconnected away from, oldest first, named
+        # to each new daemon so that workers holding them join the new job.
+        self._earlier_jobs: list[EarlierJob] = []
         self.reconnects = 0
+        # Batches of DataLoader workers that this session submitted itself, from the inputs
+        # their refs carry: those of a daemon that died, and those a worker could not send.
+        self.submitted_by_trainer = 0
         self._job_request = JobRequest(weight, memory_bytes or 0, max_inflight_batches or 0)
         self._progress = _Progress()
         # Bad samples skipped or replaced in the batches of the last produce_data call.
@@ -397,7 +425,18 @@ class Session:
         )
 
     def _register_now(self, registration: _Registration) -> None:
-        reply = self._connection.request(registration.request)
+        """Registers with the daemon connected now, naming the ids the pipeline had in the
+        earlier jobs this session names at hello."""
+        earlier = {job.job_token for job in self._earlier_jobs}
+        request = dataclasses.replace(
+            registration.request,
+            earlier_ids=tuple(
+                EarlierPipeline(token, pipeline_id)
+                for (token, pipeline_id), known in self._pipeline_keys.items()
+                if known is registration and token in earlier
+            ),
+        )
+        reply = self._connection.request(request)
         assert isinstance(reply, PipelineRegistered)
         registration.registered = reply
         token = self._connection.welcome.job_token
@@ -488,6 +527,12 @@ class Session:
 
     def _reconnect_now(self) -> None:
         """Abandons the daemon that is gone and starts over with the one on the socket now."""
+        welcome = self._resources.connection.welcome
+        abandoned = EarlierJob(welcome.job_id, welcome.job_token)
+        if abandoned not in self._earlier_jobs:
+            # Past the limit the oldest goes: its workers (persistent ones, started that long
+            # ago) then leave their batches to this session.
+            self._earlier_jobs = [*self._earlier_jobs, abandoned][-MAX_EARLIER_JOBS:]
         self._finalizer.detach()
         self._resources.abandon()
         self._results.clear()
@@ -504,9 +549,15 @@ class Session:
                     on_push=functools.partial(_keep_result, self._results),
                     hello_timeout=min(max(remaining, 1.0), 5.0),
                     job=self._job_request,
+                    earlier_jobs=tuple(self._earlier_jobs),
                 )
                 break
-            except DaemonUnavailable as error:
+            except (DaemonUnavailable, RequestError) as error:
+                # A daemon that lives on (it stopped answering pings for a while) may not have
+                # ended our abandoned job yet, which holds an identity the hello claims; it
+                # does once it notices that job's connection closed.
+                if isinstance(error, RequestError) and error.code is not ErrorCode.JOB_CLAIMED:
+                    raise
                 if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
                     raise DaemonUnavailable(
                         f"no dalid daemon came back on {self.socket} within "
@@ -553,7 +604,9 @@ class Session:
     def _deliver(self, runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
         token = self._connection.welcome.job_token
         for run in runs:
-            if run.batch_id is None or run.job_token != token:
+            # Accepted by another job: one of a daemon that is gone (a worker that rejoined
+            # this job after a restart got this job's token in its welcome).
+            if run.batch_id is None or run.accepted_by != token:
                 self._submit_again(run)
         for run in runs:
             if not run.is_scheduled:
@@ -610,7 +663,9 @@ class Session:
         welcome = self._connection.welcome
         run.job_id, run.job_token = welcome.job_id, welcome.job_token
         run.pipeline_id, run.batch_id = pipeline_id, reply.batch_id
+        run.accepted_by = welcome.job_token
         run.is_scheduled = not run.deterministic
+        self.submitted_by_trainer += 1
 
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         resources = self._resources
@@ -732,6 +787,7 @@ def autostart_connect(
     on_push: Any,
     job: JobRequest = JobRequest(),
     hello_timeout: float = 5.0,
+    earlier_jobs: tuple[EarlierJob, ...] = (),
 ) -> Connection:
     """A trainer connection to the daemon on ``path``, starting one first if allowed."""
 
@@ -746,6 +802,7 @@ def autostart_connect(
             weight=job.weight,
             memory_bytes=job.memory_bytes,
             max_inflight_batches=job.max_inflight_batches,
+            earlier_jobs=earlier_jobs,
         )
 
     if path.exists():

@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,12 @@ from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestErro
 from .refs import DALIOutputSampleRef, DALIPipelineRunRef
 
 log = logging.getLogger("dalid.client")
+
+# A worker whose link to a job's daemon failed tries a new hello at its next batch (the daemon
+# may be back already), then, while hellos fail, at most once per REJOIN_EVERY_S; a hello waits
+# at most REJOIN_HELLO_TIMEOUT_S, so that its DataLoader never stalls long.
+REJOIN_EVERY_S = 0.5
+REJOIN_HELLO_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,36 +54,56 @@ _LinkKey = tuple[Path, int, str]
 
 
 class _WorkerLinks:
-    """This process's worker connections, one per (socket, job); reset in a forked child."""
+    """This process's worker connections, one per (socket, job); reset in a forked child.
+
+    A link's key is the job the proxy names; after a daemon restart the link may be welcomed
+    into the new job of that job's trainer (Note [Daemon restarts], point 4).
+    """
 
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._links: dict[_LinkKey, Connection] = {}
-        # Jobs whose daemon is gone: their batches are left for the trainer to submit.
-        self._lost: set[_LinkKey] = set()
+        # Jobs whose daemon was found gone, with when to try a hello again: until one is
+        # welcomed, their batches are left for the trainer to submit.
+        self._lost: dict[_LinkKey, float] = {}
 
-    def get(self, target: ProxyTarget) -> Connection:
+    def get(self, target: ProxyTarget) -> Connection | None:
+        """This process's link to the target's job; None while a job found unreachable waits
+        for its next try (see ``lose``)."""
         with self._lock:
             if self._pid != os.getpid():
                 # Inherited across fork: the parent's sockets are not ours to use or close.
                 self._links = {}
-                self._lost = set()
+                self._lost = {}
                 self._pid = os.getpid()
             key = (target.socket, target.job_id, target.job_token)
-            if key in self._lost:
-                raise DaemonUnavailable(f"the daemon of job {target.job_id} is gone")
             link = self._links.get(key)
-            if link is None or link.closed:
-                link = Connection(
+            if link is not None and not link.closed:
+                return link
+            retry_at = self._lost.get(key)
+            if retry_at is not None and time.monotonic() < retry_at:
+                return None
+            link = Connection(
+                target.socket,
+                Role.WORKER,
+                device=target.device,
+                name=f"worker {os.getpid()}",
+                job_id=target.job_id,
+                job_token=target.job_token,
+                hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
+            )
+            self._links[key] = link
+            if retry_at is not None:
+                del self._lost[key]
+                log.info(
+                    "rejoined job %d as job %d of the daemon on %s (pid %d); this process "
+                    "submits its batches again",
+                    target.job_id,
+                    link.welcome.job_id,
                     target.socket,
-                    Role.WORKER,
-                    device=target.device,
-                    name=f"worker {os.getpid()}",
-                    job_id=target.job_id,
-                    job_token=target.job_token,
+                    link.welcome.daemon_pid,
                 )
-                self._links[key] = link
             return link
 
     def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
@@ -86,14 +113,16 @@ class _WorkerLinks:
             if link is not None and self._pid == os.getpid():
                 link.close(goodbye=goodbye)
 
-    def lose(self, target: ProxyTarget) -> bool:
-        """Drops the link to a daemon that is gone; later batches go to the trainer unsent.
-        Whether the link was in use until now."""
-        self.close_job(target.socket, target.job_id, target.job_token, goodbye=False)
+    def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
+        """Drops the link to a job its daemon cannot take batches for (gone, or restarted and
+        not yet joined by the trainer); batches go to the trainer unsent until a hello, tried
+        ``retry_after`` seconds from now or later, is welcomed. ``goodbye``: the daemon lives.
+        Whether the job was reachable until now."""
+        self.close_job(target.socket, target.job_id, target.job_token, goodbye=goodbye)
         key = (target.socket, target.job_id, target.job_token)
         with self._lock:
             known = key in self._lost
-            self._lost.add(key)
+            self._lost[key] = time.monotonic() + retry_after
         return not known
 
 
@@ -238,21 +267,42 @@ class Proxy:
             batch_inputs(target.input_names, run.call_args),
             deferred=run.deterministic,
         )
+        link: Connection | None = None
         try:
-            reply = worker_links.get(target).request(request)
+            link = worker_links.get(target)
+            if link is None:
+                return  # its daemon was found gone lately: the trainer submits the batch
+            reply = link.request(request)
         except (DaemonUnavailable, RequestError) as error:
-            lost = isinstance(error, DaemonUnavailable) or error.code is ErrorCode.UNKNOWN_JOB
-            if not target.reconnect or isinstance(error, ProtocolMismatch) or not lost:
+            rejoined = link is not None and link.welcome.job_token != target.job_token
+            if not target.reconnect or not _not_taken_yet(error, rejoined):
                 raise
-            if worker_links.lose(target):
-                log.info("%s; the trainer submits this process's batches of job %d from now on",
-                         error, target.job_id)  # fmt: skip
+            gone = isinstance(error, DaemonUnavailable)
+            # A link that worked until now may find a restarted daemon at the next batch.
+            retry_after = 0.0 if gone and link is not None else REJOIN_EVERY_S
+            if worker_links.lose(target, retry_after, goodbye=not gone):
+                log.info("%s; the trainer submits this process's batches of job %d until this "
+                         "process rejoins the job", error, target.job_id)  # fmt: skip
             return
         assert isinstance(reply, BatchAccepted)
         run.batch_id = reply.batch_id
+        run.accepted_by = link.welcome.job_token
         run.is_scheduled = not run.deterministic
         if not run.keeps_inputs:
             run.call_args = {}
+
+
+def _not_taken_yet(error: DaemonUnavailable | RequestError, rejoined: bool) -> bool:
+    """Whether a batch refused with ``error`` is the trainer's to submit: its daemon is gone,
+    or was restarted and the trainer has not reconnected to it, or (on a link that rejoined
+    the trainer's new job) not yet registered the pipeline again."""
+    if isinstance(error, ProtocolMismatch):
+        return False
+    if isinstance(error, DaemonUnavailable):
+        return True
+    return error.code is ErrorCode.UNKNOWN_JOB or (
+        rejoined and error.code is ErrorCode.UNKNOWN_PIPELINE
+    )
 
 
 def batch_inputs(names: tuple[str, ...], call_args: dict[str, list[Any]]) -> tuple[InputBatch, ...]:

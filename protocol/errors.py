@@ -19,6 +19,8 @@ class ErrorCode(StrEnum):
     # The sender is not (or no longer) allowed to do this.
     NOT_WELCOMED = "not_welcomed"
     UNKNOWN_JOB = "unknown_job"
+    # A trainer's hello named an earlier job that is a live job here, or another job's claim.
+    JOB_CLAIMED = "job_claimed"
     # The request named something that does not exist or does not fit.
     UNKNOWN_PIPELINE = "unknown_pipeline"
     UNKNOWN_BATCH = "unknown_batch"

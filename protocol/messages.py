@@ -16,8 +16,12 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
+
+Version 4 added what lets DataLoader workers rejoin their job after a daemon restart: a
+trainer's ``hello`` names its jobs of earlier daemons (``earlier_jobs``), each registration the
+ids the pipeline had in them (``earlier_ids``), and the error code ``job_claimed``.
 
 Version 3 added what a job asks for at ``hello`` (``weight``, ``memory_bytes``,
 ``max_inflight_batches``) and is granted in ``Limits``; the ``status`` request with its
@@ -38,6 +42,8 @@ MAX_INPUTS = 64
 MAX_OUTPUTS = 64
 MAX_NDIM = 16
 MAX_BATCH_SIZE = 65536
+# A trainer names at most this many jobs of earlier daemons (one per restart it outlived).
+MAX_EARLIER_JOBS = 256
 # A job's share of the daemon is its weight over the sum of the weights of the busy jobs.
 MAX_WEIGHT = 1000.0
 # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes; they travel as hex strings.
@@ -119,6 +125,17 @@ class Role(StrEnum):
 
 
 @dataclass(frozen=True)
+class EarlierJob:
+    """A job that a trainer had on an earlier daemon of the socket, as its welcome named it."""
+
+    job_id: int
+    job_token: str
+
+    def __post_init__(self) -> None:
+        _check_name(self.job_token, "an earlier job's token")
+
+
+@dataclass(frozen=True)
 class Hello(Message):
     """First request on every connection. A trainer opens a job; a worker joins one."""
 
@@ -139,6 +156,9 @@ class Hello(Message):
     # on a GPU daemon); max_inflight_batches: batches the job may have queued or running.
     memory_bytes: int = 0
     max_inflight_batches: int = 0
+    # A trainer that reconnects after daemon restarts: the jobs it had on earlier daemons. A
+    # worker's hello naming one of them joins this job (see Restarts in SPEC.md).
+    earlier_jobs: tuple[EarlierJob, ...] = ()
 
     def __post_init__(self) -> None:
         _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
@@ -153,6 +173,15 @@ class Hello(Message):
                 self.job_id is not None and self.job_token is not None,
                 "a worker's hello must name its job_id and job_token",
             )
+            _check(not self.earlier_jobs, "only a trainer's hello names earlier jobs")
+        _check(
+            len(self.earlier_jobs) <= MAX_EARLIER_JOBS,
+            f"hello.earlier_jobs names more than {MAX_EARLIER_JOBS} jobs",
+        )
+        _check(
+            len(set(self.earlier_jobs)) == len(self.earlier_jobs),
+            "hello.earlier_jobs names a job twice",
+        )
 
 
 @dataclass(frozen=True)
@@ -241,6 +270,26 @@ class Ok(Message):
 
 
 @dataclass(frozen=True)
+class EarlierPipeline:
+    """The id a pipeline had in an earlier job of its trainer, named by that job's token."""
+
+    job_token: str
+    pipeline_id: int
+
+    def __post_init__(self) -> None:
+        _check_name(self.job_token, "an earlier job's token")
+
+
+def _check_earlier_ids(earlier_ids: tuple[EarlierPipeline, ...]) -> None:
+    _check(
+        len(earlier_ids) <= MAX_EARLIER_JOBS,
+        f"earlier_ids names more than {MAX_EARLIER_JOBS} earlier jobs",
+    )
+    tokens = {earlier.job_token for earlier in earlier_ids}
+    _check(len(tokens) == len(earlier_ids), "earlier_ids names an earlier job twice")
+
+
+@dataclass(frozen=True)
 class RegisterPipeline(Message):
     """A serialized DALI pipeline (``Pipeline.serialize()``) and how to build it."""
 
@@ -255,6 +304,9 @@ class RegisterPipeline(Message):
     exec_dynamic: bool = True
     name: str = ""
     on_error: OnError = OnError.RAISE
+    # The ids this pipeline had in the trainer's earlier jobs (``Hello.earlier_jobs``): a
+    # worker that joined as one of them submits under that id.
+    earlier_ids: tuple[EarlierPipeline, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
@@ -266,6 +318,7 @@ class RegisterPipeline(Message):
         _check(0 < self.num_threads <= 1024, "num_threads must be 1 to 1024")
         _check(0 < self.prefetch_queue_depth <= 64, "prefetch_queue_depth must be 1 to 64")
         _check(len(self.name) <= MAX_NAME_LENGTH, "pipeline name is too long")
+        _check_earlier_ids(self.earlier_ids)
 
 
 @dataclass(frozen=True)
@@ -285,6 +338,8 @@ class RegisterNamedPipeline(Message):
     prefetch_queue_depth: int | None = None
     seed: int | None = None
     on_error: OnError = OnError.RAISE
+    # As in RegisterPipeline.
+    earlier_ids: tuple[EarlierPipeline, ...] = ()
 
     def __post_init__(self) -> None:
         _check_name(self.name, "a pipeline name")
@@ -307,6 +362,7 @@ class RegisterNamedPipeline(Message):
             self.prefetch_queue_depth is None or 0 < self.prefetch_queue_depth <= 64,
             "prefetch_queue_depth must be 1 to 64",
         )
+        _check_earlier_ids(self.earlier_ids)
 
 
 # Arguments of a named pipeline's build with fields of their own, or that the daemon sets.
@@ -615,12 +671,15 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
+    "MAX_EARLIER_JOBS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "BadSample",
     "BatchAccepted",
     "BatchFailed",
     "BatchReady",
+    "EarlierJob",
+    "EarlierPipeline",
     "Error",
     "ErrorCode",
     "Goodbye",

@@ -8,6 +8,7 @@ wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hmac
 import itertools
@@ -30,6 +31,7 @@ from dalid.protocol import (
     BatchAccepted,
     BatchFailed,
     BatchReady,
+    EarlierJob,
     Error,
     ErrorCode,
     Goodbye,
@@ -115,6 +117,11 @@ class Job:
     meter: RateMeter = field(default_factory=RateMeter)
     trainer_waited: float = 0.0
     connected_at: float = field(default_factory=time.monotonic)
+    # The jobs its trainer had on earlier daemons of the socket (Hello.earlier_jobs): a worker
+    # naming one of them joins this job. They go with the job, since lookups go through jobs.
+    earlier_jobs: tuple[EarlierJob, ...] = ()
+    # (earlier job's token, a pipeline's id in that job) -> the pipeline's id in this job.
+    earlier_pipelines: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def close(self) -> list[WaitingBatch]:
         """Stops the job's pipelines and frees its pools; the batches that still waited.
@@ -145,6 +152,9 @@ class Peer:
     job: Job
     pid: int
     pid_namespace: int
+    # A worker that joined as an earlier job of its trainer: that job's token. Its batches name
+    # pipelines by their ids in that job.
+    earlier_token: str = ""
 
 
 class RequestRefused(Exception):
@@ -370,7 +380,9 @@ class DaemonCore:
             )
         if identity in self.peers:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
+        earlier_token = ""
         if hello.role is Role.TRAINER:
+            self._check_unclaimed(hello.earlier_jobs)
             try:
                 limits = grant(
                     hello,
@@ -385,26 +397,38 @@ class DaemonCore:
             self.jobs[job.job_id] = job
             self.scheduler.add_job(job.job_id, limits.weight)
             log.info(
-                "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight",
+                "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight%s",
                 job.job_id,
                 hello.name or "?",
                 hello.client_pid,
                 limits.weight,
                 limits.pool_bytes >> 20,
                 limits.max_inflight_batches,
+                f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
+                "daemons"
+                if hello.earlier_jobs
+                else "",
             )
         else:
-            found = self.jobs.get(hello.job_id or 0)
-            if found is None or not hmac.compare_digest(found.token, hello.job_token or ""):
+            found = self._job_named(hello.job_id or 0, hello.job_token or "")
+            if found is None:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_JOB,
                     f"no job {hello.job_id} with that token on this daemon: the trainer's session "
-                    "was closed, or this worker belongs to another daemon",
+                    "was closed, or this worker belongs to another daemon (whose trainer has not "
+                    "reconnected here)",
                 )
-            job = found
+            job, earlier_token = found
+            if earlier_token:
+                log.info(
+                    "job %d: worker pid %d joined as job %d of an earlier daemon",
+                    job.job_id,
+                    hello.client_pid,
+                    hello.job_id,
+                )
         job.peers.add(identity)
         self.peers[identity] = Peer(
-            identity, hello.role, job, hello.client_pid, hello.pid_namespace
+            identity, hello.role, job, hello.client_pid, hello.pid_namespace, earlier_token
         )
         return Welcome(
             protocol_version=PROTOCOL_VERSION,
@@ -417,6 +441,32 @@ class DaemonCore:
             device_uuid=self.device_uuid,
             pid_namespace=self._pid_namespace,
         )
+
+    def _job_named(self, job_id: int, token: str) -> tuple[Job, str] | None:
+        """The job that (``job_id``, ``token``) names, and "" for a live job of this daemon or
+        the token of the earlier job it names; None if none."""
+        live = self.jobs.get(job_id)
+        if live is not None and _same_token(live.token, token):
+            return live, ""
+        for job in self.jobs.values():
+            for earlier in job.earlier_jobs:
+                if earlier.job_id == job_id and _same_token(earlier.job_token, token):
+                    return job, earlier.job_token
+        return None
+
+    def _check_unclaimed(self, earlier_jobs: tuple[EarlierJob, ...]) -> None:
+        """Refuses a trainer's claim on an earlier job that already names a job here: two jobs
+        answering to one identity would let one's workers into the other."""
+        for earlier in earlier_jobs:
+            found = self._job_named(earlier.job_id, earlier.job_token)
+            if found is not None:
+                owner, earlier_token = found
+                raise RequestRefused(
+                    ErrorCode.JOB_CLAIMED,
+                    f"earlier job {earlier.job_id} with that token is "
+                    + (f"claimed by job {owner.job_id}" if earlier_token else "a live job")
+                    + " on this daemon: a job's identity belongs to one trainer",
+                )
 
     @property
     def memory_reserved(self) -> int:
@@ -437,6 +487,7 @@ class DaemonCore:
             pid_namespace=hello.pid_namespace,
             name=hello.name,
             limits=limits,
+            earlier_jobs=hello.earlier_jobs,
             pool=RegionPool(
                 self._backend,
                 prefix,
@@ -506,7 +557,7 @@ class DaemonCore:
     def _on_register_pipeline(
         self, identity: bytes, request: RegisterPipeline, request_id: int | None
     ) -> Message | None:
-        job = self._registering_job(identity)
+        job = self._registering_job(identity, request)
         if request.max_batch_size > self.quotas.max_batch_size:
             raise RequestRefused(
                 ErrorCode.INVALID_PIPELINE,
@@ -521,7 +572,7 @@ class DaemonCore:
     def _on_register_named_pipeline(
         self, identity: bytes, request: RegisterNamedPipeline, request_id: int | None
     ) -> Message | None:
-        job = self._registering_job(identity)
+        job = self._registering_job(identity, request)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -544,11 +595,22 @@ class DaemonCore:
         self._start_pipeline(job, request, make_runner, request_id)
         return None  # answered once the pipeline is built
 
-    def _registering_job(self, identity: bytes) -> Job:
+    def _registering_job(
+        self, identity: bytes, request: RegisterPipeline | RegisterNamedPipeline
+    ) -> Job:
         peer = self.peers[identity]
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
-        return peer.job
+        job = peer.job
+        claimed = {earlier.job_token for earlier in job.earlier_jobs}
+        for earlier in request.earlier_ids:
+            if earlier.job_token not in claimed:
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_JOB,
+                    f"{request.OP}: earlier_ids names a job that the hello of job {job.job_id} "
+                    "did not name in earlier_jobs",
+                )
+        return job
 
     def _start_pipeline(
         self,
@@ -561,6 +623,10 @@ class DaemonCore:
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         trainer = job.trainer
+        # The latest registration under an earlier id wins: the trainer may register again a
+        # pipeline whose build failed.
+        for earlier in request.earlier_ids:
+            job.earlier_pipelines[(earlier.job_token, earlier.pipeline_id)] = pipeline_id
 
         def on_built(result: PipelineSpec | PipelineBuildError) -> None:
             # Runs in the executor's thread: the reply leaves through the outbox.
@@ -592,7 +658,10 @@ class DaemonCore:
     def _on_submit_batch(
         self, identity: bytes, request: SubmitBatch, request_id: int | None
     ) -> Message | None:
-        job = self.peers[identity].job
+        peer = self.peers[identity]
+        job = peer.job
+        if peer.earlier_token:
+            request = self._in_this_job(job, peer.earlier_token, request)
         executor = self._executor(job, request.pipeline_id)
         spec = executor.spec
         if spec is None:
@@ -733,6 +802,19 @@ class DaemonCore:
             )
         return executor
 
+    @staticmethod
+    def _in_this_job(job: Job, earlier_token: str, request: SubmitBatch) -> SubmitBatch:
+        """A batch of a worker that joined as an earlier job, naming its pipeline by the id it
+        has in ``job``."""
+        pipeline_id = job.earlier_pipelines.get((earlier_token, request.pipeline_id))
+        if pipeline_id is None:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_PIPELINE,
+                f"job {job.job_id} has not registered again pipeline {request.pipeline_id} of "
+                "its earlier job (yet)",
+            )
+        return dataclasses.replace(request, pipeline_id=pipeline_id)
+
     def _forget_peer(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
         if peer is not None:
@@ -742,3 +824,8 @@ class DaemonCore:
         if namespace != self._pid_namespace or pid <= 0:
             return True  # another pid namespace: its pid means nothing here
         return process_running(pid)
+
+
+def _same_token(expected: str, given: str) -> bool:
+    """Compares a secret token in constant time (as bytes: ``given`` may be any string)."""
+    return hmac.compare_digest(expected.encode(), given.encode())

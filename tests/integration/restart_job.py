@@ -1,12 +1,16 @@
 """A training job that the restart tests run while they kill its daemon.
 
     python -m tests.integration.restart_job --socket PATH [--reconnect] [--pause-at K]
+        [--epochs E] [--persistent-workers] [--step-seconds S] [--deterministic]
 
-Trainer and DataLoader workers on a CPU pipeline. After batch K it prints "paused" and waits
-for a line on stdin (the test kills the daemon meanwhile, while the workers' next batches are in
-flight); then it finishes the epoch, checking every batch's data, and prints "ok N reconnects R"
-once every sample has been seen exactly once. It keeps the tensors of batch 1, which view the
-first daemon's shared memory, and checks them again at the end.
+Trainer and DataLoader workers on a CPU pipeline. After batch K of the first epoch it prints
+"paused" and waits for a line on stdin (the test kills the daemon meanwhile, while the workers'
+next batches are in flight); then it finishes its epochs, checking every batch's data and that
+each epoch saw every sample exactly once. It prints, per epoch, how many batches the trainer
+had to submit itself ("epoch 1 trainer-submitted S"), and at the end "ok N reconnects R" with N
+the samples seen in all. It keeps the tensors of batch 1, which view the first daemon's shared
+memory, and checks them again at the end. ``--step-seconds`` stands for the time a training
+step takes, during which the DataLoader workers make the next batches.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 
 import numpy as np
 
@@ -36,29 +41,46 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--pause-at", type=int, default=3)
     parser.add_argument("--reconnect", action="store_true")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--deterministic", action="store_true")
     args = parser.parse_args()
     with dalid.connect(
         socket=args.socket, autostart=False, name="restart job", reconnect=args.reconnect
     ) as session:
-        proxy = session.proxy(two_output_pipeline())
+        proxy = session.proxy(two_output_pipeline(), deterministic=args.deterministic)
         dataset = ProxyDataset(proxy, args.length)
-        loader = dalid.DataLoader(session, dataset, batch_size=BATCH, num_workers=args.workers)
-        seen: collections.Counter[int] = collections.Counter()
+        loader = dalid.DataLoader(
+            session,
+            dataset,
+            batch_size=BATCH,
+            num_workers=args.workers,
+            persistent_workers=args.persistent_workers,
+        )
         first = None
-        for step, ((scaled, shifted), indices) in enumerate(loader, start=1):
-            check(scaled, shifted, indices)
-            seen.update(indices.tolist())
-            if first is None:
-                first = (scaled, shifted, indices)
-            if step == args.pause_at:
-                print("paused", flush=True)
-                sys.stdin.readline()
+        samples = 0
+        for epoch in range(1, args.epochs + 1):
+            seen: collections.Counter[int] = collections.Counter()
+            submitted_before = session.submitted_by_trainer
+            for step, ((scaled, shifted), indices) in enumerate(loader, start=1):
+                check(scaled, shifted, indices)
+                time.sleep(args.step_seconds)
+                seen.update(indices.tolist())
+                if first is None:
+                    first = (scaled, shifted, indices)
+                if epoch == 1 and step == args.pause_at:
+                    print("paused", flush=True)
+                    sys.stdin.readline()
+            repeated = sorted(index for index, count in seen.items() if count > 1)
+            missing = sorted(set(range(args.length)) - set(seen))
+            assert not repeated and not missing, f"repeated {repeated}, missing {missing}"
+            samples += sum(seen.values())
+            submitted = session.submitted_by_trainer - submitted_before
+            print(f"epoch {epoch} trainer-submitted {submitted}", flush=True)
         assert first is not None
         check(*first)
-        repeated = sorted(index for index, count in seen.items() if count > 1)
-        missing = sorted(set(range(args.length)) - set(seen))
-        assert not repeated and not missing, f"repeated {repeated}, missing {missing}"
-        print(f"ok {sum(seen.values())} reconnects {session.reconnects}", flush=True)
+        print(f"ok {samples} reconnects {session.reconnects}", flush=True)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,36 @@ def test_batches_of_a_killed_daemon_are_submitted_again(short_tmp, deterministic
             assert second.stop() == 0
 
 
+def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp, monkeypatch):
+    """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
+    to it, and its hello names the abandoned job, still open there until the daemon notices
+    that its connection closed. The claim is refused (job_claimed) until then."""
+    from dalid.client import session as session_module
+    from dalid.protocol import ErrorCode
+
+    refusals = []
+    connect = session_module.autostart_connect
+
+    def connect_after_a_refusal(*args, **kwargs):
+        if not refusals:
+            refusals.append(kwargs["earlier_jobs"])
+            raise dalid.RequestError(ErrorCode.JOB_CLAIMED, "earlier job 1 is a live job")
+        return connect(*args, **kwargs)
+
+    daemon = start_daemon(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, reconnect=True) as session:
+            proxy = session.proxy(two_output_pipeline())
+            first_job = session.job_id
+            monkeypatch.setattr(session_module, "autostart_connect", connect_after_a_refusal)
+            session._reconnect_now()  # what a ping gone unanswered leads to
+            assert [job.job_id for job in refusals[0]] == [first_job]
+            assert session.reconnects == 1 and session.job_id != first_job
+            _check(session.produce_data(_batch(proxy, 0)), 0)
+    finally:
+        assert daemon.stop() == 0
+
+
 def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
     from dalid.client import proxy as dali_proxy
 
@@ -198,6 +229,45 @@ def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp,
         # Every sample once, each equal to the pipeline's output, after one reconnection.
         assert f"ok {LENGTH} reconnects 1" in out, out
         assert daemon.daemon_pid() != first
+    finally:
+        kill_leftovers([job])
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+    assert not daemon.socket.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, deterministic):
+    daemon = start_daemon(short_tmp, supervised=True)
+    first = daemon.daemon_pid()
+    job = _job(
+        daemon.socket,
+        "--reconnect",
+        "--workers", "2",
+        "--persistent-workers",
+        "--epochs", "2",
+        "--length", str(LENGTH),
+        "--step-seconds", "0.05",
+        *(["--deterministic"] if deterministic else []),
+    )  # fmt: skip
+    try:
+        _kill_daemon_at_pause(job, first)
+        out, _ = job.communicate(timeout=180)
+        assert job.returncode == 0, out
+        # Each epoch saw every sample once, each equal to the pipeline's output.
+        assert f"ok {2 * LENGTH} reconnects 1" in out, out
+        # In the epoch of the kill the trainer submits the batches that were in flight, and
+        # those the workers made before they rejoined (how many depends on timing). Persistent
+        # workers started before the kill then submit every batch of the next epoch: without
+        # rejoining, the trainer would submit all of them.
+        assert "epoch 2 trainer-submitted 0" in out, out
+        second = daemon.daemon_pid()
+        assert second != first
+        joined = re.findall(
+            r"job \d+: worker pid (\d+) joined as job \d+ of an earlier", daemon.log_text()
+        )
+        assert len(set(joined)) == 2, daemon.log_text()
     finally:
         kill_leftovers([job])
         assert daemon.stop() == 0

@@ -19,6 +19,8 @@ from dalid.protocol import (
     BatchAccepted,
     BatchFailed,
     BatchReady,
+    EarlierJob,
+    EarlierPipeline,
     Envelope,
     Error,
     ErrorCode,
@@ -99,6 +101,15 @@ def _examples() -> list[tuple[Message, int | None]]:
             2,
         ),
         (
+            Hello(
+                PROTOCOL_VERSION,
+                1234,
+                Role.TRAINER,
+                earlier_jobs=(EarlierJob(1, "0123abcd"), EarlierJob(1, "4567cdef")),
+            ),
+            3,
+        ),
+        (
             Welcome(
                 protocol_version=PROTOCOL_VERSION,
                 daemon_pid=42,
@@ -158,6 +169,7 @@ def _examples() -> list[tuple[Message, int | None]]:
                 exec_dynamic=False,
                 name="train",
                 on_error=OnError.SKIP,
+                earlier_ids=(EarlierPipeline("0123abcd", 2),),
             ),
             6,
         ),
@@ -180,6 +192,13 @@ def _examples() -> list[tuple[Message, int | None]]:
             6,
         ),
         (RegisterNamedPipeline(name="train"), 10),
+        (
+            RegisterNamedPipeline(
+                name="train",
+                earlier_ids=(EarlierPipeline("0123abcd", 1), EarlierPipeline("4567cdef", 3)),
+            ),
+            12,
+        ),
         (
             RegisterNamedPipeline(
                 name="resnet_train",
@@ -792,8 +811,55 @@ def test_submit_batch_without_inputs_or_samples() -> None:
         ("hello", {"protocol_version": 1, "client_pid": 1, "role": "worker", "job_id": 1}),
         ("hello", {"protocol_version": 1, "client_pid": 1, "role": "trainer", "name": "n" * 257}),
         ("release_regions", {"region_ids": [1, None]}),
+        (
+            "hello",
+            {
+                "protocol_version": 1,
+                "client_pid": 1,
+                "role": "worker",
+                "job_id": 1,
+                "job_token": "ab",
+                "earlier_jobs": [{"job_id": 1, "job_token": "cd"}],
+            },
+        ),
+        (
+            "hello",
+            {
+                "protocol_version": 1,
+                "client_pid": 1,
+                "role": "trainer",
+                "earlier_jobs": [{"job_id": 1, "job_token": "cd"}] * 2,
+            },
+        ),
+        (
+            "hello",
+            {
+                "protocol_version": 1,
+                "client_pid": 1,
+                "role": "trainer",
+                "earlier_jobs": [{"job_id": n, "job_token": "cd"} for n in range(257)],
+            },
+        ),
+        (
+            "hello",
+            {
+                "protocol_version": 1,
+                "client_pid": 1,
+                "role": "trainer",
+                "earlier_jobs": [{"job_id": 1, "job_token": ""}],
+            },
+        ),
     ],
-    ids=["worker-without-job", "worker-without-token", "long-name", "nil-region"],
+    ids=[
+        "worker-without-job",
+        "worker-without-token",
+        "long-name",
+        "nil-region",
+        "worker-with-earlier-jobs",
+        "earlier-job-twice",
+        "too-many-earlier-jobs",
+        "earlier-job-without-token",
+    ],
 )
 def test_message_checks(op: str, body: dict[str, Any]) -> None:
     _expect_error(_pack(_header(op=op, body=body)))
@@ -813,6 +879,14 @@ def test_message_checks(op: str, body: dict[str, Any]) -> None:
         {"num_threads": 0},
         {"prefetch_queue_depth": 0},
         {"name": "n" * 257},
+        {
+            "earlier_ids": [
+                {"job_token": "ab", "pipeline_id": 1},
+                {"job_token": "ab", "pipeline_id": 2},
+            ]
+        },
+        {"earlier_ids": [{"job_token": "", "pipeline_id": 1}]},
+        {"earlier_ids": [{"job_token": "ab"}]},
     ],
     ids="-".join,
 )
@@ -833,8 +907,19 @@ def test_register_pipeline_checks(fields: dict[str, Any]) -> None:
         {"batch_size": 0},
         {"num_threads": 2000},
         {"prefetch_queue_depth": 0},
+        {"earlier_ids": [{"job_token": f"t{n}", "pipeline_id": 1} for n in range(257)]},
     ],
-    ids=["name", "array", "not-json", "device-id", "batch-size-param", "batch", "threads", "depth"],
+    ids=[
+        "name",
+        "array",
+        "not-json",
+        "device-id",
+        "batch-size-param",
+        "batch",
+        "threads",
+        "depth",
+        "too-many-earlier-ids",
+    ],
 )
 def test_register_named_pipeline_checks(fields: dict[str, Any]) -> None:
     header, frames = _encoded_header(_first(RegisterNamedPipeline))

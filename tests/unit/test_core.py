@@ -14,11 +14,14 @@ from dalid.protocol import (
     PROTOCOL_VERSION,
     BatchAccepted,
     BatchReady,
+    EarlierJob,
+    EarlierPipeline,
     Error,
     ErrorCode,
     Hello,
     InputBatch,
     Message,
+    Ok,
     PipelineRegistered,
     RegisterPipeline,
     ReleaseRegions,
@@ -158,3 +161,133 @@ def test_goodbye_frees_the_job(core):
     core.handle(TRAINER, Goodbye(), 4)
     assert not core.jobs and not core.peers
     assert pool.slab_count == 0
+
+
+# --- earlier jobs: workers rejoining a trainer's job after a daemon restart -----------------------
+
+OLD_TOKEN = "token-of-a-job-of-an-earlier-daemon"
+
+
+def _trainer_hello(core: DaemonCore, identity: bytes, *earlier: EarlierJob) -> Message | None:
+    import os
+
+    hello = Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, earlier_jobs=earlier)
+    return core.handle(identity, hello, 1)
+
+
+def _worker_hello(core: DaemonCore, identity: bytes, job_id: int, token: str) -> Message | None:
+    import os
+
+    hello = Hello(PROTOCOL_VERSION, os.getpid(), Role.WORKER, job_id=job_id, job_token=token)
+    return core.handle(identity, hello, 1)
+
+
+def _register_again(core: DaemonCore, *earlier: EarlierPipeline) -> int:
+    request = RegisterPipeline(
+        memoryview(doubling().serialize()), ("x",), 1, 4, 1, 2, earlier_ids=earlier
+    )
+    assert core.handle(TRAINER, request, 2) is None
+    _, reply, _ = core.pushed.get(timeout=30)  # type: ignore[attr-defined]
+    assert isinstance(reply, PipelineRegistered)
+    return reply.pipeline_id
+
+
+def test_a_worker_of_an_earlier_job_joins_the_new_job_and_submits_under_the_earlier_id(core):
+    welcome = _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    assert isinstance(welcome, Welcome) and welcome.job_token != OLD_TOKEN
+    pipeline_id = _register_again(core, EarlierPipeline(OLD_TOKEN, 42))
+    joined = _worker_hello(core, WORKER, 7, OLD_TOKEN)
+    assert isinstance(joined, Welcome)
+    # The welcome names the new job: the worker stamps its token on the batches it submits.
+    assert (joined.job_id, joined.job_token) == (welcome.job_id, welcome.job_token)
+    assert core.status().jobs[0].workers == 1
+    sample = np.arange(6, dtype=np.int32).reshape(2, 3)
+    accepted = core.handle(WORKER, _batch(42, sample), 3)
+    assert isinstance(accepted, BatchAccepted)
+    peer, ready, _ = core.pushed.get(timeout=30)
+    assert peer == TRAINER and isinstance(ready, BatchReady)
+    assert (ready.batch_id, ready.pipeline_id) == (accepted.batch_id, pipeline_id)
+    # An id the pipeline never had in the earlier job names nothing for this worker.
+    unknown = core.handle(WORKER, _batch(pipeline_id, sample), 4)
+    assert isinstance(unknown, Error) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
+
+
+def test_an_earlier_job_still_needs_its_token(core):
+    _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    for job_id, token in [(7, "not-the-token"), (7, OLD_TOKEN[:-1]), (8, OLD_TOKEN), (7, "é")]:
+        reply = _worker_hello(core, WORKER, job_id, token)
+        assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_JOB, (job_id, token)
+    assert WORKER not in core.peers
+
+
+def test_a_worker_before_the_pipeline_is_registered_again_is_told_so(core):
+    _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    assert isinstance(_worker_hello(core, WORKER, 7, OLD_TOKEN), Welcome)
+    reply = core.handle(WORKER, _batch(42, np.zeros((1,), np.int32)), 2)
+    assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_PIPELINE
+    assert "not registered again pipeline 42" in reply.message
+
+
+def test_a_claim_on_an_identity_that_names_a_job_here_is_refused(core):
+    live = _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    assert isinstance(live, Welcome)
+    for earlier, named in [
+        (EarlierJob(live.job_id, live.job_token), "a live job"),
+        (EarlierJob(7, OLD_TOKEN), f"claimed by job {live.job_id}"),
+    ]:
+        reply = _trainer_hello(core, b"another trainer", EarlierJob(3, "other"), earlier)
+        assert isinstance(reply, Error) and reply.code is ErrorCode.JOB_CLAIMED
+        assert named in reply.message
+        # A refused hello opens nothing, and claims nothing.
+        assert list(core.jobs) == [live.job_id] and b"another trainer" not in core.peers
+        assert isinstance(_worker_hello(core, WORKER, 3, "other"), Error)
+    # The same job id with another token is another job (ids repeat from daemon to daemon).
+    other = _trainer_hello(core, b"another trainer", EarlierJob(7, "other"))
+    assert isinstance(other, Welcome)
+    joined = _worker_hello(core, WORKER, 7, "other")
+    assert isinstance(joined, Welcome) and joined.job_id == other.job_id != live.job_id
+
+
+def test_a_registration_names_only_earlier_jobs_its_hello_claimed(core):
+    _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    request = RegisterPipeline(
+        memoryview(doubling().serialize()),
+        ("x",),
+        1,
+        4,
+        1,
+        2,
+        earlier_ids=(EarlierPipeline("a-token-never-claimed", 1),),
+    )
+    reply = core.handle(TRAINER, request, 2)
+    assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_JOB
+    assert not core.jobs[1].pipelines
+
+
+def test_earlier_jobs_go_when_the_job_ends(core):
+    from dalid.protocol import Goodbye
+
+    _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
+    _register_again(core, EarlierPipeline(OLD_TOKEN, 42))
+    assert isinstance(_worker_hello(core, WORKER, 7, OLD_TOKEN), Welcome)
+    assert isinstance(core.handle(TRAINER, Goodbye(), 3), Ok)
+    assert not core.jobs and not core.peers
+    reply = _worker_hello(core, b"late worker", 7, OLD_TOKEN)
+    assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_JOB
+    # Free to be claimed again, by the trainer that reconnects next.
+    assert isinstance(_trainer_hello(core, b"next trainer", EarlierJob(7, OLD_TOKEN)), Welcome)
+
+
+def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core):
+    first = _hello(core)
+    pipeline_id = _register(core)
+    core.handle(TRAINER, _batch(pipeline_id, np.zeros((1,), np.int32)), 3)
+    _, ready, _ = core.pushed.get(timeout=30)
+    assert isinstance(ready, BatchReady)
+    (output,) = ready.outputs
+    _trainer_hello(core, b"second trainer", EarlierJob(first.job_id, OLD_TOKEN))
+    assert isinstance(_worker_hello(core, WORKER, first.job_id, OLD_TOKEN), Welcome)
+    # The worker joined the second job: the first job's region is not its to release.
+    reply = core.handle(WORKER, ReleaseRegions((output.region_id,)), None)
+    assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_REGION
+    assert core.jobs[first.job_id].pool.leased_regions == 1
