@@ -584,7 +584,9 @@ class JobStatus:
     ``queued`` batches wait for their pipeline, ``running`` are inside DALI, ``waiting`` were
     received over the job's in-flight limit and wait for their ``batch_accepted``, ``deferred``
     wait for ``schedule_batch``. ``slot_wait_seconds`` is the time batches waited for the daemon
-    while other jobs ran; ``passed_over`` counts the batches of other jobs started meanwhile.
+    while other jobs ran; ``passed_over`` counts the batches of other jobs started meanwhile;
+    ``run_seconds`` is the daemon's time the job's batches took inside their pipelines, what
+    the job's weight shares out.
     """
 
     job_id: int
@@ -605,6 +607,7 @@ class JobStatus:
     max_inflight_batches: int
     slot_wait_seconds: float
     passed_over: int
+    run_seconds: float
     trainer_wait_seconds: float
     regions_held: int
     bytes_held: int

@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from .badsamples import dali_message, find_bad, oversized_images, plan, select, 
 from .cuda import CudaBackend, CudaSlab
 from .pool import PoolClosed, PoolTooSmall, Region, RegionPool
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
-from .scheduler import JobSlots
+from .scheduler import JobSlots, ServiceClock
 
 log = logging.getLogger("dalid.server")
 
@@ -48,6 +49,8 @@ class PendingBatch:
     arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
+    # When it went into DALI (monotonic seconds), for its service time.
+    entered: float = 0.0
 
 
 Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
@@ -104,6 +107,7 @@ class PipelineExecutor:
         self._answer = answer
         self._slots = slots
         self._slots_held = 0
+        self._clock = ServiceClock()
         self._on_built = on_built
         self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
         self._stopping = threading.Event()
@@ -166,6 +170,7 @@ class PipelineExecutor:
             self._give_slots(len(in_flight))
             retry.extendleft(reversed(in_flight))
             in_flight.clear()
+            self._clock.interrupted()
             if error is not None or runner.scheduled:
                 runner.rebuild()
             self._recover(runner, failed, code, error, bad)
@@ -187,6 +192,7 @@ class PipelineExecutor:
                     try:
                         oversized = self._prepare(batch)
                         if not oversized:
+                            batch.entered = time.monotonic()
                             runner.schedule(batch.arrays)
                     except Exception as error:
                         failure = error
@@ -204,10 +210,14 @@ class PipelineExecutor:
                     self._give_slots(1)
                     start_over(batch, ErrorCode.PIPELINE_ERROR, error, {})
                     continue
+                samples = batch.request.batch_size
+                service = self._clock.batch_done(samples, batch.entered, time.monotonic())
+                if self._slots is not None:
+                    self._slots.charge(service)
                 # The copy-out may wait for the trainer to free buffers: not in a slot. With
                 # more batches ready, ask for the next slot in this job's turn right away.
                 more = bool(retry) or self._queue.qsize() > 0
-                self._give_slots(1, next_cost=batch.request.batch_size if more else None)
+                self._give_slots(1, next_cost=self._clock.cost(samples) if more else None)
                 self._write(batch, outputs)
                 del outputs
                 runner.release()
@@ -229,9 +239,8 @@ class PipelineExecutor:
     def _take_slot(self, batch: PendingBatch, block: bool) -> bool:
         if self._slots is None:
             return True
-        if not self._slots.acquire(
-            batch.request.batch_size, block=block, cancelled=self._stopping.is_set
-        ):
+        cost = self._clock.cost(batch.request.batch_size)
+        if not self._slots.acquire(cost, block=block, cancelled=self._stopping.is_set):
             return False
         self._slots_held += 1
         return True

@@ -22,6 +22,7 @@ JOB_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_job_batches_queued", "Batches waiting for their pipeline", "gauge", "queued"),
     ("dalid_job_batches_running", "Batches inside DALI", "gauge", "running"),
     ("dalid_job_batches_waiting", "Batches held back over the job's limit", "gauge", "waiting"),
+    ("dalid_job_run_seconds", "Daemon time the job's batches took", "counter", "run_seconds"),
     ("dalid_job_slot_wait_seconds", "Batches' wait for other jobs", "counter", "slot_wait_seconds"),
     ("dalid_job_trainer_wait_seconds", "Wait for data", "counter", "trainer_wait_seconds"),
     ("dalid_job_regions_held", "Output buffers the trainer holds", "gauge", "regions_held"),

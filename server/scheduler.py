@@ -4,12 +4,14 @@ The daemon runs at most ``slots`` batches at once, across all jobs. A pipeline's
 a slot before it hands a batch to DALI and gives it back once the batch's outputs are written.
 When slots are short, they go by start-time fair queueing (Goyal, Vin and Cheng, 1996): each
 request gets a virtual start tag, ``max(V, finish tag of the job's previous request)``, and its
-job's finish tag moves on by ``cost / weight``, cost being the batch's samples. The waiting
-request with the smallest start tag is served next, and the virtual time ``V`` becomes its tag.
-So busy jobs share the slots in proportion to their weights, counted in samples, and a job
-that was idle comes back at ``V``: it cannot save up a credit, and a job that floods the daemon
-only pushes its own tags ahead, so a steady job's next batch waits at most for the batches
-already running.
+job's finish tag moves on by ``cost / weight``. The cost is the time the batch is expected to
+keep the daemon busy (its samples times what a sample of its pipeline took lately: see
+``ServiceClock``), so a job whose samples are heavier gets fewer of them, not more of the
+daemon. The waiting request with the smallest start tag is served next, and the virtual time
+``V`` becomes its tag. So busy jobs share the daemon's time in proportion to their weights,
+and a job that was idle comes back at ``V``: it cannot save up a credit, and a job that floods
+the daemon only pushes its own tags ahead, so a steady job's next batch waits at most for the
+batches already running. What each job's batches did take is kept as its ``run_seconds``.
 
 An executor may hold several slots (its prefetch depth). It blocks for a slot only while it
 holds none; with a batch in flight it only tries, and collects that batch if it may not start
@@ -58,17 +60,20 @@ class _JobShare:
     granted: int = 0
     waited_seconds: float = 0.0
     passed_over: int = 0
+    run_seconds: float = 0.0
     waiting: list[_Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ShareStats:
-    """A job's scheduling so far: slots it holds, how long and behind how many it waited."""
+    """A job's scheduling so far: slots it holds, how long and behind how many it waited, and
+    the daemon's time its batches took."""
 
     running: int
     granted: int
     waited_seconds: float
     passed_over: int
+    run_seconds: float
 
 
 class FairScheduler:
@@ -190,13 +195,21 @@ class FairScheduler:
         with self._changed:
             share = self._jobs.get(job_id)
             if share is None:
-                return ShareStats(0, 0, 0.0, 0)
+                return ShareStats(0, 0, 0.0, 0, 0.0)
             return ShareStats(
                 share.running + share.reserved,
                 share.granted,
                 share.waited_seconds,
                 share.passed_over,
+                share.run_seconds,
             )
+
+    def charge(self, job_id: int, seconds: float) -> None:
+        """Counts ``seconds`` of the daemon's time, taken by a batch of the job, to the job."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            if share is not None:
+                share.run_seconds += seconds
 
     @property
     def free(self) -> int:
@@ -283,3 +296,50 @@ class JobSlots:
 
     def forfeit(self) -> None:
         self.scheduler.forfeit(self.job_id)
+
+    def charge(self, seconds: float) -> None:
+        self.scheduler.charge(self.job_id, seconds)
+
+
+class ServiceClock:
+    """What a sample of one pipeline costs the daemon, learnt from the batches it ran.
+
+    A batch's service time runs from when it went into DALI, or from when the batch before it
+    came out if that was later (batches in flight overlap; each is charged only the time after
+    its predecessor), to when its outputs come out. The estimate per sample is a moving average,
+    so it follows a pipeline whose samples change; until the first batch it is a guess.
+    """
+
+    # A guess for a pipeline that has run nothing yet: a small decoded image on one CPU core.
+    INITIAL_SECONDS_PER_SAMPLE = 0.001
+    # Weight of the newest batch in the moving average.
+    SMOOTHING = 0.2
+
+    def __init__(self) -> None:
+        self.seconds_per_sample = self.INITIAL_SECONDS_PER_SAMPLE
+        self._measured = False
+        self._last_done: float | None = None
+
+    def cost(self, samples: int) -> float:
+        """The expected service time of a batch of ``samples``."""
+        return samples * self.seconds_per_sample
+
+    def batch_done(self, samples: int, entered: float, done: float) -> float:
+        """Learns from a batch that went into DALI at ``entered`` and came out at ``done``
+        (monotonic seconds); returns its service time."""
+        start = entered if self._last_done is None else max(entered, self._last_done)
+        self._last_done = done
+        service = max(done - start, 0.0)
+        if samples > 0:
+            # Never free: a zero estimate would take a pipeline out of the weighing altogether.
+            per_sample = max(service / samples, 1e-6)
+            if self._measured:
+                self.seconds_per_sample += self.SMOOTHING * (per_sample - self.seconds_per_sample)
+            else:
+                self.seconds_per_sample = per_sample
+                self._measured = True
+        return service
+
+    def interrupted(self) -> None:
+        """The batches in flight were dropped (a failure): the next one starts afresh."""
+        self._last_done = None

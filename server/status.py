@@ -83,6 +83,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         max_inflight_batches=job.limits.max_inflight_batches,
         slot_wait_seconds=share.waited_seconds,
         passed_over=share.passed_over,
+        run_seconds=share.run_seconds,
         trainer_wait_seconds=job.trainer_waited,
         regions_held=sum(pool.leased_regions for pool in pools),
         bytes_held=sum(pool.leased_bytes for pool in pools),

@@ -99,6 +99,43 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
         assert daemon.stop() == 0
 
 
+def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp):
+    daemon = start_daemon(short_tmp, "--concurrency", "1")
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        # The same images, batch and weight; a blur four times wider makes a heavy sample cost
+        # the daemon several times a light one.
+        for name, window, workers in (("light", "31", "3"), ("heavy", "121", "2")):
+            jobs.append(
+                start_job(
+                    "load_job",
+                    daemon.socket,
+                    *("--name", name, "--window", window, "--workers", workers),
+                )
+            )
+        for job in jobs:
+            _wait_running(job)
+        time.sleep(1.0)  # both backlogged, and each pipeline's cost learnt
+        before = {job.name: job for job in daemon.status().jobs}
+        backlog: list[dict[str, int]] = []
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            backlog.append({job.name: job.queued for job in daemon.status().jobs})
+            time.sleep(0.25)
+        after = {job.name: job for job in daemon.status().jobs}
+        seconds = {n: after[n].run_seconds - before[n].run_seconds for n in after}
+        samples = {n: after[n].samples_done - before[n].samples_done for n in after}
+        # Equal shares of the daemon's time; so the light job gets several times the samples
+        # (counting samples instead would give both the same number).
+        assert 0.6 <= seconds["light"] / seconds["heavy"] <= 1.67, (seconds, samples, backlog)
+        assert samples["light"] >= 2 * samples["heavy"], (seconds, samples, backlog)
+        for job in jobs:
+            assert job.poll() is None, job.communicate()[0]
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+
+
 def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_tmp):
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []

@@ -364,6 +364,7 @@ def _examples() -> list[tuple[Message, int | None]]:
                         max_inflight_batches=16,
                         slot_wait_seconds=0.5,
                         passed_over=3,
+                        run_seconds=4.5,
                         trainer_wait_seconds=2.0,
                         regions_held=6,
                         bytes_held=6 << 20,

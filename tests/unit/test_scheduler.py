@@ -1,4 +1,5 @@
-"""FairScheduler: weighted shares, no saved-up credit, no queue jumping, cancellation.
+"""FairScheduler: weighted shares, no saved-up credit, no queue jumping, cancellation; the
+ServiceClock that prices batches in the daemon's time.
 
 The real path (executors of several jobs in one daemon) is in tests/integration/test_many_jobs.py.
 """
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from dalid.server.scheduler import FairScheduler
+from dalid.server.scheduler import FairScheduler, ServiceClock
 
 
 def never() -> bool:
@@ -21,10 +22,10 @@ def never() -> bool:
 def _serve_backlogged(
     scheduler: FairScheduler, costs: dict[int, int], grants: int
 ) -> dict[int, int]:
-    """Samples each job gets when all of them always have a batch waiting.
+    """The cost each job gets served when all of them always have a batch waiting.
 
     One slot; each job's executor runs one batch at a time and, as a real one does, says at
-    release that it has another ready. Returns the samples served per job over ``grants``.
+    release that it has another ready. Returns the cost served per job over ``grants``.
     """
     served = dict.fromkeys(costs, 0)
     order: list[int] = []
@@ -56,7 +57,7 @@ def _serve_backlogged(
     return served
 
 
-def test_busy_jobs_share_samples_by_weight() -> None:
+def test_busy_jobs_share_the_cost_by_weight() -> None:
     scheduler = FairScheduler(1)
     scheduler.add_job(1, weight=1.0)
     scheduler.add_job(2, weight=3.0)
@@ -64,8 +65,8 @@ def test_busy_jobs_share_samples_by_weight() -> None:
     assert served[2] / served[1] == pytest.approx(3.0, rel=0.1)
 
 
-def test_shares_count_samples_not_batches() -> None:
-    # A job with batches four times larger gets a quarter as many of them.
+def test_shares_count_cost_not_batches() -> None:
+    # A job whose batches cost four times as much gets a quarter as many of them.
     scheduler = FairScheduler(1)
     scheduler.add_job(1, weight=1.0)
     scheduler.add_job(2, weight=1.0)
@@ -192,3 +193,49 @@ def test_weights_must_be_positive_and_slots_at_least_one() -> None:
         FairScheduler(0)
     with pytest.raises(ValueError, match="weight"):
         FairScheduler(1).add_job(1, weight=0)
+
+
+# --- ServiceClock -------------------------------------------------------------------------------
+
+
+def test_a_batch_costs_its_samples_times_the_last_measured_time_per_sample() -> None:
+    clock = ServiceClock()
+    assert clock.cost(8) == pytest.approx(8 * ServiceClock.INITIAL_SECONDS_PER_SAMPLE)
+    assert clock.batch_done(8, entered=10.0, done=10.4) == pytest.approx(0.4)
+    assert clock.cost(16) == pytest.approx(0.8)  # the first measurement replaces the guess
+
+
+def test_overlapping_batches_are_each_charged_only_after_their_predecessor() -> None:
+    clock = ServiceClock()
+    # Two batches go in together (prefetch); the second comes out 0.1 s after the first.
+    assert clock.batch_done(4, entered=0.0, done=0.5) == pytest.approx(0.5)
+    assert clock.batch_done(4, entered=0.01, done=0.6) == pytest.approx(0.1)
+    # After an idle gap, the next batch is charged from when it went in.
+    assert clock.batch_done(4, entered=5.0, done=5.2) == pytest.approx(0.2)
+
+
+def test_the_estimate_follows_a_pipeline_whose_samples_get_heavier() -> None:
+    clock = ServiceClock()
+    clock.batch_done(1, entered=0.0, done=0.01)
+    now = 1.0
+    for _ in range(40):
+        clock.batch_done(1, entered=now, done=now + 0.05)
+        now += 1.0
+    assert clock.cost(1) == pytest.approx(0.05, rel=0.01)
+
+
+def test_after_an_interruption_the_next_batch_is_charged_from_when_it_went_in() -> None:
+    clock = ServiceClock()
+    clock.batch_done(2, entered=0.0, done=1.0)
+    clock.interrupted()
+    assert clock.batch_done(2, entered=0.5, done=1.5) == pytest.approx(1.0)
+
+
+def test_run_seconds_add_up_per_job() -> None:
+    scheduler = FairScheduler(1)
+    scheduler.add_job(1, weight=1.0)
+    scheduler.charge(1, 0.25)
+    scheduler.charge(1, 0.5)
+    scheduler.charge(2, 9.0)  # an unknown job: nothing to count it to
+    assert scheduler.stats(1).run_seconds == pytest.approx(0.75)
+    assert scheduler.stats(2).run_seconds == 0.0
