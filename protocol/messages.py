@@ -19,6 +19,10 @@ from .errors import ErrorCode
 PROTOCOL_VERSION = 4
 """Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
 
+A new operation that changes no existing message is no such change: a peer that lacks it
+answers ``unknown_operation``, so ``reload_repository`` and ``repository_report`` came
+without a bump.
+
 Version 4 added what lets DataLoader workers rejoin their job after a daemon restart: a
 trainer's ``hello`` names its jobs of earlier daemons (``earlier_jobs``), each registration the
 ids the pipeline had in them (``earlier_ids``), and the error code ``job_claimed``.
@@ -634,6 +638,39 @@ class StatusReport(Message):
     jobs: tuple[JobStatus, ...]
 
 
+# --- Repository family --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReloadRepository(Message):
+    """Asks the daemon to load its pipeline repository again (``dalid reload``, as SIGHUP
+    does); answered by :class:`RepositoryReport` once loaded. Needs no hello (like ``status``)."""
+
+    OP: ClassVar[str] = "reload_repository"
+
+
+@dataclass(frozen=True)
+class RepositoryFailure:
+    """A file of the repository that failed to load, with its error on one line.
+
+    ``kept_pipelines``: the pipelines it still serves from its last good load.
+    """
+
+    file: str
+    message: str
+    kept_pipelines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RepositoryReport(Message):
+    """The repository as loaded: its directory, the names clients may select, the failures."""
+
+    OP: ClassVar[str] = "repository_report"
+    directory: str
+    pipelines: tuple[str, ...]
+    failures: tuple[RepositoryFailure, ...] = ()
+
+
 # --- Errors -------------------------------------------------------------------------------------
 
 
@@ -668,6 +705,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     TrainerProgress,
     StatusRequest,
     StatusReport,
+    ReloadRepository,
+    RepositoryReport,
     Error,
 )
 
@@ -700,6 +739,9 @@ __all__ = [
     "RegisterNamedPipeline",
     "RegisterPipeline",
     "ReleaseRegions",
+    "ReloadRepository",
+    "RepositoryFailure",
+    "RepositoryReport",
     "Role",
     "ScheduleBatch",
     "Shutdown",

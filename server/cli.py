@@ -1,5 +1,6 @@
 """The ``dalid`` command: ``dalid serve`` runs daemons, ``dalid status`` shows one, ``dalid stop``
-asks one to exit, ``dalid ping`` checks that one answers.
+asks one to exit, ``dalid ping`` checks that one answers, ``dalid reload`` has one load its
+pipeline repository again.
 
 Options are defined once, in :mod:`dalid.server.config`. ``dalid serve`` runs each daemon as the
 child of a supervisor that restarts it when it crashes (:mod:`dalid.server.supervisor`);
@@ -23,10 +24,13 @@ import zmq
 from dalid.protocol import (
     RUNTIME_DIR_ENV,
     Error,
+    ErrorCode,
     Message,
     Ping,
     Pong,
     ProtocolError,
+    ReloadRepository,
+    RepositoryReport,
     Shutdown,
     StatusReport,
     StatusRequest,
@@ -45,6 +49,8 @@ from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 log = logging.getLogger("dalid.server")
 # As argparse exits on a bad flag.
 EXIT_USAGE = 2
+# `dalid reload`: the daemon reloaded, but some files failed to load.
+EXIT_LOAD_FAILED = 3
 # Options the supervisor sets for each child itself rather than passing on.
 PER_CHILD = frozenset({"device", "devices", "socket"})
 
@@ -74,12 +80,31 @@ def build_parser() -> argparse.ArgumentParser:
         ("stop", "ask the daemon for a device to exit"),
         ("ping", "exit 0 if the daemon for a device answers (for health checks)"),
         ("status", "show the daemon for a device and its jobs, live"),
+        ("reload", "have the daemon for a device load its pipeline repository again"),
     ):
-        command = commands.add_parser(
-            name, help=text, description=f"{text[0].upper()}{text[1:]}; finds it as serve does."
-        )
+        description = f"{text[0].upper()}{text[1:]}; finds it as serve does."
+        if name == "reload":
+            description += (
+                " New registrations use the pipelines as loaded now; pipelines already running "
+                "keep their definitions. A file that fails to load keeps the pipelines of its "
+                "last good load; a removed file's pipelines are gone. Prints the pipelines and "
+                "the files that failed; exits 0 when every file loaded, "
+                f"{EXIT_LOAD_FAILED} when some failed (the others are loaded all the same), "
+                "1 when the daemon did not reload. Any process of the user that can open the "
+                "daemon's socket may reload it, as it may stop it; SIGHUP to the daemon, or to "
+                "`dalid serve`, does the same."
+            )
+        command = commands.add_parser(name, help=text, description=description)
         add_options(command, [option for option in OPTIONS if option.locates_daemon])
-        command.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+        # Loading imports the repository's files, which may take a while.
+        timeout = 60.0 if name == "reload" else 10.0
+        command.add_argument(
+            "--timeout",
+            type=float,
+            default=timeout,
+            metavar="SECONDS",
+            help=f"how long to wait for the daemon's answer (default {timeout:g})",
+        )
         if name == "status":
             command.add_argument(
                 "--json", action="store_true", help="print one snapshot as JSON and exit"
@@ -210,7 +235,13 @@ class DaemonLine:
             if envelope.request_id != request_id:
                 continue  # the answer to an earlier request that timed out
             if isinstance(envelope.message, Error):
-                raise NoAnswer(envelope.message.message)
+                refusal = envelope.message
+                if refusal.code is ErrorCode.UNKNOWN_OPERATION:
+                    raise NoAnswer(
+                        f"the daemon on {endpoint(self.path)} does not know {request.OP!r}: it "
+                        "runs an older dalid release (restart it with this one)"
+                    )
+                raise NoAnswer(refusal.message)
             return envelope.message
         raise NoAnswer(f"the daemon on {endpoint(self.path)} did not answer")
 
@@ -241,6 +272,26 @@ def _ask(path: Path, timeout: float, request: Message) -> int:
     except NoAnswer as error:
         print(f"dalid: {error}", file=sys.stderr)
         return 1
+
+
+def _reload(path: Path, timeout: float) -> int:
+    """Has the daemon reload its repository; prints what it loaded and what failed."""
+    try:
+        with DaemonLine(path, timeout) as line:
+            report = line.ask(ReloadRepository())
+    except NoAnswer as error:
+        print(f"dalid reload: {error}", file=sys.stderr)
+        return 1
+    assert isinstance(report, RepositoryReport)
+    print(f"reloaded {report.directory}: {', '.join(report.pipelines) or 'no pipelines'}")
+    for failure in report.failures:
+        kept = (
+            f" (still serving {', '.join(failure.kept_pipelines)} from its last good load)"
+            if failure.kept_pipelines
+            else ""
+        )
+        print(f"failed: {failure.file}: {failure.message}{kept}", file=sys.stderr)
+    return EXIT_LOAD_FAILED if report.failures else 0
 
 
 def _status(path: Path, args: argparse.Namespace) -> int:
@@ -302,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Daemon(config).serve()
     if args.command == "status":
         return _status(path, args)
+    if args.command == "reload":
+        # Like shutdown: whoever can open the socket (mode 0600, its user) may reload.
+        return _reload(path, args.timeout)
     # Shutdown and ping need no hello: whoever can open the socket (mode 0600) may send them.
     return _ask(path, args.timeout, Shutdown() if args.command == "stop" else Ping())
 

@@ -46,6 +46,9 @@ from dalid.protocol import (
     RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
+    ReloadRepository,
+    RepositoryFailure,
+    RepositoryReport,
     Role,
     ScheduleBatch,
     Shutdown,
@@ -65,12 +68,15 @@ from .executor import PendingBatch, PipelineExecutor
 from .memory import SlabBackend
 from .pool import RegionPool
 from .quotas import QuotaRefused, Quotas, grant
-from .repository import PipelineRepository
+from .repository import PipelineRepository, RepositoryUnavailable
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .scheduler import FairScheduler, JobSlots
 from .status import RateMeter, job_status
 
 log = logging.getLogger("dalid.server")
+# A failure's message in a repository report is cut to this many characters (the daemon's log
+# has the whole traceback).
+MAX_FAILURE_MESSAGE = 1000
 
 Push = Callable[[bytes, Message, int | None], None]
 """push(peer, message, request_id): queues a message for a peer; safe from any thread."""
@@ -189,7 +195,11 @@ class DaemonCore:
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
+        # Replaced whole by a reload, never changed in place: a registration reads it once,
+        # at its arrival, and builds from the definition it found.
         self.repository = repository or PipelineRepository()
+        # One reload at a time, each reading the directory as it is when it starts.
+        self._reload_lock = threading.Lock()
         self.device = device
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
@@ -221,6 +231,7 @@ class DaemonCore:
             ScheduleBatch: self._on_schedule_batch,
             ReleaseRegions: self._on_release_regions,
             TrainerProgress: self._on_trainer_progress,
+            ReloadRepository: self._on_reload_repository,
         }
 
     # --- entry points ---------------------------------------------------------------------------
@@ -237,9 +248,9 @@ class DaemonCore:
                 # Figures for `dalid status` only, from a connection of a daemon that was
                 # replaced (it has not noticed yet): nothing to apply, nobody to tell.
                 return None
-            if not isinstance(message, Hello | Ping | Shutdown | StatusRequest) and (
-                identity not in self.peers
-            ):
+            if not isinstance(
+                message, Hello | Ping | Shutdown | StatusRequest | ReloadRepository
+            ) and (identity not in self.peers):
                 raise RequestRefused(
                     ErrorCode.NOT_WELCOMED, f"{message.OP}: send hello first on this connection"
                 )
@@ -549,6 +560,51 @@ class DaemonCore:
     ) -> None:
         self.peers[identity].job.trainer_waited = progress.waited_seconds
 
+    def _on_reload_repository(
+        self, identity: bytes, _: ReloadRepository, request_id: int | None
+    ) -> None:
+        self.reload_repository(lambda reply: self._push(identity, reply, request_id))
+        # answered once loaded
+
+    def reload_repository(self, answer: Callable[[Message], None] | None = None) -> None:
+        """Loads the pipeline repository again, in a thread of its own: importing user files
+        may take seconds, and batches go on meanwhile. ``answer`` gets the
+        :class:`RepositoryReport`, or an ``Error`` when nothing could be loaded."""
+
+        def reload() -> None:
+            with self._reload_lock:
+                reply = self._reload()
+            if answer is not None:
+                answer(reply)
+
+        threading.Thread(target=reload, name="dalid-reload", daemon=True).start()
+
+    def _reload(self) -> Message:
+        previous = self.repository
+        try:
+            repository = previous.reload()
+        except RepositoryUnavailable as error:
+            log.error("pipeline repository not reloaded: %s", error)
+            return Error(ErrorCode.UNKNOWN_PIPELINE, str(error), op=ReloadRepository.OP)
+        except Exception as error:
+            log.exception("pipeline repository not reloaded")
+            return Error(
+                ErrorCode.INTERNAL_ERROR,
+                f"the pipeline repository was not reloaded: {type(error).__name__}: {error}",
+                traceback=traceback.format_exc(),
+                op=ReloadRepository.OP,
+            )
+        self.repository = repository
+        failed = "; ".join(f"{file}: {why}" for file, why in sorted(repository.failures.items()))
+        log.info(
+            "pipeline repository %s reloaded: %s. Pipelines: %s%s",
+            repository.directory,
+            repository.changes_from(previous),
+            ", ".join(sorted(repository.entries)) or "none",
+            f". Failed: {failed}" if failed else "",
+        )
+        return repository_report(repository)
+
     def _on_shutdown(self, identity: bytes, _: Shutdown, _request_id: int | None) -> Message:
         log.info("shutdown requested")
         self.stop_requested = True
@@ -824,6 +880,22 @@ class DaemonCore:
         if namespace != self._pid_namespace or pid <= 0:
             return True  # another pid namespace: its pid means nothing here
         return process_running(pid)
+
+
+def repository_report(repository: PipelineRepository) -> RepositoryReport:
+    """What the repository serves and which of its files failed, as ``dalid reload`` shows."""
+    return RepositoryReport(
+        directory=str(repository.directory or ""),
+        pipelines=tuple(sorted(repository.entries)),
+        failures=tuple(
+            RepositoryFailure(
+                file,
+                why if len(why) <= MAX_FAILURE_MESSAGE else why[: MAX_FAILURE_MESSAGE - 3] + "...",
+                kept_pipelines=repository.kept.get(file, ()),
+            )
+            for file, why in sorted(repository.failures.items())
+        ),
+    )
 
 
 def _same_token(expected: str, given: str) -> bool:

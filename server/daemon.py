@@ -8,6 +8,9 @@ A peer that dies is noticed by its connection, in any pid namespace: the kernel 
 process's socket at once, and ZeroMQ heartbeats close one whose process stopped answering
 (frozen, or its host gone). The socket monitor reports the closed file descriptor, which the
 loop maps back to the peer that last sent on it.
+
+SIGHUP loads the pipeline repository again, as ``dalid reload`` does (the loop starts the
+reload; the log tells what it loaded).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Daemon:
         self._outbox: collections.deque[tuple[bytes, Message, int | None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
+        self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
@@ -118,6 +122,11 @@ class Daemon:
         self._stop.set()
         self._wake()
 
+    def request_reload(self, *_: object) -> None:
+        """SIGHUP: the loop reloads the pipeline repository at its next turn."""
+        self._reload_requested = True
+        self._wake()
+
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.eventfd_write(self._wake_fd, 1)
@@ -135,6 +144,9 @@ class Daemon:
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
+            # Before the repository is first loaded: a SIGHUP that comes meanwhile loads it
+            # again once the loop runs, and never ends the daemon as it would by default.
+            signal.signal(signal.SIGHUP, self.request_reload)
             try:
                 self._start()
             except GpuUnavailable as error:
@@ -292,6 +304,9 @@ class Daemon:
                 self._connection_events()
             if self._socket in events:
                 self._receive_all()
+            if self._reload_requested:
+                self._reload_requested = False
+                self._reload()
             self._flush_outbox()
             now = time.monotonic()
             if now >= next_reap:
@@ -309,6 +324,14 @@ class Daemon:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
         self._flush_outbox()
+
+    def _reload(self) -> None:
+        assert self.core is not None
+        if self.config.pipelines is None:
+            log.warning("SIGHUP: this daemon has no pipeline repository to reload (--pipelines)")
+            return
+        log.info("SIGHUP: reloading the pipeline repository %s", self.config.pipelines)
+        self.core.reload_repository()
 
     def _receive_all(self) -> None:
         assert self._socket is not None and self.core is not None

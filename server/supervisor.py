@@ -12,6 +12,9 @@ log). It
   cannot start (another daemon holds its socket, no such GPU): a restart would not help;
 - forwards SIGTERM and SIGINT to its children, waits for them, and exits with their status
   (0 when every child stopped cleanly);
+- forwards SIGHUP to its running children, each of which then reloads its pipeline repository
+  (a child starts with SIGHUP ignored until it can reload, and loads the directory afresh at
+  start anyway);
 - exits once no child is left running or waiting for a restart.
 
 Children die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no
@@ -113,11 +116,17 @@ class Supervisor:
         self.children = [Child(spec) for spec in specs]
         self.policy = policy or RestartPolicy()
         self._stop_signal: int | None = None
+        self._reload_requested = False
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def request_stop(self, signum: int, _frame: Any = None) -> None:
         if self._stop_signal is None:
             self._stop_signal = signum
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"\0")
+
+    def request_reload(self, _signum: int, _frame: Any = None) -> None:
+        self._reload_requested = True
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"\0")
 
@@ -129,11 +138,15 @@ class Supervisor:
         }
         # A child's exit wakes the loop at once rather than at its next poll.
         previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._on_child_exit)
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.request_reload)
         try:
             log.info("dalid supervisor pid %d starting %d daemon(s)", os.getpid(), len(self))
             for child in self.children:
                 self._start(child)
             while self._stop_signal is None and self._step():
+                if self._reload_requested:
+                    self._reload_requested = False
+                    self._forward_reload()
                 self._sleep(self._next_wake())
             if self._stop_signal is not None:
                 self._stop_all(self._stop_signal)
@@ -197,7 +210,10 @@ class Supervisor:
         spec = child.spec
         parent = os.getpid()
 
-        def die_with_parent() -> None:
+        def before_exec() -> None:
+            # Ignored until the daemon handles it: SIGHUP's default would end a daemon that is
+            # still starting. An ignored signal stays ignored across exec.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != parent:  # the supervisor died before prctl took effect
@@ -212,7 +228,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - the supervisor has one thread
+                preexec_fn=before_exec,  # noqa: PLW1509 - the supervisor has one thread
             )
         finally:
             if output is not None:
@@ -224,6 +240,14 @@ class Supervisor:
         child.started_at = time.monotonic()
         where = f", log {spec.log}" if spec.log is not None else ""
         log.info("daemon %s started as pid %d%s", spec.name, child.process.pid, where)
+
+    def _forward_reload(self) -> None:
+        running = [c for c in self.children if c.state is State.RUNNING]
+        log.info("SIGHUP: %d daemon(s) reload their pipeline repository", len(running))
+        for child in running:
+            assert child.process is not None
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGHUP)
 
     # --- stopping and waiting -------------------------------------------------------------------
 

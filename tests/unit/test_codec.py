@@ -40,6 +40,9 @@ from dalid.protocol import (
     RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
+    ReloadRepository,
+    RepositoryFailure,
+    RepositoryReport,
     Role,
     ScheduleBatch,
     Shutdown,
@@ -375,6 +378,22 @@ def _examples() -> list[tuple[Message, int | None]]:
                 ),
             ),
             10,
+        ),
+        (ReloadRepository(), 11),
+        (
+            RepositoryReport(
+                directory="/etc/dalid/pipelines",
+                pipelines=("resnet_train", "resnet_val"),
+                failures=(
+                    RepositoryFailure(
+                        "augment.py",
+                        "SyntaxError: invalid syntax (augment.py, line 3)",
+                        kept_pipelines=("augmented",),
+                    ),
+                    RepositoryFailure("new.py", "ImportError: No module named 'timm'"),
+                ),
+            ),
+            11,
         ),
     ]
 

@@ -163,3 +163,11 @@ def test_serve_devices_all_without_a_gpu_is_a_clear_error():
     assert result.returncode == 2
     assert "--devices all: this machine has no usable GPU" in result.stderr
     assert "--devices cpu" in result.stderr
+
+
+def test_a_child_starts_with_sighup_ignored_until_it_handles_it(tmp_path: Path):
+    # SIGHUP's default would end a daemon still starting; ignored, it waits for the handler.
+    log = tmp_path / "child.log"
+    code = "import signal\nprint(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)"
+    assert Supervisor([ChildSpec("hup", _python(code), log)], QUICK).run() == 0
+    assert log.read_text() == "True\n"
