@@ -19,6 +19,7 @@ import torch
 
 import dalid.client as dalid
 from dalid.client import RequestError
+from dalid.protocol import JobStatus
 
 from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 from .helpers import BATCH, ProxyDataset, two_output_pipeline
@@ -54,8 +55,23 @@ def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp):
     assert not daemon.segments()
 
 
-def _samples(daemon: DaemonProcess) -> dict[str, int]:
-    return {job.name: job.samples_done for job in daemon.status().jobs}
+def _while_busy(
+    daemon: DaemonProcess, jobs: list[subprocess.Popen[str]]
+) -> tuple[dict[str, JobStatus], dict[str, JobStatus], list[dict[str, int]]]:
+    """Each job's status before and after 5 s in which the jobs keep the daemon busy, and the
+    queue depths sampled meanwhile: they say whether every job kept batches queued (if one ran
+    dry, its share measured its own clients, not the daemon's order)."""
+    for job in jobs:
+        _wait_running(job)
+    time.sleep(1.0)  # all backlogged from here on, and each pipeline's cost learnt
+    before = {job.name: job for job in daemon.status().jobs}
+    backlog: list[dict[str, int]] = []
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        backlog.append({job.name: job.queued for job in daemon.status().jobs})
+        time.sleep(0.25)
+    after = {job.name: job for job in daemon.status().jobs}
+    return before, after, backlog
 
 
 def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
@@ -76,21 +92,11 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
                     *("--window", "81"),
                 )
             )
-        for job in jobs:
-            _wait_running(job)
-        time.sleep(1.0)  # both backlogged from here on
-        before = _samples(daemon)
-        backlog: list[dict[str, int]] = []
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            backlog.append({job.name: job.queued for job in daemon.status().jobs})
-            time.sleep(0.25)
-        after = _samples(daemon)
-        light = after["light"] - before["light"]
-        heavy = after["heavy"] - before["heavy"]
+        before, after, backlog = _while_busy(daemon, jobs)
+        light = after["light"].samples_done - before["light"].samples_done
+        heavy = after["heavy"].samples_done - before["heavy"].samples_done
         assert light > 0 and heavy > 0
-        # The queue depths say whether both jobs kept the daemon busy: if one ran dry, its
-        # share measured its own clients, not the daemon's order.
+        # The same pipeline for both: shares of time are shares of samples.
         assert 2.0 <= heavy / light <= 4.5, (light, heavy, backlog)
         for job in jobs:
             assert job.poll() is None, job.communicate()[0]
@@ -113,16 +119,7 @@ def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp):
                     *("--name", name, "--window", window, "--workers", workers),
                 )
             )
-        for job in jobs:
-            _wait_running(job)
-        time.sleep(1.0)  # both backlogged, and each pipeline's cost learnt
-        before = {job.name: job for job in daemon.status().jobs}
-        backlog: list[dict[str, int]] = []
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            backlog.append({job.name: job.queued for job in daemon.status().jobs})
-            time.sleep(0.25)
-        after = {job.name: job for job in daemon.status().jobs}
+        before, after, backlog = _while_busy(daemon, jobs)
         seconds = {n: after[n].run_seconds - before[n].run_seconds for n in after}
         samples = {n: after[n].samples_done - before[n].samples_done for n in after}
         # Equal shares of the daemon's time; so the light job gets several times the samples
