@@ -32,6 +32,7 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     ScheduleBatch,
+    Shutdown,
     SubmitBatch,
     endpoint,
     transport,
@@ -183,7 +184,9 @@ def test_a_region_released_twice_is_refused_the_second_time(daemon):
 
 # --- fuzzing ---------------------------------------------------------------------------------
 
-_OPS = [cls.OP for cls in MESSAGE_TYPES]
+# Not shutdown: a well-formed one (it has no fields, so any empty body makes one) stops the
+# daemon, as it should for any client of the socket, which only the daemon's user can open.
+_OPS = [cls.OP for cls in MESSAGE_TYPES if cls is not Shutdown]
 _scalars = (
     st.none()
     | st.booleans()
