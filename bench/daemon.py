@@ -20,9 +20,8 @@ from typing import Any
 
 import zmq
 
-from dalid.protocol import Ping, Pong, ProtocolError, endpoint, transport
+from dalid.protocol import Ping, Pong, ProtocolError, endpoint, slabs, transport
 
-SHM = Path("/dev/shm")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 
@@ -54,7 +53,7 @@ def _answers(socket: Path) -> bool:
 
 
 def _segments(pid: int) -> list[str]:
-    return sorted(path.name for path in SHM.glob(f"dalid-{pid}-*"))
+    return sorted(path.name for path, record in slabs.user_segments() if record.pid == pid)
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -100,7 +99,7 @@ def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
             code = None
         leaked = _segments(process.pid)
         for name in leaked:
-            (SHM / name).unlink(missing_ok=True)
+            (slabs.SHM_DIR / name).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
     if code != 0 or leaked:
         raise DaemonFailed(

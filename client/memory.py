@@ -12,14 +12,11 @@ import mmap
 import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from dalid.protocol import OutputDescriptor
-
-SHM_DIR = Path("/dev/shm")
+from dalid.protocol import OutputDescriptor, slabs
 
 
 @dataclass
@@ -105,11 +102,15 @@ class SlabMappings:
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)
         if mapping is None:
-            if "/" in name or not name.startswith("dalid-"):
+            if not slabs.is_slab_name(name):
                 raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                if os.fstat(fd).st_size < size:
+                info = os.fstat(fd)
+                if info.st_uid != os.getuid():
+                    # The daemon runs as this user (its socket is checked); this is not its.
+                    raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
+                if info.st_size < size:
                     raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
                 shared = mmap.mmap(fd, size)
             finally:

@@ -36,13 +36,13 @@ from dalid.protocol import (
     StatusRequest,
     endpoint,
     gpu_count,
+    slabs,
     socket_path,
     transport,
 )
 
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
-from .memory import SHM_DIR
 from .quotas import Quotas
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 
@@ -131,7 +131,7 @@ def _socket(settings: dict[str, Any]) -> Path:
 
 def shm_size() -> int:
     """The size of the shared-memory filesystem, which bounds what CPU outputs can use."""
-    info = os.statvfs(SHM_DIR)
+    info = os.statvfs(slabs.SHM_DIR)
     return info.f_frsize * info.f_blocks
 
 

@@ -44,13 +44,14 @@ from dalid.protocol import (
     endpoint,
     gpu_uuid,
     process_running,
+    slabs,
     transport,
     uuid_socket_path,
 )
 
 from .core import DaemonCore
 from .cuda import CudaBackend
-from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
+from .memory import SharedMemoryBackend
 from .quotas import Quotas
 from .repository import PipelineRepository
 
@@ -393,15 +394,8 @@ class Daemon:
 
 def _remove_stale_segments() -> None:
     """Unlinks shared-memory slabs left by daemons of this user that died without cleaning up."""
-    uid = os.getuid()
-    for path in SHM_DIR.glob(SLAB_PREFIX + "*"):
-        parts = path.name.split("-")
-        if len(parts) < 3 or not parts[1].isdigit():
+    for path, record in slabs.user_segments():
+        if process_running(record.pid):
             continue
-        try:
-            if path.stat().st_uid != uid or process_running(int(parts[1])):
-                continue
-            path.unlink()
-            log.info("removed stale shared memory %s", path.name)
-        except FileNotFoundError:
-            continue
+        path.unlink(missing_ok=True)
+        log.info("removed stale shared memory %s (%s)", path.name, record.label)

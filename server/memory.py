@@ -12,13 +12,12 @@ import contextlib
 import ctypes
 import mmap
 import os
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-SHM_DIR = Path("/dev/shm")
-SLAB_PREFIX = "dalid-"
+from dalid.protocol import slabs
+
 PAGE = mmap.PAGESIZE
 
 
@@ -48,24 +47,28 @@ class SlabBackend(Protocol):
 
 
 class SharedMemorySlab:
-    """A POSIX shared-memory segment (``/dev/shm/NAME``, mode 0600), mapped once.
+    """A POSIX shared-memory segment (``/dev/shm/<random name>``, mode 0600), mapped once.
 
-    The daemon owns it: ``close()`` unmaps it and unlinks the name. A trainer that still maps
-    it keeps its pages until it unmaps them (POSIX semantics), so closing never pulls memory
-    from under a tensor; only the name disappears.
+    ``label`` is the daemon's name for it; the segment's own name is a fresh unguessable one
+    (``name``), and the label and this process's pid go in its record (see
+    :mod:`dalid.protocol.slabs`). The daemon owns it: ``close()`` unmaps it and unlinks the
+    name. A trainer that still maps it keeps its pages until it unmaps them (POSIX semantics),
+    so closing never pulls memory from under a tensor; only the name disappears.
     """
 
     device = "cpu"
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, label: str, size: int) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"slab size must be a positive multiple of {PAGE}, got {size}")
-        self.name = name
+        self.label = label
+        self.name = slabs.new_name()
         self.size = size
-        self._path = SHM_DIR / name
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._path = slabs.SHM_DIR / self.name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self._path, flags, 0o600)
         try:
-            os.ftruncate(fd, size)
+            slabs.write_record(fd, size, slabs.SlabRecord(os.getpid(), label))
             self._map: mmap.mmap | None = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -117,4 +120,5 @@ class SharedMemoryBackend:
     device = "cpu"
 
     def create(self, name: str, size: int) -> SharedMemorySlab:
+        """A new slab; ``name`` becomes its label (its segment gets a name of its own)."""
         return SharedMemorySlab(name, size)
