@@ -31,6 +31,7 @@ from dalid.protocol import (
     ProtocolError,
     Role,
     Welcome,
+    daemon_socket,
     endpoint,
     pid_namespace,
     process_running,
@@ -71,6 +72,16 @@ def no_daemon_message(path: Path, device: str | int) -> str:
     )
 
 
+def _verified_socket(path: Path, device: str | int, timeout: float) -> Path:
+    """The socket to connect to for ``path``, once it is known to be the user's daemon's
+    (UnsafePath, a PermissionError, otherwise)."""
+    try:
+        return daemon_socket.verified_socket(path, timeout)
+    except (FileNotFoundError, ConnectionRefusedError, TimeoutError) as error:
+        why = "nothing listens on it" if not isinstance(error, TimeoutError) else "it timed out"
+        raise DaemonUnavailable(f"{no_daemon_message(path, device)} ({why})") from None
+
+
 class Connection:
     """A DEALER socket that has been welcomed by the daemon on ``path``.
 
@@ -105,8 +116,10 @@ class Connection:
         self._daemon_pid = 0
         self._watch_daemon = False
         self._daemon_gone = False
+        # The hello may carry a job token: it goes only to the user's own daemon.
+        target = _verified_socket(path, device, hello_timeout)
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
-            process_context(), zmq.DEALER, endpoint(path), bind=False
+            process_context(), zmq.DEALER, endpoint(target), bind=False
         )
         try:
             hello = Hello(

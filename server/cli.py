@@ -34,12 +34,14 @@ from dalid.protocol import (
     Shutdown,
     StatusReport,
     StatusRequest,
+    daemon_socket,
     endpoint,
     gpu_count,
     slabs,
     socket_path,
     transport,
 )
+from dalid.protocol.ownership import UnsafePath
 
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
@@ -215,10 +217,17 @@ class DaemonLine:
     def __init__(self, path: Path, timeout: float) -> None:
         self.path = path
         self.timeout = timeout
-        if not path.exists():
-            raise NoAnswer(f"no daemon listens on {endpoint(path)}")
+        try:
+            # Only the user's own daemon is asked (and told to stop).
+            target = daemon_socket.verified_socket(path, timeout)
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+            raise NoAnswer(f"no daemon listens on {endpoint(path)}") from None
+        except UnsafePath as error:
+            raise NoAnswer(str(error)) from None
         self._context: zmq.Context[Any] = zmq.Context()
-        self._socket = transport.make_socket(self._context, zmq.DEALER, endpoint(path), bind=False)
+        self._socket = transport.make_socket(
+            self._context, zmq.DEALER, endpoint(target), bind=False
+        )
         self._request_ids = iter(range(1, 1 << 62))
 
     def ask(self, request: Message) -> Message:

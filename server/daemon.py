@@ -48,6 +48,7 @@ from dalid.protocol import (
     transport,
     uuid_socket_path,
 )
+from dalid.protocol.ownership import UnsafePath, check_owned_directory
 
 from .core import DaemonCore
 from .cuda import CudaBackend
@@ -59,6 +60,8 @@ log = logging.getLogger("dalid.server")
 
 EXIT_ALREADY_RUNNING = 3
 EXIT_NO_DEVICE = 4
+# The socket's directory is not the user's alone (see dalid.protocol.ownership).
+EXIT_UNSAFE_SOCKET = 5
 # ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
@@ -142,6 +145,10 @@ class Daemon:
             log.error("%s", error)
             self.close()
             return EXIT_ALREADY_RUNNING
+        except UnsafePath as error:
+            log.error("cannot serve: %s", error)
+            self.close()
+            return EXIT_UNSAFE_SOCKET
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
@@ -169,8 +176,10 @@ class Daemon:
         """Takes the socket's lock file; a live daemon holding it means we must not start."""
         path = self.config.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Another user who could write there could plant links or take the socket's name.
+        check_owned_directory(path.parent, "socket directory")
         lock_path = path.with_name(path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
