@@ -60,8 +60,9 @@ log = logging.getLogger("dalid.server")
 
 EXIT_ALREADY_RUNNING = 3
 EXIT_NO_DEVICE = 4
-# The socket's directory is not the user's alone (see dalid.protocol.ownership).
-EXIT_UNSAFE_SOCKET = 5
+# The socket's directory, or the pipeline repository, is not the user's alone (another user
+# could change it: see dalid.protocol.ownership).
+EXIT_UNSAFE_PATH = 5
 # ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
@@ -148,7 +149,7 @@ class Daemon:
         except UnsafePath as error:
             log.error("cannot serve: %s", error)
             self.close()
-            return EXIT_UNSAFE_SOCKET
+            return EXIT_UNSAFE_PATH
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
@@ -160,6 +161,9 @@ class Daemon:
             except GpuUnavailable as error:
                 log.error("cannot serve GPU %s: %s", self.config.device, error)
                 return EXIT_NO_DEVICE
+            except UnsafePath as error:
+                log.error("cannot serve: %s", error)
+                return EXIT_UNSAFE_PATH
             log.info(
                 "dalid daemon pid %d serving %s on %s",
                 os.getpid(),

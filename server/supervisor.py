@@ -48,13 +48,13 @@ from dalid.protocol import (
     socket_path,
 )
 
-from .daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_SOCKET
+from .daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH
 
 log = logging.getLogger("dalid.supervisor")
 
 # Exit statuses of a daemon that a restart cannot fix (its own, and argparse's).
 EXIT_USAGE = 2
-NOT_RESTARTED = frozenset({EXIT_USAGE, EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_SOCKET})
+NOT_RESTARTED = frozenset({EXIT_USAGE, EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH})
 STOP_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 

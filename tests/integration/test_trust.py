@@ -142,3 +142,68 @@ def test_the_uuid_link_of_a_daemon_serves_its_workers(short_tmp):
     finally:
         link.unlink()
         assert daemon.stop() == 0
+
+
+MARKING_PIPELINE = """
+import pathlib
+pathlib.Path({mark!r}).touch()
+from nvidia.dali import fn, pipeline_def
+
+@pipeline_def(batch_size=4, num_threads=1, device_id=None)
+def {name}():
+    return fn.external_source(name="data", no_copy=True) * 2
+"""
+
+
+def _pipeline_file(path, mark, name, mode):
+    path.write_text(MARKING_PIPELINE.format(mark=str(mark), name=name))
+    path.chmod(mode)
+
+
+def test_a_daemon_does_not_run_a_repository_others_can_write(short_tmp, tmp_path):
+    """The issue's case: a 0666 file in a 0777 directory ran with the daemon's rights."""
+    repository = tmp_path / "pipelines"
+    repository.mkdir()
+    repository.chmod(0o777)
+    mark = tmp_path / "ran"
+    _pipeline_file(repository / "evil.py", mark, "train", 0o666)
+    for supervised in (False, True):
+        result = subprocess.run(
+            [sys.executable, "-m", "dalid.server", "serve", "--socket", str(short_tmp / "d.sock"),
+             "--pipelines", str(repository), *([] if supervised else ["--no-supervisor"])],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 5, result.stderr  # not restarted by the supervisor
+        assert f"pipeline repository {repository} can be written by other users" in result.stderr
+        assert f"chmod go-w {repository}" in result.stderr
+        assert not mark.exists(), "the file ran"
+        assert not (short_tmp / "d.sock").exists()
+
+
+def test_a_file_others_can_write_is_refused_at_start_and_at_reload(short_tmp, tmp_path):
+    repository = tmp_path / "pipelines"
+    repository.mkdir(mode=0o755)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    _pipeline_file(repository / "good.py", marks / "good", "train", 0o644)
+    _pipeline_file(repository / "open.py", marks / "open", "val", 0o646)
+    daemon = start_daemon(short_tmp, "--pipelines", str(repository))
+    try:
+        assert (marks / "good").exists() and not (marks / "open").exists()
+        with dalid.connect(socket=daemon.socket, autostart=False) as session:
+            with pytest.raises(dalid.PipelineError, match=r"open\.py: UnsafePath.*chmod go-w"):
+                session.proxy("val")
+            session.proxy("train")
+        # Made writable by others while the daemon runs: `dalid reload` refuses it, and says so.
+        (marks / "good").unlink()
+        (repository / "good.py").chmod(0o666)
+        result = subprocess.run(
+            [sys.executable, "-m", "dalid.server", "reload", "--socket", str(daemon.socket)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 3, result
+        assert "failed: good.py: UnsafePath" in result.stderr
+        assert "still serving train from its last good load" in result.stderr
+        assert not (marks / "good").exists() and not (marks / "open").exists()
+    finally:
+        assert daemon.stop() == 0
