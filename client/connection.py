@@ -51,6 +51,8 @@ PING_AFTER_S = 1.0
 PING_TIMEOUT_S = 5.0
 PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
+# How often a socket that nothing listens on yet is tried again.
+CONNECT_RETRY_S = 0.05
 
 _context: zmq.Context[Any] | None = None
 _context_pid = -1
@@ -74,12 +76,19 @@ def no_daemon_message(path: Path, device: str | int) -> str:
 
 def _verified_socket(path: Path, device: str | int, timeout: float) -> Path:
     """The socket to connect to for ``path``, once it is known to be the user's daemon's
-    (UnsafePath, a PermissionError, otherwise)."""
-    try:
-        return daemon_socket.verified_socket(path, timeout)
-    except (FileNotFoundError, ConnectionRefusedError, TimeoutError) as error:
-        why = "nothing listens on it" if not isinstance(error, TimeoutError) else "it timed out"
-        raise DaemonUnavailable(f"{no_daemon_message(path, device)} ({why})") from None
+    (UnsafePath, a PermissionError, otherwise). A daemon that is not listening yet (being
+    restarted, say) is waited for up to ``timeout``, as a hello is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return daemon_socket.verified_socket(path, max(0.1, deadline - time.monotonic()))
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(
+                    f"{no_daemon_message(path, device)} (nothing listened on it within "
+                    f"{timeout:.0f} s)"
+                ) from None
+            time.sleep(CONNECT_RETRY_S)
 
 
 class Connection:

@@ -217,18 +217,30 @@ class DaemonLine:
     def __init__(self, path: Path, timeout: float) -> None:
         self.path = path
         self.timeout = timeout
-        try:
-            # Only the user's own daemon is asked (and told to stop).
-            target = daemon_socket.verified_socket(path, timeout)
-        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
-            raise NoAnswer(f"no daemon listens on {endpoint(path)}") from None
-        except UnsafePath as error:
-            raise NoAnswer(str(error)) from None
+        target = self._verified(path, timeout)
         self._context: zmq.Context[Any] = zmq.Context()
         self._socket = transport.make_socket(
             self._context, zmq.DEALER, endpoint(target), bind=False
         )
         self._request_ids = iter(range(1, 1 << 62))
+
+    @staticmethod
+    def _verified(path: Path, timeout: float) -> Path:
+        """The socket of the user's own daemon on ``path`` (only it is asked, or told to stop).
+        A socket file there that nothing listens on yet (a daemon being restarted) is tried
+        again until ``timeout``."""
+        if not path.exists():
+            raise NoAnswer(f"no daemon listens on {endpoint(path)}")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return daemon_socket.verified_socket(path, timeout)
+            except UnsafePath as error:
+                raise NoAnswer(str(error)) from None
+            except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise NoAnswer(f"no daemon listens on {endpoint(path)}") from None
+            time.sleep(0.05)
 
     def ask(self, request: Message) -> Message:
         request_id = next(self._request_ids)
