@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -43,10 +44,13 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
+from . import crash_report
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
+from .devices import DeviceListError, child_specs, parse_devices
+from .lifeline import watch_supervisor
 from .quotas import Quotas
-from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
+from .supervisor import Supervisor
 
 log = logging.getLogger("dalid.server")
 # As argparse exits on a bad flag.
@@ -316,16 +320,25 @@ def _reload(path: Path, timeout: float) -> int:
 
 
 def _status(path: Path, args: argparse.Namespace) -> int:
-    """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C."""
+    """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C.
+
+    A daemon that its supervisor reports crash-looping (:mod:`.crash_report`) is said to be
+    first, on stderr, whether or not a daemon answers now; with ``--json`` the report is also
+    the object's ``crash_loop``.
+    """
     from .status_view import as_json, table
 
+    crashes = crash_report.read(path)
+    if crashes is not None:
+        print(f"dalid: {crashes.text()}", file=sys.stderr)
+    crash_loop = {"crash_loop": dataclasses.asdict(crashes)} if crashes is not None else {}
     try:
         with DaemonLine(path, args.timeout) as line:
             where = endpoint(path)
             report = line.ask(StatusRequest())
             assert isinstance(report, StatusReport)
             if args.json:
-                print(as_json(report))
+                print(as_json(report, crash_loop))
                 return 0
             from rich.console import Console
             from rich.live import Live
@@ -348,6 +361,8 @@ def _status(path: Path, args: argparse.Namespace) -> int:
                     return 0
     except NoAnswer as error:
         print(f"dalid: {error}", file=sys.stderr)
+        if args.json and crash_loop:
+            print(json.dumps(crash_loop, indent=2, sort_keys=True))
         return 1
 
 
@@ -371,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
         if config is None:
             return _supervise(args, settings)
-        return Daemon(config).serve()
+        daemon = Daemon(config)
+        # A child of `dalid serve` ends with its supervisor, stuck or not.
+        watch_supervisor(daemon.request_stop, daemon.abandon)
+        return daemon.serve()
     if args.command == "status":
         return _status(path, args)
     if args.command == "reload":

@@ -263,6 +263,20 @@ class Daemon:
             return
         self._uuid_link = link
 
+    def abandon(self) -> None:
+        """Removes what a stop would, for a process about to exit without one (its loop is
+        stuck, see :mod:`.lifeline`); from any thread. The socket file and GPU UUID link go
+        only while this daemon holds the socket's lock, and the shared memory it made."""
+        if self._lock_fd is not None:
+            if self._uuid_link is not None:
+                with contextlib.suppress(OSError):
+                    if os.readlink(self._uuid_link) == self.config.socket.name:
+                        self._uuid_link.unlink()
+            self.config.socket.unlink(missing_ok=True)
+        for path, record in slabs.user_segments():
+            if record.pid == os.getpid():
+                path.unlink(missing_ok=True)
+
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
         if self._metrics is not None:
