@@ -2,7 +2,8 @@
 
 See Note [Output buffer lifetime] in ``dalid.server.pool`` for the whole contract. This side
 keeps its half: a region is released only after the last tensor viewing it is gone, and a
-mapping is closed only once no tensor views it.
+mapping is closed only once no tensor views it, and only by this process (Note [Slab mappings
+across fork] in ``dalid.protocol.slabs``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ class _Mapping:
 
 
 def _try_unmap(mapping: _Mapping) -> bool:
-    """Unmaps the slab unless a tensor still views it; whether it is unmapped."""
+    """Unmaps the slab unless a tensor still views it; whether it is unmapped (or, in a forked
+    child, forgotten: see Note [Slab mappings across fork] in ``dalid.protocol.slabs``)."""
     mapping.bytes = None
+    if not slabs.mapped_here(mapping.map):
+        return True
     try:
         mapping.map.close()
     except BufferError:
@@ -112,11 +116,10 @@ class SlabMappings:
                     raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
                 if info.st_size < size:
                     raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
-                shared = mmap.mmap(fd, size)
+                # DataLoader workers forked later get neither the mapping nor a way to unmap it.
+                shared = slabs.map_slab(fd, size)
             finally:
                 os.close(fd)
-            # DataLoader workers forked later must not inherit the trainer's mappings.
-            shared.madvise(mmap.MADV_DONTFORK)
             mapping = _Mapping(shared, np.frombuffer(shared, dtype=np.uint8))
             self._mappings[name] = mapping
             self.opened += 1

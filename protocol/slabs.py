@@ -15,15 +15,34 @@ the segment's user can read it (mode 0600) and no trainer maps it::
 (``dalid-<daemon>-j<job>-<n>``). From the record a new daemon removes the segments of dead
 ones (:func:`user_segments` with :func:`~dalid.protocol.process_running`), and tests find
 the segments of a daemon and of a job.
+
+Both sides map a slab with :func:`map_slab`; see Note [Slab mappings across fork].
+
+Note [Slab mappings across fork]
+--------------------------------
+A slab mapping is ``MADV_DONTFORK``: a child forked from the process (a DataLoader worker of
+the trainer, a Python-operator worker of the daemon) does not get it, or it would hold the
+slab's memory for as long as it lives. The child does get the Python objects that own the
+mapping (the mmap, and arrays and tensors viewing it), and freeing one there (a garbage
+collection in the worker of what the trainer had left to collect, a session closed there)
+would munmap that address range in the child, where the range is free, or already holds the
+child's own memory: its Python heap, a thread's stack. That memory then vanishes under the
+child, which dies of SIGSEGV ("Unexpected segmentation fault encountered in worker"). So a
+mapping is only ever unmapped by the process that mapped it: every mapping made here is
+registered, and a forked child keeps the ones it inherits referenced until it exits, so that
+freeing their owners there unmaps nothing; code that unmaps explicitly checks
+:func:`mapped_here` first.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import secrets
 import stat
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,3 +118,29 @@ def user_segments() -> Iterator[tuple[Path, SlabRecord]]:
         record = read_record(path)
         if record is not None:
             yield path, record
+
+
+# Every slab mapping of this process, by the process that made it (Note [Slab mappings across
+# fork]); and those a forked child inherited, kept referenced there so they are never unmapped.
+_mapped: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
+_inherited: list[mmap.mmap] = []
+
+
+def map_slab(fd: int, size: int) -> mmap.mmap:
+    """Maps ``size`` bytes of the segment open on ``fd``, shared, for this process only."""
+    mapping = mmap.mmap(fd, size)
+    mapping.madvise(mmap.MADV_DONTFORK)
+    _mapped[mapping] = os.getpid()
+    return mapping
+
+
+def mapped_here(mapping: mmap.mmap) -> bool:
+    """Whether this process made ``mapping`` (and so may unmap it)."""
+    return _mapped.get(mapping) == os.getpid()
+
+
+def _keep_inherited() -> None:
+    _inherited.extend(mapping for mapping in _mapped if mapping not in _inherited)
+
+
+os.register_at_fork(after_in_child=_keep_inherited)

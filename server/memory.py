@@ -69,14 +69,14 @@ class SharedMemorySlab:
         fd = os.open(self._path, flags, 0o600)
         try:
             slabs.write_record(fd, size, slabs.SlabRecord(os.getpid(), label))
-            self._map: mmap.mmap | None = mmap.mmap(fd, size)
+            # A child forked by the daemon (a Python operator's worker, say) neither inherits
+            # the mapping nor can unmap it (Note [Slab mappings across fork]).
+            self._map: mmap.mmap | None = slabs.map_slab(fd, size)
         except BaseException:
             os.close(fd)
             self._path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        # A child forked by the daemon (a supervisor restart, say) must not inherit the mapping.
-        self._map.madvise(mmap.MADV_DONTFORK)
         self._bytes: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8)
         self._base = self._bytes.ctypes.data
 
