@@ -276,7 +276,7 @@ class CudaStore:
         )
 
     @property
-    def stream(self) -> int:
+    def stream(self) -> int | None:
         return self.backend.stream
 
     def holds(self, output: Any) -> bool:

@@ -51,8 +51,10 @@ class OutputStore(Protocol):
 
     device: str
     pool: RegionPool
-    stream: int | None
     peer_ordered: bool
+
+    @property
+    def stream(self) -> int | None: ...
 
     def holds(self, output: Any) -> bool:
         """Whether a DALI output (a TensorList) lies in this store's kind of memory."""

@@ -104,7 +104,6 @@ class SharedMemoryStore:
     lifetime] in ``pool.py`` says. The trainer maps a slab by its name alone."""
 
     device = "cpu"
-    stream = None
     peer_ordered = False
 
     def __init__(self, name_prefix: str, limits: Limits, ids: Iterator[int] | None = None) -> None:
@@ -115,6 +114,10 @@ class SharedMemoryStore:
             limits.slab_bytes,
             region_ids=ids,
         )
+
+    @property
+    def stream(self) -> int | None:
+        return None  # host memory: written by the daemon's host, never on a stream
 
     def holds(self, output: Any) -> bool:
         return type(output).__name__ == "TensorListCPU"
