@@ -388,6 +388,8 @@ class Session:
             request = dataclasses.replace(pipeline.request(), on_error=policy)
         else:
             request = self._serialized_request(pipeline, policy)
+        # A deterministic pipeline runs one batch at a time, for this job alone.
+        request = dataclasses.replace(request, deterministic=deterministic)
         registration = _Registration(request, deterministic)
         self._with_reconnect(lambda: self._register_now(registration))
         self._registrations.append(registration)
