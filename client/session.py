@@ -31,7 +31,6 @@ from dalid.protocol import (
     PipelineRegistered,
     RegisterNamedPipeline,
     RegisterPipeline,
-    ReleaseRegions,
     Role,
     ScheduleBatch,
     SubmitBatch,
@@ -42,18 +41,16 @@ from dalid.protocol import (
 
 from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
-from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import (
     BatchError,
     DaemonUnavailable,
-    DeviceMismatch,
     InputError,
     ProtocolMismatch,
     RequestError,
 )
 from .launcher import start_daemon
-from .memory import SlabMappings
 from .named import RepositoryPipeline
+from .outputs import Outputs
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
@@ -112,30 +109,12 @@ MAX_RECONNECTS = 5
 
 
 class _Resources:
-    """What a session owns, closed once, by ``Session.close`` or by a finalizer at GC.
+    """What a session holds of one daemon, closed once, by ``Session.close`` or by a finalizer
+    at GC: its connection and the outputs mapped from it."""
 
-    GPU outputs: ``cuda_index`` is the daemon's GPU as this process numbers it (None until
-    known); ``cuda`` is made when the first GPU output arrives, so CPU users never touch CUDA.
-    """
-
-    def __init__(
-        self, connection: Connection, mappings: SlabMappings, cuda_index: int | None
-    ) -> None:
+    def __init__(self, connection: Connection, outputs: Outputs) -> None:
         self.connection = connection
-        self.mappings = mappings
-        self.cuda_index = cuda_index
-        self.cuda: CudaMappings | None = None
-        # Retired slabs of a GPU daemon to report unmapped, before any GPU output was mapped.
-        self.never_mapped: list[str] = []
-
-    def gpu(self) -> CudaMappings:
-        if self.cuda is None:
-            uuid = self.connection.welcome.device_uuid
-            if not uuid:
-                raise DeviceMismatch("the daemon sent a GPU output but named no GPU in its welcome")
-            index = self.cuda_index if self.cuda_index is not None else local_device(uuid)
-            self.cuda = CudaMappings(TorchDevice(index))
-        return self.cuda
+        self.outputs = outputs
 
     def abandon(self) -> None:
         """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
@@ -146,21 +125,17 @@ class _Resources:
         welcome = self.connection.welcome
         worker_links.close_job(self.connection.path, welcome.job_id, welcome.job_token, False)
         self.connection.abort()
-        self.mappings.close()
-        if self.cuda is not None:
-            self.cuda.close_mappings()
-            self.cuda.close()
+        self.outputs.unmap()
+        self.outputs.close()
 
     def close(self) -> None:
         welcome = self.connection.welcome
         worker_links.close_job(self.connection.path, welcome.job_id, welcome.job_token)
         # GPU slabs are unmapped before the goodbye, which names those tensors still view
         # (Note [GPU output lifetime] in dalid.server.cuda).
-        kept = self.cuda.close_mappings() if self.cuda is not None else ()
+        kept = self.outputs.unmap()
         self.connection.close(kept_slabs=kept)
-        self.mappings.close()
-        if self.cuda is not None:
-            self.cuda.close()
+        self.outputs.close()
 
 
 class _Progress:
@@ -303,11 +278,11 @@ class Session:
     def _open(connection: Connection) -> _Resources:
         """The resources of one daemon generation, owning ``connection`` from here on."""
         try:
-            cuda_index = _daemon_gpu(connection.welcome.device_uuid)
-        except DeviceMismatch:
+            outputs = Outputs.for_daemon(connection.welcome)
+        except BaseException:
             connection.close()
             raise
-        return _Resources(connection, SlabMappings(), cuda_index)
+        return _Resources(connection, outputs)
 
     # --- properties -----------------------------------------------------------------------------
 
@@ -330,22 +305,17 @@ class Session:
     @property
     def slabs_opened(self) -> int:
         """How many slabs this session has mapped, CPU and GPU (each is mapped once)."""
-        cuda = self._resources.cuda
-        return self._resources.mappings.opened + (cuda.opened if cuda is not None else 0)
+        return self._resources.outputs.opened
 
     @property
     def events_opened(self) -> int:
         """How many of the daemon's batch events this session has opened (each once)."""
-        cuda = self._resources.cuda
-        return cuda.events_opened if cuda is not None else 0
+        return self._resources.outputs.events_opened
 
     @property
     def live_regions(self) -> int:
         """Output regions that tensors still view, CPU and GPU."""
-        cuda = self._resources.cuda
-        return self._resources.mappings.live_regions + (
-            cuda.live_regions if cuda is not None else 0
-        )
+        return self._resources.outputs.live_regions
 
     # --- API ------------------------------------------------------------------------------------
 
@@ -623,7 +593,6 @@ class Session:
                     result.pipeline_id,
                     result.bad_samples,
                 )
-            self._retire(result.retired_slabs)
             produced[id(run)] = self._tensors(result)
             self._report(result)
         return produced
@@ -669,34 +638,15 @@ class Session:
 
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         resources = self._resources
-        stream = None
-        tensors = []
-        for output in result.outputs:
-            if output.device == "cpu":
-                try:
-                    tensors.append(resources.mappings.tensor(output))
-                except FileNotFoundError:
-                    # Only a daemon that died, its segments removed by its successor, loses
-                    # a slab it has just named (Note [Output buffer lifetime], point 6).
-                    raise resources.connection.gone_error(
-                        f"its shared memory {output.slab} was removed"
-                    ) from None
-                continue
-            cuda = resources.gpu()
-            if stream is None:
-                # Once per batch: the current stream waits for the daemon's copies.
-                stream = cuda.begin_batch(result.event)
-            tensors.append(cuda.tensor(output, stream))
-        return tuple(tensors)
-
-    def _retire(self, names: tuple[str, ...]) -> None:
-        resources = self._resources
-        resources.mappings.retire(names)
-        if names and resources.connection.welcome.device_uuid:
-            if resources.cuda is not None:
-                resources.cuda.retire(names)
-            else:
-                resources.never_mapped.extend(names)
+        resources.outputs.retire(result.retired_slabs)
+        try:
+            return resources.outputs.tensors(result)
+        except FileNotFoundError as error:
+            # Only a daemon that died, its memory removed by its successor, loses a slab it has
+            # just named (Note [Output buffer lifetime], point 6).
+            raise resources.connection.gone_error(
+                f"its output memory {error.filename} was removed"
+            ) from None
 
     def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
         progress = self._progress
@@ -736,27 +686,8 @@ class Session:
 
     def _flush_releases(self) -> None:
         resources = self._resources
-        notify = resources.connection.notify
-        released = resources.mappings.take_released()
-        if released:
-            notify(ReleaseRegions(tuple(released)))
-        closed, resources.never_mapped = resources.never_mapped, []
-        if resources.cuda is not None:
-            # Each group comes with a fence on the stream its tensors were used on.
-            for region_ids, fence in resources.cuda.take_released():
-                notify(ReleaseRegions(region_ids, event=fence))
-            closed += resources.cuda.take_closed()
-        if closed:
-            notify(ReleaseRegions(closed_slabs=tuple(closed)))
-
-
-def _daemon_gpu(device_uuid: str) -> int | None:
-    """The index of the daemon's GPU in this process, when the daemon runs on one and torch
-    here has CUDA; None otherwise (a GPU output then raises when it arrives). Raises
-    DeviceMismatch when this process cannot see that GPU."""
-    if not device_uuid or not torch.cuda.is_available():
-        return None
-    return local_device(device_uuid)
+        for message in resources.outputs.releases():
+            resources.connection.notify(message)
 
 
 def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelope) -> None:
