@@ -10,7 +10,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,11 +26,9 @@ from dalid.protocol import (
     Error,
     ErrorCode,
     Limits,
-    OnError,
     PipelineRegistered,
     RegisterNamedPipeline,
     RegisterPipeline,
-    Role,
     ScheduleBatch,
     SubmitBatch,
     TrainerProgress,
@@ -40,7 +37,7 @@ from dalid.protocol import (
 )
 
 from .badsamples import SampleReport, follow_bad_samples
-from .connection import Connection, no_daemon_message
+from .connection import Connection
 from .errors import (
     BatchError,
     DaemonUnavailable,
@@ -48,9 +45,9 @@ from .errors import (
     ProtocolMismatch,
     RequestError,
 )
-from .launcher import start_daemon
-from .named import RepositoryPipeline
+from .launcher import JobRequest, autostart_connect
 from .outputs import Outputs
+from .pipelines import registration_request
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
@@ -167,47 +164,6 @@ class _Registration:
     proxies: weakref.WeakSet[Proxy] = field(default_factory=weakref.WeakSet)
 
 
-def _graph(pipeline: Any) -> Any:
-    """The pipeline with its Python graph built, without building the pipeline itself.
-
-    Building would need the pipeline's device in the trainer (a GPU pipeline needs CUDA there);
-    the graph is all the client needs. DALI's own proxy reads the same private attributes.
-    """
-    if getattr(pipeline, "_deserialized", False):
-        raise InputError(
-            "the pipeline was deserialized, so its external_source names are unknown: pass the "
-            "pipeline object built from its definition"
-        )
-    if not pipeline._py_graph_built:
-        pipeline._build_graph()
-    return pipeline
-
-
-def external_source_names(pipeline: Any) -> list[str]:
-    """The names of a pipeline's external_source operators, in definition order."""
-    from nvidia.dali.external_source import ExternalSource
-
-    return [op.name for op in _graph(pipeline)._ops if isinstance(op._op, ExternalSource)]
-
-
-def output_count(pipeline: Any) -> int:
-    """How many outputs the pipeline's graph returns."""
-    return int(_graph(pipeline)._num_outputs)
-
-
-def _check_pipeline(pipeline: Any) -> None:
-    from nvidia.dali import Pipeline
-
-    if not isinstance(pipeline, Pipeline):
-        raise InputError(f"expected an NVIDIA DALI pipeline, got {type(pipeline).__name__}")
-
-
-def pipeline_device(pipeline: Any) -> Device:
-    """The device a pipeline was defined for: its device_id, or ``"cpu"`` when it has none."""
-    _check_pipeline(pipeline)
-    return "cpu" if pipeline.device_id is None else int(pipeline.device_id)
-
-
 class Session:
     """A job connected to the daemon for one device. Use as a context manager or ``close()``.
 
@@ -319,7 +275,14 @@ class Session:
 
     # --- API ------------------------------------------------------------------------------------
 
-    def proxy(self, pipeline: Any, deterministic: bool = False, on_error: str = "raise") -> Proxy:
+    def proxy(
+        self,
+        pipeline: Any,
+        deterministic: bool = False,
+        on_error: str = "raise",
+        *,
+        proxy: Proxy | None = None,
+    ) -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
 
         ``pipeline`` is a DALI pipeline, or a pipeline of the daemon's repository: a
@@ -334,31 +297,11 @@ class Session:
         replaced by a good sample of the batch. Skipped and replaced samples are logged and
         listed in :attr:`last_bad_samples`; the other per-sample fields of the batch (labels)
         follow, see :meth:`produce_data`.
-        """
-        return self._register(pipeline, deterministic, on_error=on_error)
 
-    def _register(
-        self,
-        pipeline: Any,
-        deterministic: bool,
-        proxy: Proxy | None = None,
-        on_error: str = "raise",
-    ) -> Proxy:
-        """Registers ``pipeline``; ``proxy``, when given, is pointed at it instead of a new one."""
-        try:
-            policy = OnError(on_error)
-        except ValueError:
-            raise InputError(
-                f"on_error must be one of {[p.value for p in OnError]}, got {on_error!r}"
-            ) from None
-        if isinstance(pipeline, str):
-            pipeline = RepositoryPipeline(pipeline)
-        request: RegisterPipeline | RegisterNamedPipeline
-        if isinstance(pipeline, RepositoryPipeline):
-            request = dataclasses.replace(pipeline.request(), on_error=policy)
-        else:
-            request = self._serialized_request(pipeline, policy)
-        registration = _Registration(request, deterministic)
+        ``proxy``: a proxy made for the same pipeline earlier (by a session since closed), to
+        point at this registration instead of making a new one; it is the one returned.
+        """
+        registration = _Registration(registration_request(pipeline, on_error), deterministic)
         self._with_reconnect(lambda: self._register_now(registration))
         self._registrations.append(registration)
         target = self._target_of(registration)
@@ -368,31 +311,6 @@ class Session:
             proxy.retarget(target)
         registration.proxies.add(proxy)
         return proxy
-
-    @staticmethod
-    def _serialized_request(pipeline: Any, policy: OnError) -> RegisterPipeline:
-        _check_pipeline(pipeline)
-        names = external_source_names(pipeline)
-        if not names:
-            raise InputError(
-                "the pipeline has no external_source: dalid feeds pipelines through "
-                "fn.external_source(name=...) inputs"
-            )
-        depth = pipeline.prefetch_queue_depth
-        if isinstance(depth, dict):
-            depth = max(depth.values())
-        return RegisterPipeline(
-            serialized=memoryview(pipeline.serialize()),
-            input_names=tuple(names),
-            num_outputs=output_count(pipeline),
-            max_batch_size=pipeline.max_batch_size,
-            num_threads=pipeline.num_threads,
-            prefetch_queue_depth=int(depth),
-            seed=pipeline.seed,
-            exec_dynamic=bool(pipeline.exec_dynamic),
-            name=getattr(pipeline, "_name", None) or "",
-            on_error=policy,
-        )
 
     def _register_now(self, registration: _Registration) -> None:
         """Registers with the daemon connected now, naming the ids the pipeline had in the
@@ -697,53 +615,3 @@ def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelop
         results[message.batch_id] = message
     elif isinstance(message, Error):
         log.warning("dalid daemon: %s", message.message)
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    """What a job asks of the daemon at connect; 0 asks for the daemon's default."""
-
-    weight: float = 1.0
-    memory_bytes: int = 0
-    max_inflight_batches: int = 0
-
-
-def autostart_connect(
-    path: Path,
-    device: Device,
-    *,
-    autostart: bool,
-    connect_timeout: float,
-    name: str,
-    on_push: Any,
-    job: JobRequest = JobRequest(),
-    hello_timeout: float = 5.0,
-    earlier_jobs: tuple[EarlierJob, ...] = (),
-) -> Connection:
-    """A trainer connection to the daemon on ``path``, starting one first if allowed."""
-
-    def trainer_connection() -> Connection:
-        return Connection(
-            path,
-            Role.TRAINER,
-            device=device,
-            name=name,
-            on_push=on_push,
-            hello_timeout=hello_timeout,
-            weight=job.weight,
-            memory_bytes=job.memory_bytes,
-            max_inflight_batches=job.max_inflight_batches,
-            earlier_jobs=earlier_jobs,
-        )
-
-    if path.exists():
-        try:
-            return trainer_connection()
-        except DaemonUnavailable:
-            if not autostart:
-                raise
-            # A socket file no daemon answers on: a killed daemon's. A new one replaces it.
-    elif not autostart:
-        raise DaemonUnavailable(no_daemon_message(path, device))
-    start_daemon(device, path, timeout=connect_timeout)
-    return trainer_connection()
