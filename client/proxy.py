@@ -15,7 +15,7 @@ from .loader import DataLoader as _DataLoader
 from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .transform import Proxy
+from .worker import Proxy
 
 __all__ = [
     "DALIOutputBatchRef",

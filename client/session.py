@@ -30,7 +30,6 @@ from dalid.protocol import (
     RegisterNamedPipeline,
     RegisterPipeline,
     ScheduleBatch,
-    SubmitBatch,
     TrainerProgress,
     parse_device,
     socket_path,
@@ -50,7 +49,8 @@ from .outputs import Outputs
 from .pipelines import registration_request
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
-from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
+from .target import ProxyTarget
+from .worker import Proxy, worker_links
 
 log = logging.getLogger("dalid.client")
 
@@ -541,15 +541,12 @@ class Session:
                 f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
                 "are gone: it was delivered already, or its proxy was made by another session"
             )
-        assert registration.registered is not None
-        inputs = batch_inputs(registration.registered.input_names, run.call_args)
-        pipeline_id = registration.registered.pipeline_id
-        request = SubmitBatch(pipeline_id, inputs, deferred=run.deterministic)
+        request = self._target_of(registration).submission(run)
         reply = self._connection.request(request)
         assert isinstance(reply, BatchAccepted)
         welcome = self._connection.welcome
         run.job_id, run.job_token = welcome.job_id, welcome.job_token
-        run.pipeline_id, run.batch_id = pipeline_id, reply.batch_id
+        run.pipeline_id, run.batch_id = request.pipeline_id, reply.batch_id
         run.accepted_by = welcome.job_token
         run.is_scheduled = not run.deterministic
         self.submitted_by_trainer += 1

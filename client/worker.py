@@ -1,8 +1,10 @@
-"""The picklable proxy callable that DataLoader workers call from ``Dataset.__getitem__``.
+"""The worker side of a batch: the proxy call, collation and submission to the daemon.
 
-A call adds one sample to the batch this worker is building and returns references; the
-collate rule (:mod:`dalid.client.refs`) submits the finished batch to the daemon through this
-process's own worker connection and returns at once with the daemon's batch id.
+DataLoader workers call the picklable :class:`Proxy` from ``Dataset.__getitem__``: a call adds
+one sample to the batch this worker is building and returns references. Collating those
+references (torch's default collate does; importing this module registers the rule) ends the
+batch and submits it to the daemon through this process's own worker connection, returning at
+once with the daemon's batch id; the trainer then turns the batch references into tensors.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data._utils.collate import default_collate_fn_map
 
-from dalid.protocol import DTYPES, BatchAccepted, ErrorCode, InputBatch, Role, SubmitBatch
+from dalid.protocol import DTYPES, BatchAccepted, ErrorCode, Role
 
 from .connection import Connection
 from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
-from .refs import DALIOutputSampleRef, DALIPipelineRunRef
+from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
+from .target import ProxyTarget
 
 log = logging.getLogger("dalid.client")
 
@@ -31,23 +35,6 @@ log = logging.getLogger("dalid.client")
 # at most REJOIN_HELLO_TIMEOUT_S, so that its DataLoader never stalls long.
 REJOIN_EVERY_S = 0.5
 REJOIN_HELLO_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class ProxyTarget:
-    """Everything a worker process needs to reach the pipeline; this is what gets pickled."""
-
-    socket: Path
-    device: str | int
-    job_id: int
-    job_token: str
-    pipeline_id: int
-    input_names: tuple[str, ...]
-    num_outputs: int
-    max_batch_size: int
-    deterministic: bool
-    # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
-    reconnect: bool = False
 
 
 _LinkKey = tuple[Path, int, str]
@@ -262,11 +249,7 @@ class Proxy:
         trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
         """
         target = self._target
-        request = SubmitBatch(
-            target.pipeline_id,
-            batch_inputs(target.input_names, run.call_args),
-            deferred=run.deterministic,
-        )
+        request = target.submission(run)
         link: Connection | None = None
         try:
             link = worker_links.get(target)
@@ -305,14 +288,46 @@ def _not_taken_yet(error: DaemonUnavailable | RequestError, rejoined: bool) -> b
     )
 
 
-def batch_inputs(names: tuple[str, ...], call_args: dict[str, list[Any]]) -> tuple[InputBatch, ...]:
-    """The gathered samples of a batch as the inputs of a ``SubmitBatch``."""
-    return tuple(
-        InputBatch(
-            name=name,
-            dtype=call_args[name][0].dtype.name,
-            shapes=tuple(tuple(sample.shape) for sample in call_args[name]),
-            samples=tuple(call_args[name]),
+def collate_sample_refs(
+    samples: list[DALIOutputSampleRef], *, collate_fn_map: Any = None
+) -> DALIOutputBatchRef:
+    """Collate rule: the sample refs of one output become a batch ref; the first submits."""
+    if not samples:
+        raise ValueError("cannot collate an empty batch of dalid sample references")
+    first = samples[0]
+    run = first.pipe_run_ref
+    for sample in samples:
+        if sample.pipe_run_ref is not run or sample.output_idx != first.output_idx:
+            raise RuntimeError(
+                "all samples of a batch must come from one proxy run: a batch mixes samples "
+                "of several pipelines or workers"
+            )
+    indices = [sample.sample_idx for sample in samples]
+    first_output = not run.is_complete
+    # Whatever happens below, this worker's next proxy call starts a new batch.
+    run.is_complete = True
+    if first_output:
+        for earlier, later in pairwise(indices):
+            if later <= earlier:
+                raise RuntimeError(
+                    f"unexpected sample order: sample {later} after sample {earlier} (was the "
+                    "batch shuffled after the proxy call?)"
+                )
+        if indices[-1] >= run.batch_size:
+            raise RuntimeError(
+                f"sample {indices[-1]} is not in its batch any more: a copy of a dalid "
+                "reference outlived the one the proxy returned"
+            )
+        if indices != list(range(run.batch_size)):
+            run.keep_samples(indices)  # Note [Abandoned samples] in refs.py
+        first.proxy._submit(run)
+    elif indices != list(range(run.batch_size)):
+        raise RuntimeError(
+            f"output {first.output_idx} of the batch has samples {indices}, but its other "
+            f"outputs had {run.batch_size} samples in order: every output of a sample must "
+            "stay in the batch"
         )
-        for name in names
-    )
+    return DALIOutputBatchRef(run, first.output_idx)
+
+
+default_collate_fn_map[DALIOutputSampleRef] = collate_sample_refs
