@@ -21,8 +21,9 @@ import zmq
 
 from dalid.protocol import Device, EarlierJob, Envelope, Ping, Pong, Role, endpoint, transport
 
-from .connection import Connection, no_daemon_message, process_context
+from .connection import no_daemon_message, process_context
 from .errors import DaemonUnavailable
+from .link import Link, answering, dial
 
 AUTOSTART_IDLE_TIMEOUT_S = 60.0
 
@@ -47,11 +48,11 @@ def autostart_connect(
     job: JobRequest = JobRequest(),
     hello_timeout: float = 5.0,
     earlier_jobs: tuple[EarlierJob, ...] = (),
-) -> Connection:
-    """A trainer connection to the daemon on ``path``, starting one first if allowed."""
+) -> Link:
+    """A trainer link to the daemon on ``path``, starting one first if allowed."""
 
-    def trainer_connection() -> Connection:
-        return Connection(
+    def trainer_connection() -> Link:
+        return dial(
             path,
             Role.TRAINER,
             device=device,
@@ -64,7 +65,7 @@ def autostart_connect(
             earlier_jobs=earlier_jobs,
         )
 
-    if path.exists():
+    if answering(path):
         try:
             return trainer_connection()
         except DaemonUnavailable:

@@ -36,7 +36,6 @@ from dalid.protocol import (
 )
 
 from .badsamples import SampleReport, follow_bad_samples
-from .connection import Connection
 from .errors import (
     BatchError,
     DaemonUnavailable,
@@ -45,6 +44,7 @@ from .errors import (
     RequestError,
 )
 from .launcher import JobRequest, autostart_connect
+from .link import Link
 from .outputs import Outputs
 from .pipelines import registration_request
 from .refs import DALIPipelineRunRef
@@ -109,7 +109,7 @@ class _Resources:
     """What a session holds of one daemon, closed once, by ``Session.close`` or by a finalizer
     at GC: its connection and the outputs mapped from it."""
 
-    def __init__(self, connection: Connection, outputs: Outputs) -> None:
+    def __init__(self, connection: Link, outputs: Outputs) -> None:
         self.connection = connection
         self.outputs = outputs
 
@@ -143,7 +143,7 @@ class _Progress:
         self.batches = 0
         self.reported_at = 0.0
 
-    def report(self, connection: Connection, waiting_for: float = 0.0) -> None:
+    def report(self, connection: Link, waiting_for: float = 0.0) -> None:
         """Sends the totals if the last report is old enough; ``waiting_for`` the wait so far."""
         now = time.monotonic()
         if now - self.reported_at < PROGRESS_INTERVAL_S:
@@ -231,7 +231,7 @@ class Session:
         self._finalizer = weakref.finalize(self, self._resources.close)
 
     @staticmethod
-    def _open(connection: Connection) -> _Resources:
+    def _open(connection: Link) -> _Resources:
         """The resources of one daemon generation, owning ``connection`` from here on."""
         try:
             outputs = Outputs.for_daemon(connection.welcome)
@@ -389,7 +389,7 @@ class Session:
     # --- internals ------------------------------------------------------------------------------
 
     @property
-    def _connection(self) -> Connection:
+    def _connection(self) -> Link:
         if self.closed:
             raise DaemonUnavailable("this dalid session is closed")
         return self._resources.connection

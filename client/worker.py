@@ -23,8 +23,8 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dalid.protocol import DTYPES, BatchAccepted, ErrorCode, Role
 
-from .connection import Connection
 from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from .link import Link, dial
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .target import ProxyTarget
 
@@ -50,12 +50,12 @@ class _WorkerLinks:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._links: dict[_LinkKey, Connection] = {}
+        self._links: dict[_LinkKey, Link] = {}
         # Jobs whose daemon was found gone, with when to try a hello again: until one is
         # welcomed, their batches are left for the trainer to submit.
         self._lost: dict[_LinkKey, float] = {}
 
-    def get(self, target: ProxyTarget) -> Connection | None:
+    def get(self, target: ProxyTarget) -> Link | None:
         """This process's link to the target's job; None while a job found unreachable waits
         for its next try (see ``lose``)."""
         with self._lock:
@@ -71,7 +71,7 @@ class _WorkerLinks:
             retry_at = self._lost.get(key)
             if retry_at is not None and time.monotonic() < retry_at:
                 return None
-            link = Connection(
+            link = dial(
                 target.socket,
                 Role.WORKER,
                 device=target.device,
@@ -250,7 +250,7 @@ class Proxy:
         """
         target = self._target
         request = target.submission(run)
-        link: Connection | None = None
+        link: Link | None = None
         try:
             link = worker_links.get(target)
             if link is None:
