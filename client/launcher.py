@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -24,6 +25,9 @@ from dalid.protocol import Device, EarlierJob, Envelope, Ping, Pong, Role, endpo
 from .connection import no_daemon_message, process_context
 from .errors import DaemonUnavailable
 from .link import Link, answering, dial
+
+if TYPE_CHECKING:
+    from .reconnect import Dial
 
 AUTOSTART_IDLE_TIMEOUT_S = 60.0
 
@@ -76,6 +80,33 @@ def autostart_connect(
         raise DaemonUnavailable(no_daemon_message(path, device))
     start_daemon(device, path, timeout=connect_timeout)
     return trainer_connection()
+
+
+def trainer_dial(
+    socket: Path, device: Device, *, autostart: bool, name: str, job: JobRequest
+) -> Dial:
+    """How a session opens its trainer link, to its first daemon and to each one after."""
+
+    def dial(
+        *,
+        on_push: Callable[[Envelope], None],
+        connect_timeout: float,
+        hello_timeout: float,
+        earlier_jobs: tuple[EarlierJob, ...],
+    ) -> Link:
+        return autostart_connect(
+            socket,
+            device,
+            autostart=autostart,
+            connect_timeout=connect_timeout,
+            name=name,
+            on_push=on_push,
+            job=job,
+            hello_timeout=hello_timeout,
+            earlier_jobs=earlier_jobs,
+        )
+
+    return dial
 
 
 def log_path(socket: Path) -> Path:

@@ -12,6 +12,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .reconnect import Resubmission
     from .worker import Proxy
 
 
@@ -25,7 +26,7 @@ class DALIPipelineRunRef:
         deterministic: bool,
         *,
         job_token: str = "",
-        keeps_inputs: bool = False,
+        resubmission: Resubmission | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.job_id = job_id
@@ -34,15 +35,12 @@ class DALIPipelineRunRef:
         self.job_token = job_token
         self.deterministic = deterministic
         self.batch_id: int | None = None
-        # The token of the job that accepted batch_id. Another job's than job_token when a
-        # worker rejoined its trainer's job on a restarted daemon (Note [Daemon restarts]).
-        self.accepted_by = ""
         self.batch_size = 0
-        # Inputs gathered in the worker until collation. Pickled to the trainer and kept until
-        # the outputs are delivered only with ``keeps_inputs`` (a session with reconnect=True),
-        # so that the trainer can submit the batch again to a restarted daemon.
+        # Inputs gathered in the worker until collation submits them.
         self.call_args: dict[str, list[Any]] = {}
-        self.keeps_inputs = keeps_inputs
+        # With reconnect=True, what lets the trainer submit the batch again to a restarted
+        # daemon: see Note [Daemon restarts] in reconnect.py. None otherwise.
+        self.resubmission = resubmission
         self.is_scheduled = False
         self.is_complete = False
         # Per sample, the references the proxy handed out for it; see Note [Abandoned samples].
@@ -51,7 +49,7 @@ class DALIPipelineRunRef:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_sample_refs"] = []
-        if not self.keeps_inputs:
+        if self.resubmission is None:
             state["call_args"] = {}
         return state
 

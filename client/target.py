@@ -6,14 +6,12 @@ makes one for each registration, and again after each reconnection to a restarte
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from dalid.protocol import InputBatch, SubmitBatch
-
-if TYPE_CHECKING:
-    from .refs import DALIPipelineRunRef
 
 
 @dataclass(frozen=True)
@@ -32,16 +30,16 @@ class ProxyTarget:
     # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
     reconnect: bool = False
 
-    def submission(self, run: DALIPipelineRunRef) -> SubmitBatch:
-        """The request that submits the samples gathered in ``run`` to this pipeline; it runs
-        at once unless deterministic (then when the trainer schedules it)."""
+    def submission(self, samples: Mapping[str, Sequence[Any]], deferred: bool) -> SubmitBatch:
+        """The request that submits a batch's ``samples`` (numpy arrays, by input name) to
+        this pipeline; ``deferred``: it runs only when the trainer schedules it."""
         inputs = tuple(
             InputBatch(
                 name=name,
-                dtype=run.call_args[name][0].dtype.name,
-                shapes=tuple(tuple(sample.shape) for sample in run.call_args[name]),
-                samples=tuple(run.call_args[name]),
+                dtype=samples[name][0].dtype.name,
+                shapes=tuple(tuple(sample.shape) for sample in samples[name]),
+                samples=tuple(samples[name]),
             )
             for name in self.input_names
         )
-        return SubmitBatch(self.pipeline_id, inputs, deferred=run.deterministic)
+        return SubmitBatch(self.pipeline_id, inputs, deferred=deferred)

@@ -10,110 +10,20 @@ once with the daemon's batch id; the trainer then turns the batch references int
 from __future__ import annotations
 
 import inspect
-import logging
-import os
 import threading
-import time
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from dalid.protocol import DTYPES, BatchAccepted, ErrorCode, Role
+from dalid.protocol import DTYPES, BatchAccepted
 
-from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
-from .link import Link, dial
+from .errors import DaemonUnavailable, InputError, RequestError
+from .link import Link
+from .reconnect import Resubmission, left_to_trainer, worker_links
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .target import ProxyTarget
-
-log = logging.getLogger("dalid.client")
-
-# A worker whose link to a job's daemon failed tries a new hello at its next batch (the daemon
-# may be back already), then, while hellos fail, at most once per REJOIN_EVERY_S; a hello waits
-# at most REJOIN_HELLO_TIMEOUT_S, so that its DataLoader never stalls long.
-REJOIN_EVERY_S = 0.5
-REJOIN_HELLO_TIMEOUT_S = 1.0
-
-
-_LinkKey = tuple[Path, int, str]
-
-
-class _WorkerLinks:
-    """This process's worker connections, one per (socket, job); reset in a forked child.
-
-    A link's key is the job the proxy names; after a daemon restart the link may be welcomed
-    into the new job of that job's trainer (Note [Daemon restarts], point 4).
-    """
-
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._links: dict[_LinkKey, Link] = {}
-        # Jobs whose daemon was found gone, with when to try a hello again: until one is
-        # welcomed, their batches are left for the trainer to submit.
-        self._lost: dict[_LinkKey, float] = {}
-
-    def get(self, target: ProxyTarget) -> Link | None:
-        """This process's link to the target's job; None while a job found unreachable waits
-        for its next try (see ``lose``)."""
-        with self._lock:
-            if self._pid != os.getpid():
-                # Inherited across fork: the parent's sockets are not ours to use or close.
-                self._links = {}
-                self._lost = {}
-                self._pid = os.getpid()
-            key = (target.socket, target.job_id, target.job_token)
-            link = self._links.get(key)
-            if link is not None and not link.closed:
-                return link
-            retry_at = self._lost.get(key)
-            if retry_at is not None and time.monotonic() < retry_at:
-                return None
-            link = dial(
-                target.socket,
-                Role.WORKER,
-                device=target.device,
-                name=f"worker {os.getpid()}",
-                job_id=target.job_id,
-                job_token=target.job_token,
-                hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
-            )
-            self._links[key] = link
-            if retry_at is not None:
-                del self._lost[key]
-                log.info(
-                    "rejoined job %d as job %d of the daemon on %s (pid %d); this process "
-                    "submits its batches again",
-                    target.job_id,
-                    link.welcome.job_id,
-                    target.socket,
-                    link.welcome.daemon_pid,
-                )
-            return link
-
-    def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
-        """Closes this process's link to a job (``goodbye=False``: its daemon is gone)."""
-        with self._lock:
-            link = self._links.pop((socket, job_id, job_token), None)
-            if link is not None and self._pid == os.getpid():
-                link.close(goodbye=goodbye)
-
-    def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
-        """Drops the link to a job its daemon cannot take batches for (gone, or restarted and
-        not yet joined by the trainer); batches go to the trainer unsent until a hello, tried
-        ``retry_after`` seconds from now or later, is welcomed. ``goodbye``: the daemon lives.
-        Whether the job was reachable until now."""
-        self.close_job(target.socket, target.job_id, target.job_token, goodbye=goodbye)
-        key = (target.socket, target.job_id, target.job_token)
-        with self._lock:
-            known = key in self._lost
-            self._lost[key] = time.monotonic() + retry_after
-        return not known
-
-
-worker_links = _WorkerLinks()
 
 
 def _as_array(value: Any, input_name: str) -> np.ndarray:
@@ -237,7 +147,7 @@ class Proxy:
                 target.job_id,
                 target.deterministic,
                 job_token=target.job_token,
-                keeps_inputs=target.reconnect,
+                resubmission=Resubmission() if target.reconnect else None,
             )
             self._local.run = run
         return run
@@ -249,43 +159,24 @@ class Proxy:
         trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
         """
         target = self._target
-        request = target.submission(run)
+        request = target.submission(run.call_args, run.deterministic)
         link: Link | None = None
+        accepted_by = ""
         try:
+            # This process's link to the job; None while its daemon was found gone lately.
             link = worker_links.get(target)
-            if link is None:
-                return  # its daemon was found gone lately: the trainer submits the batch
-            reply = link.request(request)
+            if link is not None:
+                reply = link.request(request)
+                assert isinstance(reply, BatchAccepted)
+                run.batch_id = reply.batch_id
+                run.is_scheduled = not run.deterministic
+                accepted_by = link.welcome.job_token
         except (DaemonUnavailable, RequestError) as error:
-            rejoined = link is not None and link.welcome.job_token != target.job_token
-            if not target.reconnect or not _not_taken_yet(error, rejoined):
+            if not left_to_trainer(target, error, link):
                 raise
-            gone = isinstance(error, DaemonUnavailable)
-            # A link that worked until now may find a restarted daemon at the next batch.
-            retry_after = 0.0 if gone and link is not None else REJOIN_EVERY_S
-            if worker_links.lose(target, retry_after, goodbye=not gone):
-                log.info("%s; the trainer submits this process's batches of job %d until this "
-                         "process rejoins the job", error, target.job_id)  # fmt: skip
-            return
-        assert isinstance(reply, BatchAccepted)
-        run.batch_id = reply.batch_id
-        run.accepted_by = link.welcome.job_token
-        run.is_scheduled = not run.deterministic
-        if not run.keeps_inputs:
-            run.call_args = {}
-
-
-def _not_taken_yet(error: DaemonUnavailable | RequestError, rejoined: bool) -> bool:
-    """Whether a batch refused with ``error`` is the trainer's to submit: its daemon is gone,
-    or was restarted and the trainer has not reconnected to it, or (on a link that rejoined
-    the trainer's new job) not yet registered the pipeline again."""
-    if isinstance(error, ProtocolMismatch):
-        return False
-    if isinstance(error, DaemonUnavailable):
-        return True
-    return error.code is ErrorCode.UNKNOWN_JOB or (
-        rejoined and error.code is ErrorCode.UNKNOWN_PIPELINE
-    )
+        inputs, run.call_args = run.call_args, {}
+        if run.resubmission is not None:
+            run.resubmission.accepted(accepted_by, inputs)
 
 
 def collate_sample_refs(
