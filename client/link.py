@@ -17,6 +17,7 @@ from dalid.protocol import Envelope, Message, Role, Welcome
 
 from .connection import Connection
 from .errors import DaemonUnavailable
+from .inproc import InprocLink, served_at
 
 
 class Link(Protocol):
@@ -65,9 +66,13 @@ class Link(Protocol):
 def dial(path: Path, role: Role, **hello: Any) -> Link:
     """A link to the daemon on ``path``, welcomed in ``role``; ``hello``: the options the hello
     carries (see :class:`~dalid.client.connection.Connection`)."""
+    daemon = served_at(path)
+    if daemon is not None:
+        return InprocLink(daemon, path, role, **hello)
     return Connection(path, role, **hello)
 
 
 def answering(path: Path) -> bool:
-    """Whether a daemon may answer on ``path`` (its socket file exists)."""
-    return path.exists()
+    """Whether a daemon may answer on ``path``: one is served in this process there, or its
+    socket file exists."""
+    return served_at(path) is not None or path.exists()
