@@ -12,9 +12,9 @@ its half:
 - slabs are reported unmapped so the daemon can free them (CUDA forbids freeing them earlier):
   retired ones as they are unmapped, and at the end all but those that tensors still view.
 
-Only this module touches CUDA on the client, and only once the first GPU output arrives, so
-CPU-only users never need CUDA. :class:`TorchDevice` makes the CUDA calls (through torch and
-CuPy); unit tests pass a fake one.
+Only this module touches CUDA on the client, and only for a daemon on a GPU (its device is
+opened with the first GPU output), so CPU-only users never need CUDA. :class:`TorchDevice`
+makes the CUDA calls (through torch and CuPy); unit tests pass a fake one.
 """
 
 from __future__ import annotations
