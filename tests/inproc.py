@@ -15,8 +15,8 @@ from pathlib import Path
 from dalid.client.inproc import InprocDaemon
 from dalid.protocol import JobStatus
 from dalid.server.core import DaemonCore
-from dalid.server.memory import SharedMemoryBackend
 from dalid.server.quotas import Quotas
+from dalid.server.shm import host_outputs
 
 
 class ServedCore:
@@ -32,7 +32,7 @@ class ServedCore:
         served = InprocDaemon(self.path)
         core = DaemonCore(
             "cpu",
-            SharedMemoryBackend(),
+            host_outputs(),
             served.push,
             self._quotas,
             # Not this process's pid: the leak check counts its segments as nobody's.
