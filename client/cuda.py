@@ -15,6 +15,9 @@ its half:
 Only this module touches CUDA on the client, and only for a daemon on a GPU (its device is
 opened with the first GPU output), so CPU-only users never need CUDA. :class:`TorchDevice`
 makes the CUDA calls (through torch and CuPy); unit tests pass a fake one.
+
+A little over 400 lines: the device calls, finding the daemon's GPU among this process's and
+the backend's bookkeeping stay together as the one place the client touches CUDA.
 """
 
 from __future__ import annotations
