@@ -65,8 +65,11 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 
 @contextlib.contextmanager
-def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
-    """Runs ``dalid serve`` on a private socket until the block ends, then SIGTERM and wait.
+def running_daemon(
+    device: str, log_dir: Path, options: tuple[str, ...] = ()
+) -> Iterator[RunningDaemon]:
+    """Runs ``dalid serve`` (with ``options``) on a private socket until the block ends, then
+    SIGTERM and wait.
 
     Raises :class:`DaemonFailed` when the daemon exits with an error or leaves ``/dev/shm``
     segments behind (they are removed, and the failure names them).
@@ -78,7 +81,7 @@ def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
     # Without the supervisor, the process measured (CPU time, memory, segments) is the daemon.
     command = [
         sys.executable, "-m", "dalid.server", "serve", "--no-supervisor", "--device", device,
-        "--socket", str(socket), "--log-level", "WARNING",
+        "--socket", str(socket), "--log-level", "WARNING", *options,
     ]  # fmt: skip
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)

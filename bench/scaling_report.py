@@ -42,11 +42,12 @@ def markdown(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     ratios = report["summary"]["ratios"]
-    dali, dalid = (CONTENDERS[kind].label for kind in SCALED)
+    dali, shared, private = (CONTENDERS[kind].label for kind in SCALED)
     lines = [
-        f"Scaling: N training jobs through one dalid daemon ({dalid}) or each with its own "
-        f"in-process pipeline ({dali}), every job with its own trainer process and DataLoader "
-        "workers, all started together.",
+        f"Scaling: N training jobs through one dalid daemon, sharing one pipeline in it "
+        f"({shared}) or each with a pipeline of its own in it ({private}), or each with its "
+        f"own in-process pipeline ({dali}); every job with its own trainer process and "
+        "DataLoader workers, all started together.",
         "",
         "| jobs | contender | samples/s, all jobs | per job | vs DALI in-process "
         "| Jain's fairness | other load, cores |",
