@@ -2,11 +2,14 @@
 
 The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
 and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
+Trainers read the daemon's pipelines from its status (:func:`pipeline_status`) as their timed
+window ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -20,11 +23,20 @@ from typing import Any
 
 import zmq
 
-from dalid.protocol import Ping, Pong, ProtocolError, endpoint, transport
+from dalid.protocol import (
+    Ping,
+    Pong,
+    ProtocolError,
+    StatusReport,
+    StatusRequest,
+    endpoint,
+    transport,
+)
 
 SHM = Path("/dev/shm")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+STATUS_TIMEOUT_S = 10.0
 
 
 class DaemonFailed(RuntimeError):
@@ -48,6 +60,24 @@ def _answers(socket: Path) -> bool:
     except ProtocolError as error:
         # A daemon of another dalid version, say: it will never answer this bench.
         raise DaemonFailed(f"the daemon answered, but not as expected: {error}") from None
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
+    them) from the daemon on ``socket``; a status request needs no hello."""
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        transport.send(sock, StatusRequest(), 1)
+        if not sock.poll(int(timeout * 1000)):
+            raise DaemonFailed(f"the daemon on {socket} sent no status within {timeout:.0f} s")
+        report = transport.recv(sock).message
+        if not isinstance(report, StatusReport):
+            raise DaemonFailed(f"the daemon answered a status request with {report!r}")
+        return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
     finally:
         sock.close(linger=0)
         context.term()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .contenders import CONTENDERS
+from .fill import run_pipelines
 from .measure import LoopResult
 from .memory import METRICS as MEMORY_METRICS
 from .memory import memory_metrics
@@ -25,6 +26,11 @@ BASELINE = "dali"  # what the headline ratio compares dalid with
 RATIO_TARGET = 0.95
 P50_TARGET_US = 100.0
 P99_TARGET_US = 500.0
+# The daemon's pipelines in a dalid run (bench.fill), summed up over repeats.
+PIPELINE_FIGURES = (
+    "pipelines", "shared", "jobs_per_pipeline", "threads", "run_size", "runs", "mixed_runs",
+    "mean_fill", "mixed_share",
+)  # fmt: skip
 PROBES = {
     "os_echo": "OS floor: 1 byte to an echo process over a Unix socketpair",
     "zmq_echo": "ZeroMQ floor: DEALER -> ROUTER echo process over ipc, no dalid",
@@ -122,6 +128,9 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "daemon": 1e3 * daemon_cpu / daemon_samples if daemon_samples else 0.0,
     }
     per_sample["total"] = sum(per_sample.values())
+    # The daemon's pipelines as the jobs' timed windows ended (dalid only).
+    daemon = CONTENDERS[outcome.kind].needs_daemon
+    pipelines = run_pipelines(outcome.results) if daemon else None
     return {
         "samples_per_s": rate,
         "rate_window": method,
@@ -139,6 +148,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         + max(loop.daemon_peak_rss_mb for loop in loops),
         "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
+        "pipelines": pipelines,
     }
 
 
@@ -207,6 +217,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
+                "pipelines_per_run": [
+                    {"repeat": run.repeat, **m["pipelines"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["pipelines"] is not None
+                ],
                 "errors": errors,
             }
         )
@@ -224,6 +240,18 @@ def _memory_spreads(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
     return {
         name: spread(run[name] for run in runs if run.get(name) is not None)
         for name in MEMORY_METRICS
+    }
+
+
+def _pipeline_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
+    """The daemon's pipeline figures over repeats (bench.fill); empty for a contender without a
+    daemon, and a figure no run could read has n = 0."""
+    read = [run["figures"] for run in runs if run is not None and run["figures"] is not None]
+    if all(run is None for run in runs):
+        return {}
+    return {
+        name: spread(run[name] for run in read if run[name] is not None)
+        for name in PIPELINE_FIGURES
     }
 
 
