@@ -108,11 +108,11 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp,
     """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
     to it, and its hello names the abandoned job, still open there until the daemon notices
     that its connection closed. The claim is refused (job_claimed) until then."""
-    from dalid.client import session as session_module
+    from dalid.client import launcher
     from dalid.protocol import ErrorCode
 
     refusals = []
-    connect = session_module.autostart_connect
+    connect = launcher.autostart_connect
 
     def connect_after_a_refusal(*args, **kwargs):
         if not refusals:
@@ -125,8 +125,8 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp,
         with dalid.connect(socket=daemon.socket, autostart=False, reconnect=True) as session:
             proxy = session.proxy(two_output_pipeline())
             first_job = session.job_id
-            monkeypatch.setattr(session_module, "autostart_connect", connect_after_a_refusal)
-            session._reconnect_now()  # what a ping gone unanswered leads to
+            monkeypatch.setattr(launcher, "autostart_connect", connect_after_a_refusal)
+            session._daemon.reconnect_now()  # what a ping gone unanswered leads to
             assert [job.job_id for job in refusals[0]] == [first_job]
             assert session.reconnects == 1 and session.job_id != first_job
             _check(session.produce_data(_batch(proxy, 0)), 0)
