@@ -74,9 +74,7 @@ def registration_request(
     if isinstance(pipeline, str):
         pipeline = RepositoryPipeline(pipeline)
     if isinstance(pipeline, RepositoryPipeline):
-        return dataclasses.replace(
-            pipeline.request(), on_error=policy, deterministic=deterministic
-        )
+        return dataclasses.replace(pipeline.request(), on_error=policy, deterministic=deterministic)
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
     if not names:
