@@ -59,10 +59,11 @@ def pipeline_device(pipeline: Any) -> Device:
 
 
 def registration_request(
-    pipeline: Any, on_error: str = "raise"
+    pipeline: Any, on_error: str = "raise", *, deterministic: bool = False
 ) -> RegisterPipeline | RegisterNamedPipeline:
     """The message that registers ``pipeline``: a DALI pipeline (sent serialized), or one of
-    the daemon's repository (a :class:`RepositoryPipeline`, or its name). Bad arguments raise
+    the daemon's repository (a :class:`RepositoryPipeline`, or its name). ``deterministic``:
+    the daemon runs it for this job alone, one batch at a time. Bad arguments raise
     :class:`InputError` before anything is sent."""
     try:
         policy = OnError(on_error)
@@ -73,7 +74,7 @@ def registration_request(
     if isinstance(pipeline, str):
         pipeline = RepositoryPipeline(pipeline)
     if isinstance(pipeline, RepositoryPipeline):
-        return dataclasses.replace(pipeline.request(), on_error=policy)
+        return dataclasses.replace(pipeline.request(), on_error=policy, deterministic=deterministic)
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
     if not names:
@@ -95,4 +96,5 @@ def registration_request(
         exec_dynamic=bool(pipeline.exec_dynamic),
         name=getattr(pipeline, "_name", None) or "",
         on_error=policy,
+        deterministic=deterministic,
     )

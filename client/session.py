@@ -192,7 +192,7 @@ class Session:
         point at this registration instead of making a new one; it is the one returned.
         """
         registration = self._daemon.register(
-            registration_request(pipeline, on_error), deterministic
+            registration_request(pipeline, on_error, deterministic=deterministic), deterministic
         )
         target = self._daemon.target_of(registration)
         if proxy is None:

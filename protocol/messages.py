@@ -319,6 +319,9 @@ class RegisterPipeline(Message):
     # The ids this pipeline had in the trainer's earlier jobs (``Hello.earlier_jobs``): a
     # worker that joined as one of them submits under that id.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
+    # The trainer fixes the order of the batches (they come deferred): the pipeline is not
+    # shared with other jobs, and each batch runs alone.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
@@ -352,6 +355,7 @@ class RegisterNamedPipeline(Message):
     on_error: OnError = OnError.RAISE
     # As in RegisterPipeline.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check_name(self.name, "a pipeline name")
@@ -637,6 +641,29 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class PipelineStatus:
+    """One pipeline in the daemon, as the daemon runs it (jobs that registered the same graph
+    share one): the jobs it serves and how full its runs are.
+
+    ``run_size`` is the most samples one run holds; ``mean_fill`` the samples of its runs so far
+    over that many; ``mixed_runs`` the runs that held batches of two jobs or more. A pipeline
+    that is not ``shared`` says why in ``private_reason``.
+    """
+
+    pipeline: int
+    name: str
+    shared: bool
+    jobs: tuple[int, ...]
+    run_size: int
+    threads: int
+    runs: int
+    samples: int
+    mean_fill: float
+    mixed_runs: int
+    private_reason: str = ""
+
+
+@dataclass(frozen=True)
 class StatusReport(Message):
     """The daemon and its jobs, at one moment."""
 
@@ -652,6 +679,8 @@ class StatusReport(Message):
     memory_limit: int
     memory_reserved: int
     jobs: tuple[JobStatus, ...]
+    # The pipelines the jobs' registrations run on (several jobs may share one).
+    pipelines: tuple[PipelineStatus, ...] = ()
 
 
 # --- Repository family --------------------------------------------------------------------------
@@ -751,6 +780,7 @@ __all__ = [
     "OutputDescriptor",
     "Ping",
     "PipelineRegistered",
+    "PipelineStatus",
     "Pong",
     "RegisterNamedPipeline",
     "RegisterPipeline",

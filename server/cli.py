@@ -41,7 +41,8 @@ from dalid.protocol import (
 )
 
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
-from .daemon import Daemon, DaemonConfig
+from .daemon import Daemon, DaemonConfig, usable_cores
+from .pipelines import Sharing
 from .quotas import Quotas
 from .shm import SHM_DIR
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
@@ -161,6 +162,11 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         pipelines=pipelines,
         quotas=quotas,
         concurrency=settings["concurrency"] or 0,
+        sharing=Sharing(
+            enabled=settings["share_pipelines"],
+            run_batches=settings["run_batches"],
+            threads=settings["threads"] or usable_cores(),
+        ),
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
     )

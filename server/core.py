@@ -53,13 +53,13 @@ from dalid.protocol import (
 )
 
 from .errors import RequestRefused
-from .executor import PendingBatch
 from .jobs import Job, JobRegistry, Peer
-from .outputs import OutputsFactory, ReleaseRefused
-from .pipelines import PipelineBuilder, check_batch, executor_for
+from .outputs import OutputsFactory, ReleaseRefused, StreamFactory, no_streams
+from .pipelines import SHARING, PipelineBuilder, Sharing, check_batch, executor_for
 from .quotas import QuotaRefused, Quotas, grant
 from .reload import LiveRepository
 from .repository import PipelineRepository
+from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
 
@@ -79,6 +79,7 @@ class DaemonCore:
     too). ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between
     busy jobs by weight (:mod:`dalid.server.scheduler`). ``device_uuid`` names a GPU daemon's
     GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
+    ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
     """
 
     def __init__(
@@ -92,6 +93,8 @@ class DaemonCore:
         concurrency: int = 4,
         device_uuid: str = "",
         repository: PipelineRepository | None = None,
+        sharing: Sharing = SHARING,
+        streams: StreamFactory = no_streams,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -109,7 +112,13 @@ class DaemonCore:
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
         self.pipelines = PipelineBuilder(
-            self.device_id, quotas.max_batch_size, self.repository, self.scheduler, push
+            self.device_id,
+            quotas.max_batch_size,
+            self.repository,
+            self.scheduler,
+            push,
+            sharing=sharing,
+            streams=streams,
         )
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
@@ -398,16 +407,17 @@ class DaemonCore:
         job = peer.job
         if peer.earlier_token:
             request = job.pipeline_in_this_job(peer.earlier_token, request)
-        executor = executor_for(job, request.pipeline_id)
-        check_batch(executor, request)
-        batch = PendingBatch(job.next_batch_id, request)
+        member = executor_for(job, request.pipeline_id)
+        check_batch(member, request)
+        batch = PendingBatch(job.next_batch_id, request, member)
         job.next_batch_id += 1
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
             # could hold back the very batch the trainer waits for.
             job.deferred[batch.batch_id] = batch
             return BatchAccepted(batch.batch_id)
-        if job.admission.submit(batch, executor, identity, request_id):
+        assert member.executor is not None
+        if job.admission.submit(batch, member.executor, identity, request_id):
             return BatchAccepted(batch.batch_id)
         return None  # backpressure: answered once an earlier batch of the job is answered
 
@@ -438,7 +448,9 @@ class DaemonCore:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_BATCH, f"batch {request.batch_id} is not waiting to be scheduled"
             )
-        executor_for(job, batch.request.pipeline_id).submit(batch)
+        member = executor_for(job, batch.request.pipeline_id)
+        assert member.executor is not None
+        member.executor.submit(batch)
         return Ok()
 
     def _on_release_regions(

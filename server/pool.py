@@ -212,6 +212,14 @@ class RegionPool:
         space.slab.close()
         self._retired.append(space.slab.name)
 
+    def has_room(self, sizes: Sequence[int]) -> bool:
+        """Whether regions of ``sizes`` fit in what the pool may still lease, now (free
+        space may be split, so ``allocate`` can still wait: an estimate for not waiting)."""
+        needed = sum(_align(size, self._alignment) for size in sizes)
+        with self._condition:
+            leased = sum(size for _, _, size in self._leases.values())
+        return needed <= self.limit_bytes - leased
+
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
         unknown = []

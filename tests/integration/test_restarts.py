@@ -167,7 +167,9 @@ def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
 def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
-        batch = _batch(session.proxy(two_output_pipeline()), 0)
+        # Deterministic: the batch waits in the daemon until produce_data asks for it, so its
+        # result cannot arrive before the kill, however fast the daemon runs it.
+        batch = _batch(session.proxy(two_output_pipeline(), deterministic=True), 0)
         os.kill(daemon.pid, signal.SIGKILL)
         daemon.process.wait()
         with pytest.raises(dalid.DaemonUnavailable, match=f"{daemon.socket}.*is gone"):
