@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ QUARANTINE_BATCHES = 8
 # again when a job's batch waited only for that job's memory (a release does not wake it).
 _IDLE_WAIT_S = 1.0
 _IDLE_POLL_S = 0.05
+# A job that submitted a batch this recently is busy: it gets its share of each run.
+_BUSY_S = 1.0
 
 _arrivals = itertools.count()
 
@@ -91,6 +94,8 @@ class Member:
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
     alone: int = 0
+    # When it last submitted a batch (monotonic seconds): whether its job is busy.
+    submitted_at: float = 0.0
     writing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -140,7 +145,9 @@ class RunPlanner:
     Each run starts with the batch whose job comes first in the fair scheduler's order, and
     takes a slot of the scheduler for it (``FairScheduler.acquire``). On a shared pipeline the
     run then takes more batches, of any member, in the scheduler's order, while they fit in
-    ``run_size`` samples and feed DALI inputs of the same dtypes and ranks; they ride in that
+    ``run_size`` samples, each busy job at most its share of ``run_batches`` (so a job's
+    backlog does not fill whole runs while another job's next batch is on its way), and feed
+    DALI inputs of the same dtypes and ranks; they ride in that
     slot, each charged to its own job (``FairScheduler.ride``), so weights hold inside runs. A
     batch that ran in a mixed run that failed, or of a job in quarantine, runs alone.
 
@@ -159,6 +166,7 @@ class RunPlanner:
         self.changed = threading.Condition()
         self.shared = False
         self.run_size = 0
+        self.run_batches = 1
         # Output sizes per sample of the last run, by output: (device, bytes).
         self.sample_sizes: list[tuple[str, int]] = []
         self._scheduler = scheduler
@@ -189,6 +197,7 @@ class RunPlanner:
         assert batch.member is not None
         with self.changed:
             batch.member.queue.append(batch)
+            batch.member.submitted_at = time.monotonic()
             self.changed.notify()
 
     def wake(self) -> None:
@@ -217,6 +226,10 @@ class RunPlanner:
             return run
         room = self.run_size - first.size
         kinds = first.input_kinds()
+        # A busy job's batches take at most its share of a run, so that a job whose next batch
+        # arrives a moment later does not wait for a whole run of another job's backlog.
+        share = -(-self.run_batches // self._busy_jobs())
+        taken = collections.Counter([first.member.job_id])
 
         def rides(batch: PendingBatch) -> bool:
             member = batch.member
@@ -225,6 +238,7 @@ class RunPlanner:
                 and member.alone == 0
                 and not batch.alone
                 and batch.size <= room
+                and taken[member.job_id] < share
                 and batch.input_kinds() == kinds
             )
 
@@ -236,8 +250,16 @@ class RunPlanner:
             if self._scheduler is not None:
                 self._scheduler.ride(rider.member.job_id, self._clock.cost(rider.size))
             run.batches.append(rider)
+            taken[rider.member.job_id] += 1
             room -= rider.size
         return run
+
+    def _busy_jobs(self) -> int:
+        """The jobs that have batches queued or submitted one lately (at least one)."""
+        since = time.monotonic() - _BUSY_S
+        with self.changed:
+            busy = {m.job_id for m in self.members if m.queue or m.submitted_at >= since}
+        return max(1, len(busy))
 
     def _first_batch(
         self, retry: collections.deque[PendingBatch], block: bool
