@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -226,9 +227,9 @@ class RunPlanner:
             return run
         room = self.run_size - first.size
         kinds = first.input_kinds()
-        # A busy job's batches take at most its share of a run, so that a job whose next batch
-        # arrives a moment later does not wait for a whole run of another job's backlog.
-        share = -(-self.run_batches // self._busy_jobs())
+        # A busy job's batches take at most its share of a run (by weight), so that a job whose
+        # next batch arrives a moment later does not wait for a whole run of another's backlog.
+        shares = self._shares()
         taken = collections.Counter([first.member.job_id])
 
         def rides(batch: PendingBatch) -> bool:
@@ -237,8 +238,9 @@ class RunPlanner:
                 member is not None
                 and member.alone == 0
                 and not batch.alone
+                and not batch.oversized
                 and batch.size <= room
-                and taken[member.job_id] < share
+                and taken[member.job_id] < shares.get(member.job_id, self.run_batches)
                 and batch.input_kinds() == kinds
             )
 
@@ -254,12 +256,21 @@ class RunPlanner:
             room -= rider.size
         return run
 
-    def _busy_jobs(self) -> int:
-        """The jobs that have batches queued or submitted one lately (at least one)."""
+    def _shares(self) -> dict[int, int]:
+        """The batches each busy job (one with batches queued or submitted lately) may have in
+        one run: its weight's share of ``run_batches``, rounded up."""
         since = time.monotonic() - _BUSY_S
         with self.changed:
             busy = {m.job_id for m in self.members if m.queue or m.submitted_at >= since}
-        return max(1, len(busy))
+        weights = {
+            job_id: self._scheduler.weight(job_id) if self._scheduler is not None else 1.0
+            for job_id in busy
+        }
+        total = sum(weights.values())
+        return {
+            job_id: max(1, math.ceil(self.run_batches * weight / total - 1e-9))
+            for job_id, weight in weights.items()
+        }
 
     def _first_batch(
         self, retry: collections.deque[PendingBatch], block: bool
@@ -298,6 +309,8 @@ class RunPlanner:
         best: tuple[float, int] | None = None
         chosen: tuple[Member, PendingBatch] | None = None
         for member, head in heads:
+            if pop:
+                self.prepare(head)  # a rider's images are checked before it may ride
             if not fits(head) or not self._may_take(member, head):
                 continue
             tag = 0.0
@@ -321,13 +334,6 @@ class RunPlanner:
                 member.queue.popleft()
         if not taken:
             return None  # its job left meanwhile
-        self.prepare(head)
-        if head.oversized:
-            # Bad before it runs: it will start a run of its own.
-            with self.changed:
-                if not member.closed:
-                    member.queue.appendleft(head)
-            return None
         return head
 
     def _mixes(self, first: PendingBatch) -> bool:
