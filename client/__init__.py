@@ -33,7 +33,7 @@ from .named import RepositoryPipeline, named_pipeline
 from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .transform import Proxy
+from .worker import Proxy
 
 
 def connect(

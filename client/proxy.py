@@ -12,9 +12,10 @@ from typing import Any
 
 from .errors import InputError
 from .loader import DataLoader as _DataLoader
+from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
-from .session import Session, _check_pipeline, external_source_names, pipeline_device
-from .transform import Proxy
+from .session import Session
+from .worker import Proxy
 
 __all__ = [
     "DALIOutputBatchRef",
@@ -48,7 +49,7 @@ class DALIServer:
         reconnect: bool = False,
     ) -> None:
         try:
-            _check_pipeline(pipeline)
+            check_pipeline(pipeline)
         except InputError as error:
             raise TypeError(str(error)) from None
         if not external_source_names(pipeline):
@@ -87,8 +88,8 @@ class DALIServer:
         session = self.session
         if not self._registered:
             # The session points this proxy at each new registration (after a reconnection too).
-            self._proxy = session._register(
-                self._pipeline, self._deterministic, proxy=self._proxy, on_error=self._on_error
+            self._proxy = session.proxy(
+                self._pipeline, self._deterministic, self._on_error, proxy=self._proxy
             )
             self._registered = True
         assert self._proxy is not None

@@ -10,18 +10,26 @@ message is refused by the sender before it is sent and by the receiver when it a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 4
-"""Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
+PROTOCOL_VERSION = 5
+"""Bumped only when a meaning changes: a change a peer of the previous version would misread.
+Quoted in SPEC.md, whose "Versions" section has the rule.
 
-A new operation that changes no existing message is no such change: a peer that lacks it
-answers ``unknown_operation``, so ``reload_repository`` and ``repository_report`` came
-without a bump.
+From version 5 on a receiver ignores body fields it does not know (and frames only they
+reference), so a field added with a default that older peers may safely ignore needs no bump;
+nor does a new operation that changes no existing message (a peer that lacks it answers
+``unknown_operation``: so ``reload_repository`` and ``repository_report`` came in version 4).
+A new enum value (an error code, a policy), a field older peers must not ignore, or a change
+to what a field means does need one.
+
+Version 5 made unknown fields tolerated (version 4 refused them) and checks in ``InputBatch``
+itself that each sample's frame holds exactly its shape's bytes.
 
 Version 4 added what lets DataLoader workers rejoin their job after a daemon restart: a
 trainer's ``hello`` names its jobs of earlier daemons (``earlier_jobs``), each registration the
@@ -311,6 +319,9 @@ class RegisterPipeline(Message):
     # The ids this pipeline had in the trainer's earlier jobs (``Hello.earlier_jobs``): a
     # worker that joined as one of them submits under that id.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
+    # The trainer fixes the order of the batches (they come deferred): the pipeline is not
+    # shared with other jobs, and each batch runs alone.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
@@ -344,6 +355,7 @@ class RegisterNamedPipeline(Message):
     on_error: OnError = OnError.RAISE
     # As in RegisterPipeline.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check_name(self.name, "a pipeline name")
@@ -403,8 +415,16 @@ class InputBatch:
         _check_name(self.name, "an input name")
         _check(self.dtype in DTYPES, f"input {self.name!r}: unsupported dtype {self.dtype!r}")
         _check(len(self.shapes) == len(self.samples), f"input {self.name!r}: shapes != samples")
-        for shape in self.shapes:
+        itemsize = ITEMSIZES[self.dtype]
+        for index, (shape, sample) in enumerate(zip(self.shapes, self.samples, strict=True)):
             _check_shape(shape, f"a sample of input {self.name!r}")
+            # Each frame holds exactly its sample: the receiver views it in place by its shape.
+            expected = math.prod(shape) * itemsize
+            _check(
+                sample.nbytes == expected,
+                f"input {self.name!r} sample {index}: shape {shape} of {self.dtype} needs "
+                f"{expected} bytes, its frame has {sample.nbytes}",
+            )
 
 
 @dataclass(frozen=True)
@@ -621,6 +641,29 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class PipelineStatus:
+    """One pipeline in the daemon, as the daemon runs it (jobs that registered the same graph
+    share one): the jobs it serves and how full its runs are.
+
+    ``run_size`` is the most samples one run holds; ``mean_fill`` the samples of its runs so far
+    over that many; ``mixed_runs`` the runs that held batches of two jobs or more. A pipeline
+    that is not ``shared`` says why in ``private_reason``.
+    """
+
+    pipeline: int
+    name: str
+    shared: bool
+    jobs: tuple[int, ...]
+    run_size: int
+    threads: int
+    runs: int
+    samples: int
+    mean_fill: float
+    mixed_runs: int
+    private_reason: str = ""
+
+
+@dataclass(frozen=True)
 class StatusReport(Message):
     """The daemon and its jobs, at one moment."""
 
@@ -636,6 +679,8 @@ class StatusReport(Message):
     memory_limit: int
     memory_reserved: int
     jobs: tuple[JobStatus, ...]
+    # The pipelines the jobs' registrations run on (several jobs may share one).
+    pipelines: tuple[PipelineStatus, ...] = ()
 
 
 # --- Repository family --------------------------------------------------------------------------
@@ -735,6 +780,7 @@ __all__ = [
     "OutputDescriptor",
     "Ping",
     "PipelineRegistered",
+    "PipelineStatus",
     "Pong",
     "RegisterNamedPipeline",
     "RegisterPipeline",

@@ -46,9 +46,10 @@ from dalid.protocol.ownership import UnsafePath
 
 from . import crash_report
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
-from .daemon import Daemon, DaemonConfig
+from .daemon import Daemon, DaemonConfig, usable_cores
 from .devices import DeviceListError, child_specs, parse_devices
 from .lifeline import watch_supervisor
+from .pipelines import Sharing
 from .quotas import Quotas
 from .supervisor import Supervisor
 
@@ -167,6 +168,11 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         pipelines=pipelines,
         quotas=quotas,
         concurrency=settings["concurrency"] or 0,
+        sharing=Sharing(
+            enabled=settings["share_pipelines"],
+            run_batches=settings["run_batches"],
+            threads=settings["threads"] or usable_cores(),
+        ),
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import signal
@@ -51,10 +50,11 @@ from dalid.protocol import (
 from dalid.protocol.ownership import UnsafePath, check_owned_directory
 
 from .core import DaemonCore
-from .cuda import CudaBackend
-from .memory import SharedMemoryBackend
+from .outputs import OutputsFactory, StreamFactory, no_streams
+from .pipelines import SHARING, Sharing
 from .quotas import Quotas
 from .repository import PipelineRepository
+from .shm import host_outputs
 
 log = logging.getLogger("dalid.server")
 
@@ -82,8 +82,17 @@ class DaemonConfig:
     pipelines: Path | None = None
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
+    sharing: Sharing = SHARING
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def automatic_concurrency() -> int:
@@ -205,12 +214,17 @@ class Daemon:
     def _start(self) -> None:
         config = self.config
         device_uuid = ""
-        cuda_backend = None
+        outputs: OutputsFactory = host_outputs()
+        streams: StreamFactory = no_streams
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
-            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
-            cuda_backend = functools.partial(CudaBackend, device_id)
+            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
+            # imported here, so that a CPU daemon never loads its CUDA layer.
+            from .cuda import device_outputs, device_streams
+
+            outputs = device_outputs(device_id)
+            streams = device_streams(device_id)
             log.info("GPU %d is %s", device_id, device_uuid)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
@@ -218,13 +232,14 @@ class Daemon:
         )
         self.core = DaemonCore(
             config.device,
-            SharedMemoryBackend(),
+            outputs,
             self.push,
             config.quotas,
             concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
-            cuda_backend=cuda_backend,
             repository=repository,
+            sharing=config.sharing,
+            streams=streams,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()

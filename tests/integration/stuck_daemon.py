@@ -17,7 +17,8 @@ from pathlib import Path
 
 from dalid.server import cli
 from dalid.server.daemon import Daemon
-from dalid.server.memory import PAGE, SharedMemorySlab
+from dalid.server.pool import PAGE
+from dalid.server.shm import SharedMemorySlab
 from dalid.server.supervisor import ChildSpec, Supervisor
 
 

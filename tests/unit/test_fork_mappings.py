@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.memory import SlabMappings
+from dalid.client.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, slabs
-from dalid.server.memory import PAGE, SharedMemorySlab
+from dalid.server.pool import PAGE
+from dalid.server.shm import SharedMemorySlab
 
 SIZE = 64 << 20  # a slab's default size: sparse until written
 
@@ -48,8 +49,8 @@ def segment() -> Iterator[str]:
 
 
 def test_a_child_that_frees_and_closes_inherited_mappings_keeps_its_own_memory(segment) -> None:
-    mappings = SlabMappings()
-    tensors = [mappings.tensor(OutputDescriptor(1, segment, SIZE, 0, 16, "uint8", (16,)))]
+    mappings = SharedMemoryOutputs()
+    tensors = mappings.wrap([OutputDescriptor(1, segment, SIZE, 0, 16, "uint8", (16,))])
     holder = [mappings]
     where = tensors[0].data_ptr()
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.memory import SlabMappings
-from dalid.protocol import OutputDescriptor, slabs
+from dalid.client.shm import SharedMemoryOutputs
+from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 from dalid.protocol.slabs import SHM_DIR
-from dalid.server.memory import PAGE, SharedMemoryBackend, SharedMemorySlab
-from dalid.server.pool import ALIGNMENT, PoolClosed, PoolTooSmall, Region, RegionPool
+from dalid.server.pool import ALIGNMENT, PAGE, PoolClosed, PoolTooSmall, Region, RegionPool
+from dalid.server.shm import SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
@@ -466,44 +466,42 @@ def test_the_trainer_mapping_views_a_region_as_a_tensor(make_pool: PoolFactory) 
         shape=expected.shape,
         device=region.slab.device,
     )
-    mappings = SlabMappings()
+    mappings = SharedMemoryOutputs()
     try:
-        tensor = mappings.tensor(descriptor)
-        small = mappings.tensor(
-            dataclasses.replace(
-                descriptor,
-                region_id=other.region_id,
-                offset=other.offset,
-                nbytes=other.nbytes,
-                dtype="uint8",
-                shape=(other.nbytes,),
-            )
+        small_descriptor = dataclasses.replace(
+            descriptor,
+            region_id=other.region_id,
+            offset=other.offset,
+            nbytes=other.nbytes,
+            dtype="uint8",
+            shape=(other.nbytes,),
         )
+        tensor, small = mappings.wrap([descriptor, small_descriptor], "")
         assert mappings.opened == 1  # each slab is mapped once
         assert isinstance(tensor, torch.Tensor)
         np.testing.assert_array_equal(tensor.numpy(), expected)
-        assert mappings.take_released() == []
+        assert mappings.releases() == []
         view_of_tensor = tensor[1]
         del tensor
         gc.collect()
-        assert mappings.take_released() == []  # a view of the tensor still uses the region
+        assert mappings.releases() == []  # a view of the tensor still uses the region
         del view_of_tensor
         gc.collect()
-        assert mappings.take_released() == [region.region_id]
+        assert mappings.releases() == [ReleaseRegions((region.region_id,))]
         del small
         gc.collect()
-        assert mappings.take_released() == [other.region_id]
+        assert mappings.releases() == [ReleaseRegions((other.region_id,))]
         assert pool.release([region.region_id, other.region_id]) == []
     finally:
         mappings.close()
 
 
 def test_the_trainer_refuses_names_that_are_not_slabs() -> None:
-    mappings = SlabMappings()
+    mappings = SharedMemoryOutputs()
     for name in ("passwd", "../dalid-x", "dalid-a/b"):
         descriptor = OutputDescriptor(1, name, PAGE, 0, 4, "uint8", (4,))
         with pytest.raises(ValueError, match="refusing"):
-            mappings.tensor(descriptor)
+            mappings.wrap([descriptor], "")
     mappings.close()
 
 
