@@ -54,6 +54,7 @@ from .errors import (
 from .launcher import start_daemon
 from .memory import SlabMappings
 from .named import RepositoryPipeline
+from .options import check_job_options
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
@@ -263,7 +264,17 @@ class Session:
         max_inflight_batches: int | None = None,
         reconnect: bool = False,
     ) -> None:
-        self.device = parse_device(device)
+        check_job_options(
+            name=name,
+            weight=weight,
+            memory_bytes=memory_bytes,
+            max_inflight_batches=max_inflight_batches,
+            reconnect=reconnect,
+        )
+        try:
+            self.device = parse_device(device)
+        except ValueError as error:
+            raise InputError(str(error)) from None
         self.socket = socket_path(self.device, socket)
         self.reconnect = reconnect
         self._autostart = autostart
