@@ -169,16 +169,22 @@ class Daemon:
         path = self.config.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = path.with_name(path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise AlreadyRunning(
+                    f"a dalid daemon (pid {owner}) already serves {endpoint(path)}; stop it with "
+                    f"`dalid stop --socket {path}` or choose another --socket"
+                ) from None
+            # A daemon that stops removes the lock file while it holds the lock (close()): a
+            # lock taken on a file no longer at the path locks nothing; open the new one.
+            if _same_file(fd, lock_path):
+                break
             os.close(fd)
-            raise AlreadyRunning(
-                f"a dalid daemon (pid {owner}) already serves {endpoint(path)}; stop it with "
-                f"`dalid stop --socket {path}` or choose another --socket"
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
@@ -275,6 +281,11 @@ class Daemon:
             self._uuid_link = None
         if self._lock_fd is not None:
             self.config.socket.unlink(missing_ok=True)
+            # Removed while still held, so that a clean stop leaves nothing in the runtime
+            # directory; a daemon starting meanwhile sees the file gone (_acquire_socket).
+            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
+            if _same_file(self._lock_fd, lock_path):
+                lock_path.unlink(missing_ok=True)
             os.close(self._lock_fd)
             self._lock_fd = None
         if self._wake_fd >= 0:
@@ -389,6 +400,16 @@ class Daemon:
             if error.errno != zmq.EHOSTUNREACH:
                 raise
             self.core.trainer_unreachable(identity)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    try:
+        named = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _remove_stale_segments() -> None:
