@@ -76,6 +76,11 @@ class ProtocolMismatch(DaemonUnavailable):
     """The daemon speaks another protocol version than this client."""
 
 
+class DaemonStopped(DaemonUnavailable):
+    """The daemon was stopped on purpose (``dalid stop``, SIGTERM) and said so before it went:
+    it will not come back by itself, so a session with ``reconnect`` does not wait for it."""
+
+
 _PIPELINE_CODES = {
     ErrorCode.INVALID_PIPELINE,
     ErrorCode.DEVICE_MISMATCH,
@@ -88,6 +93,6 @@ def error_from_reply(reply: Error) -> DalidError:
     if reply.code is ErrorCode.PROTOCOL_MISMATCH:
         return ProtocolMismatch(reply.message)
     if reply.code is ErrorCode.SHUTTING_DOWN:
-        return DaemonUnavailable(reply.message)
+        return DaemonStopped(reply.message)
     cls = PipelineError if reply.code in _PIPELINE_CODES else RequestError
     return cls(reply.code, reply.message, reply.traceback)

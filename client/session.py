@@ -45,6 +45,7 @@ from .connection import Connection, no_daemon_message
 from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import (
     BatchError,
+    DaemonStopped,
     DaemonUnavailable,
     DeviceMismatch,
     InputError,
@@ -526,8 +527,12 @@ class Session:
                     self._reconnect_now()
                 return action()
             except DaemonUnavailable as error:
-                if not self.reconnect or isinstance(error, ProtocolMismatch) or self.closed:
-                    raise
+                if (
+                    not self.reconnect
+                    or isinstance(error, ProtocolMismatch | DaemonStopped)
+                    or self.closed
+                ):
+                    raise  # a stopped daemon is not restarted: nothing to wait for
                 if attempt == MAX_RECONNECTS:
                     raise DaemonUnavailable(
                         f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"

@@ -244,9 +244,11 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
                 )
-            if isinstance(message, TrainerProgress) and identity not in self.peers:
-                # Figures for `dalid status` only, from a connection of a daemon that was
-                # replaced (it has not noticed yet): nothing to apply, nobody to tell.
+            if request_id is None and identity not in self.peers:
+                # A notification (a release, progress figures) from a connection whose job
+                # ended, or that a replaced daemon welcomed: nothing to apply, and an error
+                # pushed back would only be logged by a peer that is going away.
+                log.debug("%s from a connection that is not in a job: ignored", message.OP)
                 return None
             if not isinstance(
                 message, Hello | Ping | Shutdown | StatusRequest | ReloadRepository
@@ -408,10 +410,9 @@ class DaemonCore:
             self.jobs[job.job_id] = job
             self.scheduler.add_job(job.job_id, limits.weight)
             log.info(
-                "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight%s",
+                "job %d (%s) connected: weight %g, %d MiB, %d batches in flight%s",
                 job.job_id,
-                hello.name or "?",
-                hello.client_pid,
+                job_label(hello.name, hello.client_pid),
                 limits.weight,
                 limits.pool_bytes >> 20,
                 limits.max_inflight_batches,
@@ -896,6 +897,12 @@ def repository_report(repository: PipelineRepository) -> RepositoryReport:
             for file, why in sorted(repository.failures.items())
         ),
     )
+
+
+def job_label(name: str, pid: int) -> str:
+    """How the log names a job once, at connect: its name and its trainer's pid (the client's
+    default name is the pid, said once)."""
+    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"
 
 
 def _same_token(expected: str, given: str) -> bool:

@@ -50,6 +50,7 @@ from dalid.protocol import (
 
 from .core import DaemonCore
 from .cuda import CudaBackend
+from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
 from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
 from .quotas import Quotas
 from .repository import PipelineRepository
@@ -98,6 +99,9 @@ class Daemon:
         self._outbox: collections.deque[tuple[bytes, Message, int | None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
+        self._stop_signal: int | None = None
+        # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
+        self._linger_ms = 0
         self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
@@ -118,7 +122,9 @@ class Daemon:
         self._outbox.append((identity, message, request_id))
         self._wake()
 
-    def request_stop(self, *_: object) -> None:
+    def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        if not self._stop.is_set():
+            self._stop_signal = signum
         self._stop.set()
         self._wake()
 
@@ -269,7 +275,7 @@ class Daemon:
             self._monitor.close(linger=0)
             self._monitor = None
         if self._socket is not None:
-            self._socket.close(linger=0)
+            self._socket.close(linger=self._linger_ms)
             self._socket = None
         if self._context is not None:
             self._context.term()
@@ -335,6 +341,20 @@ class Daemon:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
         self._flush_outbox()
+        if self._stop.is_set() or self.core.stop_requested:
+            self._tell_peers(stop_reason(self._stop_signal))
+
+    def _tell_peers(self, reason: str) -> None:
+        """Tells every connected peer that the daemon was stopped (see farewell.py)."""
+        assert self.core is not None
+        peers = list(self.core.peers)
+        log.info("stopping (%s): telling %d connected peer(s)", reason, len(peers))
+        notice = stopping_notice(self.config.socket, reason)
+        for identity in peers:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(identity, notice, None)
+        if peers:
+            self._linger_ms = NOTICE_LINGER_MS
 
     def _reload(self) -> None:
         assert self.core is not None
