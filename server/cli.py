@@ -48,8 +48,8 @@ from dalid.protocol import (
 
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
-from .memory import SHM_DIR
 from .quotas import Quotas
+from .shm import SHM_DIR
 from .status_view import legend
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import signal
@@ -49,11 +48,11 @@ from dalid.protocol import (
 )
 
 from .core import DaemonCore
-from .cuda import CudaBackend
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
-from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
+from .outputs import OutputsFactory
 from .quotas import Quotas
 from .repository import PipelineRepository
+from .shm import SHM_DIR, SLAB_PREFIX, host_outputs
 
 log = logging.getLogger("dalid.server")
 
@@ -203,12 +202,15 @@ class Daemon:
     def _start(self) -> None:
         config = self.config
         device_uuid = ""
-        cuda_backend = None
+        outputs: OutputsFactory = host_outputs()
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
-            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
-            cuda_backend = functools.partial(CudaBackend, device_id)
+            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
+            # imported here, so that a CPU daemon never loads its CUDA layer.
+            from .cuda import device_outputs
+
+            outputs = device_outputs(device_id)
             log.info("GPU %d is %s", device_id, device_uuid)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
@@ -216,12 +218,11 @@ class Daemon:
         )
         self.core = DaemonCore(
             config.device,
-            SharedMemoryBackend(),
+            outputs,
             self.push,
             config.quotas,
             concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
-            cuda_backend=cuda_backend,
             repository=repository,
         )
         self.snapshot = self.core.status()

@@ -20,8 +20,8 @@ import torch
 
 from dalid.client.memory import SlabMappings
 from dalid.protocol import OutputDescriptor
-from dalid.server.memory import PAGE, SHM_DIR, SharedMemoryBackend, SharedMemorySlab
-from dalid.server.pool import ALIGNMENT, PoolClosed, PoolTooSmall, Region, RegionPool
+from dalid.server.pool import ALIGNMENT, PAGE, PoolClosed, PoolTooSmall, Region, RegionPool
+from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
