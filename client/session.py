@@ -56,6 +56,7 @@ from .launcher import start_daemon
 from .memory import SlabMappings
 from .named import RepositoryPipeline
 from .options import check_job_options
+from .paths import path_inputs, resolve_paths
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .transform import Proxy, ProxyTarget, batch_inputs, worker_links
@@ -434,6 +435,7 @@ class Session:
             exec_dynamic=bool(pipeline.exec_dynamic),
             name=getattr(pipeline, "_name", None) or "",
             on_error=policy,
+            path_inputs=path_inputs(pipeline),
         )
 
     def _register_now(self, registration: _Registration) -> None:
@@ -470,6 +472,8 @@ class Session:
             max_batch_size=registered.max_batch_size,
             deterministic=registration.deterministic,
             reconnect=self.reconnect,
+            path_inputs=registered.path_inputs,
+            working_directory=os.getcwd(),
         )
 
     def produce_data(self, obj: Any) -> Any:
@@ -670,10 +674,14 @@ class Session:
                 f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
                 "are gone: it was delivered already, or its proxy was made by another session"
             )
-        assert registration.registered is not None
-        inputs = batch_inputs(registration.registered.input_names, run.call_args)
-        pipeline_id = registration.registered.pipeline_id
-        request = SubmitBatch(pipeline_id, inputs, deferred=run.deterministic)
+        registered = registration.registered
+        assert registered is not None
+        call_args, unreadable = resolve_paths(run.call_args, registered.path_inputs, os.getcwd())
+        inputs = batch_inputs(registered.input_names, call_args)
+        pipeline_id = registered.pipeline_id
+        request = SubmitBatch(
+            pipeline_id, inputs, deferred=run.deterministic, unreadable=unreadable
+        )
         reply = self._connection.request(request)
         assert isinstance(reply, BatchAccepted)
         welcome = self._connection.welcome

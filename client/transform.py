@@ -20,6 +20,7 @@ from dalid.protocol import BatchAccepted, ErrorCode, InputBatch, Role, SubmitBat
 
 from .connection import Connection
 from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from .paths import resolve_paths
 from .refs import DALIOutputSampleRef, DALIPipelineRunRef
 from .samples import as_sample
 
@@ -47,6 +48,10 @@ class ProxyTarget:
     deterministic: bool
     # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
     reconnect: bool = False
+    # Inputs whose samples are file paths, made absolute from the trainer's working directory
+    # before they leave (dalid.client.paths).
+    path_inputs: tuple[str, ...] = ()
+    working_directory: str = ""
 
 
 _LinkKey = tuple[Path, int, str]
@@ -234,10 +239,14 @@ class Proxy:
         trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
         """
         target = self._target
+        call_args, unreadable = resolve_paths(
+            run.call_args, target.path_inputs, target.working_directory
+        )
         request = SubmitBatch(
             target.pipeline_id,
-            batch_inputs(target.input_names, run.call_args),
+            batch_inputs(target.input_names, call_args),
             deferred=run.deterministic,
+            unreadable=unreadable,
         )
         link: Connection | None = None
         try:

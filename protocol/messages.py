@@ -319,9 +319,13 @@ class RegisterPipeline(Message):
     # The ids this pipeline had in the trainer's earlier jobs (``Hello.earlier_jobs``): a
     # worker that joined as one of them submits under that id.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
+    # Inputs whose samples are file paths (they feed fn.io.file.read): the daemon checks that
+    # it can open each before the batch runs (see ``SubmitBatch.unreadable``).
+    path_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
+        _check(set(self.path_inputs) <= set(self.input_names), "path_inputs must be inputs")
         for input_name in self.input_names:
             _check_name(input_name, "an input name")
         _check(len(set(self.input_names)) == len(self.input_names), "input names must differ")
@@ -393,6 +397,8 @@ class PipelineRegistered(Message):
     input_names: tuple[str, ...] = ()
     num_outputs: int = 0
     max_batch_size: int = 0
+    # The inputs whose samples are file paths (they feed fn.io.file.read).
+    path_inputs: tuple[str, ...] = ()
 
 
 # --- Batch family -------------------------------------------------------------------------------
@@ -431,12 +437,17 @@ class SubmitBatch(Message):
     pipeline_id: int
     inputs: tuple[InputBatch, ...]
     deferred: bool = False
+    # Positions of samples whose file path (an input of ``path_inputs``) the submitter itself
+    # could not read: missing files, not files the daemon fails to see.
+    unreadable: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 < len(self.inputs) <= MAX_INPUTS, f"1 to {MAX_INPUTS} inputs")
         sizes = {len(batch.samples) for batch in self.inputs}
         _check(len(sizes) == 1, "every input of a batch must have the same number of samples")
-        _check(0 < sizes.pop() <= MAX_BATCH_SIZE, "a batch must have at least one sample")
+        size = sizes.pop()
+        _check(0 < size <= MAX_BATCH_SIZE, "a batch must have at least one sample")
+        _check(all(0 <= p < size for p in self.unreadable), "unreadable: position out of range")
 
     @property
     def batch_size(self) -> int:

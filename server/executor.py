@@ -23,6 +23,7 @@ from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnErro
 
 from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
 from .outputs import JobOutputs, OutputFailure
+from .paths import FilesUnseen, check_paths
 from .pool import PoolClosed
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
 from .scheduler import JobSlots, ServiceClock
@@ -168,6 +169,11 @@ class PipelineExecutor:
                         if not oversized:
                             batch.entered = time.monotonic()
                             runner.schedule(batch.arrays)
+                    except FilesUnseen as unseen:
+                        # Not a bad sample: every batch would fail so (see paths.py).
+                        self._give_slots(1)
+                        self._fail(batch, ErrorCode.INVALID_BATCH, str(unseen))
+                        continue
                     except Exception as error:
                         failure = error
                     if failure is not None or oversized:
@@ -247,10 +253,15 @@ class PipelineExecutor:
             return None
 
     def _prepare(self, batch: PendingBatch) -> dict[int, str]:
-        """Views the batch's frames as arrays; the image samples over the pixel limit."""
+        """Views the batch's frames as arrays; the samples known bad before a run: image
+        samples over the pixel limit, files nobody can read. Raises FilesUnseen."""
         if not batch.arrays:
             batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
-        return oversized_images(batch.arrays, self._max_image_pixels)
+        bad = oversized_images(batch.arrays, self._max_image_pixels)
+        if self.spec is not None and self.spec.path_inputs:
+            found = check_paths(batch.arrays, self.spec.path_inputs, batch.request.unreadable)
+            bad = {**found, **bad}
+        return bad
 
     def _recover(
         self,
