@@ -42,6 +42,7 @@ from dalid.protocol import (
 
 from .badsamples import SampleReport, follow_bad_samples
 from .connection import Connection, no_daemon_message
+from .copies import copied_tensor
 from .cuda import CudaMappings, TorchDevice, local_device
 from .errors import (
     BatchError,
@@ -695,7 +696,13 @@ class Session:
         resources = self._resources
         stream = None
         tensors = []
-        for output in result.outputs:
+        for index, output in enumerate(result.outputs):
+            if result.copies:  # Note [Private copies] in dalid.server.copies
+                tensor = copied_tensor(output, result.copies[index])
+                if output.device == "cuda":
+                    tensor = tensor.to(resources.gpu().device.torch_device)  # type: ignore[attr-defined]
+                tensors.append(tensor)
+                continue
             if output.device == "cpu":
                 try:
                     tensors.append(resources.mappings.tensor(output))

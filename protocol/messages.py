@@ -171,6 +171,9 @@ class Hello(Message):
     # A trainer that reconnects after daemon restarts: the jobs it had on earlier daemons. A
     # worker's hello naming one of them joins this job (see Restarts in SPEC.md).
     earlier_jobs: tuple[EarlierJob, ...] = ()
+    # A trainer that takes outputs as private copies when its output memory is all held
+    # (``BatchReady.copies``); without it, batches wait for the trainer's releases.
+    private_copies: bool = False
 
     def __post_init__(self) -> None:
         _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
@@ -497,7 +500,7 @@ class OutputDescriptor:
             self.offset >= 0 and self.offset + self.nbytes <= self.slab_size, "region outside slab"
         )
         _check(self.device in OUTPUT_DEVICES, f"unknown output device {self.device!r}")
-        if self.device == "cuda":
+        if self.device == "cuda" and self.slab:
             _check_handle(self.ipc_handle, "a GPU output's ipc_handle")
         else:
             _check(not self.ipc_handle, "a CPU output has no ipc_handle")
@@ -543,11 +546,20 @@ class BatchReady(Message):
     event: str = ""
     # Samples left out (outputs have fewer rows) or replaced, by the pipeline's on_error.
     bad_samples: tuple[BadSample, ...] = ()
+    # A batch delivered as private copies (its job's memory was all held): one frame per
+    # output, whose descriptor names no slab. Only to a trainer whose hello took copies.
+    copies: tuple[memoryview, ...] = ()
 
     def __post_init__(self) -> None:
-        on_gpu = any(output.device == "cuda" for output in self.outputs)
+        on_gpu = any(output.device == "cuda" and output.slab for output in self.outputs)
         _check_handle(self.event, "batch_ready.event", optional=not on_gpu)
         _check(on_gpu or not self.event, "batch_ready.event without GPU outputs")
+        if self.copies:
+            _check(len(self.copies) == len(self.outputs), "one copy per output")
+            for output, copy in zip(self.outputs, self.copies, strict=True):
+                _check(not output.slab and copy.nbytes == output.nbytes, "a copy's size")
+        else:
+            _check(all(output.slab for output in self.outputs), "an output names no slab")
 
 
 @dataclass(frozen=True)
@@ -645,6 +657,8 @@ class JobStatus:
     slabs: int
     memory_bytes: int
     connected_seconds: float
+    # Batches delivered as private copies, their job's output memory being all held.
+    batches_copied: int = 0
 
 
 @dataclass(frozen=True)

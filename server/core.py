@@ -52,6 +52,7 @@ from dalid.protocol import (
     transport,
 )
 
+from .copies import PRIVATE_COPY_AFTER_S
 from .errors import RequestRefused
 from .executor import PendingBatch
 from .jobs import Job, JobRegistry, Peer
@@ -326,6 +327,8 @@ class DaemonCore:
             self.quotas.max_waiting_batches,
         )
         self.scheduler.add_job(job.job_id, limits.weight)
+        if hello.private_copies:
+            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
         log.info(
             "job %d (%s) connected: weight %g, %d MiB, %d batches in flight%s",
             job.job_id,
@@ -422,6 +425,17 @@ class DaemonCore:
         if isinstance(result, BatchFailed):
             job.batches_failed += 1
         else:
+            if result.copies:
+                job.batches_copied += 1
+                if job.batches_copied == 1:
+                    log.warning(
+                        "job %d: its trainer holds all %d MiB of its output memory (it keeps "
+                        "its outputs), so batches that find no room come as private copies, "
+                        "which is slower; to avoid it, keep copies of kept outputs "
+                        "(tensor.clone()) or connect with a larger memory_bytes",
+                        job.job_id,
+                        job.limits.pool_bytes >> 20,
+                    )
             # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
             skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
             job.meter.add(batch.request.batch_size - skipped)

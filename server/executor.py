@@ -24,7 +24,7 @@ from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnErro
 from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
 from .outputs import JobOutputs, OutputFailure
 from .paths import FilesUnseen, check_paths
-from .pool import PoolClosed
+from .pool import PoolClosed, PoolFull
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
 from .scheduler import JobSlots, ServiceClock
 
@@ -339,10 +339,18 @@ class PipelineExecutor:
         outputs: tuple[Any, ...],
         bad_samples: Sequence[BadSample] = (),
     ) -> None:
+        copies: tuple[memoryview, ...] = ()
         try:
-            descriptors, event = self._outputs.write_batch(
-                outputs, stream_ordered=self._stream is not None, cancelled=self._stopping.is_set
-            )
+            try:
+                descriptors, event = self._outputs.write_batch(
+                    outputs,
+                    stream_ordered=self._stream is not None,
+                    cancelled=self._stopping.is_set,
+                )
+            except PoolFull:
+                # Note [Private copies] in copies.py.
+                descriptors, copies = self._outputs.private_copies(outputs)
+                event = ""
         except OutputFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
@@ -356,6 +364,7 @@ class PipelineExecutor:
                 retired_slabs=self._outputs.take_retired(),
                 event=event,
                 bad_samples=tuple(bad_samples),
+                copies=copies,
             ),
         )
 

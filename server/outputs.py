@@ -24,6 +24,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
+from .copies import private_copy
 from .pool import PoolTooSmall, Region, RegionPool
 
 
@@ -102,6 +103,9 @@ class JobOutputs:
     def __init__(self, stores: Sequence[OutputStore]) -> None:
         self.stores = tuple(stores)
         self.closed = False
+        # How long a batch waits for memory before it goes as a private copy; None: it waits
+        # for ever (a trainer that takes no copies). Note [Private copies] in copies.py.
+        self.copy_after: float | None = None
 
     @property
     def stream(self) -> int | None:
@@ -126,9 +130,11 @@ class JobOutputs:
     ) -> tuple[tuple[OutputDescriptor, ...], str]:
         """Copies a batch's outputs into fresh regions; their descriptors and the batch event.
 
-        Blocks while the job's memory is full (backpressure). Raises :class:`OutputFailure`
-        for outputs that cannot be delivered, and PoolClosed when the job ends meanwhile. On
-        return the regions are leased to the trainer (Note [Output buffer lifetime]).
+        Blocks while the job's memory is full (backpressure), or with ``copy_after`` set, for
+        that long at most, then raises PoolFull (deliver :meth:`private_copies` instead).
+        Raises :class:`OutputFailure` for outputs that cannot be delivered, and PoolClosed when
+        the job ends meanwhile. On return the regions are leased to the trainer (Note [Output
+        buffer lifetime]).
         """
         tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
         stores = [self._store_of(index, output) for index, output in enumerate(outputs)]
@@ -172,6 +178,34 @@ class JobOutputs:
         )
         return descriptors, next((event for event in events if event), "")
 
+    def private_copies(
+        self, outputs: Sequence[Any]
+    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...]]:
+        """A batch's outputs as private copies: descriptors that name no slab, and the bytes
+        of each output (Note [Private copies] in copies.py)."""
+        tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
+        stores = [self._store_of(index, output) for index, output in enumerate(outputs)]
+        descriptors, frames = [], []
+        for store, tensor, output in zip(stores, tensors, outputs, strict=True):
+            shape = tuple(int(extent) for extent in tensor.shape())
+            dtype = _dtype_name(output.dtype)
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            frames.append(private_copy(tensor, nbytes).data)
+            descriptors.append(
+                OutputDescriptor(
+                    region_id=0,
+                    slab="",
+                    slab_size=nbytes,
+                    offset=0,
+                    nbytes=nbytes,
+                    dtype=dtype,
+                    shape=shape,
+                    layout=output.layout() or "",
+                    device=store.device,
+                )
+            )
+        return tuple(descriptors), tuple(frames)
+
     def take_retired(self) -> tuple[str, ...]:
         """Slabs freed since the last call, for the trainer to unmap."""
         return tuple(name for store in self.stores for name in store.pool.take_retired())
@@ -207,7 +241,9 @@ class JobOutputs:
             for store in self.stores:
                 wanted = [size for size, s in zip(sizes, stores, strict=True) if s is store]
                 if wanted:
-                    regions = store.pool.allocate(wanted, cancelled=cancelled)
+                    regions = store.pool.allocate(
+                        wanted, cancelled=cancelled, give_up_after=self.copy_after
+                    )
                     taken.extend(regions)
                     by_store[id(store)] = iter(regions)
         except PoolTooSmall as error:

@@ -66,6 +66,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("data wait", "right", 2, "time the trainer waited for batches"),
     Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
     Column("memory", "right", 3, "output memory reserved for the job"),
+    Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
 )
 
 # Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
@@ -95,6 +96,7 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.trainer_wait_seconds:.1f}s",
         f"{job.regions_held}/{size(job.bytes_held)}",
         size(job.memory_bytes),
+        str(job.batches_copied),
     )
 
 

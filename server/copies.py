@@ -1,0 +1,43 @@
+"""Private copies: a batch delivered outside the job's output memory once the trainer holds it all.
+
+Note [Private copies]
+---------------------
+A trainer that keeps its outputs (``kept.append(batch)``: validation metrics, embeddings) holds
+the regions they view for as long as it keeps them; DALI's proxy gives it new tensors each step,
+so such a loop works there and must work here. A job's output memory grows up to its quota
+(``memory_bytes``); when a batch does not fit and no region comes back for
+``PRIVATE_COPY_AFTER_S``, the batch is delivered as a private copy instead of waiting for ever:
+
+1. Its outputs are copied into host buffers of their own (a GPU output through the host) and
+   travel as frames of its ``batch_ready`` (``copies``, one per output, in output order); their
+   descriptors name no slab (``slab`` "", ``region_id`` 0). Nothing of the job's memory is leased.
+2. The trainer makes tensors of its own from the frames (on its GPU for a GPU output); they
+   are its to keep, and nothing is released for them.
+3. Only a trainer whose ``hello`` says it takes copies (``private_copies``) gets them; an older
+   one waits for its memory as before.
+4. Until a region of the job comes back, later batches that do not fit are copied at once,
+   without the wait; the first release ends that (the pool is in use again).
+5. The daemon says so once per job in its log, and counts the batches (``batches_copied`` in
+   ``dalid status``). Memory stays bounded: a copy leaves the daemon as soon as it is sent, and
+   the trainer asks for batches at its own pace (a DataLoader's prefetch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+# How long a batch waits for the trainer to release a region before it goes as a copy.
+PRIVATE_COPY_AFTER_S = 1.0
+
+
+def private_copy(tensor: Any, nbytes: int) -> np.ndarray:
+    """The bytes of a dense DALI tensor (CPU or GPU) in a new host buffer."""
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    if nbytes:
+        # A GPU tensor comes through the host (as_cpu waits for it); a CPU one is copied once.
+        source = tensor.as_cpu() if "GPU" in type(tensor).__name__ else tensor
+        source.copy_to_external(ctypes.c_void_p(buffer.ctypes.data))
+    return buffer
