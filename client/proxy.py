@@ -110,6 +110,12 @@ class DALIServer:
     def produce_data(self, obj: Any) -> Any:
         return self.session.produce_data(obj)
 
+    def produce(
+        self, obj: Any, *, step: int | None = None, indices: list[int] | None = None
+    ) -> Any:
+        """:meth:`Session.produce`, for the DataLoader: names batches by the loader's step."""
+        return self.session.produce(obj, step=step, indices=indices)
+
     @property
     def last_bad_samples(self) -> list[Any]:
         """Bad samples skipped or replaced in the last ``produce_data`` call."""

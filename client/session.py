@@ -40,7 +40,7 @@ from dalid.protocol import (
     socket_path,
 )
 
-from .badsamples import SampleReport, follow_bad_samples
+from .badsamples import SampleReport, follow_bad_samples, locate
 from .connection import Connection, no_daemon_message
 from .copies import copied_tensor
 from .cuda import CudaMappings, TorchDevice, local_device
@@ -485,19 +485,41 @@ class Session:
         with outputs: a skipped sample's label is dropped, a replaced one's is the label of the
         sample that replaced it.
         """
+        return self.produce(obj)
+
+    def produce(
+        self, obj: Any, *, step: int | None = None, indices: list[int] | None = None
+    ) -> Any:
+        """:meth:`produce_data` for dalid's DataLoader, which names the batch's ``step`` (as
+        ``enumerate(loader)`` counts) and the dataset ``indices`` of its samples: bad samples
+        and batch errors are then told by those, not by the daemon's batch ids."""
+        reports: list[SampleReport] = []
         self.last_bad_samples = []
         resolved: list[tuple[DALIPipelineRunRef, tuple[torch.Tensor, ...]]] = []
 
         def resolve(runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
-            produced = self._outputs_of(runs)
+            produced = self._outputs_of(runs, reports)
             resolved.extend((run, produced[id(run)]) for run in runs)
             return produced
 
-        return follow_bad_samples(replace_refs(obj, resolve), resolved, self.last_bad_samples)
+        try:
+            produced = follow_bad_samples(replace_refs(obj, resolve), resolved, reports)
+        except BatchError as error:
+            if step is not None or indices is not None:
+                error.locate(step, indices)
+            raise
+        self.last_bad_samples = locate(reports, step, indices)
+        for report in self.last_bad_samples:
+            log.warning("%s", report)
+        return produced
 
     def outputs(self, run: DALIPipelineRunRef) -> tuple[torch.Tensor, ...]:
         """The outputs of one batch, waiting for them (and scheduling it if deferred)."""
-        return self._outputs_of([run])[id(run)]
+        reports: list[SampleReport] = []
+        outputs = self._outputs_of([run], reports)[id(run)]
+        for report in reports:
+            log.warning("%s", report)
+        return outputs
 
     def close(self) -> None:
         """Ends the job: the daemon frees its pipelines; live tensors stay valid. Idempotent."""
@@ -600,9 +622,10 @@ class Session:
                 proxy.retarget(self._target_of(registration))
 
     def _outputs_of(
-        self, runs: Iterable[DALIPipelineRunRef]
+        self, runs: Iterable[DALIPipelineRunRef], reports: list[SampleReport]
     ) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given."""
+        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given; the
+        bad samples they were delivered without, or with replaced, go to ``reports``."""
         runs = list(runs)
         for run in runs:
             if run.batch_id is None and not (self.reconnect and run.call_args):
@@ -615,14 +638,20 @@ class Session:
                     f"batch {run.batch_id} belongs to job {run.job_id}, not to this session's "
                     f"job {self.job_id}"
                 )
-        produced: dict[int, tuple[torch.Tensor, ...]] = self._with_reconnect(
-            lambda: self._deliver(runs)
-        )
+        start = len(reports)
+
+        def attempt() -> dict[int, tuple[torch.Tensor, ...]]:
+            del reports[start:]  # an attempt cut short by a reconnection reports nothing
+            return self._deliver(runs, reports)
+
+        produced: dict[int, tuple[torch.Tensor, ...]] = self._with_reconnect(attempt)
         for run in runs:
             run.call_args = {}  # delivered: the inputs kept for a resubmission can go
         return produced
 
-    def _deliver(self, runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
+    def _deliver(
+        self, runs: list[DALIPipelineRunRef], reports: list[SampleReport]
+    ) -> dict[int, tuple[torch.Tensor, ...]]:
         token = self._connection.welcome.job_token
         for run in runs:
             # Accepted by another job: one of a daemon that is gone (a worker that rejoined
@@ -646,25 +675,17 @@ class Session:
                 )
             self._retire(result.retired_slabs)
             produced[id(run)] = self._tensors(result)
-            self._report(result)
-        return produced
-
-    def _report(self, result: BatchReady) -> None:
-        for bad in result.bad_samples:
-            replaced_by = None if bad.replaced_by < 0 else bad.replaced_by
-            self.last_bad_samples.append(
+            reports.extend(
                 SampleReport(
-                    result.batch_id, result.pipeline_id, bad.position, bad.message, replaced_by
+                    result.batch_id,
+                    result.pipeline_id,
+                    bad.position,
+                    bad.message,
+                    None if bad.replaced_by < 0 else bad.replaced_by,
                 )
+                for bad in result.bad_samples
             )
-            log.warning(
-                "batch %d of pipeline %d: sample %d %s: %s",
-                result.batch_id,
-                result.pipeline_id,
-                bad.position,
-                "dropped" if replaced_by is None else f"replaced by sample {replaced_by}",
-                bad.message,
-            )
+        return produced
 
     def _submit_again(self, run: DALIPipelineRunRef) -> None:
         """Submits a batch of an abandoned daemon (or one a worker could not send) to this one."""

@@ -22,6 +22,7 @@ import numpy as np
 from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnError, SubmitBatch
 
 from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
+from .causes import explain
 from .outputs import JobOutputs, OutputFailure
 from .paths import FilesUnseen, check_paths
 from .pool import PoolClosed, PoolFull
@@ -303,7 +304,9 @@ class PipelineExecutor:
         size = batch.request.batch_size
         candidates = [position for position in range(size) if position not in bad]
         if arrays:
-            bad.update(find_bad(candidates, trial, whole_failed=None if bad else error))
+            found = find_bad(candidates, trial, whole_failed=None if bad else error)
+            assert self.spec is not None  # built before any batch runs
+            bad.update(explain(found, arrays, self.spec.path_inputs))
         if not bad:
             assert error is not None
             fail(code, dali_message(error))
