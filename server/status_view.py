@@ -122,6 +122,25 @@ def fit_columns(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], int
     return kept, max(MIN_NAME, widths[name] - max(0, total() - width))
 
 
+def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
+    """A line per pipeline in the daemon: the jobs it runs for, and how full its runs are;
+    cut to ``width`` characters."""
+    lines = []
+    for pipeline in report.pipelines:
+        jobs = ",".join(str(job) for job in pipeline.jobs) or "none"
+        fill = f"{pipeline.mean_fill:.0%} full"
+        if pipeline.shared:
+            how = (
+                f"jobs {jobs} share runs of {pipeline.run_size}, {fill} "
+                f"({pipeline.mixed_runs} of {pipeline.runs} mixed)"
+            )
+        else:
+            how = f"job {jobs} alone, {fill}: {pipeline.private_reason or 'not shared'}"
+        line = f"pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
+        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+    return lines
+
+
 def table(report: StatusReport, where: str, width: int = 200) -> Any:
     """A rich renderable, at most ``width`` columns wide: the headline and a row per job."""
     from rich.console import Group
@@ -146,9 +165,9 @@ def table(report: StatusReport, where: str, width: int = 200) -> Any:
     for row in rows:
         jobs.add_row(*(row[index] for index in kept))
     hidden = [COLUMNS[index].header for index in range(len(COLUMNS)) if index not in kept]
-    if not hidden:
-        return Group(*lines, jobs)
-    return Group(*lines, jobs, Text(f"not shown: {', '.join(hidden)}"))
+    below = [Text(f"not shown: {', '.join(hidden)}")] if hidden else []
+    below += [Text(line) for line in pipeline_lines(report, width)]
+    return Group(*lines, jobs, *below)
 
 
 def legend() -> str:
