@@ -99,7 +99,7 @@ def test_a_crash_looping_daemon_is_restarted_and_reported(short_tmp, tmp_path):
         assert "daemon cpu is crash-looping: 3 crashes in a row, each within 30 s" in status.stderr
         assert "the last one was killed by signal 9" in status.stderr
         assert "start 3: simulated out of memory" in status.stderr  # its last log lines
-        assert "no daemon listens on" in status.stderr
+        assert "no dalid daemon listens on" in status.stderr
         as_json = _status(socket, "--json")
         assert as_json.returncode == 1
         report = json.loads(as_json.stdout)["crash_loop"]
