@@ -60,15 +60,17 @@ from dalid.protocol import (
     device_label,
     pid_namespace,
     process_running,
-    transport,
 )
 
+from .credentials import PeerCredentials
 from .cuda import CudaBackend
 from .executor import PendingBatch, PipelineExecutor
+from .inputs import InputMemory, InputRefused
 from .memory import SlabBackend
 from .pool import RegionPool
 from .quotas import QuotaRefused, Quotas, grant
 from .repository import PipelineRepository, RepositoryUnavailable
+from .reservations import OutputMemory
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .scheduler import FairScheduler, JobSlots
 from .status import RateMeter, job_status
@@ -177,7 +179,10 @@ class DaemonCore:
     ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between busy
     jobs by weight (:mod:`dalid.server.scheduler`). On a GPU daemon, ``cuda_backend()`` makes
     each job's GPU memory and ``device_uuid`` names the GPU in the welcome. ``repository``
-    holds the pipelines clients may select by name.
+    holds the pipelines clients may select by name. ``credentials(peer)`` gives the process
+    behind a connection, as its socket tells (:mod:`dalid.server.credentials`): a job lives as
+    long as that process does, whatever pid the client claims; without them (no socket, or a
+    process in a pid namespace the daemon cannot see) a job lives as long as its connection.
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class DaemonCore:
         device_uuid: str = "",
         cuda_backend: Callable[[], CudaBackend] | None = None,
         repository: PipelineRepository | None = None,
+        credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -208,7 +214,12 @@ class DaemonCore:
         # Ended jobs whose trainer still maps GPU slabs: freed once it exits (see reap).
         self._orphans: list[Job] = []
         self._push = push
+        self._credentials = credentials
         self.quotas = quotas
+        # Shared memory against --memory-limit; GPU memory reserved the same way, unlimited.
+        self.output_memory = OutputMemory(quotas.memory_limit)
+        self._device_memory = OutputMemory(0)
+        self.inputs = InputMemory(quotas.input_memory)
         self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
         self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -392,6 +403,10 @@ class DaemonCore:
         if identity in self.peers:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
         earlier_token = ""
+        # The process behind the connection, as its socket tells; hello.client_pid is the
+        # client's word only, and decides nothing.
+        credentials = self._credentials(identity)
+        pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
             self._check_unclaimed(hello.earlier_jobs)
             try:
@@ -399,21 +414,25 @@ class DaemonCore:
                     hello,
                     self.quotas,
                     jobs=len(self.jobs),
-                    reserved=self.memory_reserved,
-                    max_message_bytes=transport.MAX_MESSAGE_BYTES,
+                    max_message_bytes=self.inputs.job_limit,
+                    pid=pid,
+                    jobs_of_process=sum(1 for job in self.jobs.values() if job.pid == pid),
                 )
+                job = self._new_job(identity, hello, limits, pid)
             except QuotaRefused as refusal:
                 raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-            job = self._new_job(identity, hello, limits)
             self.jobs[job.job_id] = job
             self.scheduler.add_job(job.job_id, limits.weight)
             log.info(
-                "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight%s",
+                "job %d (%s, pid %d) connected: weight %g, %s MiB of output memory, %d batches "
+                "in flight%s",
                 job.job_id,
                 hello.name or "?",
-                hello.client_pid,
+                pid,
                 limits.weight,
-                limits.pool_bytes >> 20,
+                f"{limits.pool_bytes >> 20}"
+                if hello.memory_bytes
+                else f"up to {limits.pool_bytes >> 20}",
                 limits.max_inflight_batches,
                 f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
                 "daemons"
@@ -434,12 +453,12 @@ class DaemonCore:
                 log.info(
                     "job %d: worker pid %d joined as job %d of an earlier daemon",
                     job.job_id,
-                    hello.client_pid,
+                    pid,
                     hello.job_id,
                 )
         job.peers.add(identity)
         self.peers[identity] = Peer(
-            identity, hello.role, job, hello.client_pid, hello.pid_namespace, earlier_token
+            identity, hello.role, job, pid, self._pid_namespace, earlier_token
         )
         return Welcome(
             protocol_version=PROTOCOL_VERSION,
@@ -481,41 +500,59 @@ class DaemonCore:
 
     @property
     def memory_reserved(self) -> int:
-        """The output memory the open jobs have reserved (each device counted apart)."""
-        return sum(job.limits.pool_bytes for job in self.jobs.values())
+        """The shared memory the open jobs have reserved for their outputs."""
+        return self.output_memory.reserved
 
-    def _new_job(self, identity: bytes, hello: Hello, limits: Limits) -> Job:
+    def _new_job(self, identity: bytes, hello: Hello, limits: Limits, pid: int) -> Job:
+        """A job with pools that hold ``limits.pool_bytes``, reserved now if the job asked
+        for that much (raises QuotaRefused when the daemon has not that much left), else as
+        its outputs need (:mod:`dalid.server.reservations`)."""
         job_id = self._next_job_id
+        memory = self.output_memory, self._device_memory
+        if hello.memory_bytes:
+            growth, device_growth = (m.fixed(job_id, limits.pool_bytes) for m in memory)
+        else:
+            growth, device_growth = (m.growing(job_id, limits.pool_bytes) for m in memory)
         self._next_job_id += 1
         prefix = f"dalid-{self._instance}-j{job_id}"
         # One id sequence for both pools: a region id names one region of the job.
         region_ids = itertools.count(1)
+        # The pools own the reservations from here (a pool closes its growth).
         job = Job(
             job_id=job_id,
             token=secrets.token_hex(16),
             trainer=identity,
-            pid=hello.client_pid,
-            pid_namespace=hello.pid_namespace,
+            pid=pid,
+            pid_namespace=self._pid_namespace,
             name=hello.name,
             limits=limits,
             earlier_jobs=hello.earlier_jobs,
             pool=RegionPool(
                 self._backend,
                 prefix,
-                limits.pool_bytes,
+                growth.bytes,
                 limits.slab_bytes,
                 region_ids=region_ids,
+                growth=growth,
             ),
         )
-        if self._cuda_backend is not None:
+        if self._cuda_backend is None:
+            device_growth.close()
+            return job
+        try:
             job.cuda = self._cuda_backend()
-            job.gpu_pool = RegionPool(
-                job.cuda,
-                f"{prefix}-cuda",
-                limits.pool_bytes,
-                limits.slab_bytes,
-                region_ids=region_ids,
-            )
+        except BaseException:
+            job.pool.close()
+            device_growth.close()
+            raise
+        job.gpu_pool = RegionPool(
+            job.cuda,
+            f"{prefix}-cuda",
+            device_growth.bytes,
+            limits.slab_bytes,
+            region_ids=region_ids,
+            growth=device_growth,
+        )
         return job
 
     def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
@@ -658,6 +695,14 @@ class DaemonCore:
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
         job = peer.job
+        live = sum(1 for executor in job.pipelines.values() if not executor.failed)
+        if live >= self.quotas.max_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {job.job_id} already has {live} pipelines, the limit of one job (dalid "
+                f"serve --max-pipelines {self.quotas.max_pipelines}): a job registers each "
+                "pipeline once",
+            )
         claimed = {earlier.job_token for earlier in job.earlier_jobs}
         for earlier in request.earlier_ids:
             if earlier.job_token not in claimed:
@@ -736,6 +781,7 @@ class DaemonCore:
                 f"batch of {request.batch_size} samples, over the pipeline's max_batch_size "
                 f"{spec.max_batch_size}",
             )
+        nbytes = 0
         for item in request.inputs:
             itemsize = np.dtype(item.dtype).itemsize
             for index, (shape, sample) in enumerate(zip(item.shapes, item.samples, strict=True)):
@@ -746,7 +792,23 @@ class DaemonCore:
                         f"input {item.name!r} sample {index}: shape {shape} of {item.dtype} needs "
                         f"{expected} bytes, its frame has {sample.nbytes}",
                     )
+                nbytes += expected
+        held_back = len(job.waiting) + len(job.deferred)
+        if (request.deferred or job.inflight >= job.limits.max_inflight_batches) and (
+            held_back >= self.quotas.max_waiting_batches
+        ):
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {job.job_id} already has {held_back} batches waiting over its limit of "
+                f"{job.limits.max_inflight_batches} in flight or deferred: wait for batch "
+                "acceptances (or schedule deferred batches) before sending more",
+            )
         batch = PendingBatch(job.next_batch_id, request)
+        try:
+            # Counted until the batch is freed, whichever way it goes.
+            self.inputs.take(job.job_id, nbytes, holder=batch)
+        except InputRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
         job.next_batch_id += 1
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
@@ -759,13 +821,6 @@ class DaemonCore:
                 batch.counted = True
                 executor.submit(batch)
                 return BatchAccepted(batch.batch_id)
-            if len(job.waiting) >= self.quotas.max_waiting_batches:
-                raise RequestRefused(
-                    ErrorCode.RESOURCE_EXHAUSTED,
-                    f"job {job.job_id} already has {len(job.waiting)} batches waiting over its "
-                    f"limit of {job.limits.max_inflight_batches} in flight: wait for batch "
-                    "acceptances before sending more",
-                )
             # Backpressure: the sender hears back once an earlier batch of the job is answered.
             job.waiting.append(WaitingBatch(identity, request_id, batch, executor))
         return None

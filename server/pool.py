@@ -14,7 +14,9 @@ Who may free what, and when:
    region when the last tensor viewing it is garbage-collected, never earlier.
 4. When the pool has no room, ``allocate`` blocks (backpressure): the executor waits for
    releases and the pool never grows past ``limit_bytes``. An allocation larger than the whole
-   pool fails at once instead of waiting forever.
+   pool fails at once instead of waiting forever. A pool given a ``growth`` (a job's
+   reservation, :mod:`dalid.server.reservations`) first raises ``limit_bytes`` by what a new
+   slab needs, while the growth allows, and only then waits.
 5. When the job ends (goodbye, or its trainer process died) the daemon closes the pool: every
    slab is unmapped and its name unlinked. A trainer that still views a region keeps the pages
    alive through its own mapping (POSIX shared memory is freed on the last unmap), so its
@@ -36,10 +38,26 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .memory import PAGE, Slab, SlabBackend
 
 ALIGNMENT = 256
+# A slab of a growing pool holds this many regions of the size that asked for it (at most
+# ``slab_bytes``): small outputs get small slabs, and room for a few batches at a time.
+GROWTH_REGIONS = 4
+
+
+class Growth(Protocol):
+    """How far a pool may raise its limit (see point 4 of the note)."""
+
+    cap: int
+
+    def grow(self, nbytes: int) -> bool: ...
+
+    def refusal(self, nbytes: int) -> str: ...
+
+    def close(self) -> None: ...
 
 
 class PoolTooSmall(ValueError):
@@ -102,7 +120,9 @@ class RegionPool:
     """Output regions for one job, at most ``limit_bytes`` of slabs of ``slab_bytes`` or more.
 
     Thread-safe: executors allocate from their threads while the I/O thread releases. Pools of
-    one job pass the same ``region_ids`` so that their ids never collide.
+    one job pass the same ``region_ids`` so that their ids never collide. With ``growth``,
+    ``limit_bytes`` is where the pool starts, and it grows as outputs need room; the pool
+    closes the growth when it closes.
     """
 
     def __init__(
@@ -114,8 +134,10 @@ class RegionPool:
         alignment: int = ALIGNMENT,
         *,
         region_ids: Iterator[int] | None = None,
+        growth: Growth | None = None,
     ) -> None:
         self._backend = backend
+        self._growth = growth
         self._name_prefix = name_prefix
         self.limit_bytes = limit_bytes
         self.slab_bytes = _align(slab_bytes, PAGE)
@@ -158,7 +180,9 @@ class RegionPool:
         when the pool closes or ``cancelled()`` turns true while waiting.
         """
         aligned = [_align(size, self._alignment) for size in sizes]
-        if sum(aligned) > self.limit_bytes:
+        if self._growth is not None and sum(aligned) > self._growth.cap:
+            raise PoolTooSmall(self._growth.refusal(sum(aligned)))
+        if self._growth is None and sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
             while True:
@@ -174,6 +198,8 @@ class RegionPool:
                     regions = self._try_allocate(aligned, sizes)
                     if regions is not None:
                         return regions
+                    if self._growth is not None:
+                        raise PoolTooSmall(self._growth.refusal(sum(aligned)))
                     raise self._too_small(aligned)
                 self._condition.wait(poll_interval)
 
@@ -228,6 +254,8 @@ class RegionPool:
             self._condition.notify_all()
         for space in spaces:
             space.slab.close(unmap=unmap)
+        if self._growth is not None:
+            self._growth.close()
 
     def _try_allocate(self, aligned: Sequence[int], sizes: Sequence[int]) -> list[Region] | None:
         taken: list[tuple[_SlabSpace, int, int]] = []
@@ -262,13 +290,22 @@ class RegionPool:
     def _make_room(self, needed: int) -> int | None:
         """The size of a new slab holding ``needed`` bytes, freeing empty slabs if need be.
 
-        Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one.
-        None when there is no room until regions are released.
+        Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one. A
+        growing pool sizes a slab for ``GROWTH_REGIONS`` regions of ``needed`` and raises its
+        limit to make it, or just ``needed``, if its growth allows. None when there is no room
+        until regions are released.
         """
         preferred = max(self.slab_bytes, needed)
+        if self._growth is not None:
+            preferred = max(needed, min(self.slab_bytes, needed * GROWTH_REGIONS))
         room = self.limit_bytes - self.slab_bytes_total
         if room >= preferred:
             return preferred
+        if self._growth is not None:
+            for size in (preferred, needed):
+                if size > room and self._growth.grow(size - room):
+                    self.limit_bytes += size - room
+                    return size
         empty = [space for space in self._spaces if space.empty]
         if room + sum(space.slab.size for space in empty) < needed:
             return None

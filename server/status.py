@@ -88,6 +88,6 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         regions_held=sum(pool.leased_regions for pool in pools),
         bytes_held=sum(pool.leased_bytes for pool in pools),
         slabs=sum(pool.slab_count for pool in pools),
-        memory_bytes=job.limits.pool_bytes,
+        memory_bytes=job.pool.limit_bytes,
         connected_seconds=now - job.connected_at,
     )
