@@ -22,7 +22,7 @@ import dalid.client as dalid
 from dalid.client import RequestError
 from dalid.protocol import ErrorCode, JobStatus
 
-from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
+from ..daemons import ROOT, DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 from .helpers import BATCH, ProxyDataset, two_output_pipeline
 from .load_job import Images, heavy_pipeline
 
@@ -262,6 +262,49 @@ def test_a_job_reserves_what_its_outputs_take_and_is_told_when_the_daemon_has_no
         small.close()
         big.close()
         assert daemon.stop() == 0
+
+
+def test_sixty_four_small_jobs_fit_on_the_defaults(short_tmp):
+    # The defaults: --max-jobs 64, --memory-limit the size of /dev/shm, 8 jobs per process.
+    daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(8):
+            command = [sys.executable, "-m", "tests.integration.small_jobs", "--jobs", "8"]
+            job = subprocess.Popen(
+                [*command, "--socket", str(daemon.socket)],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            jobs.append(job)
+        for job in jobs:
+            _wait_ready(job)
+        report = daemon.status()
+        assert len(report.jobs) == 64
+        assert all(job.batches_done == 1 for job in report.jobs)
+        # Each reserved what its outputs took: a few pages, not a GiB.
+        assert report.memory_reserved <= 64 * (64 << 10), report.memory_reserved
+        with pytest.raises(RequestError, match=r"already serves 64 jobs.*--max-jobs 64"):
+            dalid.connect(socket=daemon.socket, autostart=False)
+        for job in jobs:
+            out, _ = job.communicate("\n", timeout=120)
+            assert job.returncode == 0 and out.strip().endswith("ok"), out
+        wait_for(lambda: not daemon.status().jobs, 30, "every job to end")
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def _wait_ready(job: subprocess.Popen[str]) -> None:
+    assert job.stdout is not None
+    line = job.stdout.readline()
+    if line.strip() != "ready":
+        job.kill()
+        raise AssertionError(f"the jobs did not start: {line}{job.communicate()[0]}")
 
 
 def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):
