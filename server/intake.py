@@ -106,8 +106,8 @@ class Intake:
         self._clock = clock
         self._by_fd: dict[int, Connection] = {}
         self._by_identity: dict[bytes, Connection] = {}
-        # Connections told they are cut, whose sockets are still to be shut down.
-        self._cutting: dict[bytes, Connection] = {}
+        # Connections told they are cut, whose sockets are still to be shut down (by id).
+        self._cutting: dict[int, Connection] = {}
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # Connections shut down so far.
         self.cuts = 0
@@ -128,8 +128,11 @@ class Intake:
         replaced = self.closed(fd)
         connection = Connection(fd, tokens=self.limits.refusal_burst, refilled=self._clock())
         self._by_fd[fd] = connection
-        if len(self._by_fd) > self.limits.max_connections:
-            self._read_credentials(connection)
+        self._read_credentials(connection)
+        if self._stranger(connection):
+            # Cut once its first message, if one comes at once, has been answered.
+            self._cut(connection, self._stranger_notice(connection))
+        elif len(self._by_fd) > self.limits.max_connections:
             log.warning(
                 "%s cut at once: %d connections are open, the daemon's limit "
                 "(dalid serve --max-connections %d)",
@@ -143,11 +146,13 @@ class Intake:
     def closed(self, fd: int) -> bytes | None:
         """The connection on ``fd`` closed; the identity that sent on it, if any did."""
         connection = self._by_fd.pop(fd, None)
-        if connection is None or connection.identity is None:
+        if connection is None:
             return None
+        self._cutting.pop(id(connection), None)
         identity = connection.identity
+        if identity is None:
+            return None
         self._by_identity.pop(identity, None)
-        self._cutting.pop(identity, None)
         self._closed[identity] = None
         if len(self._closed) > CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -163,18 +168,11 @@ class Intake:
         connection = self._by_identity.get(identity)
         if connection is None:
             connection = self._first_message(identity, fd)
-            creds = connection.credentials
-            if creds is not None and creds.uid not in self._uids:
-                served = " and ".join(str(uid) for uid in sorted(self._uids, reverse=True))
-                return self._cut(
-                    connection,
-                    Error(
-                        ErrorCode.NOT_WELCOMED,
-                        f"this daemon serves the processes of uid {served} only (its socket is "
-                        f"theirs); uid {creds.uid} is refused, and the daemon closes this "
-                        "connection",
-                    ),
-                )
+            if self._stranger(connection):
+                notice = self._stranger_notice(connection)
+                if connection.cut_at is None:
+                    self._cut(connection, notice)
+                return notice
         if connection.cut_at is not None:
             return Verdict.DROP
         if nbytes > self.limits.max_message_bytes:
@@ -244,17 +242,30 @@ class Intake:
     def cut_due(self) -> None:
         """Shuts down the connections whose grace has passed."""
         now = self._clock()
-        for identity, connection in list(self._cutting.items()):
+        for key, connection in list(self._cutting.items()):
             if connection.cut_at is not None and connection.cut_at <= now:
-                del self._cutting[identity]
+                del self._cutting[key]
                 self._shut_down(connection)
 
     def _cut(self, connection: Connection, notice: Error) -> Error:
         log.warning("%s cut: %s", connection.describe(), notice.message)
         connection.cut_at = self._clock() + CUT_GRACE_S
-        if connection.identity is not None:
-            self._cutting[connection.identity] = connection
+        self._cutting[id(connection)] = connection
         return notice
+
+    def _stranger(self, connection: Connection) -> bool:
+        """Whether a process of another user is behind ``connection``."""
+        creds = connection.credentials
+        return creds is not None and creds.uid not in self._uids
+
+    def _stranger_notice(self, connection: Connection) -> Error:
+        assert connection.credentials is not None
+        served = " and ".join(str(uid) for uid in sorted(self._uids, reverse=True))
+        return Error(
+            ErrorCode.NOT_WELCOMED,
+            f"this daemon serves the processes of uid {served} only (its socket is theirs); "
+            f"uid {connection.credentials.uid} is refused, and the daemon closes this connection",
+        )
 
     def _shut_down(self, connection: Connection) -> None:
         if connection.socket is not None and connection.fd >= 0:

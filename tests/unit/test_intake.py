@@ -91,6 +91,17 @@ def test_another_users_process_is_told_and_cut(pairs) -> None:
     notice = intake.admit(b"a", fd, 10)
     assert isinstance(notice, Error) and notice.code is ErrorCode.NOT_WELCOMED
     assert "uid 12345 only" in notice.message and "closes this connection" in notice.message
+    assert intake.admit(b"a", fd, 10) is Verdict.DROP
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert is_cut(theirs)
+
+
+def test_another_users_process_that_says_nothing_is_cut_too(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
+    _, theirs = connect(intake, pairs)
+    assert intake.next_cut() == pytest.approx(CUT_GRACE_S)
     clock.now += CUT_GRACE_S
     intake.cut_due()
     assert is_cut(theirs)
