@@ -10,13 +10,19 @@ identity frame in front, which the transport strips before :func:`decode` sees t
                                                    nil: a notification or a push
                   "body": {<field>: <value>, ...}} the message's dataclass fields
     frame 1..n   raw bytes, sent and received without a copy; a ``memoryview`` field of the
-                 body holds the number of its frame (1..n). Every frame is referenced once.
+                 body holds the number of its frame (1..n). A sender references every frame
+                 once; a receiver refuses a frame referenced twice.
 
 Values are encoded by the field's annotation: int, float, str, bool, enums by value, tuples as
 arrays, nested dataclasses as maps, ``X | None`` as the value or nil. Decoding checks every
 type, every frame index and the message's own ``__post_init__`` checks, and raises
 :class:`ProtocolError` with the error code to answer with. It never trusts a size it has not
 checked: the header's length and its containers are bounded before they are unpacked.
+
+Forward compatibility (SPEC.md, "Versions"): a body field the receiver does not know, at any
+depth, is ignored, and so is a frame that no field it knows references; a field it knows but
+is not sent takes its default. So a field added with a default that older peers may ignore
+needs no new protocol version.
 """
 
 from __future__ import annotations
@@ -97,7 +103,6 @@ def decode(frames: Sequence[Any]) -> Envelope:
             ErrorCode.MALFORMED_MESSAGE, f"{op}: 'body' must be a map", request_id, op
         )
     used = [False] * len(frames)
-    used[0] = True
     try:
         message = _decode_dataclass(cls, body, frames, used, op)
     except ProtocolError as error:
@@ -105,10 +110,7 @@ def decode(frames: Sequence[Any]) -> Envelope:
         raise
     except (ValueError, TypeError) as error:
         raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"{op}: {error}", request_id, op) from None
-    if not all(used):
-        raise ProtocolError(
-            ErrorCode.MALFORMED_MESSAGE, f"{op}: frames sent but not referenced", request_id, op
-        )
+    # Frames that only fields of a later version reference are not ours to read: dropped.
     assert isinstance(message, Message)
     return Envelope(message, request_id)
 
@@ -169,9 +171,7 @@ def _decode_dataclass(
     if not isinstance(body, dict):
         raise ValueError(f"{path} must be a map")
     hints = _field_hints(cls)
-    unknown = set(body) - set(hints)
-    if unknown:
-        raise ValueError(f"{path}: unknown fields {sorted(map(str, unknown))[:8]}")
+    # Fields the body holds beyond these are a later version's: ignored (forward compatibility).
     values = {}
     for field in dataclasses.fields(cls):
         if field.name in body:

@@ -17,12 +17,19 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 4
-"""Bumped on any change a peer of the previous version would misread. Quoted in SPEC.md.
+PROTOCOL_VERSION = 5
+"""Bumped only when a meaning changes: a change a peer of the previous version would misread.
+Quoted in SPEC.md, whose "Versions" section has the rule.
 
-A new operation that changes no existing message is no such change: a peer that lacks it
-answers ``unknown_operation``, so ``reload_repository`` and ``repository_report`` came
-without a bump.
+From version 5 on a receiver ignores body fields it does not know (and frames only they
+reference), so a field added with a default that older peers may safely ignore needs no bump;
+nor does a new operation that changes no existing message (a peer that lacks it answers
+``unknown_operation``: so ``reload_repository`` and ``repository_report`` came in version 4).
+A new enum value (an error code, a policy), a field older peers must not ignore, or a change
+to what a field means does need one.
+
+Version 5 made unknown fields tolerated (version 4 refused them) and checks in ``InputBatch``
+itself that each sample's frame holds exactly its shape's bytes.
 
 Version 4 added what lets DataLoader workers rejoin their job after a daemon restart: a
 trainer's ``hello`` names its jobs of earlier daemons (``earlier_jobs``), each registration the
@@ -404,8 +411,16 @@ class InputBatch:
         _check_name(self.name, "an input name")
         _check(self.dtype in DTYPES, f"input {self.name!r}: unsupported dtype {self.dtype!r}")
         _check(len(self.shapes) == len(self.samples), f"input {self.name!r}: shapes != samples")
-        for shape in self.shapes:
+        itemsize = ITEMSIZES[self.dtype]
+        for index, (shape, sample) in enumerate(zip(self.shapes, self.samples, strict=True)):
             _check_shape(shape, f"a sample of input {self.name!r}")
+            # Each frame holds exactly its sample: the receiver views it in place by its shape.
+            expected = math.prod(shape) * itemsize
+            _check(
+                sample.nbytes == expected,
+                f"input {self.name!r} sample {index}: shape {shape} of {self.dtype} needs "
+                f"{expected} bytes, its frame has {sample.nbytes}",
+            )
 
 
 @dataclass(frozen=True)

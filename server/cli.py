@@ -42,8 +42,8 @@ from dalid.protocol import (
 
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig
-from .memory import SHM_DIR
 from .quotas import Quotas
+from .shm import SHM_DIR
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 
 log = logging.getLogger("dalid.server")

@@ -1,65 +1,60 @@
-"""GPU output memory: CUDA IPC slabs, the job's copy stream and its interprocess events.
+"""GPU outputs: CUDA IPC slabs, the job's copy stream and its interprocess events.
 
-A GPU daemon gives each job a :class:`CudaBackend` beside its shared-memory one: the job's GPU
-:class:`~dalid.server.pool.RegionPool` carves output regions from its :class:`CudaSlab`\\ s, and
-the executors copy DALI's GPU outputs into them on the backend's stream. CuPy is imported only
-when a backend is made for a real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
+A GPU daemon gives each job a :class:`CudaStore` beside its shared-memory one (the output
+stores of ``outputs.py``): its :class:`~dalid.server.pool.RegionPool` carves output regions from
+:class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors' copies of DALI's GPU
+outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
+real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
 Note [GPU output lifetime]
 --------------------------
-GPU regions follow Note [Output buffer lifetime] in ``pool.py`` (leases, backpressure, retiring
-empty slabs); CUDA adds what follows. ``client/cuda.py`` keeps the trainer's half.
+GPU regions follow Note [Output buffer lifetime] in ``pool.py``; the contract both sides keep is
+SPEC.md, "Outputs", rules 7 to 13 (the trainer keeps its half in ``client/cuda.py``). How the
+daemon keeps what CUDA adds:
 
-1. Memory. A slab is one ``cudaMalloc`` (not CuPy's memory pool: its arena must not be exported
-   to another process, and a slab is freed exactly when this note says). Its IPC handle is taken
-   once and travels, in hex, in every descriptor of its regions; the trainer opens each handle
-   once per process (0.2-1.3 ms each: O(slabs), never O(batches)) and caches it by slab name.
-2. Writing. Each job has one daemon-owned, non-blocking stream. DALI hands a batch's outputs over
-   bound to that stream (``outputs(cuda_stream=...)``, no host synchronization), the executor
-   copies them into their regions on it, then records one interprocess event on it and sends the
-   event's handle in ``batch_ready``. The trainer makes its current stream wait on the event
-   (``cudaStreamWaitEvent``, never a host sync) before it hands out the batch's tensors. The
+1. Memory (rule 8). A slab is one ``cudaMalloc`` (not CuPy's memory pool: its arena must not be
+   exported to another process, and a slab is freed exactly when this note says). Its IPC handle
+   is taken once and sent, in hex, in every descriptor of its regions.
+2. Writing (rule 9). Each job has one daemon-owned, non-blocking stream. DALI hands a batch's
+   outputs over bound to that stream (``outputs(cuda_stream=...)``, no host synchronization), the
+   store copies them into their regions on it, then records one interprocess event on it. The
    daemon's host waits for its stream in two cases only: before copying the CPU outputs of a
    pipeline with outputs on both devices (DALI's GPU-to-CPU outputs are ready in the stream's
    order), and with the legacy executor, before DALI may reuse the buffers copied from.
-3. Event reuse. The batch events form a ring of ``EVENT_RING`` per job, created once, so each
-   handle is opened once by the trainer and no event is destroyed while the trainer may still
-   open it. Reusing one is safe: a wait binds to the event's most recent record at the time of
-   the wait call; every record of the ring is on the same stream, so a later record marks a later
-   point of that stream, which the earlier batch's copies precede. A trainer that waits after the
-   daemon has recorded the same event again waits for a later batch's copies too: longer than
-   needed (only when it lags ``EVENT_RING`` batches behind), never shorter.
-4. Release. When the last tensor viewing a region dies, the trainer records an interprocess
-   event (a *release fence*) on the stream the batch was delivered on, and sends its handle with
-   ``release_regions``. The I/O thread makes the job's stream wait on it *before* the regions go
-   back to the pool, so every later copy into them runs after the trainer's last use. Tensors
-   used on other streams must be ordered before the delivery stream's later work, as torch asks
-   of any tensor whose memory may be reused (``record_stream``).
-5. Freeing. CUDA forbids freeing memory that another process still maps. A slab whose handle
-   went out (``export``) and that the pool retires when empty waits until the trainer reports
-   it unmapped (``release_regions.closed_slabs``); the trainer unmaps a retired slab once its
-   own work on it has completed, and reports at once one it never mapped. Before its goodbye
-   the trainer unmaps every slab no tensor views and names the others (``goodbye.kept_slabs``):
-   the daemon frees all but those at once, and those when the trainer process exits (it watches
-   the pid; where it cannot, they stay until the daemon exits).
-6. Death. A trainer that dies unmaps everything with its process: its job's slabs are freed at
-   once. A daemon that dies takes its allocations with it: unlike shared memory, GPU tensors it
-   delivered are no longer valid, and the trainer's next wait raises DaemonUnavailable.
-7. Events at the end. CUDA forbids using an opened event after its exporter destroyed it, so
-   each side lets go of the other's events first: the trainer drops the batch events it opened
-   before its goodbye, and keeps its release fences until the goodbye is answered; the daemon
-   destroys the fences it opened when the job closes, and its ring with the job's last slab.
+3. Event reuse (rule 9). The batch events form a ring of ``EVENT_RING`` per job, created once, so
+   each handle is opened once by the trainer and no event is destroyed while the trainer may
+   still open it. Reusing one is safe: a wait binds to the event's most recent record at the time
+   of the wait call; every record of the ring is on the same stream, so a later record marks a
+   later point of that stream, which the earlier batch's copies precede.
+4. Release (rule 10). The I/O thread makes the job's stream wait on the trainer's release fence
+   *before* the regions go back to the pool, so every later copy into them runs after the
+   trainer's last use. It opens each fence handle once and at most ``MAX_PEER_EVENTS`` of them.
+5. Freeing (rule 11). A slab whose handle went out (``export``) and that the pool lets go of
+   waits until the trainer reports it unmapped (``closed_slabs``), or, at the end of the job,
+   until the trainer's goodbye leaves it out of ``kept_slabs``; slabs it keeps are freed when its
+   process exits (the core keeps the job's outputs until then; where it cannot watch the pid,
+   until the daemon exits).
+6. Death (rule 13). A trainer that dies unmaps everything with its process: its job's slabs are
+   freed at once.
+7. Events at the end (rule 12). The daemon destroys the fences it opened when the job closes,
+   while the trainer still has them, and its ring with the job's last slab.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+
+from dalid.protocol import Limits
+
+from .cuda_api import CupyApi, DeviceApi
+from .outputs import JobOutputs, OutputsFactory, ReleaseRefused, region_ids
+from .pool import Region, RegionPool
+from .shm import SharedMemoryStore
 
 log = logging.getLogger("dalid.server")
 
@@ -67,104 +62,6 @@ EVENT_RING = 32
 """Interprocess batch events per job (Note [GPU output lifetime], point 3)."""
 MAX_PEER_EVENTS = 256
 """Release fences a trainer may have the daemon open; the client keeps at most 64."""
-
-
-class DeviceApi(Protocol):
-    """The CUDA calls a :class:`CudaBackend` makes: memory, one stream, interprocess events.
-
-    :class:`CupyApi` makes them on a device; unit tests pass a fake, so the bookkeeping above
-    runs without a GPU. Streams and events are raw handles (ints).
-    """
-
-    def malloc(self, size: int) -> int: ...
-
-    def free(self, ptr: int) -> None: ...
-
-    def export_memory(self, ptr: int) -> bytes: ...
-
-    def create_stream(self) -> int: ...
-
-    def destroy_stream(self, stream: int) -> None: ...
-
-    def create_event(self) -> tuple[int, bytes]: ...
-
-    def open_event(self, handle: bytes) -> int: ...
-
-    def destroy_event(self, event: int) -> None: ...
-
-    def record(self, event: int, stream: int) -> None: ...
-
-    def wait(self, stream: int, event: int) -> None: ...
-
-    def synchronize(self, stream: int) -> None: ...
-
-    def copy(self, ptr: int, source: Any, stream: int) -> None: ...
-
-
-class CupyApi:
-    """:class:`DeviceApi` through CuPy's runtime bindings, on one device from any thread."""
-
-    def __init__(self, device_id: int) -> None:
-        import cupy
-
-        self._device = cupy.cuda.Device(device_id)
-        self._runtime = cupy.cuda.runtime
-
-    def malloc(self, size: int) -> int:
-        with self._device:
-            return int(self._runtime.malloc(size))
-
-    def free(self, ptr: int) -> None:
-        # cudaFree waits for the device's pending work, the copies into this slab included.
-        with self._device:
-            self._runtime.free(ptr)
-
-    def export_memory(self, ptr: int) -> bytes:
-        with self._device:
-            return bytes(self._runtime.ipcGetMemHandle(ptr))
-
-    def create_stream(self) -> int:
-        with self._device:
-            return int(self._runtime.streamCreateWithFlags(self._runtime.streamNonBlocking))
-
-    def destroy_stream(self, stream: int) -> None:
-        # Returns at once; CUDA releases the stream when its pending work is done.
-        with self._device:
-            self._runtime.streamDestroy(stream)
-
-    def create_event(self) -> tuple[int, bytes]:
-        rt = self._runtime
-        with self._device:
-            event = int(rt.eventCreateWithFlags(rt.eventDisableTiming | rt.eventInterprocess))
-            return event, bytes(rt.ipcGetEventHandle(event))
-
-    def open_event(self, handle: bytes) -> int:
-        with self._device:
-            return int(self._runtime.ipcOpenEventHandle(handle))
-
-    def destroy_event(self, event: int) -> None:
-        with self._device:
-            self._runtime.eventDestroy(event)
-
-    def record(self, event: int, stream: int) -> None:
-        with self._device:
-            self._runtime.eventRecord(event, stream)
-
-    def wait(self, stream: int, event: int) -> None:
-        with self._device:
-            self._runtime.streamWaitEvent(stream, event, 0)
-
-    def synchronize(self, stream: int) -> None:
-        with self._device:
-            self._runtime.streamSynchronize(stream)
-
-    def copy(self, ptr: int, source: Any, stream: int) -> None:
-        """Copies a DALI GPU tensor to ``ptr``, asynchronously on ``stream``."""
-        with self._device:
-            # ctypes pointers: DALI takes them (a plain int address crashes its CPU twin).
-            source.copy_to_external(
-                ctypes.c_void_p(ptr), cuda_stream=ctypes.c_void_p(stream), non_blocking=True
-            )
 
 
 class CudaSlab:
@@ -266,11 +163,11 @@ class CudaBackend:
             self._slabs.pop(slab.name, None)
         self._api.free(slab.ptr)
 
-    def peer_closed(self, names: tuple[str, ...] | list[str]) -> None:
+    def peer_closed(self, names: Sequence[str]) -> None:
         """The trainer unmapped these slabs: free those the pool has let go of already."""
         self._peer_closed(lambda name: name in names)
 
-    def peer_kept(self, names: tuple[str, ...] | list[str]) -> None:
+    def peer_kept(self, names: Sequence[str]) -> None:
         """The trainer, leaving, still maps these slabs and has unmapped every other one."""
         self._peer_closed(lambda name: name not in names)
 
@@ -361,3 +258,91 @@ class CudaBackend:
         for event in events:
             self._api.destroy_event(event)
         self._api.destroy_stream(self.stream)
+
+
+class CudaStore:
+    """A job's GPU outputs: regions of its :class:`CudaBackend`'s slabs, written on its stream
+    and released after the trainer's fences (Note [GPU output lifetime])."""
+
+    device = "cuda"
+    peer_ordered = True
+
+    def __init__(
+        self, name_prefix: str, limits: Limits, ids: Iterator[int], backend: CudaBackend
+    ) -> None:
+        self.backend = backend
+        self.pool = RegionPool(
+            backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
+        )
+
+    @property
+    def stream(self) -> int | None:
+        return self.backend.stream
+
+    def holds(self, output: Any) -> bool:
+        return type(output).__name__ == "TensorListGPU"
+
+    def prepare(self, others: bool, stream_ordered: bool) -> None:
+        if stream_ordered and others:
+            # CPU outputs that DALI copied from the GPU are ready in our stream's order only:
+            # a host wait here, in the daemon, for pipelines with outputs on both devices.
+            self.backend.synchronize()
+
+    def write(self, region: Region, tensor: Any) -> None:
+        region.slab.copy_into(region.offset, tensor)
+
+    def export(self, region: Region) -> str:
+        slab = region.slab
+        assert isinstance(slab, CudaSlab)
+        # Exported: the daemon frees the slab only once the trainer unmapped it.
+        return slab.export()
+
+    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+        if not wrote:
+            return ""
+        event = self.backend.record_batch()
+        if not stream_ordered:
+            # The legacy executor reuses its output buffers once released, without regard to
+            # our stream: let the copies finish first.
+            self.backend.synchronize()
+        return event
+
+    def fence(self, event: str) -> None:
+        try:
+            self.backend.wait_for_peer(event)
+        except Exception as error:
+            raise ReleaseRefused(f"the release event cannot be used: {error}") from None
+
+    def peer_unmapped(self, slabs: Sequence[str]) -> None:
+        self.backend.peer_closed(slabs)
+
+    def peer_leaving(self, kept: Sequence[str]) -> None:
+        self.backend.peer_kept(kept)
+
+    def close(self, unmap: bool) -> bool:
+        self.pool.close(unmap=unmap)
+        # The trainer still has its fences; destroy ours of them while it does (point 7).
+        self.backend.forget_peer_events()
+        return self.backend.awaiting_peer > 0
+
+    def free(self) -> None:
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("freeing GPU output memory failed")
+
+
+def device_outputs(device_id: int, api: DeviceApi | None = None) -> OutputsFactory:
+    """Output stores of a GPU daemon: shared memory for CPU outputs, device memory of GPU
+    ``device_id`` for GPU outputs (``api``: the CUDA calls; CuPy's by default)."""
+
+    def outputs(name_prefix: str, limits: Limits) -> JobOutputs:
+        ids = region_ids()
+        return JobOutputs(
+            [
+                SharedMemoryStore(name_prefix, limits, ids),
+                CudaStore(name_prefix, limits, ids, CudaBackend(device_id, api=api)),
+            ]
+        )
+
+    return outputs

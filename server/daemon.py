@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import signal
@@ -54,7 +53,6 @@ from dalid.protocol import (
 )
 
 from .core import DaemonCore
-from .cuda import CudaBackend
 from .heap import give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
@@ -66,9 +64,10 @@ from .intake import (
     Verdict,
     reserve_descriptors,
 )
-from .memory import SHM_DIR, SLAB_PREFIX, SharedMemoryBackend
+from .outputs import OutputsFactory
 from .quotas import Quotas
 from .repository import PipelineRepository
+from .shm import SHM_DIR, SLAB_PREFIX, host_outputs
 
 log = logging.getLogger("dalid.server")
 
@@ -208,12 +207,15 @@ class Daemon:
     def _start(self) -> None:
         config = self.config
         device_uuid = ""
-        cuda_backend = None
+        outputs: OutputsFactory = host_outputs()
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
-            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]).
-            cuda_backend = functools.partial(CudaBackend, device_id)
+            # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
+            # imported here, so that a CPU daemon never loads its CUDA layer.
+            from .cuda import device_outputs
+
+            outputs = device_outputs(device_id)
             log.info("GPU %d is %s", device_id, device_uuid)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
@@ -226,12 +228,11 @@ class Daemon:
         intake = self._intake = Intake(limits)
         self.core = DaemonCore(
             config.device,
-            SharedMemoryBackend(),
+            outputs,
             self.push,
             config.quotas,
             concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
-            cuda_backend=cuda_backend,
             repository=repository,
             credentials=intake.credentials,
         )

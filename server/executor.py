@@ -1,19 +1,15 @@
-"""One thread per registered pipeline: runs queued batches and writes outputs into the pool.
+"""One thread per registered pipeline: runs queued batches and hands their outputs on.
 
 The executor keeps up to ``prefetch_queue_depth`` batches inside DALI so that decoding of the
 next batch overlaps the copy-out of the previous one. A batch keeps its input frames until its
 outputs are collected, because external_source with ``no_copy=True`` reads them in place.
-
-CPU outputs go to the job's shared-memory pool; on a GPU daemon, GPU outputs go to its device
-pool, copied on the job's stream and followed by one interprocess event per batch (Note [GPU
-output lifetime] in ``cuda.py``).
+Outputs go into the job's output stores (``outputs.py``), whatever memory they lie in.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
 import queue
 import threading
 import time
@@ -23,19 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dalid.protocol import (
-    BadSample,
-    BatchFailed,
-    BatchReady,
-    ErrorCode,
-    OnError,
-    OutputDescriptor,
-    SubmitBatch,
-)
+from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnError, SubmitBatch
 
 from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
-from .cuda import CudaBackend, CudaSlab
-from .pool import PoolClosed, PoolTooSmall, Region, RegionPool
+from .outputs import JobOutputs, OutputFailure
+from .pool import PoolClosed
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
 from .scheduler import JobSlots, ServiceClock
 
@@ -57,18 +45,6 @@ Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
 """answer(batch, result): sends a batch's result on; called from the executor's thread."""
 
 
-class BatchFailure(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _dtype_name(dali_dtype: Any) -> str:
-    from nvidia.dali.types import to_numpy_type
-
-    return np.dtype(to_numpy_type(dali_dtype)).name
-
-
 class PipelineExecutor:
     """Builds one pipeline and runs its batches, in a thread of its own.
 
@@ -76,9 +52,9 @@ class PipelineExecutor:
     jobs: ``make_runner`` builds it, and ``on_built`` receives the built pipeline's spec, or the
     PipelineBuildError, once it is done; ``spec`` is None until then. ``answer`` sends batch
     results. Each batch runs in a slot of ``slots`` (the daemon's fair share between jobs;
-    None: no limit). ``gpu_pool`` and ``cuda`` (a GPU daemon's) take the GPU outputs. A batch
-    that fails, or has images over ``max_image_pixels``, is answered by the pipeline's on_error
-    policy (:mod:`dalid.server.badsamples`).
+    None: no limit). ``outputs`` take the outputs of its batches. A batch that fails, or has
+    images over ``max_image_pixels``, is answered by the pipeline's on_error policy
+    (:mod:`dalid.server.badsamples`).
     """
 
     def __init__(
@@ -86,12 +62,10 @@ class PipelineExecutor:
         pipeline_id: int,
         make_runner: Callable[[], PipelineRunner],
         *,
-        pool: RegionPool,
+        outputs: JobOutputs,
         answer: Answer,
         on_built: Callable[[PipelineSpec | PipelineBuildError], None],
         slots: JobSlots | None = None,
-        gpu_pool: RegionPool | None = None,
-        cuda: CudaBackend | None = None,
         max_image_pixels: int = 0,
     ) -> None:
         self.pipeline_id = pipeline_id
@@ -99,9 +73,8 @@ class PipelineExecutor:
         self._make_runner = make_runner
         self.runner: PipelineRunner | None = None
         self.failed = False
-        self._pool = pool
-        self._gpu_pool = gpu_pool
-        self._cuda = cuda
+        self._outputs = outputs
+        # The stream DALI hands outputs over on (the default executor only), or None: the host.
         self._stream: int | None = None
         self._max_image_pixels = max_image_pixels
         self._answer = answer
@@ -143,9 +116,10 @@ class PipelineExecutor:
             self.failed = True
             self._on_built(error)
             return
-        if self._cuda is not None and runner.spec.exec_dynamic:
-            # The default executor hands outputs over on our stream, without a host sync.
-            self._stream = self._cuda.stream
+        if runner.spec.exec_dynamic:
+            # The default executor hands outputs over on the outputs' stream, without a host
+            # sync (None on a CPU daemon).
+            self._stream = self._outputs.stream
         self.runner = runner
         self.spec = runner.spec
         self._on_built(runner.spec)
@@ -355,117 +329,24 @@ class PipelineExecutor:
         bad_samples: Sequence[BadSample] = (),
     ) -> None:
         try:
-            tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
-            on_gpu = [type(output).__name__ == "TensorListGPU" for output in outputs]
-            shapes = [tuple(int(x) for x in tensor.shape()) for tensor in tensors]
-            dtypes = [_dtype_name(output.dtype) for output in outputs]
-            sizes = [
-                math.prod(shape) * np.dtype(dtype).itemsize
-                for shape, dtype in zip(shapes, dtypes, strict=True)
-            ]
-            regions = self._allocate(sizes, on_gpu)
-            try:
-                event = self._copy(regions, tensors, on_gpu)
-            except Exception:
-                self._release(regions)
-                raise
-            descriptors = [
-                OutputDescriptor(
-                    region_id=region.region_id,
-                    slab=region.slab.name,
-                    slab_size=region.slab.size,
-                    offset=region.offset,
-                    nbytes=region.nbytes,
-                    dtype=dtype,
-                    shape=shape,
-                    layout=output.layout() or "",
-                    device=region.slab.device,
-                    # Exported: the daemon frees the slab only once the trainer unmapped it.
-                    ipc_handle=region.slab.export() if isinstance(region.slab, CudaSlab) else "",
-                )
-                for region, output, shape, dtype in zip(
-                    regions, outputs, shapes, dtypes, strict=True
-                )
-            ]
-        except BatchFailure as failure:
+            descriptors, event = self._outputs.write_batch(
+                outputs, stream_ordered=self._stream is not None, cancelled=self._stopping.is_set
+            )
+        except OutputFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
-        retired = self._pool.take_retired()
-        if self._gpu_pool is not None:
-            retired += self._gpu_pool.take_retired()
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
         self._answer(
             batch,
             BatchReady(
                 batch.batch_id,
                 self.pipeline_id,
-                tuple(descriptors),
-                retired_slabs=tuple(retired),
+                descriptors,
+                retired_slabs=self._outputs.take_retired(),
                 event=event,
                 bad_samples=tuple(bad_samples),
             ),
         )
-
-    def _dense(self, index: int, output: Any) -> Any:
-        """The output as one tensor; a batch whose samples differ in shape cannot be one."""
-        if not output.is_dense_tensor():
-            shapes = output.shape()
-            raise BatchFailure(
-                ErrorCode.INVALID_OUTPUT,
-                f"output {index} has samples of different shapes ({shapes[:4]}...): "
-                "a batch is delivered as one tensor, so resize, crop or pad to one shape",
-            )
-        if type(output).__name__ == "TensorListGPU" and self._gpu_pool is None:
-            raise BatchFailure(
-                ErrorCode.INVALID_OUTPUT,
-                f"output {index} is on the GPU, and this daemon delivers CPU outputs only",
-            )
-        return output.as_tensor()
-
-    def _allocate(self, sizes: list[int], on_gpu: list[bool]) -> list[Region]:
-        """One region per output, from the pool of its device; all or none."""
-        cpu_sizes = [size for size, gpu in zip(sizes, on_gpu, strict=True) if not gpu]
-        gpu_sizes = [size for size, gpu in zip(sizes, on_gpu, strict=True) if gpu]
-        try:
-            cpu = self._pool.allocate(cpu_sizes, cancelled=self._stopping.is_set)
-            try:
-                gpu = (
-                    self._gpu_pool.allocate(gpu_sizes, cancelled=self._stopping.is_set)
-                    if self._gpu_pool is not None and gpu_sizes
-                    else []
-                )
-            except BaseException:
-                self._pool.release([region.region_id for region in cpu])
-                raise
-        except PoolTooSmall as error:
-            raise BatchFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
-        cpu_left, gpu_left = iter(cpu), iter(gpu)
-        return [next(gpu_left) if g else next(cpu_left) for g in on_gpu]
-
-    def _release(self, regions: list[Region]) -> None:
-        ids = [region.region_id for region in regions]
-        unknown = self._pool.release(ids)
-        if unknown and self._gpu_pool is not None:
-            self._gpu_pool.release(unknown)
-
-    def _copy(self, regions: list[Region], tensors: list[Any], on_gpu: list[bool]) -> str:
-        """Copies every output into its region; the batch event's handle ("" without GPU)."""
-        cuda = self._cuda
-        if cuda is not None and self._stream is not None and not all(on_gpu):
-            # CPU outputs that DALI copied from the GPU are ready in our stream's order only:
-            # a host wait here, in the daemon, for pipelines with outputs on both devices.
-            cuda.synchronize()
-        for region, tensor in zip(regions, tensors, strict=True):
-            if region.nbytes:
-                region.slab.copy_into(region.offset, tensor)
-        if cuda is None or not any(on_gpu):
-            return ""
-        event = cuda.record_batch()
-        if self._stream is None:
-            # The legacy executor reuses its output buffers once released, without regard to
-            # our stream: let the copies finish first.
-            cuda.synchronize()
-        return event
 
     def _fail(
         self,

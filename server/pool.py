@@ -2,55 +2,75 @@
 
 Note [Output buffer lifetime]
 -----------------------------
-Who may free what, and when:
+The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer keeps its half in
+``client/``). How the daemon keeps it:
 
-1. The daemon owns every slab. It creates a slab once (``SlabBackend.create``), maps it once,
-   and keeps it for the life of the job so that later batches reuse already-touched memory.
-2. A region is *leased* from the moment ``allocate`` returns it until the job's trainer
-   releases it (``ReleaseRegions``). While leased, the daemon never writes to it. The pipeline
-   executor writes a batch's outputs into fresh regions and then hands the lease to the trainer
-   with ``BatchReady``; from then on only the trainer may end the lease.
-3. The trainer maps each slab once by name and views regions without a copy. It releases a
-   region when the last tensor viewing it is garbage-collected, never earlier.
-4. When the pool has no room, ``allocate`` blocks (backpressure): the executor waits for
-   releases and the pool never grows past ``limit_bytes``. An allocation larger than the whole
-   pool fails at once instead of waiting forever. A pool given a ``growth`` (a job's
-   reservation, :mod:`dalid.server.reservations`) first raises ``limit_bytes`` by what a new
-   slab needs, while the growth allows, and only then waits.
-5. When the job ends (goodbye, or its trainer process died) the daemon closes the pool: every
-   slab is unmapped and its name unlinked. A trainer that still views a region keeps the pages
-   alive through its own mapping (POSIX shared memory is freed on the last unmap), so its
-   tensors stay valid; nothing else can attach to the unlinked name.
-6. If the daemon dies, the kernel frees its mappings; the names it had not unlinked are
-   unlinked by the next daemon on the same socket, which removes ``dalid-*`` segments whose
-   creating daemon is no longer alive.
-7. On a GPU daemon a job has a second pool, of device memory, with the same leases; its region
-   ids come from the same sequence as the shared-memory pool's, so an id names one region of the
-   job. CUDA changes points 2, 3, 5 and 6 for those regions: see Note [GPU output lifetime] in
-   ``cuda.py`` (stream-ordered writes and releases, and slabs freed only once the trainer has
-   unmapped them).
+1. Slabs (rules 1, 2). A job's output store creates each slab once (``SlabBackend.create``),
+   maps it once and keeps it for the life of the job, so that later batches reuse memory whose
+   pages are already touched.
+2. Leases (rule 3). A region is leased from the moment ``allocate`` returns it until the
+   trainer releases it. The executor writes a batch's outputs into fresh regions, then hands the
+   lease to the trainer with ``batch_ready``; from then on only the trainer may end it.
+3. Backpressure (rule 4). When the pool has no room, ``allocate`` blocks until releases make
+   some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
+   fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
+   ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
+   allows, and only then waits.
+4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
+   their names handed to the trainer (``take_retired``).
+5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
+   name unlinked; a trainer that still views a region keeps its pages through its own mapping,
+   and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
+   mappings, and the next daemon on the socket unlinks the segments whose daemon is gone.
+6. GPU outputs. On a GPU daemon a job has a second pool, of device memory, with the same leases
+   (each pool belongs to one output store of the job, ``outputs.py``); its region ids come from
+   the same sequence as the shared-memory pool's, so an id names one region of the job. CUDA
+   changes points 2, 4 and 5 for those regions: Note [GPU output lifetime] in ``cuda.py``.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-from .memory import PAGE, Slab, SlabBackend
+from typing import Any, Protocol
 
 ALIGNMENT = 256
+PAGE = mmap.PAGESIZE
 # A slab of a growing pool holds this many regions of the size that asked for it (at most
 # ``slab_bytes``): small outputs get small slabs, and room for a few batches at a time.
 GROWTH_REGIONS = 4
 
 
-class Growth(Protocol):
-    """How far a pool may raise its limit (see point 4 of the note)."""
+class Slab(Protocol):
+    """One block of memory the daemon made and exports; ``close()`` is idempotent and frees it
+    (``unmap=False``: only its name, for a writer that could not be stopped)."""
 
+    name: str
+    size: int
+
+    def address(self, offset: int) -> int: ...
+
+    def copy_into(self, offset: int, source: Any) -> None: ...
+
+    def close(self, unmap: bool = True) -> None: ...
+
+
+class SlabBackend(Protocol):
+    """Makes the slabs of one kind of memory (shared memory in ``shm.py``, device memory in
+    ``cuda.py``)."""
+
+    def create(self, name: str, size: int) -> Slab: ...
+
+
+class Growth(Protocol):
+    """How far a pool may raise its limit (point 3 of the note): ``bytes`` reserved so far, at
+    most ``cap``."""
+
+    bytes: int
     cap: int
 
     def grow(self, nbytes: int) -> bool: ...
@@ -120,9 +140,8 @@ class RegionPool:
     """Output regions for one job, at most ``limit_bytes`` of slabs of ``slab_bytes`` or more.
 
     Thread-safe: executors allocate from their threads while the I/O thread releases. Pools of
-    one job pass the same ``region_ids`` so that their ids never collide. With ``growth``,
-    ``limit_bytes`` is where the pool starts, and it grows as outputs need room; the pool
-    closes the growth when it closes.
+    one job pass the same ``region_ids`` so that their ids never collide. A pool given a growth
+    (:meth:`grow_within`) holds what the growth reserves, and closes it when it closes.
     """
 
     def __init__(
@@ -134,10 +153,9 @@ class RegionPool:
         alignment: int = ALIGNMENT,
         *,
         region_ids: Iterator[int] | None = None,
-        growth: Growth | None = None,
     ) -> None:
         self._backend = backend
-        self._growth = growth
+        self._growth: Growth | None = None
         self._name_prefix = name_prefix
         self.limit_bytes = limit_bytes
         self.slab_bytes = _align(slab_bytes, PAGE)
@@ -150,6 +168,15 @@ class RegionPool:
         self._condition = threading.Condition()
         self._closed = False
         self._retired: list[str] = []
+
+    def grow_within(self, growth: Growth) -> None:
+        """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
+        room, at most to its cap; for a pool that has made no slab yet."""
+        with self._condition:
+            if self._spaces:
+                raise RuntimeError("a pool takes its growth before it makes a slab")
+            self._growth = growth
+            self.limit_bytes = growth.bytes
 
     @property
     def slab_bytes_total(self) -> int:

@@ -33,16 +33,16 @@ class OutputMemory:
         with self._lock:
             return sum(reservation.bytes for reservation in self._reservations)
 
-    def fixed(self, job_id: int, nbytes: int) -> Reservation:
+    def fixed(self, nbytes: int) -> Reservation:
         """``nbytes`` reserved at once for a job that asked for them (raises QuotaRefused)."""
-        reservation = Reservation(self, job_id, cap=nbytes)
+        reservation = Reservation(self, cap=nbytes)
         if not reservation.grow(nbytes):
             raise QuotaRefused(reservation.refusal(nbytes, asked=True))
         return reservation
 
-    def growing(self, job_id: int, cap: int) -> Reservation:
+    def growing(self, cap: int) -> Reservation:
         """Nothing reserved yet; the job's pool grows it up to ``cap``."""
-        return Reservation(self, job_id, cap=cap)
+        return Reservation(self, cap=cap)
 
     def _try_add(self, reservation: Reservation, nbytes: int) -> bool:
         with self._lock:
@@ -61,20 +61,17 @@ class OutputMemory:
             self._reservations.discard(reservation)
 
     def _summary(self) -> tuple[int, int]:
-        """Bytes reserved, and by how many jobs."""
+        """Bytes reserved, and by how many reservations (jobs: one each)."""
         with self._lock:
-            return (
-                sum(r.bytes for r in self._reservations),
-                len({r.job_id for r in self._reservations}),
-            )
+            held = [r.bytes for r in self._reservations if r.bytes]
+            return sum(held), len(held)
 
 
 class Reservation:
     """One pool's reserved bytes (``bytes``), at most ``cap``; see the module's docstring."""
 
-    def __init__(self, memory: OutputMemory, job_id: int, cap: int) -> None:
+    def __init__(self, memory: OutputMemory, cap: int) -> None:
         self._memory = memory
-        self.job_id = job_id
         self.cap = cap
         self.bytes = 0
         self.closed = False

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from dalid.protocol import JobStatus
+from dalid.protocol import PROTOCOL_VERSION, JobStatus, StatusReport, device_label
 
 from .scheduler import ShareStats
 
 if TYPE_CHECKING:
-    from .core import Job
+    from .core import DaemonCore
+    from .jobs import Job
 
 # Rates are averaged over this many seconds: long enough to smooth batch-sized steps, short
 # enough that a live table follows a job that slows down.
@@ -60,10 +62,7 @@ class RateMeter:
 def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
     """One job's line of the status report; called on the daemon's I/O thread."""
     batches_per_second, samples_per_second = job.meter.rates(now)
-    pools = [job.pool] if job.gpu_pool is None else [job.pool, job.gpu_pool]
     queued = sum(executor.queued for executor in job.pipelines.values())
-    with job.lock:
-        waiting = len(job.waiting)
     return JobStatus(
         job_id=job.job_id,
         name=job.name,
@@ -78,16 +77,36 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         samples_per_second=samples_per_second,
         queued=queued,
         running=share.running,
-        waiting=waiting,
+        waiting=job.admission.waiting,
         deferred=len(job.deferred),
         max_inflight_batches=job.limits.max_inflight_batches,
         slot_wait_seconds=share.waited_seconds,
         passed_over=share.passed_over,
         run_seconds=share.run_seconds,
         trainer_wait_seconds=job.trainer_waited,
-        regions_held=sum(pool.leased_regions for pool in pools),
-        bytes_held=sum(pool.leased_bytes for pool in pools),
-        slabs=sum(pool.slab_count for pool in pools),
-        memory_bytes=job.pool.limit_bytes,
+        regions_held=job.outputs.leased_regions,
+        bytes_held=job.outputs.leased_bytes,
+        slabs=job.outputs.slab_count,
+        memory_bytes=job.outputs.store("cpu").pool.limit_bytes,
         connected_seconds=now - job.connected_at,
+    )
+
+
+def status_report(core: DaemonCore, uptime: float) -> StatusReport:
+    """The daemon and its jobs now, as ``dalid status`` and the metrics endpoint show them."""
+    now = time.monotonic()
+    return StatusReport(
+        daemon_pid=os.getpid(),
+        device=device_label(core.device),
+        device_uuid=core.device_uuid,
+        dali_version=core.dali_version,
+        protocol_version=PROTOCOL_VERSION,
+        uptime_seconds=uptime,
+        max_jobs=core.quotas.max_jobs,
+        concurrency=core.scheduler.slots,
+        memory_limit=core.quotas.memory_limit,
+        memory_reserved=core.output_memory["cpu"].reserved,
+        jobs=tuple(
+            job_status(job, core.scheduler.stats(job.job_id), now) for job in core.jobs.values()
+        ),
     )

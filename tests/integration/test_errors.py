@@ -144,7 +144,7 @@ def _header(op, rid, body):
         ([_header("submit_batch", 4, {"pipeline_id": "x"})], "malformed_message"),
         ([_header("submit_batch", 5, {"pipeline_id": 1, "inputs": []})], "malformed_message"),
         ([_header("schedule_batch", 6, {"batch_id": 1})], "not_welcomed"),
-        ([_header("ping", 7, {}), b"extra"], "malformed_message"),
+        ([_header("ping", 7, ["not", "a", "map"])], "malformed_message"),
     ],
 )
 def test_malformed_messages_get_error_replies(daemon, frames, code):

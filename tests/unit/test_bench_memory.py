@@ -12,7 +12,8 @@ from dataclasses import asdict
 import pytest
 
 from bench.memory import MemorySample, MemorySampler, memory_metrics, process_memory, shm_mib
-from dalid.server.memory import PAGE, SharedMemorySlab
+from dalid.server.pool import PAGE
+from dalid.server.shm import SharedMemorySlab
 
 MIB = 1024 * 1024
 

@@ -656,15 +656,26 @@ def test_missing_nested_field() -> None:
     assert "slab_bytes" in error.message
 
 
-def test_unknown_field() -> None:
-    error = _expect_error(_pack(_header(op="pong", body={"daemon_pid": 1, "colour": "red"})))
-    assert "colour" in error.message
+def test_a_field_from_a_later_version_is_ignored() -> None:
+    """Forward compatibility: a peer of a later release may add fields (SPEC.md, Versions)."""
+    envelope = decode(_pack(_header(op="pong", body={"daemon_pid": 1, "colour": "red"})))
+    assert envelope.message == Pong(1)
 
 
-def test_unknown_nested_field() -> None:
-    header, frames = _encoded_header(_first(Welcome))
-    header["body"]["limits"]["extra"] = 1
-    _expect_error(_pack(header, *frames))
+def test_a_nested_field_from_a_later_version_is_ignored() -> None:
+    welcome = _first(Welcome)
+    header, frames = _encoded_header(welcome)
+    header["body"]["limits"]["extra"] = {"any": ["msgpack", 1, None]}
+    header["body"]["future"] = 3
+    assert decode(_pack(header, *frames)).message == welcome
+
+
+def test_a_field_a_peer_of_an_earlier_version_leaves_out_takes_its_default() -> None:
+    header, frames = _encoded_header(Hello(PROTOCOL_VERSION, 42, Role.TRAINER, name="job"))
+    del header["body"]["earlier_jobs"]
+    del header["body"]["weight"]
+    hello = decode(_pack(header, *frames)).message
+    assert hello == Hello(PROTOCOL_VERSION, 42, Role.TRAINER, name="job")
 
 
 @pytest.mark.parametrize(
@@ -728,11 +739,12 @@ def test_frame_referenced_twice() -> None:
     assert "twice" in error.message
 
 
-def test_frames_sent_but_not_referenced() -> None:
-    error = _expect_error(_pack(_header(op="ping", rid=27), b"stray"))
-    assert error.request_id == 27
-    header, frames = _encoded_header(_first(RegisterPipeline))
-    _expect_error(_pack(header, *frames, b"one more"))
+def test_frames_only_a_later_version_references_are_dropped() -> None:
+    assert decode(_pack(_header(op="ping", rid=27), b"stray")).message == Ping()
+    message = _first(RegisterPipeline)
+    header, frames = _encoded_header(message)
+    header["body"]["future_blob"] = len(frames) + 1
+    assert _plain(decode(_pack(header, *frames, b"one more")).message) == _plain(message)
 
 
 def test_fewer_frames_than_referenced() -> None:

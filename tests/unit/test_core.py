@@ -31,8 +31,8 @@ from dalid.protocol import (
 )
 from dalid.server.core import DaemonCore
 from dalid.server.credentials import PeerCredentials
-from dalid.server.memory import SharedMemoryBackend
 from dalid.server.quotas import Quotas
+from dalid.server.shm import host_outputs
 
 TRAINER = b"trainer"
 WORKER = b"worker"
@@ -49,7 +49,7 @@ def core():
     quotas = Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16)
     daemon = DaemonCore(
         "cpu",
-        SharedMemoryBackend(),
+        host_outputs(),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
         quotas,
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
@@ -104,9 +104,9 @@ def test_a_batch_runs_and_its_regions_are_leased_until_released(core):
     (output,) = ready.outputs
     assert output.shape == (3, 2, 3) and output.dtype == "int32"
     job = core.jobs[1]
-    assert job.pool.leased_regions == 1
+    assert job.outputs.leased_regions == 1
     assert core.handle(TRAINER, ReleaseRegions((output.region_id,)), None) is None
-    assert job.pool.leased_regions == 0
+    assert job.outputs.leased_regions == 0
     # A second release of the same region is an error, and changes nothing.
     again = core.handle(TRAINER, ReleaseRegions((output.region_id,)), None)
     assert isinstance(again, Error) and again.code is ErrorCode.UNKNOWN_REGION
@@ -120,12 +120,8 @@ def test_bad_batches_are_refused_before_they_are_queued(core):
     assert isinstance(unknown, Error) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
     too_big = core.handle(TRAINER, _batch(pipeline_id, *[sample] * 5), 4)
     assert isinstance(too_big, Error) and "max_batch_size" in too_big.message
-    wrong_size = SubmitBatch(
-        pipeline_id, (InputBatch("x", "int32", ((2, 4),), (memoryview(sample),)),)
-    )
-    reply = core.handle(TRAINER, wrong_size, 5)
-    assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_BATCH
-    assert "needs 32 bytes" in reply.message
+    with pytest.raises(ValueError, match="needs 32 bytes, its frame has 24"):
+        InputBatch("x", "int32", ((2, 4),), (memoryview(sample),))  # refused before it is sent
     wrong_name = SubmitBatch(
         pipeline_id, (InputBatch("y", "int32", ((2, 3),), (memoryview(sample),)),)
     )
@@ -157,11 +153,11 @@ def test_goodbye_frees_the_job(core):
     pipeline_id = _register(core)
     core.handle(TRAINER, _batch(pipeline_id, np.zeros((1,), np.int32)), 3)
     core.pushed.get(timeout=30)
-    pool = core.jobs[1].pool
-    assert pool.slab_count == 1
+    outputs = core.jobs[1].outputs
+    assert outputs.slab_count == 1
     core.handle(TRAINER, Goodbye(), 4)
     assert not core.jobs and not core.peers
-    assert pool.slab_count == 0
+    assert outputs.slab_count == 0
 
 
 # --- earlier jobs: workers rejoining a trainer's job after a daemon restart -----------------------
@@ -291,7 +287,7 @@ def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core):
     # The worker joined the second job: the first job's region is not its to release.
     reply = core.handle(WORKER, ReleaseRegions((output.region_id,)), None)
     assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_REGION
-    assert core.jobs[first.job_id].pool.leased_regions == 1
+    assert core.jobs[first.job_id].outputs.leased_regions == 1
 
 
 # --- who the daemon serves, and how much ----------------------------------------------------------
@@ -301,7 +297,7 @@ def _limited_core(credentials: dict[bytes, PeerCredentials], **limits: int) -> D
     quotas = Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, **limits)
     return DaemonCore(
         "cpu",
-        SharedMemoryBackend(),
+        host_outputs(),
         lambda *_: None,
         quotas,
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
@@ -369,11 +365,11 @@ def test_batches_over_the_jobs_share_of_input_memory_are_refused(core):
     assert core.inputs.held == 0
 
 
-def test_deferred_batches_count_against_the_waiting_limit() -> None:
+def test_deferred_batches_are_bounded_too() -> None:
     pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
     core = DaemonCore(
         "cpu",
-        SharedMemoryBackend(),
+        host_outputs(),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
         Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, max_waiting_batches=2),
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
@@ -387,7 +383,7 @@ def test_deferred_batches_count_against_the_waiting_limit() -> None:
         for rid in (3, 4):
             assert isinstance(core.handle(TRAINER, deferred, rid), BatchAccepted)
         refused = core.handle(TRAINER, deferred, 5)
-        assert isinstance(refused, Error) and "2 batches waiting" in refused.message
+        assert isinstance(refused, Error) and "2 deferred batches" in refused.message
         assert core.inputs.held == 2 * sample.nbytes
     finally:
         core.close()

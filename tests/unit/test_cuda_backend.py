@@ -27,74 +27,15 @@ from dalid.protocol import (
     Welcome,
 )
 from dalid.server.core import DaemonCore
-from dalid.server.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab
-from dalid.server.memory import PAGE, SharedMemoryBackend
-from dalid.server.pool import RegionPool
+from dalid.server.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab, CudaStore, device_outputs
+from dalid.server.jobs import Job
+from dalid.server.pool import PAGE, RegionPool
 from dalid.server.quotas import Quotas
+from dalid.server.shm import host_outputs
 
-DEVICE_UUID = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+from .fake_cuda import DEVICE_UUID, FakeApi
+
 TRAINER = b"trainer"
-
-
-class FakeApi:
-    """Records the CUDA calls a backend makes; memory is plain numbers."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.allocated: dict[int, int] = {}
-        self.freed: list[int] = []
-        self._next_ptr = 1 << 32
-        self.events: list[int] = []
-        self.opened: dict[int, bytes] = {}
-        self.destroyed: list[int] = []
-        self.on_wait: list[Any] = []
-
-    def malloc(self, size: int) -> int:
-        ptr = self._next_ptr
-        self._next_ptr += size + PAGE
-        self.allocated[ptr] = size
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        assert ptr in self.allocated, "freed twice or never allocated"
-        del self.allocated[ptr]
-        self.freed.append(ptr)
-
-    def export_memory(self, ptr: int) -> bytes:
-        return ptr.to_bytes(64, "little")
-
-    def create_stream(self) -> int:
-        return 7
-
-    def destroy_stream(self, stream: int) -> None:
-        self.calls.append(("destroy_stream", stream))
-
-    def create_event(self) -> tuple[int, bytes]:
-        event = 100 + len(self.events)
-        self.events.append(event)
-        return event, event.to_bytes(64, "little")
-
-    def open_event(self, handle: bytes) -> int:
-        event = 1000 + len(self.opened)
-        self.opened[event] = handle
-        return event
-
-    def destroy_event(self, event: int) -> None:
-        self.destroyed.append(event)
-
-    def record(self, event: int, stream: int) -> None:
-        self.calls.append(("record", event, stream))
-
-    def wait(self, stream: int, event: int) -> None:
-        self.calls.append(("wait", stream, event))
-        for hook in self.on_wait:
-            hook()
-
-    def synchronize(self, stream: int) -> None:
-        self.calls.append(("synchronize", stream))
-
-    def copy(self, ptr: int, source: Any, stream: int) -> None:
-        self.calls.append(("copy", ptr, stream))
 
 
 @pytest.fixture
@@ -258,12 +199,11 @@ def gpu_core(api: FakeApi) -> Any:
     quotas = Quotas(max_batch_size=64, pool_bytes=4 * PAGE, slab_bytes=PAGE)
     core = DaemonCore(
         0,
-        SharedMemoryBackend(),
+        device_outputs(0, api=api),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
         quotas,
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
         device_uuid=DEVICE_UUID,
-        cuda_backend=lambda: CudaBackend(0, api=api),
     )
     yield core
     core.close()
@@ -276,6 +216,12 @@ def _hello(core: DaemonCore) -> Welcome:
     return reply
 
 
+def _gpu(job: Job) -> CudaStore:
+    store = job.outputs.store("cuda")
+    assert isinstance(store, CudaStore)
+    return store
+
+
 def test_the_welcome_names_the_gpu(gpu_core: DaemonCore) -> None:
     assert _hello(gpu_core).device_uuid == DEVICE_UUID
 
@@ -283,13 +229,12 @@ def test_the_welcome_names_the_gpu(gpu_core: DaemonCore) -> None:
 def test_region_ids_name_one_region_of_the_job(gpu_core: DaemonCore) -> None:
     welcome = _hello(gpu_core)
     job = gpu_core.jobs[welcome.job_id]
-    assert job.gpu_pool is not None
-    cpu = job.pool.allocate([10, 10])
-    gpu = job.gpu_pool.allocate([10, 10])
+    cpu = job.outputs.store("cpu").pool.allocate([10, 10])
+    gpu = _gpu(job).pool.allocate([10, 10])
     ids = [region.region_id for region in cpu + gpu]
     assert len(set(ids)) == 4
     assert gpu_core.handle(TRAINER, ReleaseRegions(tuple(ids)), None) is None
-    assert job.pool.leased_regions == job.gpu_pool.leased_regions == 0
+    assert job.outputs.leased_regions == 0
 
 
 def test_gpu_regions_return_only_after_the_stream_waits_on_the_fence(
@@ -297,22 +242,22 @@ def test_gpu_regions_return_only_after_the_stream_waits_on_the_fence(
 ) -> None:
     welcome = _hello(gpu_core)
     job = gpu_core.jobs[welcome.job_id]
-    assert job.gpu_pool is not None
-    (region,) = job.gpu_pool.allocate([100])
+    pool = _gpu(job).pool
+    (region,) = pool.allocate([100])
     leased_at_wait: list[int] = []
-    api.on_wait.append(lambda: leased_at_wait.append(job.gpu_pool.leased_regions))  # type: ignore[union-attr]
+    api.on_wait.append(lambda: leased_at_wait.append(pool.leased_regions))
     fence = "5a" * 64
     reply = gpu_core.handle(TRAINER, ReleaseRegions((region.region_id,), event=fence), None)
     assert reply is None
     assert leased_at_wait == [1]  # the wait was queued while the region was still leased
-    assert job.gpu_pool.leased_regions == 0
+    assert pool.leased_regions == 0
     assert list(api.opened.values()) == [bytes.fromhex(fence)]
 
 
 def test_a_cpu_daemon_refuses_gpu_release_fields() -> None:
     core = DaemonCore(
         "cpu",
-        SharedMemoryBackend(),
+        host_outputs(),
         lambda *_: None,
         Quotas(max_batch_size=64, pool_bytes=4 * PAGE, slab_bytes=PAGE),
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
@@ -330,13 +275,13 @@ def test_a_cpu_daemon_refuses_gpu_release_fields() -> None:
 def test_closed_slabs_free_retired_slabs(gpu_core: DaemonCore, api: FakeApi) -> None:
     welcome = _hello(gpu_core)
     job = gpu_core.jobs[welcome.job_id]
-    assert job.gpu_pool is not None
-    singles = [job.gpu_pool.allocate([PAGE])[0] for _ in range(4)]
+    pool = _gpu(job).pool
+    singles = [pool.allocate([PAGE])[0] for _ in range(4)]
     for region in singles:
         region.slab.export()  # type: ignore[attr-defined]
     gpu_core.handle(TRAINER, ReleaseRegions(tuple(r.region_id for r in singles)), None)
-    (large,) = job.gpu_pool.allocate([4 * PAGE])
-    retired = tuple(job.gpu_pool.take_retired())
+    (large,) = pool.allocate([4 * PAGE])
+    retired = tuple(pool.take_retired())
     assert len(retired) == 4
     assert api.freed == []
     gpu_core.handle(TRAINER, ReleaseRegions(closed_slabs=retired), None)
@@ -349,8 +294,8 @@ def test_slabs_the_trainer_keeps_outlive_the_job_until_it_exits(
 ) -> None:
     welcome = _hello(gpu_core)
     job = gpu_core.jobs[welcome.job_id]
-    assert job.gpu_pool is not None and job.cuda is not None
-    regions = job.gpu_pool.allocate([PAGE, PAGE])
+    backend = _gpu(job).backend
+    regions = _gpu(job).pool.allocate([PAGE, PAGE])
     for region in regions:
         region.slab.export()  # type: ignore[attr-defined]
     kept, other = (region.slab for region in regions)
@@ -359,16 +304,16 @@ def test_slabs_the_trainer_keeps_outlive_the_job_until_it_exits(
     assert reply is not None and reply.OP == "ok"
     assert welcome.job_id not in gpu_core.jobs
     assert api.freed == [other.ptr]  # type: ignore[attr-defined]
-    assert job.cuda.awaiting_peer == 1
+    assert backend.awaiting_peer == 1
     # The trainer's fences are let go at once (it destroys them after the goodbye); the
     # daemon's own events stay until the trainer has gone.
     assert api.destroyed == list(api.opened)
     gpu_core.reap()
     assert api.freed == [other.ptr]  # type: ignore[attr-defined]  # our pid is alive
-    monkeypatch.setattr(gpu_core, "_alive", lambda pid, namespace: False)
+    monkeypatch.setattr(gpu_core.registry, "alive", lambda pid, namespace: False)
     gpu_core.reap()
     assert api.allocated == {}
-    assert job.cuda.closed
+    assert backend.closed
 
 
 def test_a_dead_trainers_gpu_memory_is_freed_at_once(
@@ -376,9 +321,8 @@ def test_a_dead_trainers_gpu_memory_is_freed_at_once(
 ) -> None:
     welcome = _hello(gpu_core)
     job = gpu_core.jobs[welcome.job_id]
-    assert job.gpu_pool is not None
-    for region in job.gpu_pool.allocate([PAGE, 10]):
+    for region in _gpu(job).pool.allocate([PAGE, 10]):
         region.slab.export()  # type: ignore[attr-defined]
-    monkeypatch.setattr(gpu_core, "_alive", lambda pid, namespace: False)
+    monkeypatch.setattr(gpu_core.registry, "alive", lambda pid, namespace: False)
     assert gpu_core.reap() == [welcome.job_id]
     assert api.allocated == {}

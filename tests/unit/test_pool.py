@@ -20,10 +20,10 @@ import torch
 
 from dalid.client.memory import SlabMappings
 from dalid.protocol import OutputDescriptor
-from dalid.server.memory import PAGE, SHM_DIR, SharedMemoryBackend, SharedMemorySlab
 from dalid.server.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
+    PAGE,
     PoolClosed,
     PoolTooSmall,
     Region,
@@ -31,6 +31,7 @@ from dalid.server.pool import (
 )
 from dalid.server.quotas import QuotaRefused
 from dalid.server.reservations import OutputMemory
+from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
@@ -607,8 +608,9 @@ def test_close_without_unmap_unlinks_but_keeps_memory_writable(
 
 def test_a_growing_pool_reserves_slabs_sized_from_its_outputs(prefix: str) -> None:
     memory = OutputMemory(limit=64 * PAGE)
-    reservation = memory.growing(job_id=1, cap=32 * PAGE)
-    pool = RegionPool(SharedMemoryBackend(), prefix, 0, 16 * PAGE, growth=reservation)
+    reservation = memory.growing(cap=32 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, 16 * PAGE)
+    pool.grow_within(reservation)
     try:
         assert memory.reserved == 0  # nothing until an output needs room
         (region,) = pool.allocate([PAGE - 100])
@@ -629,8 +631,9 @@ def test_a_growing_pool_waits_at_the_daemons_limit_and_refuses_when_it_holds_not
     prefix: str,
 ) -> None:
     memory = OutputMemory(limit=6 * PAGE)
-    other = memory.fixed(job_id=2, nbytes=4 * PAGE)
-    pool = RegionPool(SharedMemoryBackend(), prefix, 0, PAGE, growth=memory.growing(1, 64 * PAGE))
+    other = memory.fixed(4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(64 * PAGE))
     try:
         (first,) = pool.allocate([PAGE])
         (second,) = pool.allocate([PAGE])
@@ -652,7 +655,8 @@ def test_a_growing_pool_waits_at_the_daemons_limit_and_refuses_when_it_holds_not
 
 def test_a_growing_pool_stops_at_its_cap(prefix: str) -> None:
     memory = OutputMemory(limit=0)
-    pool = RegionPool(SharedMemoryBackend(), prefix, 0, PAGE, growth=memory.growing(1, 2 * PAGE))
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(2 * PAGE))
     try:
         with pytest.raises(PoolTooSmall, match="more than its limit of 8 KiB"):
             pool.allocate([3 * PAGE])
@@ -665,13 +669,13 @@ def test_a_growing_pool_stops_at_its_cap(prefix: str) -> None:
 
 def test_a_fixed_reservation_is_refused_when_the_daemon_has_not_that_much_left() -> None:
     memory = OutputMemory(limit=3 << 20)
-    kept = memory.fixed(1, 2 << 20)
+    kept = memory.fixed(2 << 20)
     with pytest.raises(
         QuotaRefused, match=r"asks for 2 MiB .* has 1 MiB left .* 3 MiB \(1 jobs hold 2 MiB\)"
     ):
-        memory.fixed(2, 2 << 20)
+        memory.fixed(2 << 20)
     assert memory.reserved == 2 << 20
     kept.close()
     kept.close()
     assert memory.reserved == 0
-    memory.fixed(3, 3 << 20).close()
+    memory.fixed(3 << 20).close()

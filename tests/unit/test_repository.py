@@ -16,9 +16,9 @@ from dalid.protocol import (
     RepositoryReport,
 )
 from dalid.server.core import DaemonCore
-from dalid.server.memory import SharedMemoryBackend
 from dalid.server.quotas import Quotas
 from dalid.server.repository import PipelineRepository, RepositoryUnavailable
+from dalid.server.shm import host_outputs
 
 PIPELINE = """
 from nvidia.dali import fn, pipeline_def
@@ -197,7 +197,7 @@ def pushed():
 def _core(pushed: queue.Queue, repository: PipelineRepository | None) -> DaemonCore:
     return DaemonCore(
         "cpu",
-        SharedMemoryBackend(),
+        host_outputs(),
         lambda peer, message, rid: pushed.put((peer, message, rid)),
         Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16),
         instance=f"unittest-{uuid.uuid4().hex[:8]}",
@@ -221,7 +221,7 @@ def test_a_reload_request_needs_no_hello_and_is_answered_with_what_loaded(tmp_pa
                 RepositoryFailure("a.py", "RuntimeError: half saved", kept_pipelines=("train",)),
             ),
         )
-        assert sorted(core.repository.entries) == ["train", "val"]
+        assert sorted(core.repository.current.entries) == ["train", "val"]
     finally:
         core.close()
 

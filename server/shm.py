@@ -1,9 +1,9 @@
-"""Memory backends of the output pool: where a slab's bytes live.
+"""CPU outputs in POSIX shared memory: the slabs, and the job's store of them.
 
-A slab is one block of memory that the daemon creates and maps once and exports to a trainer
-by name; regions of it carry batch outputs. The shared-memory backend below holds CPU outputs;
-the device backend in ``cuda.py`` (CUDA IPC) exports GPU slabs the same way, so the pool above
-does not care.
+A slab is one shared-memory segment that the daemon creates and maps once and exports to a
+trainer by name; regions of it carry batch outputs. :class:`SharedMemoryStore` is the output
+store (``outputs.py``) of a job's CPU outputs; the CUDA IPC store in ``cuda.py`` is its twin
+for GPU outputs.
 """
 
 from __future__ import annotations
@@ -12,39 +12,19 @@ import contextlib
 import ctypes
 import mmap
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 
+from dalid.protocol import Limits
+
+from .outputs import JobOutputs, OutputsFactory, region_ids
+from .pool import PAGE, Region, RegionPool
+
 SHM_DIR = Path("/dev/shm")
 SLAB_PREFIX = "dalid-"
-PAGE = mmap.PAGESIZE
-
-
-class Slab(Protocol):
-    """One exported block of memory; ``close()`` is idempotent and frees it.
-
-    ``device`` is the descriptor's: "cpu" or "cuda". ``view`` is for host memory only.
-    """
-
-    name: str
-    size: int
-    device: str
-
-    def address(self, offset: int) -> int: ...
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray: ...
-
-    def copy_into(self, offset: int, source: object) -> None: ...
-
-    def close(self, unmap: bool = True) -> None: ...
-
-
-class SlabBackend(Protocol):
-    device: str
-
-    def create(self, name: str, size: int) -> Slab: ...
 
 
 class SharedMemorySlab:
@@ -85,9 +65,10 @@ class SharedMemorySlab:
             raise ValueError(f"slab {self.name} is closed")
         return self._bytes[offset : offset + nbytes]
 
-    def copy_into(self, offset: int, source: object) -> None:
+    def copy_into(self, offset: int, source: Any) -> None:
         """Copies a DALI CPU tensor (``copy_to_external``) into the slab at ``offset``."""
-        source.copy_to_external(ctypes.c_void_p(self.address(offset)))  # type: ignore[attr-defined]
+        # A ctypes pointer: given a plain int, DALI's CPU copy crashes the process.
+        source.copy_to_external(ctypes.c_void_p(self.address(offset)))
 
     def close(self, unmap: bool = True) -> None:
         """Unlinks the name and, with ``unmap``, unmaps the memory. Idempotent."""
@@ -114,7 +95,67 @@ class SharedMemorySlab:
 class SharedMemoryBackend:
     """Creates :class:`SharedMemorySlab`s for CPU outputs."""
 
-    device = "cpu"
-
     def create(self, name: str, size: int) -> SharedMemorySlab:
         return SharedMemorySlab(name, size)
+
+
+class SharedMemoryStore:
+    """A job's CPU outputs: regions of shared-memory slabs, leased as Note [Output buffer
+    lifetime] in ``pool.py`` says. The trainer maps a slab by its name alone."""
+
+    device = "cpu"
+    peer_ordered = False
+
+    def __init__(self, name_prefix: str, limits: Limits, ids: Iterator[int] | None = None) -> None:
+        self.pool = RegionPool(
+            SharedMemoryBackend(),
+            name_prefix,
+            limits.pool_bytes,
+            limits.slab_bytes,
+            region_ids=ids,
+        )
+
+    @property
+    def stream(self) -> int | None:
+        return None  # host memory: written by the daemon's host, never on a stream
+
+    def holds(self, output: Any) -> bool:
+        return type(output).__name__ == "TensorListCPU"
+
+    def prepare(self, others: bool, stream_ordered: bool) -> None:
+        pass
+
+    def write(self, region: Region, tensor: Any) -> None:
+        region.slab.copy_into(region.offset, tensor)
+
+    def export(self, region: Region) -> str:
+        return ""
+
+    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+        return ""
+
+    def fence(self, event: str) -> None:
+        pass
+
+    def peer_unmapped(self, slabs: Sequence[str]) -> None:
+        pass
+
+    def peer_leaving(self, kept: Sequence[str]) -> None:
+        pass
+
+    def close(self, unmap: bool) -> bool:
+        # A trainer that still maps a segment keeps its pages on its own (POSIX semantics).
+        self.pool.close(unmap=unmap)
+        return False
+
+    def free(self) -> None:
+        self.pool.close()
+
+
+def host_outputs() -> OutputsFactory:
+    """Output stores of a CPU daemon: shared memory only."""
+
+    def outputs(name_prefix: str, limits: Limits) -> JobOutputs:
+        return JobOutputs([SharedMemoryStore(name_prefix, limits, region_ids())])
+
+    return outputs

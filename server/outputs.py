@@ -1,0 +1,301 @@
+"""Where a job's batch outputs go: the output-backend interface and a job's set of stores.
+
+A job has one :class:`OutputStore` per kind of memory the daemon delivers outputs in: POSIX
+shared memory for CPU outputs (``shm.py``) and, on a GPU daemon, device memory exported through
+CUDA IPC for GPU outputs (``cuda.py``). A store carves regions out of slabs it creates and
+exports once (a :class:`~dalid.server.pool.RegionPool` over its slab backend), copies DALI outputs
+into them, and takes them back when the trainer releases them. :class:`JobOutputs` routes each
+output of a batch to the store that holds its kind of memory; the executor and the daemon core
+see only :class:`JobOutputs`, never a store's device.
+
+The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what CUDA adds in
+Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
+("Outputs").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from dalid.protocol import ErrorCode, Limits, OutputDescriptor
+
+from .pool import PoolTooSmall, Region, RegionPool
+
+
+class OutputFailure(Exception):
+    """A batch whose outputs cannot be delivered; ``code`` says why."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ReleaseRefused(ValueError):
+    """A release the job's stores cannot apply (a fence for memory that takes none, say)."""
+
+
+class OutputStore(Protocol):
+    """One job's output memory of one kind, and how DALI outputs get into it.
+
+    ``device`` is what descriptors of its regions say ("cpu", "cuda"). ``stream`` is the CUDA
+    stream the store writes on, on which DALI may hand outputs over (None: the host).
+    ``peer_ordered``: releases of its regions come with the trainer's fence, and its slabs are
+    freed only once the trainer reports them unmapped (device memory; Note [GPU output
+    lifetime]). Only such a store is given fences and unmapped slabs.
+    """
+
+    device: str
+    pool: RegionPool
+    peer_ordered: bool
+
+    @property
+    def stream(self) -> int | None: ...
+
+    def holds(self, output: Any) -> bool:
+        """Whether a DALI output (a TensorList) lies in this store's kind of memory."""
+
+    def prepare(self, others: bool, stream_ordered: bool) -> None:
+        """Called before a batch's outputs are copied; ``others``: some go to other stores.
+        ``stream_ordered``: DALI handed the outputs over on ``stream``, not on the host."""
+
+    def write(self, region: Region, tensor: Any) -> None:
+        """Copies one dense DALI tensor into ``region``."""
+
+    def export(self, region: Region) -> str:
+        """The handle a descriptor of ``region`` carries ("" where the slab name is enough);
+        from then on the trainer may map its slab."""
+
+    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+        """Called once a batch's outputs are copied; the batch's event handle, or ""."""
+
+    def fence(self, event: str) -> None:
+        """Later writes wait for the trainer's release fence ``event`` (hex); raises
+        ReleaseRefused for one that cannot be used."""
+
+    def peer_unmapped(self, slabs: Sequence[str]) -> None:
+        """The trainer reports these slabs unmapped."""
+
+    def peer_leaving(self, kept: Sequence[str]) -> None:
+        """The trainer, ending its job, still maps ``kept`` and has unmapped every other slab."""
+
+    def close(self, unmap: bool) -> bool:
+        """Closes the pool (``unmap=False``: a writer could not be stopped); whether memory is
+        left that the trainer still maps, which :meth:`free` frees once it is gone."""
+
+    def free(self) -> None:
+        """Frees everything left. Idempotent."""
+
+
+class JobOutputs:
+    """A job's output stores: writes a batch's outputs, applies releases, frees at the end.
+
+    Thread-safe as its stores are: executors write from their threads while the I/O thread
+    releases. Region ids come from one sequence, so an id names one region of the job whatever
+    its store.
+    """
+
+    def __init__(self, stores: Sequence[OutputStore]) -> None:
+        self.stores = tuple(stores)
+        self.closed = False
+
+    @property
+    def stream(self) -> int | None:
+        """The stream DALI may hand outputs over on (None: outputs are ready on the host)."""
+        return next((store.stream for store in self.stores if store.stream is not None), None)
+
+    def store(self, device: str) -> OutputStore:
+        """The store of ``device``'s memory (KeyError if the job has none)."""
+        for store in self.stores:
+            if store.device == device:
+                return store
+        raise KeyError(device)
+
+    # --- a batch ------------------------------------------------------------------------------
+
+    def write_batch(
+        self,
+        outputs: Sequence[Any],
+        *,
+        stream_ordered: bool = False,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> tuple[tuple[OutputDescriptor, ...], str]:
+        """Copies a batch's outputs into fresh regions; their descriptors and the batch event.
+
+        Blocks while the job's memory is full (backpressure). Raises :class:`OutputFailure`
+        for outputs that cannot be delivered, and PoolClosed when the job ends meanwhile. On
+        return the regions are leased to the trainer (Note [Output buffer lifetime]).
+        """
+        tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
+        stores = [self._store_of(index, output) for index, output in enumerate(outputs)]
+        shapes = [tuple(int(extent) for extent in tensor.shape()) for tensor in tensors]
+        dtypes = [_dtype_name(output.dtype) for output in outputs]
+        sizes = [
+            math.prod(shape) * np.dtype(dtype).itemsize
+            for shape, dtype in zip(shapes, dtypes, strict=True)
+        ]
+        regions = self._allocate(stores, sizes, cancelled)
+        try:
+            used = {id(store) for store in stores}
+            for store in self.stores:
+                store.prepare(others=bool(used - {id(store)}), stream_ordered=stream_ordered)
+            for store, region, tensor in zip(stores, regions, tensors, strict=True):
+                if region.nbytes:
+                    store.write(region, tensor)
+            events = [
+                store.finish(id(store) in used, stream_ordered=stream_ordered)
+                for store in self.stores
+            ]
+        except Exception:
+            self._release_regions(regions)
+            raise
+        descriptors = tuple(
+            OutputDescriptor(
+                region_id=region.region_id,
+                slab=region.slab.name,
+                slab_size=region.slab.size,
+                offset=region.offset,
+                nbytes=region.nbytes,
+                dtype=dtype,
+                shape=shape,
+                layout=output.layout() or "",
+                device=store.device,
+                ipc_handle=store.export(region),
+            )
+            for store, region, output, shape, dtype in zip(
+                stores, regions, outputs, shapes, dtypes, strict=True
+            )
+        )
+        return descriptors, next((event for event in events if event), "")
+
+    def take_retired(self) -> tuple[str, ...]:
+        """Slabs freed since the last call, for the trainer to unmap."""
+        return tuple(name for store in self.stores for name in store.pool.take_retired())
+
+    def _dense(self, index: int, output: Any) -> Any:
+        """The output as one tensor; a batch whose samples differ in shape cannot be one."""
+        if not output.is_dense_tensor():
+            shapes = output.shape()
+            raise OutputFailure(
+                ErrorCode.INVALID_OUTPUT,
+                f"output {index} has samples of different shapes ({shapes[:4]}...): "
+                "a batch is delivered as one tensor, so resize, crop or pad to one shape",
+            )
+        return output.as_tensor()
+
+    def _store_of(self, index: int, output: Any) -> OutputStore:
+        for store in self.stores:
+            if store.holds(output):
+                return store
+        served = " and ".join(store.device.upper() for store in self.stores)
+        raise OutputFailure(
+            ErrorCode.INVALID_OUTPUT,
+            f"output {index} is on the GPU, and this daemon delivers {served} outputs only",
+        )
+
+    def _allocate(
+        self, stores: list[OutputStore], sizes: list[int], cancelled: Callable[[], bool]
+    ) -> list[Region]:
+        """One region per output, from the pool of its store; all or none."""
+        by_store: dict[int, Iterator[Region]] = {}
+        taken: list[Region] = []
+        try:
+            for store in self.stores:
+                wanted = [size for size, s in zip(sizes, stores, strict=True) if s is store]
+                if wanted:
+                    regions = store.pool.allocate(wanted, cancelled=cancelled)
+                    taken.extend(regions)
+                    by_store[id(store)] = iter(regions)
+        except PoolTooSmall as error:
+            self._release_regions(taken)
+            raise OutputFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
+        except BaseException:
+            self._release_regions(taken)
+            raise
+        return [next(by_store[id(store)]) for store in stores]
+
+    def _release_regions(self, regions: Sequence[Region]) -> None:
+        self.release([region.region_id for region in regions])
+
+    # --- the trainer's releases -----------------------------------------------------------------
+
+    def release(
+        self, region_ids: Sequence[int], fence: str = "", closed_slabs: Sequence[str] = ()
+    ) -> list[int]:
+        """Takes back regions the trainer released, after its ``fence`` (a release event's
+        hex handle, for device memory), and notes the slabs it reports unmapped; returns the
+        ids that were not leased. Raises ReleaseRefused for a fence or slabs no store takes."""
+        ordered = [store for store in self.stores if store.peer_ordered]
+        if (fence or closed_slabs) and not ordered:
+            raise ReleaseRefused(
+                "event and closed_slabs are for GPU outputs, and this daemon delivers CPU "
+                "outputs only"
+            )
+        if fence:
+            # Before the regions go back to their pools: every later write into them is
+            # queued after this wait (Note [GPU output lifetime], point 4).
+            for store in ordered:
+                store.fence(fence)
+        unknown = list(region_ids)
+        for store in self.stores:
+            if unknown:
+                unknown = store.pool.release(unknown)
+        if closed_slabs:
+            for store in ordered:
+                store.peer_unmapped(closed_slabs)
+        return unknown
+
+    def peer_leaving(self, kept_slabs: Sequence[str]) -> None:
+        """The trainer's goodbye: it still maps ``kept_slabs``, and no other slab."""
+        for store in self.stores:
+            if store.peer_ordered:
+                store.peer_leaving(kept_slabs)
+
+    # --- the end --------------------------------------------------------------------------------
+
+    def close(self, unmap: bool = True) -> bool:
+        """Closes every pool; whether memory is left that the trainer still maps (call
+        :meth:`free` once its process is gone). Idempotent."""
+        if self.closed:
+            return False
+        self.closed = True
+        lingering = [store.close(unmap) for store in self.stores]
+        return any(lingering)
+
+    def free(self) -> None:
+        """Frees everything left, the memory the trainer mapped included. Idempotent."""
+        for store in self.stores:
+            store.free()
+
+    # --- figures --------------------------------------------------------------------------------
+
+    @property
+    def leased_regions(self) -> int:
+        return sum(store.pool.leased_regions for store in self.stores)
+
+    @property
+    def leased_bytes(self) -> int:
+        return sum(store.pool.leased_bytes for store in self.stores)
+
+    @property
+    def slab_count(self) -> int:
+        return sum(store.pool.slab_count for store in self.stores)
+
+
+OutputsFactory = Callable[[str, Limits], JobOutputs]
+"""outputs(name_prefix, limits): the output stores of a new job, slabs named after the prefix."""
+
+
+def region_ids() -> Iterator[int]:
+    """One sequence of region ids for all the stores of a job."""
+    return itertools.count(1)
+
+
+def _dtype_name(dali_dtype: Any) -> str:
+    from nvidia.dali.types import to_numpy_type
+
+    return np.dtype(to_numpy_type(dali_dtype)).name
