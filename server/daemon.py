@@ -77,6 +77,8 @@ EXIT_NO_DEVICE = 4
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+# Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
+TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
 SNAPSHOT_INTERVAL_S = 1.0
 
@@ -318,9 +320,10 @@ class Daemon:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
-        # What the last tick saw: a job that ended, or a connection cut, since then leaves
-        # freed memory to give back.
+        # What the last tick saw: a job that ended, a connection cut, or batch inputs freed
+        # since then (by executors that stop late too) leave freed memory to give back.
         seen = (set(self.core.jobs), self._intake.cuts)
+        inputs_peak = self.core.inputs.held
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         while not self._stop.is_set() and not self.core.stop_requested:
@@ -346,8 +349,15 @@ class Daemon:
                 self.core.reap()
                 next_reap = now + 1.0
                 jobs, cuts = seen
-                if jobs - self.core.jobs.keys() or cuts != self._intake.cuts:
+                held = self.core.inputs.held
+                inputs_peak = max(inputs_peak, held)
+                if (
+                    jobs - self.core.jobs.keys()
+                    or cuts != self._intake.cuts
+                    or inputs_peak - held >= TRIM_AFTER_BYTES
+                ):
                     give_back_free_memory()
+                    inputs_peak = held
                 seen = (set(self.core.jobs), self._intake.cuts)
             if now >= next_snapshot:
                 self.snapshot = self.core.status()
