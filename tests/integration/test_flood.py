@@ -259,6 +259,9 @@ def test_two_thousand_random_frames_leave_the_daemon_answering_and_stoppable(flo
         flooder = start_flooder(daemon.socket, "random")
         assert flooder.stdout is not None
         assert flooder.stdout.readline().strip() == "sent"
+        # Queued on the flooder's side until ZeroMQ sends them: the daemon has taken them in
+        # once it has refused 100 and cut the connection (the rest come on its reconnection).
+        wait_for(lambda: "cut: " in daemon.log_text(), 30, "the daemon to take the frames in")
         assert hello_seconds(daemon.socket) < HELLO_S
         stopped_in = stop_seconds(daemon)
     finally:
