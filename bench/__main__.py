@@ -19,7 +19,7 @@ from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
 from .report import RESULTS_DIR, markdown, write
 from .runner import Outcome, run_once
-from .scaling import SCALING, add_scaling_runs, parse_job_counts
+from .scaling import SCALED, SCALING, add_scaling_runs, parse_job_counts
 from .summary import row_label, run_metrics, summarize
 
 KINDS = [*CONTENDERS, "transport", SCALING]
@@ -106,7 +106,7 @@ def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], S
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
     runs = [(kind, 1) for kind in kinds if kind != SCALING]
     if settings.jobs > 1:
-        runs += [(kind, settings.jobs) for kind in ("dali", "dalid") if kind in kinds]
+        runs += [(kind, settings.jobs) for kind in SCALED if kind in kinds]
     if SCALING not in kinds:
         return runs, settings.with_(scaling_jobs=())
     return add_scaling_runs(runs, settings.scaling_jobs), settings

@@ -1,4 +1,5 @@
-"""The contenders: four ways of getting the same augmented batches into a training loop.
+"""The contenders: four ways of getting the same augmented batches into a training loop, the
+last of them, dalid, with its jobs sharing one pipeline in the daemon or each with its own.
 
 Each is a context manager that sets its loader up, then yields a function returning one
 epoch's iterator of ``(images, labels)``; :func:`bench.measure.timed_loop` times it. Each runs
@@ -198,6 +199,7 @@ class Contender:
     description: str
     run: Callable[[Settings], contextlib.AbstractContextManager[EpochFactory]]
     needs_daemon: bool = False
+    daemon_args: tuple[str, ...] = ()  # options of ``dalid serve`` beyond the bench's own
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -223,10 +225,20 @@ CONTENDERS: dict[str, Contender] = {
         ),
         Contender(
             "dalid",
-            "dalid",
-            "the same path pipeline, run by a dalid daemon through dalid.client",
+            "dalid (shared)",
+            "the same path pipeline, run by a dalid daemon through dalid.client; jobs that "
+            "register it share one pipeline in the daemon (the default)",
             dalid_client,
             needs_daemon=True,
+        ),
+        Contender(
+            "dalid-private",
+            "dalid (private)",
+            "as dalid, with a pipeline of its own in the daemon for every job "
+            "(dalid serve --share-pipelines no)",
+            dalid_client,
+            needs_daemon=True,
+            daemon_args=("--share-pipelines", "no"),
         ),
     )
 }

@@ -2,11 +2,14 @@
 
 The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
 and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
+Trainers read the daemon's pipelines from its status (:func:`pipeline_status`) as their timed
+window ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -20,11 +23,20 @@ from typing import Any
 
 import zmq
 
-from dalid.protocol import Ping, Pong, ProtocolError, endpoint, transport
+from dalid.protocol import (
+    Ping,
+    Pong,
+    ProtocolError,
+    StatusReport,
+    StatusRequest,
+    endpoint,
+    transport,
+)
 
 SHM = Path("/dev/shm")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+STATUS_TIMEOUT_S = 10.0
 
 
 class DaemonFailed(RuntimeError):
@@ -53,6 +65,24 @@ def _answers(socket: Path) -> bool:
         context.term()
 
 
+def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
+    them) from the daemon on ``socket``; a status request needs no hello."""
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
+    try:
+        transport.send(sock, StatusRequest(), 1)
+        if not sock.poll(int(timeout * 1000)):
+            raise DaemonFailed(f"the daemon on {socket} sent no status within {timeout:.0f} s")
+        report = transport.recv(sock).message
+        if not isinstance(report, StatusReport):
+            raise DaemonFailed(f"the daemon answered a status request with {report!r}")
+        return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
 def _segments(pid: int) -> list[str]:
     return sorted(path.name for path in SHM.glob(f"dalid-{pid}-*"))
 
@@ -65,8 +95,11 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 
 @contextlib.contextmanager
-def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
-    """Runs ``dalid serve`` on a private socket until the block ends, then SIGTERM and wait.
+def running_daemon(
+    device: str, log_dir: Path, options: tuple[str, ...] = ()
+) -> Iterator[RunningDaemon]:
+    """Runs ``dalid serve`` (with ``options``) on a private socket until the block ends, then
+    SIGTERM and wait.
 
     Raises :class:`DaemonFailed` when the daemon exits with an error or leaves ``/dev/shm``
     segments behind (they are removed, and the failure names them).
@@ -78,7 +111,7 @@ def running_daemon(device: str, log_dir: Path) -> Iterator[RunningDaemon]:
     # Without the supervisor, the process measured (CPU time, memory, segments) is the daemon.
     command = [
         sys.executable, "-m", "dalid.server", "serve", "--no-supervisor", "--device", device,
-        "--socket", str(socket), "--log-level", "WARNING",
+        "--socket", str(socket), "--log-level", "WARNING", *options,
     ]  # fmt: skip
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)

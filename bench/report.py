@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 from . import scaling_report
 from .machine import BUSY_CORES
 from .runner import Outcome
-from .summary import BASELINE, P50_TARGET_US, P99_TARGET_US
+from .summary import BASELINE
 from .table import NONE, fmt, gpu_names, spread_text
+from .targets import P50_TARGET_US, P99_TARGET_US, met_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -64,16 +65,22 @@ def _setup(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def _targets(summary: dict[str, Any]) -> list[str]:
+# How a target's figure shows, by its unit: digits, scale and suffix.
+_UNITS = {"ratio": (1, 100.0, "%"), "times": (2, 1.0, "x"), "index": (3, 1.0, ""),
+          "us": (0, 1.0, " µs")}  # fmt: skip
+
+
+def targets_table(summary: dict[str, Any]) -> list[str]:
     if not summary["targets"]:
         return []
     lines = ["| target | goal | measured: median [min-max] | met |", "|---|---|---|---|"]
     for target in summary["targets"]:
-        ratio = target["unit"] == "ratio"
-        measured = spread_text(target["measured"], 1 if ratio else 0, 100.0 if ratio else 1.0)
+        digits, scale, suffix = _UNITS[target["unit"]]
+        measured = target["measured"]
+        shown = spread_text(measured, digits, scale) + suffix if measured else NONE
         lines.append(
-            f"| {target['name']} | {target['goal'].replace('us', 'µs')} | "
-            f"{measured}{'%' if ratio else ' µs'} | {'yes' if target['met'] else '**no**'} |"
+            f"| {target['name']} | {target['goal'].replace('us', 'µs')} | {shown} | "
+            f"{met_text(target['met'])} |"
         )
     return [*lines, ""]
 
@@ -159,7 +166,7 @@ def markdown(report: dict[str, Any]) -> str:
     summary = report["summary"]
     sections = [
         _setup(report),
-        _targets(summary),
+        targets_table(summary),
         _contenders(summary, _main_rows(report)),
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),

@@ -65,6 +65,11 @@ def needs_daemon(kind: str) -> bool:
     return kind == "transport" or CONTENDERS[kind].needs_daemon
 
 
+def daemon_options(kind: str) -> tuple[str, ...]:
+    """Options of ``dalid serve`` for ``kind`` (the transport probes: the defaults)."""
+    return () if kind == "transport" else CONTENDERS[kind].daemon_args
+
+
 def _launch(kind: str, settings: Settings, workdir: Path) -> _Trainer:
     stem = workdir / f"{kind}-j{settings.job}-{time.monotonic_ns()}"
     result, log = stem.with_suffix(".json"), stem.with_suffix(".log")
@@ -163,7 +168,7 @@ def run_once(kind: str, jobs: int, repeat: int, settings: Settings, workdir: Pat
     outcome.gpu_baseline_mb = gpu_used_mib() if settings.gpu else None
     try:
         if needs_daemon(kind):
-            with running_daemon(settings.device, workdir) as daemon:
+            with running_daemon(settings.device, workdir, daemon_options(kind)) as daemon:
                 settings = settings.with_(socket=str(daemon.socket), daemon_pid=daemon.pid)
                 _run_trainers(kind, settings, jobs, workdir, outcome)
         else:

@@ -1,9 +1,11 @@
 """The scaling runs: N training jobs through one dalid daemon against N jobs with DALI each.
 
-For every job count the bench runs ``dali`` and ``dalid`` with that many concurrent trainers
-(the same runs as the multi-job contenders), and reports their throughput, how evenly the jobs
-shared it (Jain's fairness index) and the memory every process used. The logic here is plain
-data in and out, so that it can be tested without running anything.
+For every job count the bench runs ``dali``, ``dalid`` (the jobs share one pipeline in the
+daemon) and ``dalid-private`` (each job a pipeline of its own in the daemon) with that many
+concurrent trainers (the same runs as the multi-job contenders), and reports their throughput,
+how evenly the jobs shared it (Jain's fairness index), the memory every process used and how
+full the daemon's pipeline runs were. The logic here is plain data in and out, so that it can
+be tested without running anything.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 SCALING = "scaling"  # the --only key that adds the scaling runs
-SCALED = ("dali", "dalid")  # the contenders run once per job count
+# The contenders run once per job count, and as the multi-job contenders (--jobs).
+SCALED = ("dali", "dalid", "dalid-private")
 
 
 def jain_index(rates: Sequence[float]) -> float:
@@ -44,7 +47,7 @@ def parse_job_counts(text: str) -> tuple[int, ...]:
 def add_scaling_runs(
     runs: Iterable[tuple[str, int]], job_counts: Iterable[int]
 ) -> list[tuple[str, int]]:
-    """``runs`` followed by a ``dali`` and a ``dalid`` run per job count, none twice."""
+    """``runs`` followed by a run of each of ``SCALED`` per job count, none twice."""
     planned = list(runs)
     for jobs in job_counts:
         for kind in SCALED:

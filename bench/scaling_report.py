@@ -1,4 +1,5 @@
-"""The scaling section of a report: throughput, fairness and memory by job count, and a plot."""
+"""The scaling section of a report: throughput, fairness, memory and the daemon's pipelines by
+job count, and a plot."""
 
 from __future__ import annotations
 
@@ -36,21 +37,31 @@ def _memory(row: dict[str, Any], name: str, peak: str | None = None) -> str:
     return f"{text} ({fmt(highest['median'])})" if highest.get("n") else text
 
 
+def _fill(row: dict[str, Any], name: str = "mean_fill") -> str:
+    """A share of the daemon's pipeline runs (bench.fill), in %; blank without a daemon."""
+    value = row.get("pipelines", {}).get(name)
+    if value is None:
+        return ""
+    return spread_text(value, 0, 100) + "%" if value["n"] else NONE
+
+
 def markdown(report: dict[str, Any]) -> list[str]:
-    """Two tables: throughput and fairness by job count, then the memory of each setting."""
+    """Three tables: throughput and fairness by job count, the memory of each setting, and
+    the daemon's pipelines."""
     rows = scaling_rows(report)
     if not rows:
         return []
     ratios = report["summary"]["ratios"]
-    dali, dalid = (CONTENDERS[kind].label for kind in SCALED)
+    dali, shared, private = (CONTENDERS[kind].label for kind in SCALED)
     lines = [
-        f"Scaling: N training jobs through one dalid daemon ({dalid}) or each with its own "
-        f"in-process pipeline ({dali}), every job with its own trainer process and DataLoader "
-        "workers, all started together.",
+        f"Scaling: N training jobs through one dalid daemon, sharing one pipeline in it "
+        f"({shared}) or each with a pipeline of its own in it ({private}), or each with its "
+        f"own in-process pipeline ({dali}); every job with its own trainer process and "
+        "DataLoader workers, all started together.",
         "",
         "| jobs | contender | samples/s, all jobs | per job | vs DALI in-process "
-        "| Jain's fairness | other load, cores |",
-        "|--:|---|--:|--:|--:|--:|--:|",
+        "| Jain's fairness | mean run fill | other load, cores |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
@@ -61,14 +72,17 @@ def markdown(report: dict[str, Any]) -> list[str]:
             f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | "
             f"{spread_text(row['samples_per_s'])}{union} | "
             f"{spread_text(row['job_share_samples_per_s'])}{union} | {versus} | "
-            f"{spread_text(row['fairness'], 3)} | {spread_text(row['foreign_cores'], 2)} |"
+            f"{spread_text(row['fairness'], 3)} | {_fill(row)} | "
+            f"{spread_text(row['foreign_cores'], 2)} |"
         )
     gpu = any(row["memory"].get("gpu_mb", {}).get("n") for row in rows)
     lines += [
         "",
         "Per job: each job's samples/s while every job ran (the common window), median "
         "[min-max] over jobs and repeats. Jain's fairness index (sum x)² / (n · sum x²) over "
-        "those per-job rates: 1 when the jobs share evenly, 1/n when one job gets everything."
+        "those per-job rates: 1 when the jobs share evenly, 1/n when one job gets everything. "
+        "Mean run fill: the samples the daemon's pipelines ran over what their runs could "
+        "hold (see the last table)."
         + (
             " *: in some repeat the jobs overlapped too little for a common window; there, all "
             "jobs are measured over the union of their timed windows, each job over its own."
@@ -109,6 +123,43 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "RSS is its high-water mark (VmHWM). /dev/shm: pages its output slabs hold, which the "
         "daemon's and the trainers' PSS include too."
         + (" GPU: memory in use over the reading before the run (nvidia-smi)." if gpu else ""),
+        "",
+        *_pipelines(rows),
+    ]
+
+
+def _pipelines(rows: list[dict[str, Any]]) -> list[str]:
+    """The daemon's pipelines in each dalid setting, as its status showed them."""
+    mine = [row for row in rows if row.get("pipelines")]
+    if not mine:
+        return []
+    lines = [
+        "| jobs | contender | pipelines in the daemon | jobs per pipeline | DALI threads "
+        "| run size, samples | runs | mean run fill | mixed runs |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in mine:
+        figures = row["pipelines"]
+        count, shared = figures["pipelines"], figures["shared"]
+        if not count["n"]:
+            pipelines = NONE
+        else:
+            pipelines = f"{fmt(count['median'])} ({fmt(shared['median'])} shared)"
+        lines.append(
+            f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | {pipelines} | "
+            f"{spread_text(figures['jobs_per_pipeline'])} | {spread_text(figures['threads'])} | "
+            f"{spread_text(figures['run_size'])} | {spread_text(figures['runs'])} | "
+            f"{_fill(row)} | {_fill(row, 'mixed_share')} |"
+        )
+    return [
+        *lines,
+        "",
+        "The daemon's pipelines, from its status (`dalid status --json`) as each job's timed "
+        "window ended, medians over repeats: how many (and how many of them shared by several "
+        "jobs), the most jobs one served, their DALI threads together, the most samples one run "
+        "holds, the runs of all of them since they were built (warm-up included), the samples "
+        "run over what those runs could hold, and the share of runs that mixed batches of two "
+        "jobs or more.",
         "",
     ]
 

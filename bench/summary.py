@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .contenders import CONTENDERS
+from .fill import run_pipelines
 from .measure import LoopResult
 from .memory import METRICS as MEMORY_METRICS
 from .memory import memory_metrics
 from .runner import Outcome
 from .scaling import jain_index
+from .stats import quantiles, spread
+from .targets import all_targets, row_id
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
-RATIO_TARGET = 0.95
-P50_TARGET_US = 100.0
-P99_TARGET_US = 500.0
+# The daemon's pipelines in a dalid run (bench.fill), summed up over repeats.
+PIPELINE_FIGURES = (
+    "pipelines", "shared", "jobs_per_pipeline", "threads", "run_size", "runs", "mixed_runs",
+    "mean_fill", "mixed_share",
+)  # fmt: skip
 PROBES = {
     "os_echo": "OS floor: 1 byte to an echo process over a Unix socketpair",
     "zmq_echo": "ZeroMQ floor: DEALER -> ROUTER echo process over ipc, no dalid",
@@ -38,39 +41,9 @@ PROBES = {
 }
 
 
-def row_id(kind: str, jobs: int) -> str:
-    return kind if jobs == 1 else f"{kind}-x{jobs}"
-
-
 def row_label(kind: str, jobs: int) -> str:
     label = CONTENDERS[kind].label
     return label if jobs == 1 else f"{label}, {jobs} jobs"
-
-
-def spread(values: Iterable[float]) -> dict[str, float]:
-    """Median, min and max (and how many values)."""
-    data = list(values)
-    if not data:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    return {
-        "median": statistics.median(data),
-        "min": min(data),
-        "max": max(data),
-        "n": len(data),
-    }
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float]:
-    array = np.asarray(values, dtype=float)
-    return {
-        "p50": float(np.percentile(array, 50)),
-        "p90": float(np.percentile(array, 90)),
-        "p99": float(np.percentile(array, 99)),
-        "mean": float(array.mean()),
-        "min": float(array.min()),
-        "max": float(array.max()),
-        "n": len(array),
-    }
 
 
 def _arrivals(loops: Sequence[LoopResult], start: int, end: int) -> int:
@@ -122,6 +95,9 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "daemon": 1e3 * daemon_cpu / daemon_samples if daemon_samples else 0.0,
     }
     per_sample["total"] = sum(per_sample.values())
+    # The daemon's pipelines as the jobs' timed windows ended (dalid only).
+    daemon = CONTENDERS[outcome.kind].needs_daemon
+    pipelines = run_pipelines(outcome.results) if daemon else None
     return {
         "samples_per_s": rate,
         "rate_window": method,
@@ -139,6 +115,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         + max(loop.daemon_peak_rss_mb for loop in loops),
         "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
+        "pipelines": pipelines,
     }
 
 
@@ -154,6 +131,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 
     rows: list[dict[str, Any]] = []
     rates: dict[str, dict[int, float]] = {}
+    values: dict[str, dict[int, dict[str, float | None]]] = {}  # see targets.Values
     transport: dict[str, Any] = {}
     for (kind, jobs), runs in by_row.items():
         good = [run for run in runs if run.error is None and run.results]
@@ -179,6 +157,15 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         row_key = row_id(kind, jobs)
         rates[row_key] = {
             run.repeat: m["samples_per_s"] for run, m in zip(good, metrics, strict=True)
+        }
+        values[row_key] = {
+            run.repeat: {
+                "samples_per_s": m["samples_per_s"],
+                "fairness": m["fairness"],
+                "all_pss_mb": m["memory"].get("all_pss_mb"),
+                "daemon_peak_rss_mb": m["memory"].get("daemon_peak_rss_mb"),
+            }
+            for run, m in zip(good, metrics, strict=True)
         }
         intervals = [value for m in metrics for value in m["intervals_ms"]]
         rows.append(
@@ -207,15 +194,21 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
+                "pipelines_per_run": [
+                    {"repeat": run.repeat, **m["pipelines"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["pipelines"] is not None
+                ],
                 "errors": errors,
             }
         )
-    ratios = _ratios(rates)
+    labels = {kind: contender.label for kind, contender in CONTENDERS.items()}
     return {
         "rows": rows,
-        "ratios": ratios,
+        "ratios": _ratios(rates),
         "transport": transport,
-        "targets": _targets(ratios, transport),
+        "targets": all_targets(values, transport, labels),
     }
 
 
@@ -224,6 +217,18 @@ def _memory_spreads(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
     return {
         name: spread(run[name] for run in runs if run.get(name) is not None)
         for name in MEMORY_METRICS
+    }
+
+
+def _pipeline_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
+    """The daemon's pipeline figures over repeats (bench.fill); empty for a contender without a
+    daemon, and a figure no run could read has n = 0."""
+    read = [run["figures"] for run in runs if run is not None and run["figures"] is not None]
+    if all(run is None for run in runs):
+        return {}
+    return {
+        name: spread(run[name] for run in read if run[name] is not None)
+        for name in PIPELINE_FIGURES
     }
 
 
@@ -236,31 +241,3 @@ def _ratios(rates: dict[str, dict[int, float]]) -> dict[str, dict[str, dict[str,
             paired = [a_rates[r] / b_rates[r] for r in a_rates if r in b_rates and b_rates[r] > 0]
             matrix[a][b] = spread(paired)
     return matrix
-
-
-def _targets(ratios: dict[str, Any], transport: dict[str, Any]) -> list[dict[str, Any]]:
-    targets = []
-    ratio = ratios.get("dalid", {}).get(BASELINE)
-    if ratio and ratio["n"]:
-        targets.append(
-            {
-                "name": "dalid (1 job) throughput / DALI in-process",
-                "goal": f">= {RATIO_TARGET:.0%}",
-                "measured": ratio,
-                "unit": "ratio",
-                "met": ratio["median"] >= RATIO_TARGET,
-            }
-        )
-    probe = transport.get("probes", {}).get("dalid_b1")
-    if probe:
-        for key, goal in (("p50_us", P50_TARGET_US), ("p99_us", P99_TARGET_US)):
-            targets.append(
-                {
-                    "name": f"transport round trip {key[:3]} (1 tiny sample, empty pipeline)",
-                    "goal": f"<= {goal:.0f} us",
-                    "measured": probe[key],
-                    "unit": "us",
-                    "met": probe[key]["median"] <= goal,
-                }
-            )
-    return targets

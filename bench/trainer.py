@@ -2,7 +2,8 @@
 
 It sets up one contender (or the transport probes), writes a byte to ``READY_FD``, waits for a
 line on stdin (the orchestrator starts concurrent trainers together that way), runs, and
-writes its result, or the error that stopped it, as JSON to ``RESULT_PATH``.
+writes its result, or the error that stopped it, as JSON to ``RESULT_PATH``. A dalid trainer
+also reads the daemon's pipelines as its timed window ends, while its job is still there.
 """
 
 from __future__ import annotations
@@ -43,9 +44,29 @@ def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
         with transport_probes(settings) as probes:
             _ready_then_wait(ready_fd)
             return {"transport": probes()}
-    with CONTENDERS[kind].run(settings) as epochs:
+    contender = CONTENDERS[kind]
+    with contender.run(settings) as epochs:
         go_ns = _ready_then_wait(ready_fd)
-        return {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        result = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        if contender.needs_daemon:
+            result["pipelines"] = _daemon_pipelines(settings)
+        return result
+
+
+def _daemon_pipelines(settings: Settings) -> dict[str, Any]:
+    """The daemon's pipelines now (see :mod:`bench.fill`), or why they could not be read: a
+    run's throughput does not depend on them."""
+    import zmq
+
+    from dalid.protocol import ProtocolError
+
+    from .daemon import DaemonFailed, pipeline_status
+
+    t_ns = time.monotonic_ns()
+    try:
+        return {"t_ns": t_ns, "pipelines": pipeline_status(Path(settings.socket))}
+    except (DaemonFailed, ProtocolError, zmq.ZMQError, OSError) as error:
+        return {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
 
 
 def main(argv: Sequence[str]) -> int:

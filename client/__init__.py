@@ -20,6 +20,7 @@ from dalid.protocol import SOCKET_ENV, Device
 from .badsamples import SampleReport
 from .errors import (
     BatchError,
+    DaemonStopped,
     DaemonUnavailable,
     DalidError,
     DeviceMismatch,
@@ -33,7 +34,7 @@ from .named import RepositoryPipeline, named_pipeline
 from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .transform import Proxy
+from .worker import Proxy
 
 
 def connect(
@@ -91,6 +92,7 @@ __all__ = [
     "DALIOutputBatchRef",
     "DALIOutputSampleRef",
     "DALIPipelineRunRef",
+    "DaemonStopped",
     "DaemonUnavailable",
     "DalidError",
     "DataLoader",

@@ -1,4 +1,4 @@
-"""The trainer's side of GPU outputs: CUDA IPC slabs opened once, regions as torch CUDA tensors.
+"""The CUDA IPC output backend: GPU slabs opened once, regions as torch CUDA tensors.
 
 See Note [GPU output lifetime] in ``dalid.server.cuda`` for the whole contract; this side keeps
 its half:
@@ -12,9 +12,12 @@ its half:
 - slabs are reported unmapped so the daemon can free them (CUDA forbids freeing them earlier):
   retired ones as they are unmapped, and at the end all but those that tensors still view.
 
-Only this module touches CUDA on the client, and it is imported when the first GPU output
-arrives, so CPU-only users never need CUDA. :class:`TorchDevice` makes the CUDA calls (through
-torch and CuPy); unit tests pass a fake one.
+Only this module touches CUDA on the client, and only for a daemon on a GPU (its device is
+opened with the first GPU output), so CPU-only users never need CUDA. :class:`TorchDevice`
+makes the CUDA calls (through torch and CuPy); unit tests pass a fake one.
+
+A little over 400 lines: the device calls, finding the daemon's GPU among this process's and
+the backend's bookkeeping stay together as the one place the client touches CUDA.
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ from __future__ import annotations
 import collections
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from dalid.protocol import GpuUnavailable, OutputDescriptor, gpu_uuid
+from dalid.protocol import GpuUnavailable, OutputDescriptor, ReleaseRegions, gpu_uuid
 
+from .copies import copied_tensor
 from .errors import DeviceMismatch
 
 MAX_FENCES = 64
@@ -40,7 +44,7 @@ StreamKey = tuple[int, int]
 
 
 class Device(Protocol):
-    """The CUDA calls :class:`CudaMappings` makes; :class:`TorchDevice` on a real GPU."""
+    """The CUDA calls :class:`CudaOutputs` makes; :class:`TorchDevice` on a real GPU."""
 
     def open_memory(self, handle: bytes) -> int: ...
 
@@ -65,6 +69,8 @@ class Device(Protocol):
     def synchronize(self, event: Any) -> None: ...
 
     def tensor(self, region: Any) -> torch.Tensor: ...
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchDevice:
@@ -120,6 +126,10 @@ class TorchDevice:
     def tensor(self, region: Any) -> torch.Tensor:
         # torch keeps `region` alive for as long as any tensor shares this storage.
         return torch.as_tensor(region, device=self.torch_device)
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor on this device, ordered on the current stream."""
+        return tensor.to(self.torch_device)
 
 
 def pick_device(daemon_uuid: str, uuids: Sequence[str], current: int) -> int:
@@ -217,21 +227,24 @@ class _Fences:
         self._fences.clear()
 
 
-class CudaMappings:
-    """GPU slabs, batch events and release fences of one session in this process.
+class CudaOutputs:
+    """GPU outputs: the GPU slabs, batch events and release fences of one session in this
+    process (an :class:`~dalid.client.outputs.OutputBackend`).
 
-    Used from the session's thread; only the garbage collector's finalizers run elsewhere, and
-    they only append to ``released``.
+    ``open_device`` makes the :class:`Device` when the first GPU output arrives. Used from the
+    session's thread; only the garbage collector's finalizers run elsewhere, and they only
+    append to ``released``.
     """
 
-    def __init__(self, device: Device) -> None:
-        self.device = device
+    def __init__(self, open_device: Callable[[], Device]) -> None:
+        self._open_device = open_device
+        self._device: Device | None = None
+        self._fences: _Fences | None = None
         self._pid = os.getpid()
         self._slabs: dict[str, _Slab] = {}
         self._regions: dict[int, tuple[_Slab, StreamKey]] = {}
         self._streams: dict[StreamKey, Any] = {}
         self._events: dict[str, Any] = {}
-        self._fences = _Fences(device)
         self._retiring: list[_Slab] = []
         self._closed: list[str] = []
         # Region ids whose last tensor died; filled from any thread by GC, drained here.
@@ -241,6 +254,21 @@ class CudaMappings:
         self.handed_out = 0
         self._returned = 0
 
+    @classmethod
+    def for_daemon(cls, device_uuid: str) -> CudaOutputs:
+        """The backend for the outputs of the daemon on GPU ``device_uuid``, on that GPU as this
+        process numbers it. Raises :class:`DeviceMismatch` now where torch has CUDA and cannot
+        see that GPU; where torch has no CUDA, when the first GPU output arrives."""
+        index = local_device(device_uuid) if torch.cuda.is_available() else None
+        return cls(lambda: TorchDevice(local_device(device_uuid) if index is None else index))
+
+    @property
+    def device(self) -> Device:
+        if self._device is None:
+            self._device = self._open_device()
+            self._fences = _Fences(self._device)
+        return self._device
+
     @property
     def live_regions(self) -> int:
         """Regions handed out as tensors that are not yet released."""
@@ -248,20 +276,30 @@ class CudaMappings:
 
     # --- receiving ----------------------------------------------------------------------------
 
-    def begin_batch(self, event: str) -> Any:
-        """Makes the current stream wait for the batch's event; that stream (no host sync)."""
+    def wrap(self, outputs: Sequence[OutputDescriptor], event: str) -> list[torch.Tensor]:
+        """CUDA tensors viewing the regions of one batch's ``outputs`` without a copy, ready in
+        the order of the current stream: it waits for the batch's ``event`` (no host sync)."""
+        stream = self._begin_batch(event)
+        return [self._tensor(descriptor, stream) for descriptor in outputs]
+
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        return self.device.upload(copied_tensor(output, frame))
+
+    def _begin_batch(self, event: str) -> Any:
+        """Makes the current stream wait for the batch's event; that stream."""
         if not event:
             raise ValueError("a batch with GPU outputs came without its event")
+        device = self.device
         opened = self._events.get(event)
         if opened is None:
-            opened = self.device.open_event(bytes.fromhex(event))
+            opened = device.open_event(bytes.fromhex(event))
             self._events[event] = opened
             self.events_opened += 1
-        stream = self.device.current_stream()
-        self.device.wait(stream, opened)
+        stream = device.current_stream()
+        device.wait(stream, opened)
         return stream
 
-    def tensor(self, descriptor: OutputDescriptor, stream: Any) -> torch.Tensor:
+    def _tensor(self, descriptor: OutputDescriptor, stream: Any) -> torch.Tensor:
         """A CUDA tensor viewing the region without a copy, for use on ``stream``."""
         if descriptor.device != "cuda":
             raise ValueError(f"output on {descriptor.device!r} is not a GPU output")
@@ -301,7 +339,19 @@ class CudaMappings:
 
     # --- giving back --------------------------------------------------------------------------
 
-    def take_released(self) -> list[tuple[tuple[int, ...], str]]:
+    def releases(self) -> list[ReleaseRegions]:
+        """What to tell the daemon now: the regions whose last tensor died, one message per
+        delivery stream with a release fence recorded on that stream, then the slabs unmapped
+        since the last call, for the daemon to free."""
+        messages = [
+            ReleaseRegions(region_ids, event=fence) for region_ids, fence in self._take_released()
+        ]
+        closed = self._take_closed()
+        if closed:
+            messages.append(ReleaseRegions(closed_slabs=tuple(closed)))
+        return messages
+
+    def _take_released(self) -> list[tuple[tuple[int, ...], str]]:
         """Regions whose last tensor died, grouped by delivery stream, each group with a release
         fence recorded on its stream: ``[(region_ids, fence_handle), ...]``."""
         groups: dict[StreamKey, list[int]] = {}
@@ -311,19 +361,20 @@ class CudaMappings:
             slab.live -= 1
             groups.setdefault(key, []).append(region_id)
             self._returned += 1
-        releases = [
-            (tuple(ids), self._fences.record(self._streams[key])) for key, ids in groups.items()
-        ]
+        releases = []
+        for key, ids in groups.items():
+            assert self._fences is not None  # a region was handed out: the device is open
+            releases.append((tuple(ids), self._fences.record(self._streams[key])))
         self._unmap_drained()
         return releases
 
-    def retire(self, names: Sequence[str]) -> None:
+    def retire(self, slabs: Sequence[str]) -> None:
         """The daemon has let go of these slabs: unmap each once its work has completed.
 
         A name never mapped here (a CPU slab, or a GPU slab whose batches were never used) is
         reported closed at once, so the daemon need not keep it.
         """
-        for name in names:
+        for name in slabs:
             slab = self._slabs.pop(name, None)
             if slab is None:
                 self._closed.append(name)
@@ -332,7 +383,7 @@ class CudaMappings:
             self._retiring.append(slab)
         self._unmap_drained()
 
-    def take_closed(self) -> list[str]:
+    def _take_closed(self) -> list[str]:
         """Slabs unmapped since the last call, for the daemon to free."""
         self._unmap_drained()
         closed, self._closed = self._closed, []
@@ -350,7 +401,7 @@ class CudaMappings:
 
     # --- the end ------------------------------------------------------------------------------
 
-    def close_mappings(self) -> tuple[str, ...]:
+    def unmap(self) -> tuple[str, ...]:
         """Before the goodbye: unmaps every slab no tensor views, once the work queued on its
         streams has completed (a host wait, once), and drops the batch events. Returns the
         slabs still mapped, for ``Goodbye.kept_slabs``.
@@ -379,5 +430,5 @@ class CudaMappings:
 
     def close(self) -> None:
         """After the goodbye: drops the release fences, which the daemon no longer waits on."""
-        if self._pid == os.getpid():
+        if self._pid == os.getpid() and self._fences is not None:
             self._fences.clear()

@@ -1,21 +1,19 @@
 """References that stand for pipeline outputs until the trainer replaces them with tensors.
 
 The names and attributes follow DALI's proxy (``DALIOutputSampleRef``, ``DALIPipelineRunRef``,
-``DALIOutputBatchRef``) so code that inspects them keeps working. Importing this module
-registers the collate rule in torch's ``default_collate_fn_map``: collating the sample
-references of one worker batch submits that batch to the daemon and yields batch references.
+``DALIOutputBatchRef``) so code that inspects them keeps working. A proxy call returns sample
+references; collating them (the rule is in :mod:`dalid.client.worker`) submits the batch and
+yields batch references, which pickle to the trainer.
 """
 
 from __future__ import annotations
 
 import weakref
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data._utils.collate import default_collate_fn_map
-
 if TYPE_CHECKING:
-    from .transform import Proxy
+    from .reconnect import Resubmission
+    from .worker import Proxy
 
 
 class DALIPipelineRunRef:
@@ -28,7 +26,7 @@ class DALIPipelineRunRef:
         deterministic: bool,
         *,
         job_token: str = "",
-        keeps_inputs: bool = False,
+        resubmission: Resubmission | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.job_id = job_id
@@ -37,15 +35,12 @@ class DALIPipelineRunRef:
         self.job_token = job_token
         self.deterministic = deterministic
         self.batch_id: int | None = None
-        # The token of the job that accepted batch_id. Another job's than job_token when a
-        # worker rejoined its trainer's job on a restarted daemon (Note [Daemon restarts]).
-        self.accepted_by = ""
         self.batch_size = 0
-        # Inputs gathered in the worker until collation. Pickled to the trainer and kept until
-        # the outputs are delivered only with ``keeps_inputs`` (a session with reconnect=True),
-        # so that the trainer can submit the batch again to a restarted daemon.
+        # Inputs gathered in the worker until collation submits them.
         self.call_args: dict[str, list[Any]] = {}
-        self.keeps_inputs = keeps_inputs
+        # With reconnect=True, what lets the trainer submit the batch again to a restarted
+        # daemon: see Note [Daemon restarts] in reconnect.py. None otherwise.
+        self.resubmission = resubmission
         self.is_scheduled = False
         self.is_complete = False
         # Per sample, the references the proxy handed out for it; see Note [Abandoned samples].
@@ -54,7 +49,7 @@ class DALIPipelineRunRef:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_sample_refs"] = []
-        if not self.keeps_inputs:
+        if self.resubmission is None:
             state["call_args"] = {}
         return state
 
@@ -139,48 +134,3 @@ class DALIOutputBatchRef:
 # exactly the samples it is given, and a full run first drops the samples whose references
 # are all gone; either way the kept samples' references are renumbered in place, so every
 # output of the batch agrees on the indices.
-
-
-def collate_sample_refs(
-    samples: list[DALIOutputSampleRef], *, collate_fn_map: Any = None
-) -> DALIOutputBatchRef:
-    """Collate rule: the sample refs of one output become a batch ref; the first submits."""
-    if not samples:
-        raise ValueError("cannot collate an empty batch of dalid sample references")
-    first = samples[0]
-    run = first.pipe_run_ref
-    for sample in samples:
-        if sample.pipe_run_ref is not run or sample.output_idx != first.output_idx:
-            raise RuntimeError(
-                "all samples of a batch must come from one proxy run: a batch mixes samples "
-                "of several pipelines or workers"
-            )
-    indices = [sample.sample_idx for sample in samples]
-    first_output = not run.is_complete
-    # Whatever happens below, this worker's next proxy call starts a new batch.
-    run.is_complete = True
-    if first_output:
-        for earlier, later in pairwise(indices):
-            if later <= earlier:
-                raise RuntimeError(
-                    f"unexpected sample order: sample {later} after sample {earlier} (was the "
-                    "batch shuffled after the proxy call?)"
-                )
-        if indices[-1] >= run.batch_size:
-            raise RuntimeError(
-                f"sample {indices[-1]} is not in its batch any more: a copy of a dalid "
-                "reference outlived the one the proxy returned"
-            )
-        if indices != list(range(run.batch_size)):
-            run.keep_samples(indices)  # Note [Abandoned samples]
-        first.proxy._submit(run)
-    elif indices != list(range(run.batch_size)):
-        raise RuntimeError(
-            f"output {first.output_idx} of the batch has samples {indices}, but its other "
-            f"outputs had {run.batch_size} samples in order: every output of a sample must "
-            "stay in the batch"
-        )
-    return DALIOutputBatchRef(run, first.output_idx)
-
-
-default_collate_fn_map[DALIOutputSampleRef] = collate_sample_refs

@@ -19,7 +19,8 @@ from dalid.protocol import ErrorCode
 from .errors import RequestRefused
 
 if TYPE_CHECKING:
-    from .executor import PendingBatch, PipelineExecutor
+    from .executor import PipelineExecutor
+    from .runs import PendingBatch
 
 
 @dataclass

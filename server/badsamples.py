@@ -20,12 +20,15 @@ fails under every policy: there is nothing to skip to or replace with.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from dalid.protocol import BadSample, OnError
+from dalid.protocol import BadSample, ErrorCode, OnError
 
+from .causes import explain
 from .imagesize import image_size, pixels
 
 log = logging.getLogger("dalid.server")
@@ -134,3 +137,89 @@ def dali_message(error: BaseException) -> str:
         if line.strip() and not line.startswith(_BOILERPLATE) and line.strip() not in lines:
             lines.append(line.strip())
     return " ".join(lines) or type(error).__name__
+
+
+class Runner(Protocol):
+    """What recovery does with a pipeline (``runner.PipelineRunner``)."""
+
+    def schedule(self, inputs: Arrays) -> None: ...
+
+    def collect(self, cuda_stream: int | None = None) -> tuple[Any, ...]: ...
+
+    def release(self) -> None: ...
+
+    def rebuild(self) -> None: ...
+
+
+@dataclass
+class Recovered:
+    """What becomes of a batch that failed: ``outputs`` of its good samples, to deliver and
+    then ``release`` on the runner (None: the batch fails with ``code`` and ``message``), and
+    the report of its bad samples."""
+
+    outputs: tuple[Any, ...] | None
+    report: list[BadSample] = field(default_factory=list)
+    code: ErrorCode = ErrorCode.BAD_SAMPLES
+    message: str = ""
+
+
+def recover(
+    runner: Runner,
+    arrays: Arrays,
+    *,
+    size: int,
+    policy: OnError,
+    failure: tuple[ErrorCode, Exception | None],
+    bad: dict[int, str],
+    stream: int | None = None,
+    path_inputs: Collection[str] = (),
+) -> Recovered:
+    """Finds the samples of a batch that fail on their own and applies ``policy``, on the idle
+    ``runner``, which it leaves idle and working.
+
+    ``failure`` is the code and error of the batch's run (no error: it did not run, its ``bad``
+    samples were found before); ``stream`` is where the good samples' outputs are handed over;
+    ``path_inputs`` the inputs whose samples are file paths (their causes read differently).
+    """
+    code, error = failure
+    # Whether the pipeline has run since it was last built: a batch that fails then gets a
+    # fresh one, as after any failure, so the trials leave no trace (the dimensionality
+    # external_source remembers, say).
+    ran = False
+
+    def trial(positions: list[int]) -> Exception | None:
+        nonlocal ran
+        try:
+            runner.schedule(select(arrays, positions))
+            runner.collect()
+        except Exception as failed:
+            runner.rebuild()
+            ran = False
+            return failed
+        runner.release()
+        ran = True
+        return None
+
+    def failed(code: ErrorCode, message: str, report: list[BadSample] | None = None) -> Recovered:
+        if ran:
+            runner.rebuild()
+        return Recovered(None, report or [], code, message)
+
+    candidates = [position for position in range(size) if position not in bad]
+    if arrays:
+        found = find_bad(candidates, trial, whole_failed=None if bad else error)
+        bad.update(explain(found, arrays, path_inputs))
+    if not bad:
+        assert error is not None
+        return failed(code, dali_message(error))
+    positions, report = plan(policy, size, bad)
+    if not positions:
+        every = "" if policy is OnError.RAISE else "every sample of the batch is bad: "
+        return failed(ErrorCode.BAD_SAMPLES, every + summary(report), report)
+    try:
+        runner.schedule(select(arrays, positions))
+        outputs = runner.collect(stream)
+    except Exception as error_of_good:
+        runner.rebuild()
+        return Recovered(None, report, ErrorCode.PIPELINE_ERROR, dali_message(error_of_good))
+    return Recovered(outputs, report)

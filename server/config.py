@@ -80,6 +80,16 @@ def parse_count(text: str) -> int:
     return number
 
 
+def parse_switch(text: str) -> bool:
+    """yes/no, true/false, on/off or 1/0."""
+    value = text.strip().lower()
+    if value in ("yes", "true", "on", "1"):
+        return True
+    if value in ("no", "false", "off", "0"):
+        return False
+    raise ValueError(f"expected yes or no, got {text!r}")
+
+
 def parse_port(text: str) -> int:
     number = parse_count(text)
     if number > 65535:
@@ -246,6 +256,31 @@ OPTIONS: tuple[Option, ...] = (
         "batches run at once across all jobs, shared by weight when jobs compete",
         "N",
         default_text="the number of CPU cores, at least 4",
+    ),
+    Option(
+        "share_pipelines",
+        parse_switch,
+        True,
+        "jobs that register the same pipeline share one DALI pipeline, whose runs mix their "
+        "batches (a deterministic pipeline, or one whose operators look across the batch, "
+        "always gets its own)",
+        "yes|no",
+        default_text="yes",
+    ),
+    Option(
+        "run_batches",
+        parse_positive_int,
+        4,
+        "the samples of this many batches at most in one run of a shared pipeline",
+        "N",
+    ),
+    Option(
+        "threads",
+        parse_positive_int,
+        None,
+        "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
+        "N",
+        default_text="the CPU cores the daemon may use",
     ),
     Option(
         "max_image_pixels",

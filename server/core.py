@@ -51,17 +51,18 @@ from dalid.protocol import (
     pid_namespace,
 )
 
+from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused
-from .executor import PendingBatch
 from .inputs import InputMemory, InputRefused
 from .jobs import Job, JobRegistry, Peer
-from .outputs import OutputsFactory, ReleaseRefused
-from .pipelines import PipelineBuilder, check_batch, executor_for
+from .outputs import OutputsFactory, ReleaseRefused, StreamFactory, no_streams
+from .pipelines import SHARING, PipelineBuilder, Sharing, check_batch, executor_for
 from .quotas import QuotaRefused, Quotas, grant
 from .reload import LiveRepository
 from .repository import PipelineRepository
 from .reservations import OutputMemory
+from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
 
@@ -81,6 +82,7 @@ class DaemonCore:
     too). ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between
     busy jobs by weight (:mod:`dalid.server.scheduler`). ``device_uuid`` names a GPU daemon's
     GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
+    ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
     ``credentials(peer)`` gives the process behind a connection, as its socket tells
     (:mod:`dalid.server.credentials`): a job lives as long as that process does, whatever pid
     the client claims; without them (no socket, or a process in a pid namespace the daemon
@@ -98,6 +100,8 @@ class DaemonCore:
         concurrency: int = 4,
         device_uuid: str = "",
         repository: PipelineRepository | None = None,
+        sharing: Sharing = SHARING,
+        streams: StreamFactory = no_streams,
         credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
@@ -121,7 +125,13 @@ class DaemonCore:
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
         self.pipelines = PipelineBuilder(
-            self.device_id, quotas.max_batch_size, self.repository, self.scheduler, push
+            self.device_id,
+            quotas.max_batch_size,
+            self.repository,
+            self.scheduler,
+            push,
+            sharing=sharing,
+            streams=streams,
         )
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
@@ -157,9 +167,11 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
                 )
-            if isinstance(message, TrainerProgress) and identity not in self.peers:
-                # Figures for `dalid status` only, from a connection of a daemon that was
-                # replaced (it has not noticed yet): nothing to apply, nobody to tell.
+            if request_id is None and identity not in self.peers:
+                # A notification (a release, progress figures) from a connection whose job
+                # ended, or that a replaced daemon welcomed: nothing to apply, and an error
+                # pushed back would only be logged by a peer that is going away.
+                log.debug("%s from a connection that is not in a job: ignored", message.OP)
                 return None
             if not isinstance(message, _NEEDS_NO_HELLO) and identity not in self.peers:
                 raise RequestRefused(
@@ -363,12 +375,12 @@ class DaemonCore:
         for unused in reservations.values():
             unused.close()
         self.scheduler.add_job(job.job_id, limits.weight)
+        if hello.private_copies:
+            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
         log.info(
-            "job %d (%s, pid %d) connected: weight %g, %s MiB of output memory, %d batches "
-            "in flight%s",
+            "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
             job.job_id,
-            hello.name or "?",
-            pid,
+            job_label(hello.name, pid),
             limits.weight,
             ("" if hello.memory_bytes else "up to ") + str(limits.pool_bytes >> 20),
             limits.max_inflight_batches,
@@ -425,7 +437,7 @@ class DaemonCore:
         peer = self.peers[identity]
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
-        live = sum(1 for executor in peer.job.pipelines.values() if not executor.failed)
+        live = sum(1 for member in peer.job.pipelines.values() if not member.failed)
         if live >= self.quotas.max_pipelines:
             raise RequestRefused(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -446,15 +458,15 @@ class DaemonCore:
         job = peer.job
         if peer.earlier_token:
             request = job.pipeline_in_this_job(peer.earlier_token, request)
-        executor = executor_for(job, request.pipeline_id)
-        check_batch(executor, request)
+        member = executor_for(job, request.pipeline_id)
+        check_batch(member, request)
         if request.deferred and len(job.deferred) >= self.quotas.max_waiting_batches:
             raise RequestRefused(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"job {job.job_id} already has {len(job.deferred)} deferred batches: schedule "
                 "them before sending more",
             )
-        batch = PendingBatch(job.next_batch_id, request)
+        batch = PendingBatch(job.next_batch_id, request, member)
         nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
         try:
             # Counted until the batch is freed, whichever way it goes (inputs.py).
@@ -467,7 +479,8 @@ class DaemonCore:
             # could hold back the very batch the trainer waits for.
             job.deferred[batch.batch_id] = batch
             return BatchAccepted(batch.batch_id)
-        if job.admission.submit(batch, executor, identity, request_id):
+        assert member.executor is not None
+        if job.admission.submit(batch, member.executor, identity, request_id):
             return BatchAccepted(batch.batch_id)
         return None  # backpressure: answered once an earlier batch of the job is answered
 
@@ -481,6 +494,17 @@ class DaemonCore:
         if isinstance(result, BatchFailed):
             job.batches_failed += 1
         else:
+            if result.copies:
+                job.batches_copied += 1
+                if job.batches_copied == 1:
+                    log.warning(
+                        "job %d: its trainer holds all %d MiB of its output memory (it keeps "
+                        "its outputs), so batches that find no room come as private copies, "
+                        "which is slower; to avoid it, keep copies of kept outputs "
+                        "(tensor.clone()) or connect with a larger memory_bytes",
+                        job.job_id,
+                        job.limits.pool_bytes >> 20,
+                    )
             # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
             skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
             job.meter.add(batch.request.batch_size - skipped)
@@ -498,7 +522,9 @@ class DaemonCore:
             raise RequestRefused(
                 ErrorCode.UNKNOWN_BATCH, f"batch {request.batch_id} is not waiting to be scheduled"
             )
-        executor_for(job, batch.request.pipeline_id).submit(batch)
+        member = executor_for(job, batch.request.pipeline_id)
+        assert member.executor is not None
+        member.executor.submit(batch)
         return Ok()
 
     def _on_release_regions(
@@ -515,3 +541,9 @@ class DaemonCore:
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
         return None
+
+
+def job_label(name: str, pid: int) -> str:
+    """How the log names a job once, at connect: its name and its trainer's pid (the client's
+    default name is the pid, said once)."""
+    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

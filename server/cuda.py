@@ -52,7 +52,14 @@ import numpy as np
 from dalid.protocol import Limits
 
 from .cuda_api import CupyApi, DeviceApi
-from .outputs import JobOutputs, OutputsFactory, ReleaseRefused, region_ids
+from .outputs import (
+    JobOutputs,
+    OutputsFactory,
+    ReleaseRefused,
+    RunOutput,
+    StreamFactory,
+    region_ids,
+)
 from .pool import Region, RegionPool
 from .shm import SharedMemoryStore
 
@@ -129,6 +136,7 @@ class CudaBackend:
         self._ring: list[tuple[int, str]] = []  # (event, handle), created as first needed
         self._next_event = 0
         self._peer_events: dict[str, int] = {}
+        self._private: list[int] = []  # see _private_event
         self._slabs: dict[str, CudaSlab] = {}  # every slab not yet freed
         self._kept = False  # a slab was kept for a writer that could not be stopped
         self.closed = False
@@ -219,9 +227,33 @@ class CudaBackend:
                 self._peer_events[handle] = event
             self._api.wait(self.stream, event)
 
-    def synchronize(self) -> None:
-        """Waits on the host until the work queued on the stream so far is done."""
-        self._api.synchronize(self.stream)
+    def synchronize(self, stream: int | None = None) -> None:
+        """Waits on the host until the work queued so far on the job's stream (or ``stream``)
+        is done."""
+        self._api.synchronize(self.stream if stream is None else stream)
+
+    def copy_range(self, ptr: int, source: int, nbytes: int) -> None:
+        """Copies ``nbytes`` of device memory at ``source`` to ``ptr`` on the job's stream."""
+        self._api.copy_range(ptr, source, nbytes, self.stream)
+
+    def follow(self, source: int) -> None:
+        """Work queued on the job's stream from now on waits for what ``source`` has queued."""
+        with self._lock:
+            self._api.record(self._private_event(0), source)
+            self._api.wait(self.stream, self._private_event(0))
+
+    def lead(self, source: int) -> None:
+        """Work queued on ``source`` from now on waits for what the job's stream has queued."""
+        with self._lock:
+            self._api.record(self._private_event(1), self.stream)
+            self._api.wait(source, self._private_event(1))
+
+    def _private_event(self, which: int) -> int:
+        """One of the two events that order the job's stream and a shared pipeline's; reused
+        (a wait binds to the event's latest record when it is queued). Under ``_lock``."""
+        while len(self._private) <= which:
+            self._private.append(self._api.create_private_event())
+        return self._private[which]
 
     def forget_peer_events(self) -> None:
         """The job has ended: destroys the trainer's release fences opened here, while the
@@ -247,7 +279,8 @@ class CudaBackend:
             slabs = list(self._slabs.values())
             self._slabs.clear()
             events = [event for event, _ in self._ring] + list(self._peer_events.values())
-            self._ring, self._peer_events = [], {}
+            events += self._private
+            self._ring, self._peer_events, self._private = [], {}, []
             kept = self._kept
         for slab in slabs:
             slab.closed = True
@@ -282,14 +315,30 @@ class CudaStore:
     def holds(self, output: Any) -> bool:
         return type(output).__name__ == "TensorListGPU"
 
-    def prepare(self, others: bool, stream_ordered: bool) -> None:
-        if stream_ordered and others:
-            # CPU outputs that DALI copied from the GPU are ready in our stream's order only:
-            # a host wait here, in the daemon, for pipelines with outputs on both devices.
-            self.backend.synchronize()
+    def prepare(self, others: bool, source_stream: int | None) -> None:
+        if source_stream is None:
+            return
+        if others:
+            # CPU outputs that DALI copied from the GPU are ready in the source stream's order
+            # only: a host wait here, in the daemon, for pipelines with outputs on both devices.
+            self.backend.synchronize(source_stream)
+        if source_stream != self.backend.stream:
+            # A shared pipeline's outputs are ready on its own stream: ours waits for them.
+            self.backend.follow(source_stream)
 
-    def write(self, region: Region, tensor: Any) -> None:
-        region.slab.copy_into(region.offset, tensor)
+    def write(self, region: Region, output: RunOutput, rows: range) -> None:
+        dense = output.dense()
+        address = region.slab.address(region.offset)
+        if dense is not None and rows == output.whole:
+            region.slab.copy_into(region.offset, dense)
+        elif dense is not None:
+            # A job's rows of a shared run: one contiguous block of the run's output.
+            start = dense.data_ptr() + rows.start * output.row_bytes(rows)
+            self.backend.copy_range(address, start, region.nbytes)
+        else:
+            for row in rows:
+                self.backend.copy(address, output.tensors[row])
+                address += output.row_bytes(rows)
 
     def export(self, region: Region) -> str:
         slab = region.slab
@@ -297,14 +346,18 @@ class CudaStore:
         # Exported: the daemon frees the slab only once the trainer unmapped it.
         return slab.export()
 
-    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+    def finish(self, wrote: bool, source_stream: int | None) -> str:
         if not wrote:
             return ""
         event = self.backend.record_batch()
-        if not stream_ordered:
+        if source_stream is None:
             # The legacy executor reuses its output buffers once released, without regard to
             # our stream: let the copies finish first.
             self.backend.synchronize()
+        elif source_stream != self.backend.stream:
+            # DALI may reuse the buffers we copied from once its stream moves on: not before
+            # our copies are done.
+            self.backend.lead(source_stream)
         return event
 
     def fence(self, event: str) -> None:
@@ -346,3 +399,27 @@ def device_outputs(device_id: int, api: DeviceApi | None = None) -> OutputsFacto
         )
 
     return outputs
+
+
+class PipelineStream:
+    """A non-blocking stream of GPU ``device_id`` that a shared pipeline hands its outputs over
+    on (``outputs.Stream``). ``close()`` destroys it; idempotent."""
+
+    def __init__(self, api: DeviceApi) -> None:
+        self._api = api
+        self.handle = api.create_stream()
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._api.destroy_stream(self.handle)
+
+
+def device_streams(device_id: int, api: DeviceApi | None = None) -> StreamFactory:
+    """Streams of GPU ``device_id`` for shared pipelines (``api``: CuPy's calls by default)."""
+
+    def stream() -> PipelineStream:
+        return PipelineStream(api if api is not None else CupyApi(device_id))
+
+    return stream

@@ -31,6 +31,8 @@ class DeviceApi(Protocol):
 
     def create_event(self) -> tuple[int, bytes]: ...
 
+    def create_private_event(self) -> int: ...
+
     def open_event(self, handle: bytes) -> int: ...
 
     def destroy_event(self, event: int) -> None: ...
@@ -42,6 +44,8 @@ class DeviceApi(Protocol):
     def synchronize(self, stream: int) -> None: ...
 
     def copy(self, ptr: int, source: Any, stream: int) -> None: ...
+
+    def copy_range(self, ptr: int, source: int, nbytes: int, stream: int) -> None: ...
 
 
 class CupyApi:
@@ -81,6 +85,11 @@ class CupyApi:
             event = int(rt.eventCreateWithFlags(rt.eventDisableTiming | rt.eventInterprocess))
             return event, bytes(rt.ipcGetEventHandle(event))
 
+    def create_private_event(self) -> int:
+        rt = self._runtime
+        with self._device:
+            return int(rt.eventCreateWithFlags(rt.eventDisableTiming))
+
     def open_event(self, handle: bytes) -> int:
         with self._device:
             return int(self._runtime.ipcOpenEventHandle(handle))
@@ -107,4 +116,11 @@ class CupyApi:
             # ctypes pointers: DALI takes them (a plain int address crashes its CPU twin).
             source.copy_to_external(
                 ctypes.c_void_p(ptr), cuda_stream=ctypes.c_void_p(stream), non_blocking=True
+            )
+
+    def copy_range(self, ptr: int, source: int, nbytes: int, stream: int) -> None:
+        """Copies ``nbytes`` of device memory, asynchronously on ``stream``."""
+        with self._device:
+            self._runtime.memcpyAsync(
+                ptr, source, nbytes, self._runtime.memcpyDeviceToDevice, stream
             )

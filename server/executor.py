@@ -1,109 +1,184 @@
-"""One thread per registered pipeline: runs queued batches and hands their outputs on.
+"""One thread per pipeline in the daemon: forms runs of its jobs' batches, runs them in DALI and
+hands each batch's rows of the outputs to its own job.
 
-The executor keeps up to ``prefetch_queue_depth`` batches inside DALI so that decoding of the
-next batch overlaps the copy-out of the previous one. A batch keeps its input frames until its
-outputs are collected, because external_source with ``no_copy=True`` reads them in place.
-Outputs go into the job's output stores (``outputs.py``), whatever memory they lie in.
+A pipeline of its own serves one job's registration; a shared pipeline (``sharing.py``) serves
+every job that registered the same graph (its *members*, ``runs.py``). Each run starts with the
+batch whose job comes first in the fair scheduler's order, which takes a slot; a shared
+pipeline then fills the run with more batches, of any of its jobs, in the scheduler's order, up
+to its run size (the batches ride in that slot, charged to their jobs). The executor keeps up
+to ``prefetch_queue_depth`` runs inside DALI, so that decoding of the next run overlaps the
+copy-out of the previous one. A batch keeps its input frames until its outputs are collected,
+because external_source with ``no_copy=True`` reads them in place.
+
+A run that fails kills the DALI pipeline: the executor rebuilds it and runs the batches of a
+mixed run again one by one, so that a bad sample of one job never fails or skips another job's
+samples; a batch that fails alone is answered by its job's on_error policy
+(``badsamples.py``), and that job's next batches run alone for a while.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
+from dalid.protocol import (
+    BadSample,
+    BatchFailed,
+    BatchReady,
+    ErrorCode,
+    OnError,
+    PipelineStatus,
+)
 
-from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnError, SubmitBatch
-
-from .badsamples import dali_message, find_bad, oversized_images, plan, select, summary
-from .outputs import JobOutputs, OutputFailure
-from .pool import PoolClosed
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
-from .scheduler import JobSlots, ServiceClock
+from .badsamples import recover, summary
+from .outputs import OutputFailure, RunOutput, Stream
+from .pool import PoolClosed, PoolFull
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run, RunPlanner
+from .scheduler import FairScheduler, ServiceClock
 
 log = logging.getLogger("dalid.server")
 
-
-@dataclass
-class PendingBatch:
-    batch_id: int
-    request: SubmitBatch
-    arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    # Whether the batch counts against its job's in-flight limit (deferred ones do not).
-    counted: bool = False
-    # When it went into DALI (monotonic seconds), for its service time.
-    entered: float = 0.0
-
-
-Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
-"""answer(batch, result): sends a batch's result on; called from the executor's thread."""
+OnBuilt = Callable[[PipelineSpec | PipelineBuildError], None]
 
 
 class PipelineExecutor:
-    """Builds one pipeline and runs its batches, in a thread of its own.
+    """Builds one pipeline and runs the batches of its members, in a thread of its own.
 
     Building happens in that thread too, so a slow build never holds up the daemon's other
-    jobs: ``make_runner`` builds it, and ``on_built`` receives the built pipeline's spec, or the
-    PipelineBuildError, once it is done; ``spec`` is None until then. ``answer`` sends batch
-    results. Each batch runs in a slot of ``slots`` (the daemon's fair share between jobs;
-    None: no limit). ``outputs`` take the outputs of its batches. A batch that fails, or has
-    images over ``max_image_pixels``, is answered by the pipeline's on_error policy
-    (:mod:`dalid.server.badsamples`).
+    jobs: ``make_runner`` builds it, and each member's ``on_built`` receives the built
+    pipeline's spec, or the PipelineBuildError, once it is done (at once for a member that
+    joins later); ``spec`` is None until then. ``shared``: runs mix the batches of several
+    members up to ``run_batches`` batches' worth of samples, and DALI hands outputs over on
+    ``stream`` (a GPU daemon's own stream for the pipeline). Each run holds a slot of
+    ``scheduler`` (None: no limit). ``first`` is the member that registered it; ``on_empty``
+    is called once the last member has left, ``on_private`` when a pipeline meant to be shared
+    turns out, once built, to look across the batch (it then runs one batch at a time).
     """
 
     def __init__(
         self,
-        pipeline_id: int,
+        instance_id: int,
+        name: str,
         make_runner: Callable[[], PipelineRunner],
+        first: Member,
+        on_built: OnBuilt,
         *,
-        outputs: JobOutputs,
-        answer: Answer,
-        on_built: Callable[[PipelineSpec | PipelineBuildError], None],
-        slots: JobSlots | None = None,
+        shared: bool = False,
+        run_batches: int = 1,
+        scheduler: FairScheduler | None = None,
+        stream: Stream | None = None,
         max_image_pixels: int = 0,
+        on_empty: Callable[[PipelineExecutor], None] | None = None,
+        on_private: Callable[[PipelineExecutor], None] | None = None,
+        private_reason: str = "",
     ) -> None:
-        self.pipeline_id = pipeline_id
+        self.instance_id = instance_id
+        self.name = name
+        self.shared = shared
+        self.run_batches = run_batches if shared else 1
         self.spec: PipelineSpec | None = None
-        self._make_runner = make_runner
         self.runner: PipelineRunner | None = None
         self.failed = False
-        self._outputs = outputs
+        self.runs = 0
+        self.samples_run = 0
+        self.mixed_runs = 0
+        # Why a pipeline is not shared ("" for a shared one).
+        self.private_reason = private_reason
+        self._make_runner = make_runner
+        self._scheduler = scheduler
+        self._own_stream = stream
         # The stream DALI hands outputs over on (the default executor only), or None: the host.
         self._stream: int | None = None
         self._max_image_pixels = max_image_pixels
-        self._answer = answer
-        self._slots = slots
-        self._slots_held = 0
+        self._on_empty = on_empty
+        self._on_private = on_private
+        self._build_error: PipelineBuildError | None = None
+        self._waiting_for_build: list[tuple[Member, OnBuilt]] = []
         self._clock = ServiceClock()
-        self._on_built = on_built
-        self._queue: queue.Queue[PendingBatch | None] = queue.Queue()
         self._stopping = threading.Event()
+        # Members, their queues and the next run; its lock also guards the build's outcome.
+        self._planner = RunPlanner(scheduler, self._clock, self._stopping, max_image_pixels)
+        self._planner.shared = self.shared
+        self._planner.run_batches = self.run_batches
+        self._changed = self._planner.changed
+        self.join(first, on_built)
         self._thread = threading.Thread(
-            target=self._run, name=f"dalid-pipeline-{pipeline_id}", daemon=True
+            target=self._run, name=f"dalid-pipeline-{instance_id}", daemon=True
         )
         self._thread.start()
 
     @property
-    def queued(self) -> int:
-        return self._queue.qsize()
+    def members(self) -> list[Member]:
+        return self._planner.members
+
+    @property
+    def run_size(self) -> int:
+        """The most samples one run holds (0 until built)."""
+        return 0 if self.spec is None else self.spec.max_batch_size * self.run_batches
+
+    def status(self) -> PipelineStatus:
+        """The pipeline for ``dalid status``: its jobs and how full its runs are."""
+        with self._changed:
+            jobs = tuple(sorted({member.job_id for member in self.members}))
+        run_size = self.run_size if self.shared else (self.spec.max_batch_size if self.spec else 0)
+        runner = self.runner
+        return PipelineStatus(
+            pipeline=self.instance_id,
+            name=self.name,
+            shared=self.shared,
+            jobs=jobs,
+            run_size=run_size,
+            threads=runner.num_threads if runner is not None else 0,
+            runs=self.runs,
+            samples=self.samples_run,
+            mean_fill=self.samples_run / (self.runs * run_size) if self.runs and run_size else 0.0,
+            mixed_runs=self.mixed_runs,
+            private_reason=self.private_reason,
+        )
+
+    # --- members ------------------------------------------------------------------------------
+
+    def join(self, member: Member, on_built: OnBuilt) -> None:
+        """Adds a job's registration; ``on_built`` hears of the build (now, if it is done)."""
+        member.executor = self
+        with self._changed:
+            self._planner.add(member)
+            outcome: PipelineSpec | PipelineBuildError | None = self.spec or self._build_error
+            if outcome is None:
+                self._waiting_for_build.append((member, on_built))
+        if outcome is not None:
+            on_built(outcome)
+
+    def leave(self, member: Member) -> bool:
+        """Removes a job's registration, dropping its queued batches; once it returns no write
+        into the job's memory is under way or to come. Stops the thread with the last member.
+        Whether it is safe to unmap the job's memory (False: the thread could not be stopped
+        and may still be inside DALI with its samples)."""
+        member.closed = True  # an allocation waiting in a write sees it and gives up
+        with member.writing:
+            pass
+        if not self._planner.remove(member):
+            return True
+        stopped = self.stop()
+        if self._on_empty is not None:
+            self._on_empty(self)
+        return stopped
 
     def submit(self, batch: PendingBatch) -> None:
-        self._queue.put(batch)
+        self._planner.submit(batch)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stops the thread, dropping batches not yet run; whether it stopped. Idempotent."""
         self._stopping.set()
-        self._queue.put(None)
+        self._planner.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("pipeline %d did not stop within %.0f s", self.pipeline_id, timeout)
+                log.warning("pipeline %d did not stop within %.0f s", self.instance_id, timeout)
                 return False
         return True
 
@@ -111,240 +186,206 @@ class PipelineExecutor:
 
     def _run(self) -> None:
         try:
-            runner = self._make_runner()
-        except PipelineBuildError as error:
-            self.failed = True
-            self._on_built(error)
-            return
-        if runner.spec.exec_dynamic:
-            # The default executor hands outputs over on the outputs' stream, without a host
-            # sync (None on a CPU daemon).
-            self._stream = self._outputs.stream
-        self.runner = runner
-        self.spec = runner.spec
-        self._on_built(runner.spec)
-        try:
-            self._loop(runner)
+            try:
+                runner = self._make_runner()
+            except PipelineBuildError as error:
+                self.failed = True
+                self._built(error)
+                return
+            if runner.spec.exec_dynamic:
+                # The default executor hands outputs over on a stream, without a host sync: the
+                # pipeline's own if shared, else its job's (None on a CPU daemon).
+                if self.shared:
+                    self._stream = None if self._own_stream is None else self._own_stream.handle
+                else:
+                    with self._changed:
+                        first = self.members[0] if self.members else None
+                    self._stream = None if first is None else first.outputs.stream
+            if self.shared and runner.spec.definition is not None:
+                # A pipeline of the repository shows what it is only once built.
+                why = runner.unshareable()
+                if why:
+                    log.info("pipeline %d %r is not shared: %s", self.instance_id, self.name, why)
+                    self.shared = self._planner.shared = False
+                    self.private_reason = why
+                    if self._on_private is not None:
+                        self._on_private(self)
+            self.runner = runner
+            self._built(runner.spec)
+            try:
+                self._loop(runner)
+            finally:
+                runner.close()
         finally:
-            runner.close()
+            if self._own_stream is not None:
+                self._own_stream.close()
+
+    def _built(self, outcome: PipelineSpec | PipelineBuildError) -> None:
+        with self._changed:
+            if isinstance(outcome, PipelineSpec):
+                self.spec = outcome
+                self._planner.run_size = self.run_size
+                self._planner.path_inputs = outcome.path_inputs
+            else:
+                self._build_error = outcome
+            waiting, self._waiting_for_build = self._waiting_for_build, []
+        for _, on_built in waiting:
+            on_built(outcome)
 
     def _loop(self, runner: PipelineRunner) -> None:
-        # Every batch in ``in_flight`` holds a slot of the scheduler, taken before DALI gets it
+        # Every run in ``in_flight`` holds a slot of the scheduler, taken before DALI gets it
         # and given back once DALI is done with it.
-        in_flight: collections.deque[PendingBatch] = collections.deque()
+        in_flight: collections.deque[Run] = collections.deque()
         retry: collections.deque[PendingBatch] = collections.deque()
         depth = runner.spec.prefetch_queue_depth
 
-        def start_over(
-            failed: PendingBatch, code: ErrorCode, error: Exception | None, bad: dict[int, str]
-        ) -> None:
+        def start_over(failed: Run, code: ErrorCode, error: Exception | None) -> None:
             # After a failure the DALI pipeline is dead, and looking for bad samples needs an
-            # idle one: rebuild, answer this batch, then run the batches that were inside the
-            # old pipeline again, in their order (they take their slots anew).
-            self._give_slots(len(in_flight))
-            retry.extendleft(reversed(in_flight))
+            # idle one: rebuild, then run again the runs that were inside the old pipeline,
+            # in their order (they take their slots anew). The batches of a failed mixed run
+            # go first, each alone; a batch that fails alone is answered now.
+            self._planner.give_slots(len(in_flight))
+            retry.extendleft(reversed([b for run in in_flight for b in run.batches]))
             in_flight.clear()
             self._clock.interrupted()
             if error is not None or runner.scheduled:
                 runner.rebuild()
-            self._recover(runner, failed, code, error, bad)
+            if len(failed.batches) > 1:
+                for batch in reversed(failed.batches):
+                    batch.alone = True
+                    retry.appendleft(batch)
+                return
+            (batch,) = failed.batches
+            self._recover(runner, batch, code, error, dict(batch.oversized or {}))
 
         try:
             while not self._stopping.is_set():
                 while len(in_flight) < depth:
-                    batch = self._next_batch(retry, block=not in_flight)
-                    if batch is None:
+                    run = self._planner.next_run(retry, block=not in_flight)
+                    if run is None:
                         break
-                    if not self._take_slot(batch, block=not in_flight):
-                        # Another job's turn: finish what is in flight first.
-                        retry.appendleft(batch)
-                        if not in_flight:
-                            self._stopping.wait(0.05)
-                        break
-                    failure: Exception | None = None
-                    oversized: dict[int, str] = {}
-                    try:
-                        oversized = self._prepare(batch)
-                        if not oversized:
-                            batch.entered = time.monotonic()
-                            runner.schedule(batch.arrays)
-                    except Exception as error:
-                        failure = error
-                    if failure is not None or oversized:
-                        self._give_slots(1)
-                        start_over(batch, ErrorCode.INVALID_BATCH, failure, oversized)
+                    first = run.batches[0]
+                    if first.unseen:
+                        # Not a bad sample: every batch would fail so (see paths.py).
+                        self._planner.give_slots(1)
+                        self._fail(first, ErrorCode.INVALID_BATCH, first.unseen)
                         continue
-                    in_flight.append(batch)
+                    if first.oversized:
+                        self._planner.give_slots(1)
+                        start_over(run, ErrorCode.INVALID_BATCH, None)
+                        continue
+                    try:
+                        run.entered = time.monotonic()
+                        runner.schedule(run.arrays())
+                    except Exception as error:
+                        self._planner.give_slots(1)
+                        start_over(run, ErrorCode.INVALID_BATCH, error)
+                        continue
+                    in_flight.append(run)
                 if self._stopping.is_set() or not in_flight:
                     continue
-                batch = in_flight.popleft()
+                run = in_flight.popleft()
                 try:
                     outputs = runner.collect(self._stream)
                 except Exception as error:
-                    self._give_slots(1)
-                    start_over(batch, ErrorCode.PIPELINE_ERROR, error, {})
+                    self._planner.give_slots(1)
+                    start_over(run, ErrorCode.PIPELINE_ERROR, error)
                     continue
-                samples = batch.request.batch_size
-                service = self._clock.batch_done(samples, batch.entered, time.monotonic())
-                if self._slots is not None:
-                    self._slots.charge(service)
-                # The copy-out may wait for the trainer to free buffers: not in a slot. With
-                # more batches ready, ask for the next slot in this job's turn right away.
-                more = bool(retry) or self._queue.qsize() > 0
-                self._give_slots(1, next_cost=self._clock.cost(samples) if more else None)
-                self._write(batch, outputs)
+                self._account(run)
+                self._planner.give_slots(1, retry)
+                self._deliver(run, [RunOutput(i, output) for i, output in enumerate(outputs)])
                 del outputs
                 runner.release()
-        except PoolClosed:
-            pass
         except Exception as error:
             # Most likely the pipeline could not be rebuilt. Answer every batch it holds so that
-            # no trainer waits forever, and refuse new ones (see DaemonCore._executor).
-            log.exception("pipeline %d stopped working", self.pipeline_id)
+            # no trainer waits forever, and refuse new ones (see pipelines.executor_for).
+            log.exception("pipeline %d stopped working", self.instance_id)
             self.failed = True
             message = f"the pipeline stopped working and takes no more batches: {error}"
-            for batch in [*in_flight, *retry, *self._drain()]:
+            queued = self._planner.take_queued()
+            for batch in [*(b for run in in_flight for b in run.batches), *retry, *queued]:
                 self._fail(batch, ErrorCode.PIPELINE_ERROR, message)
         finally:
-            self._give_slots(self._slots_held)
-            if self._slots is not None:
-                self._slots.forfeit()
+            self._planner.give_up()
 
-    def _take_slot(self, batch: PendingBatch, block: bool) -> bool:
-        if self._slots is None:
-            return True
-        cost = self._clock.cost(batch.request.batch_size)
-        if not self._slots.acquire(cost, block=block, cancelled=self._stopping.is_set):
-            return False
-        self._slots_held += 1
-        return True
-
-    def _give_slots(self, count: int, next_cost: float | None = None) -> None:
-        if self._slots is None:
+    def _account(self, run: Run) -> None:
+        """Learns from a run that came out of DALI: its service time, charged to its jobs."""
+        samples = run.samples
+        service = self._clock.batch_done(samples, run.entered, time.monotonic())
+        self.runs += 1
+        self.samples_run += samples
+        if len({batch.member.job_id for batch in run.batches if batch.member}) > 1:
+            self.mixed_runs += 1
+        if self._scheduler is None or samples == 0:
             return
-        for _ in range(min(count, self._slots_held)):
-            self._slots.release(next_cost)
-            self._slots_held -= 1
+        for batch in run.batches:
+            if batch.member is not None:
+                self._scheduler.charge(batch.member.job_id, service * batch.size / samples)
 
-    def _drain(self) -> list[PendingBatch]:
-        batches: list[PendingBatch] = []
-        while True:
-            try:
-                batch = self._queue.get_nowait()
-            except queue.Empty:
-                return batches
-            if batch is not None:
-                batches.append(batch)
+    # --- outputs --------------------------------------------------------------------------------
 
-    def _next_batch(
-        self, retry: collections.deque[PendingBatch], block: bool
-    ) -> PendingBatch | None:
-        if retry:
-            return retry.popleft()
-        try:
-            return self._queue.get(block=block)
-        except queue.Empty:
-            return None
+    def _deliver(self, run: Run, outputs: Sequence[RunOutput]) -> None:
+        """Each batch's rows of the run's outputs, into its own job's memory."""
+        self._learn_sizes(outputs)
+        for batch, rows in run.rows():
+            member = batch.member
+            assert member is not None
+            with member.writing:
+                if member.closed:
+                    continue  # its job ended while the run was in DALI
+                self._write(batch, outputs, rows)
+                if member.alone:
+                    member.alone -= 1
 
-    def _prepare(self, batch: PendingBatch) -> dict[int, str]:
-        """Views the batch's frames as arrays; the image samples over the pixel limit."""
-        if not batch.arrays:
-            batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
-        return oversized_images(batch.arrays, self._max_image_pixels)
-
-    def _recover(
-        self,
-        runner: PipelineRunner,
-        batch: PendingBatch,
-        code: ErrorCode,
-        error: Exception | None,
-        bad: dict[int, str],
-    ) -> None:
-        """Answers a batch that failed, or has ``bad`` samples, on the idle ``runner``.
-
-        Finds the samples that fail on their own and applies the pipeline's on_error policy
-        (see :mod:`dalid.server.badsamples`). Leaves ``runner`` idle and working.
-        """
-        arrays = batch.arrays
-        # Whether the pipeline has run since it was last built: a batch that fails then gets a
-        # fresh one, as after any failure, so the trials leave no trace (the dimensionality
-        # external_source remembers, say).
-        ran = False
-
-        def trial(positions: list[int]) -> Exception | None:
-            nonlocal ran
-            try:
-                runner.schedule(select(arrays, positions))
-                runner.collect()
-            except Exception as failure:
-                runner.rebuild()
-                ran = False
-                return failure
-            runner.release()
-            ran = True
-            return None
-
-        def fail(code: ErrorCode, message: str, report: Sequence[BadSample] = ()) -> None:
-            if ran:
-                runner.rebuild()
-            self._fail(batch, code, message, report)
-
-        size = batch.request.batch_size
-        candidates = [position for position in range(size) if position not in bad]
-        if arrays:
-            bad.update(find_bad(candidates, trial, whole_failed=None if bad else error))
-        if not bad:
-            assert error is not None
-            fail(code, dali_message(error))
-            return
-        assert self.spec is not None  # built before any batch runs
-        policy = self.spec.on_error
-        positions, report = plan(policy, size, bad)
-        if not positions:
-            every = "" if policy is OnError.RAISE else "every sample of the batch is bad: "
-            fail(ErrorCode.BAD_SAMPLES, every + summary(report), report)
-            return
-        try:
-            runner.schedule(select(arrays, positions))
-            outputs = runner.collect(self._stream)
-        except Exception as failure:
-            runner.rebuild()
-            self._fail(batch, ErrorCode.PIPELINE_ERROR, dali_message(failure), report)
-            return
-        log.warning(
-            "pipeline %d batch %d: %s %s",
-            self.pipeline_id,
-            batch.batch_id,
-            "skipped" if policy is OnError.SKIP else "replaced",
-            summary(report),
-        )
-        self._write(batch, outputs, report)
-        del outputs
-        runner.release()
+    def _learn_sizes(self, outputs: Sequence[RunOutput]) -> None:
+        sizes = []
+        for output in outputs:
+            if not output.samples:
+                return
+            device = "cuda" if type(output.tensors).__name__.endswith("GPU") else "cpu"
+            sizes.append((device, output.row_bytes(output.whole)))
+        self._planner.sample_sizes = sizes
 
     def _write(
         self,
         batch: PendingBatch,
-        outputs: tuple[Any, ...],
+        outputs: Sequence[RunOutput],
+        rows: range,
         bad_samples: Sequence[BadSample] = (),
     ) -> None:
+        member = batch.member
+        assert member is not None
+        copies: tuple[memoryview, ...] = ()
         try:
-            descriptors, event = self._outputs.write_batch(
-                outputs, stream_ordered=self._stream is not None, cancelled=self._stopping.is_set
-            )
+            try:
+                descriptors, event = member.outputs.write_batch(
+                    outputs,
+                    rows,
+                    source_stream=self._stream,
+                    cancelled=lambda: self._stopping.is_set() or member.closed,
+                    # Other jobs' batches wait for this run's end: no waiting for this job.
+                    wait=len(self._planner.members) < 2,
+                )
+            except PoolFull:
+                # Note [Private copies] in copies.py.
+                descriptors, copies = member.outputs.private_copies(outputs, rows)
+                event = ""
         except OutputFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
+        except PoolClosed:
+            return  # the job ended while its outputs waited for room
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
-        self._answer(
+        member.answer(
             batch,
             BatchReady(
                 batch.batch_id,
-                self.pipeline_id,
+                member.pipeline_id,
                 descriptors,
-                retired_slabs=self._outputs.take_retired(),
+                retired_slabs=member.outputs.take_retired(),
                 event=event,
                 bad_samples=tuple(bad_samples),
+                copies=copies,
             ),
         )
 
@@ -355,8 +396,61 @@ class PipelineExecutor:
         message: str,
         bad_samples: Sequence[BadSample] = (),
     ) -> None:
-        log.warning("pipeline %d batch %d failed: %s", self.pipeline_id, batch.batch_id, message)
-        self._answer(
-            batch,
-            BatchFailed(batch.batch_id, self.pipeline_id, code, message, tuple(bad_samples)),
+        member = batch.member
+        assert member is not None
+        log.warning(
+            "pipeline %d batch %d of job %d failed: %s",
+            self.instance_id,
+            batch.batch_id,
+            member.job_id,
+            message,
         )
+        member.answer(
+            batch,
+            BatchFailed(batch.batch_id, member.pipeline_id, code, message, tuple(bad_samples)),
+        )
+
+    # --- bad samples ----------------------------------------------------------------------------
+
+    def _recover(
+        self,
+        runner: PipelineRunner,
+        batch: PendingBatch,
+        code: ErrorCode,
+        error: Exception | None,
+        bad: dict[int, str],
+    ) -> None:
+        """Answers a batch that failed, or has ``bad`` samples, on the idle ``runner``, by its
+        job's on_error policy (``badsamples.recover``); that job's next batches run alone."""
+        member = batch.member
+        assert member is not None
+        found = recover(
+            runner,
+            batch.arrays,
+            size=batch.size,
+            policy=member.on_error,
+            failure=(code, error),
+            bad=bad,
+            stream=self._stream,
+            path_inputs=self.spec.path_inputs if self.spec is not None else (),
+        )
+        if found.report:
+            # Another bad sample of this job then costs no other job a rerun.
+            member.alone = QUARANTINE_BATCHES
+        if found.outputs is None:
+            self._fail(batch, found.code, found.message, found.report)
+            return
+        log.warning(
+            "pipeline %d batch %d of job %d: %s %s",
+            self.instance_id,
+            batch.batch_id,
+            member.job_id,
+            "skipped" if member.on_error is OnError.SKIP else "replaced",
+            summary(found.report),
+        )
+        outputs = [RunOutput(i, output) for i, output in enumerate(found.outputs)]
+        with member.writing:
+            if not member.closed:
+                self._write(batch, outputs, outputs[0].whole, found.report)
+        del outputs, found
+        runner.release()

@@ -44,7 +44,7 @@ from .credentials import PeerCredentials, SocketId, read_peer, shut_down
 log = logging.getLogger("dalid.server")
 
 RECEIVE_QUEUE = 1
-SEND_QUEUE = 1000
+SEND_QUEUE = 128
 TURN_MESSAGES = 64
 TURN_SECONDS = 0.01
 CUT_GRACE_S = 0.2

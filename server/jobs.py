@@ -56,7 +56,7 @@ from .outputs import JobOutputs
 from .status import RateMeter
 
 if TYPE_CHECKING:
-    from .executor import PendingBatch, PipelineExecutor
+    from .runs import Member, PendingBatch
 
 log = logging.getLogger("dalid.server")
 
@@ -78,12 +78,15 @@ class Job:
     limits: Limits
     outputs: JobOutputs
     admission: Admission
-    pipelines: dict[int, PipelineExecutor] = field(default_factory=dict)
+    # Its registrations by the job's pipeline ids (pipelines may be shared with other jobs).
+    pipelines: dict[int, Member] = field(default_factory=dict)
     deferred: dict[int, PendingBatch] = field(default_factory=dict)
     peers: set[bytes] = field(default_factory=set)
     next_batch_id: int = 1
     closed: bool = False
     batches_failed: int = 0
+    # Batches delivered as private copies (Note [Private copies] in copies.py).
+    batches_copied: int = 0
     meter: RateMeter = field(default_factory=RateMeter)
     trainer_waited: float = 0.0
     connected_at: float = field(default_factory=time.monotonic)
@@ -102,7 +105,11 @@ class Job:
             return [], False
         self.closed = True
         waiting = self.admission.close()
-        stopped = [executor.stop() for executor in self.pipelines.values()]
+        stopped = [
+            member.executor.leave(member)
+            for member in self.pipelines.values()
+            if member.executor is not None
+        ]
         self.pipelines.clear()
         self.deferred.clear()
         # An executor stuck inside DALI may still write its outputs: keep the memory mapped.

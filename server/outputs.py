@@ -24,6 +24,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
+from .copies import private_copy
 from .pool import PoolTooSmall, Region, RegionPool
 
 
@@ -59,18 +60,18 @@ class OutputStore(Protocol):
     def holds(self, output: Any) -> bool:
         """Whether a DALI output (a TensorList) lies in this store's kind of memory."""
 
-    def prepare(self, others: bool, stream_ordered: bool) -> None:
+    def prepare(self, others: bool, source_stream: int | None) -> None:
         """Called before a batch's outputs are copied; ``others``: some go to other stores.
-        ``stream_ordered``: DALI handed the outputs over on ``stream``, not on the host."""
+        ``source_stream``: the stream DALI handed the outputs over on (None: the host)."""
 
-    def write(self, region: Region, tensor: Any) -> None:
-        """Copies one dense DALI tensor into ``region``."""
+    def write(self, region: Region, output: RunOutput, rows: range) -> None:
+        """Copies ``rows`` of one output of a run into ``region``."""
 
     def export(self, region: Region) -> str:
         """The handle a descriptor of ``region`` carries ("" where the slab name is enough);
         from then on the trainer may map its slab."""
 
-    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+    def finish(self, wrote: bool, source_stream: int | None) -> str:
         """Called once a batch's outputs are copied; the batch's event handle, or ""."""
 
     def fence(self, event: str) -> None:
@@ -102,6 +103,9 @@ class JobOutputs:
     def __init__(self, stores: Sequence[OutputStore]) -> None:
         self.stores = tuple(stores)
         self.closed = False
+        # How long a batch waits for memory before it goes as a private copy; None: it waits
+        # for ever (a trainer that takes no copies). Note [Private copies] in copies.py.
+        self.copy_after: float | None = None
 
     @property
     def stream(self) -> int | None:
@@ -119,35 +123,43 @@ class JobOutputs:
 
     def write_batch(
         self,
-        outputs: Sequence[Any],
+        outputs: Sequence[RunOutput],
+        rows: range,
         *,
-        stream_ordered: bool = False,
+        source_stream: int | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        wait: bool = True,
     ) -> tuple[tuple[OutputDescriptor, ...], str]:
-        """Copies a batch's outputs into fresh regions; their descriptors and the batch event.
+        """Copies a batch's ``rows`` of a run's outputs into fresh regions; their descriptors
+        and the batch event.
 
-        Blocks while the job's memory is full (backpressure). Raises :class:`OutputFailure`
-        for outputs that cannot be delivered, and PoolClosed when the job ends meanwhile. On
-        return the regions are leased to the trainer (Note [Output buffer lifetime]).
+        Blocks while the job's memory is full (backpressure), or with ``copy_after`` set, for
+        that long at most, then raises PoolFull (deliver :meth:`private_copies` instead); with
+        ``wait`` false and ``copy_after`` set, raises PoolFull at once instead of waiting (a
+        pipeline other jobs share must not wait for one job's trainer).
+        Raises :class:`OutputFailure` for outputs that cannot be delivered, and PoolClosed when
+        the job ends meanwhile. On return the regions are leased to the trainer (Note [Output
+        buffer lifetime]).
         """
-        tensors = [self._dense(index, output) for index, output in enumerate(outputs)]
-        stores = [self._store_of(index, output) for index, output in enumerate(outputs)]
-        shapes = [tuple(int(extent) for extent in tensor.shape()) for tensor in tensors]
-        dtypes = [_dtype_name(output.dtype) for output in outputs]
+        shapes = [output.shape_of(rows) for output in outputs]
+        stores = [self._store_of(output) for output in outputs]
         sizes = [
-            math.prod(shape) * np.dtype(dtype).itemsize
-            for shape, dtype in zip(shapes, dtypes, strict=True)
+            math.prod(shape) * output.itemsize
+            for shape, output in zip(shapes, outputs, strict=True)
         ]
-        regions = self._allocate(stores, sizes, cancelled)
+        give_up_after = self.copy_after
+        if not wait and give_up_after is not None:
+            give_up_after = 0.0
+        regions = self._allocate(stores, sizes, cancelled, give_up_after)
         try:
             used = {id(store) for store in stores}
             for store in self.stores:
-                store.prepare(others=bool(used - {id(store)}), stream_ordered=stream_ordered)
-            for store, region, tensor in zip(stores, regions, tensors, strict=True):
+                store.prepare(others=bool(used - {id(store)}), source_stream=source_stream)
+            for store, region, output in zip(stores, regions, outputs, strict=True):
                 if region.nbytes:
-                    store.write(region, tensor)
+                    store.write(region, output, rows)
             events = [
-                store.finish(id(store) in used, stream_ordered=stream_ordered)
+                store.finish(id(store) in used, source_stream=source_stream)
                 for store in self.stores
             ]
         except Exception:
@@ -160,45 +172,70 @@ class JobOutputs:
                 slab_size=region.slab.size,
                 offset=region.offset,
                 nbytes=region.nbytes,
-                dtype=dtype,
+                dtype=output.dtype,
                 shape=shape,
-                layout=output.layout() or "",
+                layout=output.layout,
                 device=store.device,
                 ipc_handle=store.export(region),
             )
-            for store, region, output, shape, dtype in zip(
-                stores, regions, outputs, shapes, dtypes, strict=True
-            )
+            for store, region, output, shape in zip(stores, regions, outputs, shapes, strict=True)
         )
         return descriptors, next((event for event in events if event), "")
+
+    def private_copies(
+        self, outputs: Sequence[RunOutput], rows: range
+    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...]]:
+        """A batch's ``rows`` of a run's outputs as private copies: descriptors that name no
+        slab, and the bytes of each output (Note [Private copies] in copies.py)."""
+        descriptors, frames = [], []
+        for output in outputs:
+            store = self._store_of(output)
+            shape = output.shape_of(rows)
+            nbytes = math.prod(shape) * output.itemsize
+            frames.append(private_copy(output, rows, nbytes).data)
+            descriptors.append(
+                OutputDescriptor(
+                    region_id=0,
+                    slab="",
+                    slab_size=nbytes,
+                    offset=0,
+                    nbytes=nbytes,
+                    dtype=output.dtype,
+                    shape=shape,
+                    layout=output.layout,
+                    device=store.device,
+                )
+            )
+        return tuple(descriptors), tuple(frames)
 
     def take_retired(self) -> tuple[str, ...]:
         """Slabs freed since the last call, for the trainer to unmap."""
         return tuple(name for store in self.stores for name in store.pool.take_retired())
 
-    def _dense(self, index: int, output: Any) -> Any:
-        """The output as one tensor; a batch whose samples differ in shape cannot be one."""
-        if not output.is_dense_tensor():
-            shapes = output.shape()
-            raise OutputFailure(
-                ErrorCode.INVALID_OUTPUT,
-                f"output {index} has samples of different shapes ({shapes[:4]}...): "
-                "a batch is delivered as one tensor, so resize, crop or pad to one shape",
-            )
-        return output.as_tensor()
-
-    def _store_of(self, index: int, output: Any) -> OutputStore:
+    def has_room(self, sizes: Sequence[tuple[str, int]]) -> bool:
+        """Whether outputs of these (device, bytes) would fit now, without waiting."""
         for store in self.stores:
-            if store.holds(output):
+            wanted = [size for device, size in sizes if device == store.device]
+            if wanted and not store.pool.has_room(wanted):
+                return False
+        return True
+
+    def _store_of(self, output: RunOutput) -> OutputStore:
+        for store in self.stores:
+            if store.holds(output.tensors):
                 return store
         served = " and ".join(store.device.upper() for store in self.stores)
         raise OutputFailure(
             ErrorCode.INVALID_OUTPUT,
-            f"output {index} is on the GPU, and this daemon delivers {served} outputs only",
+            f"output {output.index} is on the GPU, and this daemon delivers {served} outputs only",
         )
 
     def _allocate(
-        self, stores: list[OutputStore], sizes: list[int], cancelled: Callable[[], bool]
+        self,
+        stores: list[OutputStore],
+        sizes: list[int],
+        cancelled: Callable[[], bool],
+        give_up_after: float | None,
     ) -> list[Region]:
         """One region per output, from the pool of its store; all or none."""
         by_store: dict[int, Iterator[Region]] = {}
@@ -207,7 +244,9 @@ class JobOutputs:
             for store in self.stores:
                 wanted = [size for size, s in zip(sizes, stores, strict=True) if s is store]
                 if wanted:
-                    regions = store.pool.allocate(wanted, cancelled=cancelled)
+                    regions = store.pool.allocate(
+                        wanted, cancelled=cancelled, give_up_after=give_up_after
+                    )
                     taken.extend(regions)
                     by_store[id(store)] = iter(regions)
         except PoolTooSmall as error:
@@ -286,8 +325,68 @@ class JobOutputs:
         return sum(store.pool.slab_count for store in self.stores)
 
 
+class RunOutput:
+    """One output of a run (a DALI TensorList), read once for all the jobs that get rows of it.
+
+    A run of a shared pipeline holds the samples of several jobs' batches; each job's rows of
+    each output go to that job's memory (``JobOutputs.write_batch``).
+    """
+
+    def __init__(self, index: int, tensors: Any) -> None:
+        self.index = index
+        self.tensors = tensors
+        self.samples = [tuple(int(extent) for extent in shape) for shape in tensors.shape()]
+        self.dtype = _dtype_name(tensors.dtype)
+        self.itemsize = np.dtype(self.dtype).itemsize
+        self.layout = tensors.layout() or ""
+        self._dense: Any = None
+
+    def shape_of(self, rows: range) -> tuple[int, ...]:
+        """The shape of ``rows`` as one tensor; rows of different shapes cannot be one."""
+        selected = self.samples[rows.start : rows.stop]
+        if any(shape != selected[0] for shape in selected):
+            raise OutputFailure(
+                ErrorCode.INVALID_OUTPUT,
+                f"output {self.index} has samples of different shapes ({selected[:4]}...): "
+                "a batch is delivered as one tensor, so resize, crop or pad to one shape",
+            )
+        return (len(selected), *(selected[0] if selected else ()))
+
+    @property
+    def whole(self) -> range:
+        return range(len(self.samples))
+
+    def dense(self) -> Any:
+        """The whole output as one contiguous DALI tensor, or None if its samples differ."""
+        if self._dense is None and self.tensors.is_dense_tensor():
+            self._dense = self.tensors.as_tensor()
+        return self._dense
+
+    def row_bytes(self, rows: range) -> int:
+        """Bytes of one of ``rows`` (rows of one shape)."""
+        return math.prod(self.samples[rows.start]) * self.itemsize if rows else 0
+
+
 OutputsFactory = Callable[[str, Limits], JobOutputs]
 """outputs(name_prefix, limits): the output stores of a new job, slabs named after the prefix."""
+
+
+class Stream(Protocol):
+    """A CUDA stream that a pipeline shared by several jobs hands its outputs over on; each
+    job's store orders its copies after it (``prepare``) and it after them (``finish``)."""
+
+    handle: int
+
+    def close(self) -> None: ...
+
+
+StreamFactory = Callable[[], "Stream | None"]
+"""A new stream for a shared pipeline; None where outputs are ready on the host (CPU daemon)."""
+
+
+def no_streams() -> Stream | None:
+    """The stream factory of a CPU daemon: DALI hands outputs over on the host."""
+    return None
 
 
 def region_ids() -> Iterator[int]:

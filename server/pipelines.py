@@ -1,42 +1,82 @@
-"""Registering a job's pipelines, and which of them takes a batch.
+"""Registering a job's pipelines: which pipeline in the daemon runs each, and which of them
+takes a batch.
 
 A registration names a client's serialized pipeline (``register_pipeline``) or a pipeline of the
-daemon's repository (``register_named_pipeline``). :class:`PipelineBuilder` starts an executor
-for it (``executor.py``), which builds the pipeline in its own thread so that a slow build holds
-up no other job; the reply leaves once it is built.
+daemon's repository (``register_named_pipeline``). Registrations of the same graph (``sharing.py``;
+for the repository, the same name, definition, parameters and batch size) share one pipeline in
+the daemon, whose runs mix their jobs' batches; a deterministic registration, or a graph whose
+operators look across the batch, gets a pipeline of its own. A new pipeline's executor
+(``executor.py``) builds it in its own thread, so that a slow build holds up no other job; the
+reply leaves once it is built, or at once for a registration that joins a built one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 from dalid.protocol import (
     Error,
     ErrorCode,
     Message,
     PipelineRegistered,
+    PipelineStatus,
     RegisterNamedPipeline,
     RegisterPipeline,
     SubmitBatch,
 )
 
 from .errors import RequestRefused
-from .executor import Answer, PipelineExecutor
+from .executor import PipelineExecutor
 from .jobs import Job
+from .outputs import StreamFactory, no_streams
 from .reload import LiveRepository
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
-from .scheduler import FairScheduler, JobSlots
+from .runs import Answer, Member
+from .scheduler import FairScheduler
+from .sharing import UnreadablePipeline, read_graph
 
 log = logging.getLogger("dalid.server")
 
 Push = Callable[[bytes, Message, int | None], None]
 
+Registration = RegisterPipeline | RegisterNamedPipeline
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How the pipelines of the daemon are shared: ``run_batches`` batches' worth of samples
+    at most in one run of a shared pipeline, on ``threads`` DALI threads (0: as registered)."""
+
+    enabled: bool = True
+    run_batches: int = 4
+    threads: int = 0
+
+
+SHARING = Sharing()
+"""The default: pipelines shared, runs of up to 4 batches, threads as registered."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to build a registered pipeline: ``make_runner`` builds it (in its executor's thread,
+    given ``run_batches`` and ``num_threads``); registrations whose ``key`` is the same share
+    one pipeline (None: none may share it, ``why_private`` says why); ``name`` is shown."""
+
+    make_runner: Callable[..., PipelineRunner]
+    key: Hashable
+    why_private: str
+    name: str
+
 
 class PipelineBuilder:
-    """Builds the pipelines jobs register, for ``device_id`` (None: CPU pipelines only)."""
+    """Builds the pipelines jobs register, for ``device_id`` (None: CPU pipelines only), and
+    knows every pipeline the daemon runs."""
 
     def __init__(
         self,
@@ -45,59 +85,141 @@ class PipelineBuilder:
         repository: LiveRepository,
         scheduler: FairScheduler,
         push: Push,
+        *,
+        sharing: Sharing = SHARING,
+        streams: StreamFactory = no_streams,
     ) -> None:
         self._device_id = device_id
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
         self._push = push
+        self._sharing = sharing
+        self._streams = streams
         self._next_pipeline_id = 1
+        self._next_instance_id = 1
+        # Every pipeline in the daemon by its instance id, and the shared ones by their key.
+        # Changed by the I/O thread, and by an executor whose last member left.
+        self._lock = threading.Lock()
+        self.instances: dict[int, PipelineExecutor] = {}
+        self._shared: dict[Hashable, PipelineExecutor] = {}
 
     def start(
-        self,
-        job: Job,
-        request: RegisterPipeline | RegisterNamedPipeline,
-        request_id: int | None,
-        answer: Answer,
-    ) -> int:
-        """Starts the pipeline's executor for ``job``; its id. The trainer's reply leaves once
-        the pipeline is built; ``answer`` gets its batches' results."""
-        make_runner = self._runner_of(request)
+        self, job: Job, request: Registration, request_id: int | None, answer: Answer
+    ) -> Member:
+        """Registers the pipeline for ``job``: joins the pipeline in the daemon that runs the
+        same graph, or starts one. The trainer's reply leaves once it is built; ``answer``
+        gets its batches' results."""
+        plan = self._plan(request)
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         job.adopt_earlier_ids(request, pipeline_id)
-        trainer = job.trainer
-
-        def on_built(result: PipelineSpec | PipelineBuildError) -> None:
-            # Runs in the executor's thread: the reply leaves through the outbox.
-            if isinstance(result, PipelineSpec):
-                log.info("job %d registered pipeline %d %r", job.job_id, pipeline_id, result.name)
-                reply: Message = PipelineRegistered(
-                    pipeline_id,
-                    input_names=result.input_names,
-                    num_outputs=result.num_outputs,
-                    max_batch_size=result.max_batch_size,
-                )
-            else:
-                log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, result)
-                reply = Error(result.code, str(result), op=request.OP)
-            self._push(trainer, reply, request_id)
-
-        job.pipelines[pipeline_id] = PipelineExecutor(
+        member = Member(
+            job.job_id,
             pipeline_id,
-            make_runner,
-            outputs=job.outputs,
-            answer=answer,
-            on_built=on_built,
-            slots=JobSlots(self._scheduler, job.job_id),
-            max_image_pixels=job.limits.max_image_pixels,
+            job.outputs,
+            answer,
+            request.on_error,
+            deterministic=request.deterministic,
         )
-        return pipeline_id
+        on_built = functools.partial(self._on_built, job, member, request, request_id)
+        with self._lock:
+            shared = self._shared.get(plan.key) if plan.key is not None else None
+            if shared is not None and shared.failed:
+                shared = None
+        if shared is not None:
+            log.info("job %d shares pipeline %d %r", job.job_id, shared.instance_id, shared.name)
+            shared.join(member, on_built)
+        else:
+            self._new_instance(job, plan, member, on_built)
+        job.pipelines[pipeline_id] = member
+        return member
 
-    def _runner_of(
-        self, request: RegisterPipeline | RegisterNamedPipeline
-    ) -> Callable[[], PipelineRunner]:
-        """What builds the registered pipeline, in the executor's thread."""
+    def _new_instance(
+        self,
+        job: Job,
+        plan: Plan,
+        member: Member,
+        on_built: Callable[[PipelineSpec | PipelineBuildError], None],
+    ) -> None:
+        shared = plan.key is not None
+        run_batches = self._sharing.run_batches if shared else 1
+        threads = self._sharing.threads if shared else 0
+        with self._lock:
+            instance_id = self._next_instance_id
+            self._next_instance_id += 1
+        executor = PipelineExecutor(
+            instance_id,
+            plan.name,
+            functools.partial(
+                plan.make_runner, run_batches=run_batches, num_threads=threads or None
+            ),
+            member,
+            on_built,
+            shared=shared,
+            run_batches=run_batches,
+            scheduler=self._scheduler,
+            stream=self._streams() if shared else None,
+            max_image_pixels=job.limits.max_image_pixels,
+            on_empty=self._forget,
+            on_private=self._unshare,
+            private_reason=plan.why_private,
+        )
+        with self._lock:
+            self.instances[instance_id] = executor
+            if plan.key is not None:
+                self._shared[plan.key] = executor
+
+    def status(self) -> tuple[PipelineStatus, ...]:
+        """Every pipeline in the daemon, for ``dalid status``."""
+        with self._lock:
+            instances = sorted(self.instances.items())
+        return tuple(executor.status() for _, executor in instances)
+
+    def _forget(self, executor: PipelineExecutor) -> None:
+        """The last member of ``executor`` left: it takes no more registrations."""
+        with self._lock:
+            self.instances.pop(executor.instance_id, None)
+            for key, shared in list(self._shared.items()):
+                if shared is executor:
+                    del self._shared[key]
+
+    def _unshare(self, executor: PipelineExecutor) -> None:
+        """``executor`` runs no mixed runs: later registrations get pipelines of their own."""
+        with self._lock:
+            for key, shared in list(self._shared.items()):
+                if shared is executor:
+                    del self._shared[key]
+
+    def _on_built(
+        self,
+        job: Job,
+        member: Member,
+        request: Registration,
+        request_id: int | None,
+        result: PipelineSpec | PipelineBuildError,
+    ) -> None:
+        # Runs in the executor's thread (or the I/O thread, for a built pipeline that a
+        # registration joins): the reply leaves through the outbox.
+        if isinstance(result, PipelineSpec):
+            log.info(
+                "job %d registered pipeline %d %r", job.job_id, member.pipeline_id, result.name
+            )
+            reply: Message = PipelineRegistered(
+                member.pipeline_id,
+                input_names=result.input_names,
+                num_outputs=result.num_outputs,
+                max_batch_size=result.max_batch_size,
+                path_inputs=result.path_inputs,
+            )
+        else:
+            log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, result)
+            reply = Error(result.code, str(result), op=request.OP)
+        self._push(job.trainer, reply, request_id)
+
+    def _plan(self, request: Registration) -> Plan:
+        """How to build the registered pipeline, and with whom it may share."""
+        why_private = self._why_private(request)
         if isinstance(request, RegisterPipeline):
             if request.max_batch_size > self._max_batch_size:
                 raise RequestRefused(
@@ -106,7 +228,26 @@ class PipelineBuilder:
                     f"{self._max_batch_size}",
                 )
             spec = PipelineSpec.from_message(request)
-            return functools.partial(PipelineRunner, spec, self._device_id)
+            key: Hashable = None
+            try:
+                graph = read_graph(spec.serialized)
+            except UnreadablePipeline as error:
+                why_private = why_private or f"its serialized form cannot be read: {error}"
+            else:
+                if not spec.name and graph.origin:
+                    spec = dataclasses.replace(spec, name=graph.origin)
+                why_private = why_private or graph.unshareable()
+                if not why_private:
+                    key = (
+                        "serialized",
+                        graph.key,
+                        spec.input_names,
+                        spec.num_outputs,
+                        spec.max_batch_size,
+                        spec.exec_dynamic,
+                    )
+            runner = functools.partial(PipelineRunner, spec, self._device_id)
+            return Plan(runner, key, why_private, spec.name)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -116,12 +257,11 @@ class PipelineBuilder:
         build_arguments["device_id"] = self._device_id
         try:
             # Read once, now: a reload meanwhile does not change what this registration builds.
-            definition = self._repository.current.definition(
-                request.name, build_arguments, parameters
-            )
+            entry = self._repository.current.get(request.name)
         except KeyError as error:
             raise RequestRefused(ErrorCode.UNKNOWN_PIPELINE, error.args[0]) from None
-        return functools.partial(
+        definition = functools.partial(entry.function, **build_arguments, **parameters)
+        make_runner = functools.partial(
             PipelineRunner.from_definition,
             request.name,
             definition,
@@ -129,27 +269,46 @@ class PipelineBuilder:
             self._max_batch_size,
             on_error=request.on_error,
         )
+        if why_private:
+            return Plan(make_runner, None, why_private, request.name)
+        # One definition of the repository (a reload makes another), called alike; whether its
+        # operators allow sharing is known once it is built (PipelineExecutor).
+        named_key = (
+            "named",
+            entry.function,
+            json.dumps(parameters, sort_keys=True),
+            request.batch_size,
+            request.prefetch_queue_depth,
+        )
+        return Plan(make_runner, named_key, "", request.name)
+
+    def _why_private(self, request: Registration) -> str:
+        if not self._sharing.enabled:
+            return "pipeline sharing is off (dalid serve --share-pipelines no)"
+        if request.deterministic:
+            return "deterministic: the trainer orders its batches"
+        return ""
 
 
-def executor_for(job: Job, pipeline_id: int) -> PipelineExecutor:
-    """The executor of the job's pipeline ``pipeline_id``, if it takes batches."""
-    executor = job.pipelines.get(pipeline_id)
-    if executor is None:
+def executor_for(job: Job, pipeline_id: int) -> Member:
+    """The job's registration ``pipeline_id``, if its pipeline takes batches."""
+    member = job.pipelines.get(pipeline_id)
+    if member is None:
         raise RequestRefused(
             ErrorCode.UNKNOWN_PIPELINE, f"job {job.job_id} has no pipeline {pipeline_id}"
         )
-    if executor.failed:
+    if member.failed:
         raise RequestRefused(
             ErrorCode.PIPELINE_ERROR,
             f"pipeline {pipeline_id} stopped working and takes no more batches (the daemon's "
             "log says why): register it again",
         )
-    return executor
+    return member
 
 
-def check_batch(executor: PipelineExecutor, request: SubmitBatch) -> None:
+def check_batch(member: Member, request: SubmitBatch) -> None:
     """Refuses a batch its pipeline cannot take."""
-    spec = executor.spec
+    spec = member.spec
     if spec is None:
         raise RequestRefused(
             ErrorCode.UNKNOWN_PIPELINE, f"pipeline {request.pipeline_id} is not built yet"

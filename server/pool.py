@@ -34,6 +34,7 @@ import bisect
 import itertools
 import mmap
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,6 +76,9 @@ class Growth(Protocol):
 
     def grow(self, nbytes: int) -> bool: ...
 
+    def available(self) -> int:
+        """How much more it could reserve now."""
+
     def refusal(self, nbytes: int) -> str: ...
 
     def close(self) -> None: ...
@@ -86,6 +90,11 @@ class PoolTooSmall(ValueError):
 
 class PoolClosed(RuntimeError):
     """The pool was closed while an allocation waited."""
+
+
+class PoolFull(RuntimeError):
+    """The pool stayed full, with nothing released, for as long as the allocation would wait
+    (Note [Private copies] in ``copies.py``)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,10 @@ class RegionPool:
         self._condition = threading.Condition()
         self._closed = False
         self._retired: list[str] = []
+        # Regions released so far, and that count when an allocation last gave up waiting: until
+        # it changes, the trainer holds everything and the next allocation gives up at once.
+        self._released = 0
+        self._gave_up_at = -1
 
     def grow_within(self, growth: Growth) -> None:
         """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
@@ -200,11 +213,15 @@ class RegionPool:
         sizes: Sequence[int],
         cancelled: Callable[[], bool] = lambda: False,
         poll_interval: float = 0.05,
+        give_up_after: float | None = None,
     ) -> list[Region]:
         """One region per size, all or none; blocks while the pool is full.
 
         Raises :class:`PoolTooSmall` when the sizes could never fit, and :class:`PoolClosed`
-        when the pool closes or ``cancelled()`` turns true while waiting.
+        when the pool closes or ``cancelled()`` turns true while waiting. With
+        ``give_up_after``, raises :class:`PoolFull` once no region has been released for that
+        many seconds while the sizes do not fit, and at once while nothing was released since
+        the last time it did.
         """
         aligned = [_align(size, self._alignment) for size in sizes]
         if self._growth is not None and sum(aligned) > self._growth.cap:
@@ -212,6 +229,8 @@ class RegionPool:
         if self._growth is None and sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
+            released = self._released
+            deadline = None if give_up_after is None else time.monotonic() + give_up_after
             while True:
                 if self._closed or cancelled():
                     raise PoolClosed("the output pool was closed")
@@ -228,6 +247,15 @@ class RegionPool:
                     if self._growth is not None:
                         raise PoolTooSmall(self._growth.refusal(sum(aligned)))
                     raise self._too_small(aligned)
+                if deadline is not None:
+                    if self._released != released:
+                        released = self._released
+                        deadline = time.monotonic() + (give_up_after or 0.0)
+                    if self._released == self._gave_up_at or time.monotonic() >= deadline:
+                        self._gave_up_at = self._released
+                        raise PoolFull(
+                            f"the job's {self.limit_bytes} bytes of output memory are all held"
+                        )
                 self._condition.wait(poll_interval)
 
     def _too_small(self, aligned: Sequence[int]) -> PoolTooSmall:
@@ -246,6 +274,15 @@ class RegionPool:
         space.slab.close()
         self._retired.append(space.slab.name)
 
+    def has_room(self, sizes: Sequence[int]) -> bool:
+        """Whether regions of ``sizes`` fit in what the pool may still lease, now (free
+        space may be split, so ``allocate`` can still wait: an estimate for not waiting)."""
+        needed = sum(_align(size, self._alignment) for size in sizes)
+        with self._condition:
+            leased = sum(size for _, _, size in self._leases.values())
+            growth = self._growth.available() if self._growth is not None else 0
+        return needed <= self.limit_bytes - leased + growth
+
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
         unknown = []
@@ -257,6 +294,7 @@ class RegionPool:
                     continue
                 space, offset, size = lease
                 space.give_back(offset, size)
+            self._released += len(region_ids) - len(unknown)
             self._condition.notify_all()
         return unknown
 

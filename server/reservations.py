@@ -55,6 +55,16 @@ class OutputMemory:
             self._reservations.add(reservation)
             return True
 
+    def _available(self, reservation: Reservation) -> int:
+        with self._lock:
+            if reservation.closed:
+                return 0
+            left = reservation.cap - reservation.bytes
+            if self.limit:
+                reserved = sum(r.bytes for r in self._reservations)
+                left = min(left, self.limit - reserved)
+            return max(left, 0)
+
     def _close(self, reservation: Reservation) -> None:
         with self._lock:
             reservation.closed = True
@@ -79,6 +89,10 @@ class Reservation:
     def grow(self, nbytes: int) -> bool:
         """Reserves ``nbytes`` more; whether the cap and the daemon's limit allow it."""
         return self._memory._try_add(self, nbytes)
+
+    def available(self) -> int:
+        """How much more it could reserve now (the cap and the daemon's limit allowing)."""
+        return self._memory._available(self)
 
     def refusal(self, nbytes: int, asked: bool = False) -> str:
         """Why ``nbytes`` more could not be reserved, and what to do."""

@@ -16,6 +16,8 @@ import numpy as np
 from dalid.protocol import ErrorCode, InputBatch, OnError, RegisterPipeline
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
+from .sharing import read_graph
+
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -35,7 +37,9 @@ class PipelineSpec:
     exec_dynamic: bool = True
     name: str = ""
     on_error: OnError = OnError.RAISE
-    definition: Callable[[], Any] | None = dataclasses.field(default=None, compare=False)
+    definition: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    # The inputs whose samples are file paths (they feed fn.io.file.read).
+    path_inputs: tuple[str, ...] = ()
 
     @classmethod
     def from_message(cls, message: RegisterPipeline) -> PipelineSpec:
@@ -50,6 +54,7 @@ class PipelineSpec:
             exec_dynamic=message.exec_dynamic,
             name=message.name,
             on_error=message.on_error,
+            path_inputs=message.path_inputs,
         )
 
 
@@ -73,16 +78,32 @@ def sample_arrays(batch: InputBatch) -> list[np.ndarray]:
 class PipelineRunner:
     """Builds the pipeline of ``spec`` for ``device_id`` (None: CPU only) and runs batches.
 
-    ``schedule`` feeds one batch and starts it; ``collect`` returns the outputs of the oldest
-    scheduled batch. After a failure the DALI pipeline object is dead: ``rebuild`` replaces it.
+    ``schedule`` feeds one run and starts it; ``collect`` returns the outputs of the oldest
+    scheduled run. After a failure the DALI pipeline object is dead: ``rebuild`` replaces it.
+    A run holds up to ``run_batches`` batches of ``spec.max_batch_size`` samples (a pipeline
+    several jobs share runs their batches together); ``num_threads``, when given, replaces the
+    spec's (a shared pipeline's threads are the daemon's to choose).
     """
 
-    def __init__(self, spec: PipelineSpec, device_id: int | None, pipeline: Any = None) -> None:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        device_id: int | None,
+        pipeline: Any = None,
+        *,
+        run_batches: int = 1,
+        num_threads: int | None = None,
+    ) -> None:
         self.spec = spec
         self.device_id = device_id
+        self.run_size = spec.max_batch_size * run_batches
+        self.num_threads = num_threads or spec.num_threads
         self._pipeline: Any = None
         self.scheduled = 0
-        # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first.
+        # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
+        # (only where it is built as defined: one batch a run, its own threads).
+        if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
+            pipeline = None
         self._build(pipeline)
 
     @classmethod
@@ -93,10 +114,14 @@ class PipelineRunner:
         device_id: int | None,
         max_batch_size: int,
         on_error: OnError = OnError.RAISE,
+        *,
+        run_batches: int = 1,
+        num_threads: int | None = None,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
 
-        ``definition`` makes a new unbuilt pipeline at each call (a rebuild calls it again).
+        ``definition`` makes a new unbuilt pipeline at each call (a rebuild calls it again),
+        taking ``batch_size`` and ``num_threads`` to override its own.
         """
         try:
             pipeline = definition()
@@ -128,15 +153,16 @@ class PipelineRunner:
             name=name,
             on_error=on_error,
             definition=definition,
+            path_inputs=path_inputs(pipeline),
         )
-        return cls(spec, device_id, pipeline)
+        return cls(spec, device_id, pipeline, run_batches=run_batches, num_threads=num_threads)
 
     def _build(self, pipeline: Any = None) -> None:
         from nvidia.dali import Pipeline
 
         kwargs: dict[str, Any] = {
-            "batch_size": self.spec.max_batch_size,
-            "num_threads": self.spec.num_threads,
+            "batch_size": self.run_size,
+            "num_threads": self.num_threads,
             "device_id": self.device_id,
             "prefetch_queue_depth": self.spec.prefetch_queue_depth,
             # A deserialized pipeline defaults to the legacy executor; keep the client's choice.
@@ -146,7 +172,9 @@ class PipelineRunner:
             kwargs["seed"] = self.spec.seed
         try:
             if pipeline is None and self.spec.definition is not None:
-                pipeline = self.spec.definition()
+                pipeline = self.spec.definition(
+                    batch_size=self.run_size, num_threads=self.num_threads
+                )
             elif pipeline is None:
                 pipeline = Pipeline.deserialize(serialized_pipeline=self.spec.serialized, **kwargs)
             pipeline.build()
@@ -166,7 +194,7 @@ class PipelineRunner:
         self.scheduled = 0
 
     def schedule(self, inputs: Mapping[str, Sequence[np.ndarray]]) -> None:
-        """Feeds every external_source its samples and schedules one run."""
+        """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""
         for name in self.spec.input_names:
             self._pipeline.feed_input(name, list(inputs[name]))
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
@@ -198,6 +226,15 @@ class PipelineRunner:
         """
         if not self.spec.exec_dynamic:
             self._pipeline.release_outputs()
+
+    def unshareable(self) -> str:
+        """Why the built pipeline's runs must not mix jobs' samples ("" if they may), read from
+        its operators (``sharing.py``)."""
+        try:
+            graph = read_graph(self._pipeline.serialize())
+        except Exception as error:  # Python operators cannot be serialized, for one
+            return f"its operators cannot be read ({type(error).__name__}: {error})"
+        return graph.unshareable()
 
     def rebuild(self) -> None:
         """A fresh pipeline after an error; batches scheduled on the old one are gone."""
@@ -245,3 +282,24 @@ def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
             ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} cannot be served: {'; '.join(problems)}"
         )
     return names, num_outputs
+
+
+# The operator that reads files named by its input; an external_source feeding it gives paths.
+FILE_READER = "io__file__Read"
+
+
+def path_inputs(pipeline: Any) -> tuple[str, ...]:
+    """The external_source names of a pipeline whose samples are file paths: those that feed
+    ``fn.io.file.read`` directly. (The client reads its pipelines the same way.)"""
+    from nvidia.dali.external_source import ExternalSource
+
+    ops = pipeline._ops or ()
+    sources = {op.name for op in ops if isinstance(op._op, ExternalSource)}
+    fed = {
+        node.source.name
+        for op in ops
+        if getattr(op._op, "schema_name", "") == FILE_READER
+        for node in op.inputs
+        if node.source is not None
+    }
+    return tuple(name for name in (op.name for op in ops) if name in sources & fed)

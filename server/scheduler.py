@@ -13,6 +13,10 @@ and a job that was idle comes back at ``V``: it cannot save up a credit, and a j
 the daemon only pushes its own tags ahead, so a steady job's next batch waits at most for the
 batches already running. What each job's batches did take is kept as its ``run_seconds``.
 
+A pipeline that several jobs share runs batches of several jobs at once (a *run*): the run holds
+one slot, taken for the batch of the smallest start tag, and each other batch in it *rides*
+along, charged to its job as if granted (``ride``), so that weights hold inside shared runs.
+
 An executor may hold several slots (its prefetch depth). It blocks for a slot only while it
 holds none; with a batch in flight it only tries, and collects that batch if it may not start
 another. A blocked executor thus never holds a slot, and the slots cannot deadlock.
@@ -175,6 +179,35 @@ class FairScheduler:
                     )
                 )
             self._grant_waiting()
+
+    def weight(self, job_id: int) -> float:
+        """The job's weight (1 for a removed job)."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            return share.weight if share is not None else 1.0
+
+    def start_tag(self, job_id: int) -> float | None:
+        """The start tag the job's next request would get (None for a removed job): a pipeline
+        shared by several jobs serves them in the order of these tags."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            if share is None:
+                return None
+            return max(self._virtual_time, share.finish_tag)
+
+    def ride(self, job_id: int, cost: float) -> None:
+        """Charges a batch of the job that runs in a slot another batch holds (a run of a shared
+        pipeline holds one slot for all its batches): its tag moves on as if it had been granted
+        a slot of its own, so weights hold inside shared runs too."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            if share is None:
+                return
+            # The virtual time stays the run's (its first batch's start tag): a rider's later
+            # tag moved it on, and other jobs' next tags with it, as if they had been served.
+            start_tag = max(self._virtual_time, share.finish_tag)
+            share.finish_tag = start_tag + cost / share.weight
+            share.granted += 1
 
     def forfeit(self, job_id: int) -> None:
         """Gives back the slots kept for the job, and drops the requests no executor waits on.

@@ -20,7 +20,7 @@ import numpy as np
 
 from dalid.protocol import Limits
 
-from .outputs import JobOutputs, OutputsFactory, region_ids
+from .outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
 from .pool import PAGE, Region, RegionPool
 
 SHM_DIR = Path("/dev/shm")
@@ -122,16 +122,28 @@ class SharedMemoryStore:
     def holds(self, output: Any) -> bool:
         return type(output).__name__ == "TensorListCPU"
 
-    def prepare(self, others: bool, stream_ordered: bool) -> None:
+    def prepare(self, others: bool, source_stream: int | None) -> None:
         pass
 
-    def write(self, region: Region, tensor: Any) -> None:
-        region.slab.copy_into(region.offset, tensor)
+    def write(self, region: Region, output: RunOutput, rows: range) -> None:
+        dense = output.dense()
+        address = region.slab.address(region.offset)
+        if dense is not None and rows == output.whole:
+            region.slab.copy_into(region.offset, dense)
+        elif dense is not None:
+            # A job's rows of a shared run: one contiguous block of the run's output.
+            start = dense.data_ptr() + rows.start * output.row_bytes(rows)
+            ctypes.memmove(address, start, region.nbytes)
+        else:
+            # The run's samples differ in shape, this job's do not: sample by sample.
+            for row in rows:
+                output.tensors[row].copy_to_external(ctypes.c_void_p(address))
+                address += output.row_bytes(rows)
 
     def export(self, region: Region) -> str:
         return ""
 
-    def finish(self, wrote: bool, stream_ordered: bool) -> str:
+    def finish(self, wrote: bool, source_stream: int | None) -> str:
         return ""
 
     def fence(self, event: str) -> None:

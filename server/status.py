@@ -62,7 +62,7 @@ class RateMeter:
 def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
     """One job's line of the status report; called on the daemon's I/O thread."""
     batches_per_second, samples_per_second = job.meter.rates(now)
-    queued = sum(executor.queued for executor in job.pipelines.values())
+    queued = sum(member.queued for member in job.pipelines.values())
     return JobStatus(
         job_id=job.job_id,
         name=job.name,
@@ -73,6 +73,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         batches_done=job.meter.batches,
         samples_done=job.meter.samples,
         batches_failed=job.batches_failed,
+        batches_copied=job.batches_copied,
         batches_per_second=batches_per_second,
         samples_per_second=samples_per_second,
         queued=queued,
@@ -109,4 +110,5 @@ def status_report(core: DaemonCore, uptime: float) -> StatusReport:
         jobs=tuple(
             job_status(job, core.scheduler.stats(job.job_id), now) for job in core.jobs.values()
         ),
+        pipelines=core.pipelines.status(),
     )

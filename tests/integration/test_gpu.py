@@ -286,7 +286,7 @@ def test_the_daemon_answers_on_a_link_named_by_its_gpu_uuid():
     daemon, directory = _start()
     try:
         with _session(daemon) as session:
-            uuid = session._resources.connection.welcome.device_uuid
+            uuid = session._daemon.welcome.device_uuid
         link = directory / f"{uuid}.sock"
         assert link.is_symlink() and link.resolve() == daemon.socket.resolve()
         with dalid.connect(socket=link, autostart=False) as session:

@@ -108,11 +108,11 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp,
     """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
     to it, and its hello names the abandoned job, still open there until the daemon notices
     that its connection closed. The claim is refused (job_claimed) until then."""
-    from dalid.client import session as session_module
+    from dalid.client import launcher
     from dalid.protocol import ErrorCode
 
     refusals = []
-    connect = session_module.autostart_connect
+    connect = launcher.autostart_connect
 
     def connect_after_a_refusal(*args, **kwargs):
         if not refusals:
@@ -125,8 +125,8 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp,
         with dalid.connect(socket=daemon.socket, autostart=False, reconnect=True) as session:
             proxy = session.proxy(two_output_pipeline())
             first_job = session.job_id
-            monkeypatch.setattr(session_module, "autostart_connect", connect_after_a_refusal)
-            session._reconnect_now()  # what a ping gone unanswered leads to
+            monkeypatch.setattr(launcher, "autostart_connect", connect_after_a_refusal)
+            session._daemon.reconnect_now()  # what a ping gone unanswered leads to
             assert [job.job_id for job in refusals[0]] == [first_job]
             assert session.reconnects == 1 and session.job_id != first_job
             _check(session.produce_data(_batch(proxy, 0)), 0)
@@ -167,7 +167,9 @@ def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
 def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
-        batch = _batch(session.proxy(two_output_pipeline()), 0)
+        # Deterministic: the batch waits in the daemon until produce_data asks for it, so its
+        # result cannot arrive before the kill, however fast the daemon runs it.
+        batch = _batch(session.proxy(two_output_pipeline(), deterministic=True), 0)
         os.kill(daemon.pid, signal.SIGKILL)
         daemon.process.wait()
         with pytest.raises(dalid.DaemonUnavailable, match=f"{daemon.socket}.*is gone"):

@@ -22,6 +22,7 @@ class FakeApi:
         self.opened: dict[int, bytes] = {}
         self.destroyed: list[int] = []
         self.on_wait: list[Any] = []
+        self.private: list[int] = []
 
     def malloc(self, size: int) -> int:
         ptr = self._next_ptr
@@ -48,6 +49,11 @@ class FakeApi:
         self.events.append(event)
         return event, event.to_bytes(64, "little")
 
+    def create_private_event(self) -> int:
+        event = 500 + len(self.private)
+        self.private.append(event)
+        return event
+
     def open_event(self, handle: bytes) -> int:
         event = 1000 + len(self.opened)
         self.opened[event] = handle
@@ -69,3 +75,6 @@ class FakeApi:
 
     def copy(self, ptr: int, source: Any, stream: int) -> None:
         self.calls.append(("copy", ptr, stream))
+
+    def copy_range(self, ptr: int, source: int, nbytes: int, stream: int) -> None:
+        self.calls.append(("copy_range", ptr, source, nbytes, stream))

@@ -8,7 +8,9 @@ import pytest
 
 from bench.__main__ import parse_args, plan
 from bench.config import Settings
+from bench.contenders import CONTENDERS
 from bench.measure import LoopResult, Probe
+from bench.runner import daemon_options
 from bench.scaling import add_scaling_runs, jain_index, parse_job_counts
 from bench.summary import window_rates
 
@@ -53,17 +55,34 @@ def test_scaling_runs_are_added_once() -> None:
     runs = [("torch-pil", 1), ("dali", 1), ("dalid", 1), ("dali", 2)]
     planned = add_scaling_runs(runs, (1, 2, 4))
     assert planned[: len(runs)] == runs
-    assert planned[len(runs) :] == [("dalid", 2), ("dali", 4), ("dalid", 4)]
+    assert planned[len(runs) :] == [
+        ("dalid-private", 1), ("dalid", 2), ("dalid-private", 2),
+        ("dali", 4), ("dalid", 4), ("dalid-private", 4),
+    ]  # fmt: skip
 
 
 def test_plan_adds_the_scaling_runs_only_when_asked() -> None:
     settings = Settings(scaling_jobs=(1, 4))
     runs, planned = plan(settings, "scaling")
-    assert runs == [("dali", 1), ("dalid", 1), ("dali", 4), ("dalid", 4)]
+    assert runs == [
+        ("dali", 1), ("dalid", 1), ("dalid-private", 1),
+        ("dali", 4), ("dalid", 4), ("dalid-private", 4),
+    ]  # fmt: skip
     assert planned.scaling_jobs == (1, 4)
     runs, planned = plan(settings, "dali,dalid")
     assert runs == [("dali", 1), ("dalid", 1), ("dali", 2), ("dalid", 2)]
     assert planned.scaling_jobs == ()
+
+
+def test_the_private_pipelines_contender_is_dalid_with_sharing_off() -> None:
+    runs, _ = plan(Settings(jobs=2), "dalid-private")
+    assert runs == [("dalid-private", 1), ("dalid-private", 2)]
+    shared, private = CONTENDERS["dalid"], CONTENDERS["dalid-private"]
+    assert private.run is shared.run and private.needs_daemon
+    assert private.daemon_args == ("--share-pipelines", "no") and shared.daemon_args == ()
+    assert "shared" in shared.label and "private" in private.label
+    assert daemon_options("dalid-private") == private.daemon_args
+    assert daemon_options("transport") == ()
 
 
 def test_scaling_jobs_from_the_command_line() -> None:

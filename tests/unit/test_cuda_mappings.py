@@ -1,4 +1,7 @@
-"""The trainer's GPU output bookkeeping (client/cuda.py) on a fake device: no GPU needed.
+"""The trainer's GPU output backend (client/cuda.py) on a fake device: no GPU needed.
+
+Everything goes through the output-backend interface the session uses (``wrap``, ``retire``,
+``releases``, ``unmap``, ``close``: see client/outputs.py).
 
 The fake opens "device memory" as host buffers and builds tensors through numpy, keeping the
 region object alive exactly as torch does for ``__cuda_array_interface__`` (the tensor holds
@@ -10,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.cuda import MAX_FENCES, CudaMappings, pick_device
+from dalid.client.cuda import MAX_FENCES, CudaOutputs, pick_device
 from dalid.client.errors import DeviceMismatch
-from dalid.protocol import OutputDescriptor
+from dalid.client.outputs import Outputs
+from dalid.client.shm import SHM_DIR, SharedMemoryOutputs
+from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
 
 SLAB_BYTES = 1 << 16
 
@@ -146,18 +154,43 @@ def device() -> FakeDevice:
 
 
 @pytest.fixture
-def mappings(device: FakeDevice) -> CudaMappings:
-    return CudaMappings(device)
+def mappings(device: FakeDevice) -> CudaOutputs:
+    return CudaOutputs(lambda: device)
+
+
+def _released(mappings: CudaOutputs) -> list[tuple[tuple[int, ...], str]]:
+    """The region releases due now, as (region ids, fence); no slab is closed meanwhile."""
+    messages = mappings.releases()
+    assert all(not message.closed_slabs for message in messages)
+    return [(message.region_ids, message.event) for message in messages]
+
+
+def _closed(mappings: CudaOutputs) -> list[str]:
+    """The slabs reported unmapped now; no region is released meanwhile."""
+    messages = mappings.releases()
+    assert all(not message.region_ids for message in messages)
+    return [slab for message in messages for slab in message.closed_slabs]
+
+
+def test_nothing_touches_the_device_before_the_first_gpu_output() -> None:
+    def no_device() -> FakeDevice:
+        raise AssertionError("the device was opened")
+
+    mappings = CudaOutputs(no_device)
+    # A GPU daemon retires CPU slabs too: reported unmapped at once, without CUDA.
+    mappings.retire(["dalid-1-x-j1-4"])
+    assert mappings.releases() == [ReleaseRegions(closed_slabs=("dalid-1-x-j1-4",))]
+    assert mappings.unmap() == ()
+    mappings.close()
+    assert (mappings.opened, mappings.events_opened, mappings.live_regions) == (0, 0, 0)
 
 
 def test_regions_are_viewed_in_place_and_slabs_opened_once(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
     first = _descriptor(1, slab=1, offset=0, shape=(2, 3))
     second = _descriptor(2, slab=1, offset=256, shape=(4,), dtype="int64")
-    stream = mappings.begin_batch(EVENT_A)
-    a = mappings.tensor(first, stream)
-    b = mappings.tensor(second, stream)
+    a, b = mappings.wrap([first, second], EVENT_A)
     device.write(first.ipc_handle, 0, np.arange(6, dtype=np.float32))
     device.write(second.ipc_handle, 256, np.array([5, 6, 7, 8], dtype=np.int64))
     assert a.tolist() == [[0, 1, 2], [3, 4, 5]]  # written after: the tensor views the slab
@@ -167,18 +200,20 @@ def test_regions_are_viewed_in_place_and_slabs_opened_once(
 
 
 def test_each_batch_event_is_opened_once_and_waited_on_per_batch(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
-    for event in (EVENT_A, EVENT_B, EVENT_A, EVENT_A):
-        assert mappings.begin_batch(event) is device.stream
+    kept = []
+    for region_id, event in enumerate((EVENT_A, EVENT_B, EVENT_A, EVENT_A), start=1):
+        outputs = [_descriptor(region_id * 2 + i, slab=1, offset=0, shape=(1,)) for i in (0, 1)]
+        kept += mappings.wrap(outputs, event)  # two outputs, one wait
     assert device.opened_events == [bytes.fromhex(EVENT_A), bytes.fromhex(EVENT_B)]
     assert mappings.events_opened == 2
     assert [name for _, name in device.waits] == ["aaaaaaaa", "bbbbbbbb", "aaaaaaaa", "aaaaaaaa"]
     with pytest.raises(ValueError, match="without its event"):
-        mappings.begin_batch("")
+        mappings.wrap([_descriptor(99, slab=1, offset=0, shape=(1,))], "")
 
 
-def test_strides_are_honoured(device: FakeDevice, mappings: CudaMappings) -> None:
+def test_strides_are_honoured(device: FakeDevice, mappings: CudaOutputs) -> None:
     descriptor = OutputDescriptor(
         region_id=1,
         slab="dalid-1-x-j1-cuda-1",
@@ -191,54 +226,50 @@ def test_strides_are_honoured(device: FakeDevice, mappings: CudaMappings) -> Non
         strides=(4, 12),  # the transpose of a C-contiguous (2, 3)
         ipc_handle=_handle(1),
     )
-    tensor = mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))
+    (tensor,) = mappings.wrap([descriptor], EVENT_A)
     device.write(descriptor.ipc_handle, 0, np.arange(6, dtype=np.int32))
     assert tensor.tolist() == [[0, 3], [1, 4], [2, 5]]
 
 
 def test_a_region_returns_with_a_fence_once_its_last_view_dies(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
-    stream = mappings.begin_batch(EVENT_A)
-    tensor = mappings.tensor(_descriptor(7, slab=1, offset=0, shape=(4, 4)), stream)
+    (tensor,) = mappings.wrap([_descriptor(7, slab=1, offset=0, shape=(4, 4))], EVENT_A)
     view = tensor[1:]
     del tensor
     gc.collect()
-    assert mappings.take_released() == []
+    assert mappings.releases() == []
     del view
     gc.collect()
-    (released,) = mappings.take_released()
-    assert released[0] == (7,)
+    (released,) = mappings.releases()
     (fence,) = device.fences
-    assert released[1] == device.fence_handle(fence).hex()
-    assert fence.records == [stream.cuda_stream]  # recorded on the stream the batch came on
+    assert released == ReleaseRegions((7,), event=device.fence_handle(fence).hex())
+    assert fence.records == [device.stream.cuda_stream]  # recorded on the stream it came on
     assert mappings.live_regions == 0
-    assert mappings.take_released() == []
+    assert mappings.releases() == []
 
 
-def test_releases_are_grouped_by_delivery_stream(
-    device: FakeDevice, mappings: CudaMappings
-) -> None:
+def test_releases_are_grouped_by_delivery_stream(device: FakeDevice, mappings: CudaOutputs) -> None:
     kept = []
     for region_id, stream in enumerate([1, 2, 1], start=1):
         device.stream = FakeStream(stream)
         descriptor = _descriptor(region_id, slab=1, offset=256 * region_id, shape=(4,))
-        kept.append(mappings.tensor(descriptor, mappings.begin_batch(EVENT_A)))
+        kept += mappings.wrap([descriptor], EVENT_A)
     kept.clear()
     gc.collect()
-    groups = mappings.take_released()
+    groups = _released(mappings)
     assert sorted(tuple(sorted(ids)) for ids, _ in groups) == [(1, 3), (2,)]
     assert sorted(fence.records[0] for fence in device.fences) == [1, 2]
 
 
 def test_a_fence_is_reused_only_once_its_last_record_completed(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
     def release_one(region_id: int) -> str:
         descriptor = _descriptor(region_id, slab=1, offset=0, shape=(1,))
-        mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))  # dropped at once
+        mappings.wrap([descriptor], EVENT_A)  # dropped at once
         gc.collect()
-        ((_, fence),) = mappings.take_released()
+        ((_, fence),) = _released(mappings)
         return fence
 
     first = release_one(1)
@@ -249,59 +280,105 @@ def test_a_fence_is_reused_only_once_its_last_record_completed(
     assert len(device.fences) == 2
 
 
-def test_fences_are_bounded(device: FakeDevice, mappings: CudaMappings) -> None:
+def test_fences_are_bounded(device: FakeDevice, mappings: CudaOutputs) -> None:
     for region_id in range(1, MAX_FENCES + 3):
         # The tensor is dropped at once; reference counting alone releases the region.
-        mappings.tensor(_descriptor(region_id, 1, 0, (1,)), mappings.begin_batch(EVENT_A))
-        assert len(mappings.take_released()) == 1
+        mappings.wrap([_descriptor(region_id, 1, 0, (1,))], EVENT_A)
+        assert len(_released(mappings)) == 1
     assert len(device.fences) == MAX_FENCES
     assert device.synchronized  # the oldest was waited for rather than a new one made
 
 
 def test_a_retired_slab_is_unmapped_once_its_streams_passed_its_last_use(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
     descriptor = _descriptor(1, slab=3, offset=0, shape=(2,))
-    mappings.tensor(descriptor, mappings.begin_batch(EVENT_A))
+    mappings.wrap([descriptor], EVENT_A)
     gc.collect()
-    mappings.take_released()
+    assert len(_released(mappings)) == 1
     mappings.retire([descriptor.slab, "dalid-1-x-j1-4"])
     # A slab never mapped here (here: a CPU one) is reported at once.
-    assert mappings.take_closed() == ["dalid-1-x-j1-4"]
+    assert _closed(mappings) == ["dalid-1-x-j1-4"]
     assert device.closed == []  # work queued on the stream may still read it
     (marker,) = device.markers
     marker.complete = True
-    assert mappings.take_closed() == [descriptor.slab]
+    assert _closed(mappings) == [descriptor.slab]
     assert device.closed == [device.handles[bytes.fromhex(descriptor.ipc_handle)]]
     # A later slab of the same name is a new mapping.
     later = dataclasses.replace(descriptor, region_id=2, ipc_handle=_handle(9))
-    mappings.tensor(later, mappings.begin_batch(EVENT_A))
+    mappings.wrap([later], EVENT_A)
     assert mappings.opened == 2
 
 
-def test_a_changed_handle_for_a_mapped_slab_is_refused(mappings: CudaMappings) -> None:
-    stream = mappings.begin_batch(EVENT_A)
+def test_a_changed_handle_for_a_mapped_slab_is_refused(mappings: CudaOutputs) -> None:
     first = _descriptor(1, slab=1, offset=0, shape=(1,))
-    keep = mappings.tensor(first, stream)
+    keep = mappings.wrap([first], EVENT_A)
     changed = dataclasses.replace(first, region_id=2, ipc_handle=_handle(2))
     with pytest.raises(ValueError, match="changed"):
-        mappings.tensor(changed, stream)
+        mappings.wrap([changed], EVENT_A)
     del keep
 
 
 def test_closing_unmaps_idle_slabs_and_names_the_viewed_ones(
-    device: FakeDevice, mappings: CudaMappings
+    device: FakeDevice, mappings: CudaOutputs
 ) -> None:
-    stream = mappings.begin_batch(EVENT_A)
-    held = mappings.tensor(_descriptor(1, slab=1, offset=0, shape=(2,)), stream)
-    mappings.tensor(_descriptor(2, slab=2, offset=0, shape=(2,)), stream)  # dropped
+    (held,) = mappings.wrap([_descriptor(1, slab=1, offset=0, shape=(2,))], EVENT_A)
+    mappings.wrap([_descriptor(2, slab=2, offset=0, shape=(2,))], EVENT_A)  # dropped
     gc.collect()
-    kept = mappings.close_mappings()
+    kept = mappings.unmap()
     assert kept == ("dalid-1-x-j1-cuda-1",)
     assert device.closed == [device.handles[bytes.fromhex(_handle(2))]]
     assert device.synchronized  # its stream's work finished before the unmap
     assert held.tolist() == [0.0, 0.0]  # still mapped for the live tensor
     mappings.close()
+
+
+# --- beside shared memory -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_slab() -> Iterator[str]:
+    """A shared-memory slab as a CPU daemon makes one (named as the client accepts)."""
+    name = f"dalid-unittest-{uuid.uuid4().hex[:8]}"
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, SLAB_BYTES)
+    finally:
+        os.close(fd)
+    yield name
+    (SHM_DIR / name).unlink()
+
+
+def test_a_batch_on_both_devices_comes_out_in_order_each_output_from_its_backend(
+    device: FakeDevice, shm_slab: str
+) -> None:
+    outputs = Outputs({"cpu": SharedMemoryOutputs(), "cuda": CudaOutputs(lambda: device)})
+    cpu = OutputDescriptor(10, shm_slab, SLAB_BYTES, 0, 8, "int32", (2,))
+    gpu = [_descriptor(11, slab=1, offset=0, shape=(1,)), _descriptor(12, 1, 256, (2,))]
+    batch = BatchReady(1, 1, (gpu[0], cpu, gpu[1]), event=EVENT_A)
+    first, middle, last = outputs.tensors(batch)
+    assert (first.shape, middle.shape, last.shape) == ((1,), (2,), (2,))
+    assert middle.dtype == torch.int32 and middle.device.type == "cpu"
+    assert len(device.waits) == 1  # one wait for the batch, not one per GPU output
+    assert (outputs.opened, outputs.events_opened, outputs.live_regions) == (2, 1, 3)
+    del first, middle, last
+    gc.collect()
+    # Shared memory first, then each stream's fence, then the slabs unmapped.
+    outputs.retire([shm_slab, "dalid-1-x-j1-cuda-7"])
+    cpu_release, gpu_release, closed = outputs.releases()
+    assert cpu_release == ReleaseRegions((10,))
+    assert sorted(gpu_release.region_ids) == [11, 12] and gpu_release.event
+    assert closed == ReleaseRegions(closed_slabs=(shm_slab, "dalid-1-x-j1-cuda-7"))
+    assert outputs.unmap() == ()
+    outputs.close()
+
+
+def test_an_output_on_a_device_the_daemon_did_not_announce_is_refused(shm_slab: str) -> None:
+    outputs = Outputs({"cpu": SharedMemoryOutputs()})
+    batch = BatchReady(1, 1, (_descriptor(1, slab=1, offset=0, shape=(1,)),), event=EVENT_A)
+    with pytest.raises(DeviceMismatch, match="'cuda'"):
+        outputs.tensors(batch)
+    outputs.close()
 
 
 # --- which device -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import ErrorCode, Limits
 from dalid.server.cuda import device_outputs
-from dalid.server.outputs import JobOutputs, OutputFailure, ReleaseRefused
+from dalid.server.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
 from dalid.server.pool import PAGE
 from dalid.server.shm import SHM_DIR, host_outputs
 
@@ -29,26 +29,47 @@ LIMITS = Limits(
 
 
 class TensorListGPU:
-    """Stands for DALI's GPU TensorList: the calls the stores make, on no device."""
+    """Stands for DALI's GPU TensorList: the calls the stores make, on no device. ``shape`` is
+    the batch's; ``ragged`` makes sample 0 longer than the others."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any = None, dense: bool = True) -> None:
+    def __init__(self, shape: tuple[int, ...], ragged: bool = False) -> None:
         from nvidia.dali import types
 
-        self._shape = shape
-        self.dtype = dtype if dtype is not None else types.DALIDataType.FLOAT
-        self._dense = dense
+        self.dtype = types.DALIDataType.FLOAT
+        self._samples = [shape[1:]] * shape[0]
+        if ragged:
+            self._samples[0] = (shape[1] + 1, *shape[2:])
 
     def is_dense_tensor(self) -> bool:
-        return self._dense
+        return len(set(self._samples)) == 1
 
     def as_tensor(self) -> TensorListGPU:
         return self
 
-    def shape(self) -> Any:
-        return self._shape if self._dense else [self._shape[1:], (1,)]
+    def shape(self) -> list[tuple[int, ...]]:
+        return list(self._samples)
 
     def layout(self) -> str:
-        return "NCHW"
+        return "CHW"
+
+    def data_ptr(self) -> int:
+        return 0xD000
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return ("sample", index)
+
+
+def _write(
+    outputs: JobOutputs,
+    batch: tuple[Any, ...],
+    rows: range | None = None,
+    source_stream: int | None = None,
+) -> Any:
+    """``outputs.write_batch`` of a run's outputs (all rows unless ``rows``)."""
+    run = [RunOutput(index, tensors) for index, tensors in enumerate(batch)]
+    return outputs.write_batch(
+        run, run[0].whole if rows is None else rows, source_stream=source_stream
+    )
 
 
 @pytest.fixture
@@ -71,7 +92,7 @@ def test_cpu_outputs_are_copied_into_shared_memory_and_described(prefix: str) ->
         images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
         labels = np.array([[7], [9]], dtype=np.int64)
         batch = (TensorListCPU(images, "HW"), TensorListCPU(labels))
-        descriptors, event = outputs.write_batch(batch)
+        descriptors, event = _write(outputs, batch)
         assert event == ""
         assert [d.device for d in descriptors] == ["cpu", "cpu"]
         assert [d.shape for d in descriptors] == [(2, 3, 4), (2, 1)]
@@ -94,7 +115,7 @@ def test_a_gpu_output_on_a_cpu_daemon_fails_the_batch_and_leases_nothing(prefix:
     try:
         batch = (TensorListCPU(np.zeros((2, 2), np.uint8)), TensorListGPU((2, 3)))
         with pytest.raises(OutputFailure, match="output 1 is on the GPU") as failure:
-            outputs.write_batch(batch)
+            _write(outputs, batch)
         assert failure.value.code is ErrorCode.INVALID_OUTPUT
         assert outputs.leased_regions == 0
         with pytest.raises(ReleaseRefused, match="for GPU outputs"):
@@ -108,12 +129,12 @@ def test_outputs_of_different_shapes_and_batches_too_large_fail(prefix: str) -> 
     try:
         ragged = TensorListCPU([np.zeros((2,), np.uint8), np.zeros((3,), np.uint8)])
         with pytest.raises(OutputFailure, match="different shapes") as failure:
-            outputs.write_batch((ragged,))
+            _write(outputs, (ragged,))
         assert failure.value.code is ErrorCode.INVALID_OUTPUT
         huge = TensorListCPU(np.zeros((17, PAGE), np.uint8))  # over the 16-page pool
-        small = TensorListCPU(np.zeros((1, 8), np.uint8))
+        small = TensorListCPU(np.zeros((17, 8), np.uint8))
         with pytest.raises(OutputFailure, match="pool's limit") as failure:
-            outputs.write_batch((small, huge))
+            _write(outputs, (small, huge))
         assert failure.value.code is ErrorCode.RESOURCE_EXHAUSTED
         assert outputs.leased_regions == 0  # all or none
     finally:
@@ -132,11 +153,12 @@ def test_a_mixed_batch_goes_to_both_stores_and_waits_on_the_host_before_cpu_copi
     try:
         assert outputs.stream == 7  # DALI hands outputs over on the job's stream
         labels = np.array([1, 2], dtype=np.int32)
-        descriptors, event = outputs.write_batch(
-            (TensorListGPU((2, 3, 4, 4)), TensorListCPU(labels)), stream_ordered=True
+        descriptors, event = _write(
+            outputs, (TensorListGPU((2, 3, 4, 4)), TensorListCPU(labels)), source_stream=7
         )
         gpu, cpu = descriptors
         assert (gpu.device, cpu.device) == ("cuda", "cpu")
+        assert gpu.shape == (2, 3, 4, 4) and gpu.layout == "CHW"
         assert len(gpu.ipc_handle) == 128 and cpu.ipc_handle == ""
         assert gpu.region_id != cpu.region_id  # one id sequence for the job
         assert _bytes(cpu.slab, cpu.offset, cpu.nbytes) == labels.tobytes()
@@ -157,15 +179,18 @@ def test_a_gpu_only_batch_never_waits_on_the_host_unless_the_executor_is_legacy(
     api = FakeApi()
     outputs = _gpu_outputs(prefix, api)
     try:
-        outputs.write_batch((TensorListGPU((2, 8)),), stream_ordered=True)
+        _write(outputs, (TensorListGPU((2, 8)),), source_stream=7)
         assert [call[0] for call in api.calls] == ["copy", "record"]
         api.calls.clear()
         # The legacy executor reuses its buffers without regard to our stream.
-        outputs.write_batch((TensorListGPU((2, 8)),), stream_ordered=False)
+        _write(outputs, (TensorListGPU((2, 8)),), source_stream=None)
         assert [call[0] for call in api.calls] == ["copy", "record", "synchronize"]
         api.calls.clear()
-        _, event = outputs.write_batch((TensorListCPU(np.zeros((2,), np.uint8)),))
+        _, event = _write(outputs, (TensorListCPU(np.zeros((2,), np.uint8)),))
         assert event == "" and api.calls == []  # no GPU output: no event
+        # CPU outputs handed over on the stream are read once the host has waited for it.
+        _write(outputs, (TensorListCPU(np.zeros((2,), np.uint8)),), source_stream=7)
+        assert api.calls == [("synchronize", 7)]
     finally:
         outputs.close()
         outputs.free()
@@ -175,7 +200,7 @@ def test_a_gpu_only_batch_never_waits_on_the_host_unless_the_executor_is_legacy(
 def test_gpu_releases_wait_on_the_fence_and_slabs_the_trainer_keeps_linger(prefix: str) -> None:
     api = FakeApi()
     outputs = _gpu_outputs(prefix, api)
-    (gpu,), _ = outputs.write_batch((TensorListGPU((1, 16)),))
+    (gpu,), _ = _write(outputs, (TensorListGPU((1, 16)),), source_stream=7)
     assert outputs.release([gpu.region_id], fence="5a" * 64) == []
     assert [call[0] for call in api.calls][-1] == "wait"
     with pytest.raises(ReleaseRefused, match="cannot be used"):
@@ -185,3 +210,46 @@ def test_gpu_releases_wait_on_the_fence_and_slabs_the_trainer_keeps_linger(prefi
     assert api.allocated != {}
     outputs.free()
     assert api.allocated == {}
+
+
+def test_a_jobs_rows_of_a_shared_run_are_copied_alone(prefix: str) -> None:
+    outputs = host_outputs()(prefix, LIMITS)
+    try:
+        run = np.arange(5 * 3, dtype=np.int32).reshape(5, 3)
+        (dense,), _ = _write(outputs, (TensorListCPU(run),), rows=range(1, 4))
+        assert dense.shape == (3, 3)
+        assert _bytes(dense.slab, dense.offset, dense.nbytes) == run[1:4].tobytes()
+        # Samples of another job differ in shape; this job's rows do not.
+        ragged = [np.full((4,), 9, np.uint8), np.arange(2, dtype=np.uint8), np.ones(2, np.uint8)]
+        (rows,), _ = _write(outputs, (TensorListCPU(ragged),), rows=range(1, 3))
+        assert rows.shape == (2, 2)
+        assert _bytes(rows.slab, rows.offset, rows.nbytes) == bytes([0, 1, 1, 1])
+        with pytest.raises(OutputFailure, match="different shapes"):
+            _write(outputs, (TensorListCPU(ragged),), rows=range(2))
+    finally:
+        outputs.close()
+
+
+def test_gpu_rows_of_a_shared_run_are_ordered_against_the_pipelines_stream(prefix: str) -> None:
+    api = FakeApi()
+    outputs = _gpu_outputs(prefix, api)
+    try:
+        shared_stream = 99  # the pipeline's own, not the job's (7)
+        _write(outputs, (TensorListGPU((4, 8)),), range(2, 4), shared_stream)
+        follow, lead = api.private
+        assert [call for call in api.calls if call[0] != "copy_range"] == [
+            ("record", follow, shared_stream),  # the job's stream waits for DALI's outputs,
+            ("wait", 7, follow),
+            ("record", api.events[0], 7),  # then the batch event after the copy,
+            ("record", lead, 7),  # and DALI's stream waits for the copy before reusing them
+            ("wait", shared_stream, lead),
+        ]
+        (copy,) = [call for call in api.calls if call[0] == "copy_range"]
+        assert copy[2:] == (0xD000 + 2 * 8 * 4, 2 * 8 * 4, 7)
+        api.calls.clear()
+        _write(outputs, (TensorListGPU((3, 2), ragged=True),), range(1, 3), shared_stream)
+        assert [call[0] for call in api.calls if call[0] == "copy"] == ["copy", "copy"]
+    finally:
+        outputs.close()
+        outputs.free()
+    assert api.allocated == {} and sorted(api.destroyed) == sorted([*api.events, *api.private])

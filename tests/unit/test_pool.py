@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.memory import SlabMappings
-from dalid.protocol import OutputDescriptor
+from dalid.client.shm import SharedMemoryOutputs
+from dalid.protocol import OutputDescriptor, ReleaseRegions
 from dalid.server.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
     PAGE,
     PoolClosed,
+    PoolFull,
     PoolTooSmall,
     Region,
     RegionPool,
@@ -470,44 +471,42 @@ def test_the_trainer_mapping_views_a_region_as_a_tensor(make_pool: PoolFactory) 
         shape=expected.shape,
         device=region.slab.device,
     )
-    mappings = SlabMappings()
+    mappings = SharedMemoryOutputs()
     try:
-        tensor = mappings.tensor(descriptor)
-        small = mappings.tensor(
-            dataclasses.replace(
-                descriptor,
-                region_id=other.region_id,
-                offset=other.offset,
-                nbytes=other.nbytes,
-                dtype="uint8",
-                shape=(other.nbytes,),
-            )
+        small_descriptor = dataclasses.replace(
+            descriptor,
+            region_id=other.region_id,
+            offset=other.offset,
+            nbytes=other.nbytes,
+            dtype="uint8",
+            shape=(other.nbytes,),
         )
+        tensor, small = mappings.wrap([descriptor, small_descriptor], "")
         assert mappings.opened == 1  # each slab is mapped once
         assert isinstance(tensor, torch.Tensor)
         np.testing.assert_array_equal(tensor.numpy(), expected)
-        assert mappings.take_released() == []
+        assert mappings.releases() == []
         view_of_tensor = tensor[1]
         del tensor
         gc.collect()
-        assert mappings.take_released() == []  # a view of the tensor still uses the region
+        assert mappings.releases() == []  # a view of the tensor still uses the region
         del view_of_tensor
         gc.collect()
-        assert mappings.take_released() == [region.region_id]
+        assert mappings.releases() == [ReleaseRegions((region.region_id,))]
         del small
         gc.collect()
-        assert mappings.take_released() == [other.region_id]
+        assert mappings.releases() == [ReleaseRegions((other.region_id,))]
         assert pool.release([region.region_id, other.region_id]) == []
     finally:
         mappings.close()
 
 
 def test_the_trainer_refuses_names_that_are_not_slabs() -> None:
-    mappings = SlabMappings()
+    mappings = SharedMemoryOutputs()
     for name in ("passwd", "../dalid-x", "dalid-a/b"):
         descriptor = OutputDescriptor(1, name, PAGE, 0, 4, "uint8", (4,))
         with pytest.raises(ValueError, match="refusing"):
-            mappings.tensor(descriptor)
+            mappings.wrap([descriptor], "")
     mappings.close()
 
 
@@ -603,6 +602,31 @@ def test_close_without_unmap_unlinks_but_keeps_memory_writable(
     slab.close()
 
 
+def test_a_pool_held_full_gives_up_after_the_wait_then_at_once(make_pool: PoolFactory) -> None:
+    # Note [Private copies] in dalid.server.copies: the caller then delivers a copy.
+    pool = make_pool(limit_pages=1)
+    held = pool.allocate([PAGE])
+    started = time.monotonic()
+    with pytest.raises(PoolFull):
+        pool.allocate([64], give_up_after=QUIET_S)
+    assert time.monotonic() - started >= QUIET_S
+    started = time.monotonic()
+    with pytest.raises(PoolFull):  # nothing released since: no second wait
+        pool.allocate([64], give_up_after=PROMPT_S)
+    assert time.monotonic() - started < PROMPT_S / 2
+    # Once the trainer releases again, a full pool waits for its releases as it always did.
+    pool.release([held[0].region_id])
+    held = pool.allocate([PAGE])
+    releaser = threading.Timer(QUIET_S, pool.release, [[held[0].region_id]])
+    releaser.start()
+    try:
+        other = pool.allocate([PAGE], give_up_after=PROMPT_S)
+    finally:
+        releaser.join()
+    assert len(other) == 1
+    pool.release([other[0].region_id])
+
+
 # --- Pools that grow as their outputs need room (a job's reservation) ---------------------------
 
 
@@ -679,3 +703,19 @@ def test_a_fixed_reservation_is_refused_when_the_daemon_has_not_that_much_left()
     kept.close()
     assert memory.reserved == 0
     memory.fixed(3 << 20).close()
+
+
+def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> None:
+    # A shared pipeline takes a job's batch only where its outputs have room (runs.py).
+    memory = OutputMemory(limit=4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(3 * PAGE))
+    try:
+        assert pool.limit_bytes == 0
+        assert pool.has_room([3 * PAGE])  # its cap
+        assert not pool.has_room([3 * PAGE + 1])
+        other = memory.fixed(2 * PAGE)
+        assert pool.has_room([2 * PAGE]) and not pool.has_room([3 * PAGE])  # the daemon's limit
+        other.close()
+    finally:
+        pool.close()

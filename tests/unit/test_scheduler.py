@@ -239,3 +239,23 @@ def test_run_seconds_add_up_per_job() -> None:
     scheduler.charge(2, 9.0)  # an unknown job: nothing to count it to
     assert scheduler.stats(1).run_seconds == pytest.approx(0.75)
     assert scheduler.stats(2).run_seconds == 0.0
+
+
+def test_batches_riding_in_a_shared_run_are_charged_to_their_jobs_alone() -> None:
+    """A run of a shared pipeline holds one slot; its other batches ride along (ride): each
+    moves its own job's tag, never the virtual time, so a backlogged job of another pipeline
+    keeps the lead it has and is served next."""
+    scheduler = FairScheduler(1)
+    for job_id in (1, 2, 3):
+        scheduler.add_job(job_id, 1.0)
+    assert scheduler.acquire(1, 10, block=False, cancelled=never)  # a run: job 1's batch...
+    for _ in range(3):
+        scheduler.ride(2, 10)  # ... and three batches of job 2
+    assert scheduler.start_tag(1) == 10
+    assert scheduler.start_tag(2) == 30
+    assert scheduler.start_tag(3) == 0  # untouched: job 3 comes first
+    scheduler.release(1)
+    assert scheduler.acquire(3, 10, block=False, cancelled=never)
+    assert scheduler.stats(2).granted == 3
+    scheduler.remove_job(2)
+    assert scheduler.start_tag(2) is None

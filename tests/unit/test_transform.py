@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dalid.client.errors import InputError
-from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef, collate_sample_refs
-from dalid.client.transform import Proxy, ProxyTarget
+from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef
+from dalid.client.target import ProxyTarget
+from dalid.client.worker import Proxy, collate_sample_refs
 
 
 def _target(

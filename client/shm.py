@@ -1,4 +1,4 @@
-"""The trainer's side of the output pool: map each slab once, view regions as torch tensors.
+"""The shared-memory output backend: map each slab once, view regions as CPU torch tensors.
 
 See Note [Output buffer lifetime] in ``dalid.server.pool`` for the whole contract. This side
 keeps its half: a region is released only after the last tensor viewing it is gone, and a
@@ -11,13 +11,16 @@ import collections
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dalid.protocol import OutputDescriptor
+from dalid.protocol import OutputDescriptor, ReleaseRegions
+
+from .copies import copied_tensor
 
 SHM_DIR = Path("/dev/shm")
 
@@ -38,17 +41,22 @@ def _try_unmap(mapping: _Mapping) -> bool:
     return True
 
 
-class SlabMappings:
-    """Shared-memory slabs mapped into this process, each once; ``close()`` unmaps them.
+class SharedMemoryOutputs:
+    """CPU outputs: shared-memory slabs mapped into this process, each once (an
+    :class:`~dalid.client.outputs.OutputBackend`).
 
     Tensors handed out keep their slab's pages alive on their own (through the numpy view
-    they hold), so closing this object while tensors live is safe: those mappings are left
-    to be unmapped when the last view goes.
+    they hold), so unmapping while tensors live is safe: those mappings are left to be unmapped
+    when the last view goes. The daemon needs no word of unmapped slabs, and nothing of the
+    trainer's to wait on: a region is free for it once released.
     """
+
+    # Its outputs are complete when their batch arrives: there is no event to open.
+    events_opened = 0
 
     def __init__(self) -> None:
         self._mappings: dict[str, _Mapping] = {}
-        # Region ids whose last view died; filled from any thread by GC, drained by the session.
+        # Region ids whose last view died; filled from any thread by GC, drained by releases().
         self.released: collections.deque[int] = collections.deque()
         self.opened = 0
         self.handed_out = 0
@@ -56,10 +64,21 @@ class SlabMappings:
         # Retired by the daemon but still viewed by a tensor: unmapped once no view is left.
         self._retiring: list[_Mapping] = []
 
-    def tensor(self, descriptor: OutputDescriptor) -> torch.Tensor:
-        """A CPU tensor viewing the region of ``descriptor`` without a copy."""
+    @property
+    def live_regions(self) -> int:
+        """Regions handed out as tensors that are not yet released."""
+        return self.handed_out - self._returned - len(self.released)
+
+    def wrap(self, outputs: Sequence[OutputDescriptor], event: str = "") -> list[torch.Tensor]:
+        """CPU tensors viewing the regions of ``outputs`` without a copy (``event``: unused).
+
+        Raises FileNotFoundError for a slab whose segment is gone.
+        """
+        return [self._tensor(descriptor) for descriptor in outputs]
+
+    def _tensor(self, descriptor: OutputDescriptor) -> torch.Tensor:
         if descriptor.device != "cpu":
-            raise ValueError(f"output on {descriptor.device!r}: this client maps CPU outputs only")
+            raise ValueError(f"output on {descriptor.device!r} is not in shared memory")
         mapping = self._mapping(descriptor.slab, descriptor.slab_size)
         assert mapping.bytes is not None
         region = mapping.bytes[descriptor.offset : descriptor.offset + descriptor.nbytes]
@@ -70,37 +89,42 @@ class SlabMappings:
         self.handed_out += 1
         return torch.from_numpy(array)
 
-    @property
-    def live_regions(self) -> int:
-        """Regions handed out as tensors that are not yet released."""
-        return self.handed_out - self._returned - len(self.released)
-
-    def take_released(self) -> list[int]:
+    def releases(self) -> list[ReleaseRegions]:
+        """The regions whose last view died since the last call, as one message (if any)."""
         released = []
         while self.released:
             released.append(self.released.popleft())
         self._returned += len(released)
         if self._retiring:
             self._retiring = [m for m in self._retiring if not _try_unmap(m)]
-        return released
+        return [ReleaseRegions(tuple(released))] if released else []
 
-    def retire(self, names: tuple[str, ...]) -> None:
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        return copied_tensor(output, frame)
+
+    def retire(self, slabs: Sequence[str]) -> None:
         """Unmaps slabs the daemon has freed (now, or once no tensor views them)."""
-        for name in names:
+        for name in slabs:
             mapping = self._mappings.pop(name, None)
             if mapping is not None and not _try_unmap(mapping):
                 self._retiring.append(mapping)
 
-    def close(self) -> None:
+    def unmap(self) -> tuple[str, ...]:
         """Unmaps every slab that no tensor views any more. Idempotent.
 
         A slab that a tensor still views stays mapped until that view is gone: its numpy
-        base holds the mapping, which Python unmaps when the last reference goes.
+        base holds the mapping, which Python unmaps when the last reference goes. The daemon
+        may free such slabs all the same, so none is named for it to keep.
         """
         mappings, self._mappings = self._mappings, {}
         for mapping in [*mappings.values(), *self._retiring]:
             _try_unmap(mapping)
         self._retiring = []
+        return ()
+
+    def close(self) -> None:
+        """Unmaps what ``unmap`` left (nothing, after it). Idempotent."""
+        self.unmap()
 
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)

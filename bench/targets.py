@@ -1,0 +1,161 @@
+"""The targets a run is held to, each marked met or not from the run's medians.
+
+A target compares figures of rows of the summary (``row_id``: ``dalid``, ``dali-x8``, ...).
+Ratios between two rows pair their runs by repeat (they ran back to back) and take the median
+of the per-repeat ratios, as the throughput matrix does. A target whose rows did not run, or
+ran without the figure, is *not measured*: ``met`` is None, never True. Plain data in and out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .stats import spread
+
+# One job through dalid against DALI in-process, and the transport's round trip.
+RATIO_TARGET = 0.95
+P50_TARGET_US = 100.0
+P99_TARGET_US = 500.0
+
+# Jobs sharing one pipeline in the daemon (``dalid``, sharing on by default), against as many
+# jobs each running DALI in its own process (``dali``). On a CPU machine in-process DALI keeps
+# every core busy already, so parity in throughput is the ceiling there and the win is memory.
+SHARED_THROUGHPUT_JOBS = (2, 4, 8)
+SHARED_THROUGHPUT_TARGET = 1.0  # all jobs' samples/s over in-process's, at least
+MEMORY_JOBS = 8
+PSS_TARGET = 0.60  # all processes' PSS over in-process's with MEMORY_JOBS jobs, at most
+DAEMON_GROWTH_TARGET = 1.5  # the daemon's peak RSS with MEMORY_JOBS jobs over 1 job, at most
+FAIRNESS_JOBS = (2, 4, 8)
+FAIRNESS_TARGET = 0.99  # Jain's index at equal weights, at least
+# The rows these targets need: any of them in a run brings them into its report.
+SHARING_KINDS = ("dali", "dalid", "dalid-private")
+
+# Per row id, per repeat, the run's figures: samples_per_s, fairness, all_pss_mb,
+# daemon_peak_rss_mb (None where a figure could not be read).
+Values = Mapping[str, Mapping[int, Mapping[str, float | None]]]
+
+
+def row_id(kind: str, jobs: int) -> str:
+    """The summary's name of a contender's row with ``jobs`` jobs: ``dalid``, ``dali-x8``."""
+    return kind if jobs == 1 else f"{kind}-x{jobs}"
+
+
+def row_kind(row: str) -> str:
+    """The contender of a row id: ``dalid-private-x4`` -> ``dalid-private``."""
+    kind, _, jobs = row.rpartition("-x")
+    return kind if kind and jobs.isdigit() else row
+
+
+def figure(values: Values, row: str, name: str) -> dict[str, float]:
+    """A figure of one row over its repeats."""
+    runs = values.get(row, {}).values()
+    return spread(v for run in runs if (v := run.get(name)) is not None)
+
+
+def paired_ratio(values: Values, row: str, base: str, name: str) -> dict[str, float]:
+    """``row``'s figure over ``base``'s, per repeat where both have it, over the repeats."""
+    mine, theirs = values.get(row, {}), values.get(base, {})
+    ratios = []
+    for repeat, run in mine.items():
+        a = run.get(name)
+        b = theirs.get(repeat, {}).get(name)
+        if a is not None and b is not None and b > 0:
+            ratios.append(a / b)
+    return spread(ratios)
+
+
+def target(
+    name: str, goal: str, measured: dict[str, float], unit: str, met: Callable[[float], bool]
+) -> dict[str, Any]:
+    """A target's row; ``unit`` says how the report shows it: "ratio" (as %), "times", "index"
+    or "us"."""
+    if not measured.get("n"):
+        return {"name": name, "goal": goal, "measured": None, "unit": unit, "met": None}
+    return {"name": name, "goal": goal, "measured": measured, "unit": unit,
+            "met": bool(met(measured["median"]))}  # fmt: skip
+
+
+def sharing_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Jobs sharing one pipeline in the daemon: throughput against as many in-process DALI
+    jobs, memory, and fairness; ``labels`` names the contenders by kind."""
+    shared, inprocess = labels["dalid"], labels["dali"]
+    found = [
+        target(
+            f"{shared}, {jobs} jobs: samples/s / {inprocess}, {jobs} jobs",
+            f">= {SHARED_THROUGHPUT_TARGET:.0%}",
+            paired_ratio(values, row_id("dalid", jobs), row_id("dali", jobs), "samples_per_s"),
+            "ratio",
+            lambda ratio: ratio >= SHARED_THROUGHPUT_TARGET,
+        )
+        for jobs in SHARED_THROUGHPUT_JOBS
+    ]
+    n = MEMORY_JOBS
+    found.append(
+        target(
+            f"{shared}, {n} jobs: all processes' PSS / {inprocess}, {n} jobs",
+            f"<= {PSS_TARGET:.0%}",
+            paired_ratio(values, row_id("dalid", n), row_id("dali", n), "all_pss_mb"),
+            "ratio",
+            lambda ratio: ratio <= PSS_TARGET,
+        )
+    )
+    found.append(
+        target(
+            f"{shared}: the daemon's peak RSS with {n} jobs / with 1 job",
+            f"<= {DAEMON_GROWTH_TARGET:.1f}x",
+            paired_ratio(values, row_id("dalid", n), "dalid", "daemon_peak_rss_mb"),
+            "times",
+            lambda ratio: ratio <= DAEMON_GROWTH_TARGET,
+        )
+    )
+    found += [
+        target(
+            f"{shared}, {jobs} jobs of equal weight: Jain's fairness",
+            f">= {FAIRNESS_TARGET}",
+            figure(values, row_id("dalid", jobs), "fairness"),
+            "index",
+            lambda index: index >= FAIRNESS_TARGET,
+        )
+        for jobs in FAIRNESS_JOBS
+    ]
+    return found
+
+
+def all_targets(
+    values: Values, transport: Mapping[str, Any], labels: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The run's targets: one job and the transport where they ran, and the sharing targets
+    where any of their contenders ran (those of job counts not run: not measured)."""
+    found = []
+    ratio = paired_ratio(values, "dalid", "dali", "samples_per_s")
+    if ratio["n"]:
+        found.append(
+            target(
+                f"{labels['dalid']}, 1 job: samples/s / {labels['dali']}, 1 job",
+                f">= {RATIO_TARGET:.0%}",
+                ratio,
+                "ratio",
+                lambda r: r >= RATIO_TARGET,
+            )
+        )
+    probe = transport.get("probes", {}).get("dalid_b1")
+    if probe:
+        for key, goal in (("p50_us", P50_TARGET_US), ("p99_us", P99_TARGET_US)):
+            found.append(
+                target(
+                    f"transport round trip {key[:3]} (1 tiny sample, empty pipeline)",
+                    f"<= {goal:.0f} us",
+                    probe[key],
+                    "us",
+                    lambda us, goal=goal: us <= goal,
+                )
+            )
+    if any(row_kind(row) in SHARING_KINDS for row in values):
+        found += sharing_targets(values, labels)
+    return found
+
+
+def met_text(met: bool | None) -> str:
+    """How the report's ``met`` column shows a target."""
+    return "not measured" if met is None else "yes" if met else "**no**"

@@ -1,0 +1,102 @@
+"""What the client reads of a DALI pipeline, and the registration that describes it to the daemon.
+
+The client never builds a pipeline: building needs the pipeline's device in the trainer (a GPU
+pipeline needs CUDA there). It reads the pipeline's Python graph (its external_source names and
+its outputs, as DALI's own proxy does) and sends the serialized pipeline, which the daemon
+builds on its device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dalid.protocol import Device, OnError, RegisterNamedPipeline, RegisterPipeline
+
+from .errors import InputError
+from .named import RepositoryPipeline
+from .paths import path_inputs
+
+
+def _graph(pipeline: Any) -> Any:
+    """The pipeline with its Python graph built, without building the pipeline itself.
+
+    DALI's own proxy reads the same private attributes.
+    """
+    if getattr(pipeline, "_deserialized", False):
+        raise InputError(
+            "the pipeline was deserialized, so its external_source names are unknown: pass the "
+            "pipeline object built from its definition"
+        )
+    if not pipeline._py_graph_built:
+        pipeline._build_graph()
+    return pipeline
+
+
+def external_source_names(pipeline: Any) -> list[str]:
+    """The names of a pipeline's external_source operators, in definition order."""
+    from nvidia.dali.external_source import ExternalSource
+
+    return [op.name for op in _graph(pipeline)._ops if isinstance(op._op, ExternalSource)]
+
+
+def output_count(pipeline: Any) -> int:
+    """How many outputs the pipeline's graph returns."""
+    return int(_graph(pipeline)._num_outputs)
+
+
+def check_pipeline(pipeline: Any) -> None:
+    """Raises :class:`InputError` unless ``pipeline`` is a DALI pipeline."""
+    from nvidia.dali import Pipeline
+
+    if not isinstance(pipeline, Pipeline):
+        raise InputError(f"expected an NVIDIA DALI pipeline, got {type(pipeline).__name__}")
+
+
+def pipeline_device(pipeline: Any) -> Device:
+    """The device a pipeline was defined for: its device_id, or ``"cpu"`` when it has none."""
+    check_pipeline(pipeline)
+    return "cpu" if pipeline.device_id is None else int(pipeline.device_id)
+
+
+def registration_request(
+    pipeline: Any, on_error: str = "raise", *, deterministic: bool = False
+) -> RegisterPipeline | RegisterNamedPipeline:
+    """The message that registers ``pipeline``: a DALI pipeline (sent serialized), or one of
+    the daemon's repository (a :class:`RepositoryPipeline`, or its name). ``deterministic``:
+    the daemon runs it for this job alone, one batch at a time. Bad arguments raise
+    :class:`InputError` before anything is sent."""
+    try:
+        policy = OnError(on_error)
+    except ValueError:
+        raise InputError(
+            f"on_error must be one of {[p.value for p in OnError]}, got {on_error!r}"
+        ) from None
+    if isinstance(pipeline, str):
+        pipeline = RepositoryPipeline(pipeline)
+    if isinstance(pipeline, RepositoryPipeline):
+        return dataclasses.replace(pipeline.request(), on_error=policy, deterministic=deterministic)
+    check_pipeline(pipeline)
+    names = external_source_names(pipeline)
+    if not names:
+        raise InputError(
+            "the pipeline has no external_source: dalid feeds pipelines through "
+            "fn.external_source(name=...) inputs"
+        )
+    depth = pipeline.prefetch_queue_depth
+    if isinstance(depth, dict):
+        depth = max(depth.values())
+    return RegisterPipeline(
+        serialized=memoryview(pipeline.serialize()),
+        input_names=tuple(names),
+        num_outputs=output_count(pipeline),
+        max_batch_size=pipeline.max_batch_size,
+        num_threads=pipeline.num_threads,
+        prefetch_queue_depth=int(depth),
+        seed=pipeline.seed,
+        exec_dynamic=bool(pipeline.exec_dynamic),
+        name=getattr(pipeline, "_name", None) or "",
+        on_error=policy,
+        deterministic=deterministic,
+        path_inputs=path_inputs(pipeline),
+    )

@@ -1,0 +1,544 @@
+"""Daemon restarts, the client's half: how a job carries on when its daemon is replaced.
+
+The trainer's side is :class:`Reconnector`, which holds what a session has of the daemon it
+talks to now (a :class:`Generation`) and everything that outlives that daemon: the pipelines'
+registrations, the jobs the session had on earlier daemons, and the batches to submit again.
+A worker's side is :data:`worker_links`, its links by job, which a restart takes away and gives
+back, and :func:`left_to_trainer`, which decides what becomes of a batch the daemon refused.
+The daemon's half is in ``dalid.server``: a new daemon welcomes a worker of an earlier job
+into the job of that job's trainer.
+
+Why one module of more than 400 lines: the two sides keep one protocol, written once as the
+note below, and each side's code reads best beside it (the trainer's is about 250 lines, a
+worker's about 130).
+
+Note [Daemon restarts]
+~~~~~~~~~~~~~~~~~~~~~~
+A daemon keeps nothing across a restart: the new one on the socket knows none of the old one's
+jobs, pipelines, batch ids or regions. What each process holds, and what it does when it finds
+the daemon gone (the link notices within a second where the daemon's pid can be watched, a few
+seconds otherwise, and raises DaemonUnavailable):
+
+1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
+   batch and the job its proxy names (``job_token``, unique to one job of one daemon
+   instance). With reconnect=True the ref also carries a :class:`Resubmission`: the batch's
+   inputs, kept until the trainer has delivered its outputs, and the job that accepted the
+   batch (``accepted_by``, the token of its link's welcome). A worker that finds the daemon
+   gone leaves the batch unsent (``batch_id`` None) and drops that job's link; the trainer
+   submits it.
+2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
+   whole: its link (no goodbye), its slab mappings and the results it had received but not
+   yet delivered. Tensors already delivered stay valid: their pages stay mapped until the
+   tensors are freed (the new daemon unlinks the old segments' names), and their releases go
+   to the abandoned mappings, never to the new daemon, whose region ids and slabs are
+   unrelated. Then it connects again (a new job), registers every pipeline again and points
+   the proxies it made at the new registrations (workers started from then on submit to the
+   new job). Its hello names every job it had on earlier daemons (``earlier_jobs``), and each
+   registration the pipeline's id in each of them (``earlier_ids``): the new daemon knows
+   nothing of them, so the trainer, which outlives them all, is what carries them from daemon
+   to daemon.
+3. When the trainer delivers a batch that another job accepted (one of an abandoned daemon),
+   or no job at all, it submits the batch again from the inputs the ref carries, under the
+   pipeline's new id. A batch is delivered once: its ref is turned into tensors once, and
+   results that came from the old daemon but were not yet delivered are dropped with it, so
+   nothing arrives twice and nothing is lost.
+4. Workers that were running at the restart hold an earlier job in their pickled proxy. A
+   worker tries that job again with a new hello at its next batch, and while hellos fail at
+   most once per REJOIN_EVERY_S (each waits at most REJOIN_HELLO_TIMEOUT_S). The new daemon
+   welcomes it into the trainer's new job once the trainer has reconnected, and runs its
+   batches, which name the pipeline's earlier id, on the pipeline registered again; the
+   welcome's token becomes the refs' ``accepted_by``, so the trainer waits for those batches
+   instead of submitting them again. Until then (daemon still down, trainer not reconnected or
+   the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1.
+   GPU outputs follow the same steps; that path has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from dalid.protocol import (
+    MAX_EARLIER_JOBS,
+    BatchAccepted,
+    BatchFailed,
+    BatchReady,
+    Device,
+    EarlierJob,
+    EarlierPipeline,
+    Envelope,
+    Error,
+    ErrorCode,
+    PipelineRegistered,
+    RegisterNamedPipeline,
+    RegisterPipeline,
+    Role,
+    Welcome,
+)
+
+from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from .link import Link, dial
+from .outputs import Outputs
+from .target import ProxyTarget
+
+if TYPE_CHECKING:
+    from .refs import DALIPipelineRunRef
+    from .worker import Proxy
+
+log = logging.getLogger("dalid.client")
+
+# How many times in a row one call may find the daemon gone and reconnect before it gives up.
+MAX_RECONNECTS = 5
+# A worker whose link to a job's daemon failed tries a new hello at its next batch (the daemon
+# may be back already), then, while hellos fail, at most once per REJOIN_EVERY_S; a hello waits
+# at most REJOIN_HELLO_TIMEOUT_S, so that its DataLoader never stalls long.
+REJOIN_EVERY_S = 0.5
+REJOIN_HELLO_TIMEOUT_S = 1.0
+
+T = TypeVar("T")
+
+
+@dataclass
+class Resubmission:
+    """What a batch reference carries with reconnect=True, so that the trainer can submit the
+    batch again to a restarted daemon (points 1 and 3 of the note)."""
+
+    # The token of the job that accepted the batch ("": none). Another job's than the ref's
+    # job_token when a worker rejoined its trainer's job on a restarted daemon.
+    accepted_by: str = ""
+    # The batch's inputs once collated, until the trainer has delivered its outputs.
+    inputs: dict[str, list[Any]] = field(default_factory=dict)
+
+    def accepted(self, job_token: str, inputs: dict[str, list[Any]]) -> None:
+        """The batch was collated, and accepted by the job with ``job_token`` ("": unsent)."""
+        self.accepted_by = job_token
+        self.inputs = inputs
+
+
+# --- the trainer's side ---------------------------------------------------------------------------
+
+
+class Dial(Protocol):
+    """Opens a trainer link to the daemon on the session's socket (starting one if allowed)."""
+
+    def __call__(
+        self,
+        *,
+        on_push: Callable[[Envelope], None],
+        connect_timeout: float,
+        hello_timeout: float,
+        earlier_jobs: tuple[EarlierJob, ...],
+    ) -> Link: ...
+
+
+class Generation:
+    """What a session holds of one daemon: its link, the outputs mapped from it, and the
+    results it sent that wait to be delivered. Closed once, or abandoned with the daemon."""
+
+    def __init__(
+        self, link: Link, outputs: Outputs, results: dict[int, BatchReady | BatchFailed]
+    ) -> None:
+        self.link = link
+        self.outputs = outputs
+        # Filled by the link while the session waits for another result. Neither may hold the
+        # session itself, or its finalizer would never run.
+        self.results = results
+
+    @classmethod
+    def open(cls, dial: Dial, **options: Any) -> Generation:
+        """Dials the daemon and maps its outputs; the generation owns the link from here on."""
+        results: dict[int, BatchReady | BatchFailed] = {}
+        link = dial(on_push=functools.partial(_keep_result, results), **options)
+        try:
+            outputs = Outputs.for_daemon(link.welcome)
+        except BaseException:
+            link.close()
+            raise
+        return cls(link, outputs, results)
+
+    def abandon(self) -> None:
+        """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
+
+        Mappings close as at the end of a job: tensors that view them keep them; their
+        releases are dropped with this object (point 2 of the note).
+        """
+        welcome = self.link.welcome
+        worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token, False)
+        self.link.abort()
+        self.outputs.unmap()
+        self.outputs.close()
+
+    def close(self) -> None:
+        welcome = self.link.welcome
+        worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token)
+        # GPU slabs are unmapped before the goodbye, which names those tensors still view
+        # (Note [GPU output lifetime] in dalid.server.cuda).
+        kept = self.outputs.unmap()
+        self.link.close(kept_slabs=kept)
+        self.outputs.close()
+
+
+def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelope) -> None:
+    """Keeps a batch result that arrived while the session waited for another."""
+    message = envelope.message
+    if isinstance(message, BatchReady | BatchFailed):
+        results[message.batch_id] = message
+    elif isinstance(message, Error):
+        log.warning("dalid daemon: %s", message.message)
+
+
+@dataclass
+class Registration:
+    """A pipeline the session registered, kept to register it again with a new daemon."""
+
+    request: RegisterPipeline | RegisterNamedPipeline
+    deterministic: bool
+    # The daemon's answer to the latest registration: the pipeline as it built it.
+    registered: PipelineRegistered | None = None
+    # The proxies made for it, pointed at each new registration.
+    proxies: weakref.WeakSet[Proxy] = field(default_factory=weakref.WeakSet)
+
+
+class Reconnector:
+    """A session's daemon, generation after generation: what the session's finalizer closes.
+
+    Without ``enabled`` there is one generation, and a daemon found gone ends the session.
+    With it, :meth:`call` reconnects to the daemon that comes back on the socket (waiting up to
+    ``connect_timeout``) and tries again (Note [Daemon restarts]).
+    """
+
+    def __init__(
+        self, dial: Dial, *, socket: Path, device: Device, enabled: bool, connect_timeout: float
+    ) -> None:
+        self.socket = socket
+        self.device = device
+        self.enabled = enabled
+        self._dial = dial
+        self._connect_timeout = connect_timeout
+        self._registrations: list[Registration] = []
+        # Every (job_token, pipeline_id) this session was given, in any daemon generation.
+        self._pipeline_keys: dict[tuple[str, int], Registration] = {}
+        # The jobs this session had on daemons it reconnected away from, oldest first, named
+        # to each new daemon so that workers holding them join the new job.
+        self._earlier_jobs: list[EarlierJob] = []
+        self.reconnects = 0
+        # Batches of DataLoader workers that the trainer submitted itself, from the inputs
+        # their refs carry: those of a daemon that died, and those a worker could not send.
+        self.submitted_by_trainer = 0
+        self.generation = Generation.open(
+            dial, connect_timeout=connect_timeout, hello_timeout=5.0, earlier_jobs=()
+        )
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def welcome(self) -> Welcome:
+        """The welcome of the daemon of the latest generation (closed or not)."""
+        return self.generation.link.welcome
+
+    @property
+    def link(self) -> Link:
+        if self._closed:
+            raise DaemonUnavailable("this dalid session is closed")
+        return self.generation.link
+
+    def close(self) -> None:
+        """Ends the job with the daemon of the latest generation. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.generation.close()
+
+    def call(self, action: Callable[[], T]) -> T:
+        """``action()``; when enabled, again after each reconnection to a new daemon."""
+        gone = False
+        for attempt in range(MAX_RECONNECTS + 1):
+            try:
+                if gone:
+                    self.reconnect_now()
+                return action()
+            except DaemonUnavailable as error:
+                if (
+                    not self.enabled
+                    or isinstance(error, ProtocolMismatch | DaemonStopped)
+                    or self._closed
+                ):
+                    raise  # a daemon stopped on purpose is not restarted: nothing to wait for
+                if attempt == MAX_RECONNECTS:
+                    raise DaemonUnavailable(
+                        f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
+                    ) from error
+                log.warning("%s: reconnecting", error)
+                gone = True
+        raise AssertionError("unreachable")
+
+    def reconnect_now(self) -> None:
+        """Abandons the daemon that is gone and starts over with the one on the socket now."""
+        welcome = self.welcome
+        abandoned = EarlierJob(welcome.job_id, welcome.job_token)
+        if abandoned not in self._earlier_jobs:
+            # Past the limit the oldest goes: its workers (persistent ones, started that long
+            # ago) then leave their batches to this session.
+            self._earlier_jobs = [*self._earlier_jobs, abandoned][-MAX_EARLIER_JOBS:]
+        self.generation.abandon()
+        self._closed = True  # until a daemon welcomes the session
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                generation = Generation.open(
+                    self._dial,
+                    connect_timeout=max(remaining, 1.0),
+                    hello_timeout=min(max(remaining, 1.0), 5.0),
+                    earlier_jobs=tuple(self._earlier_jobs),
+                )
+                break
+            except (DaemonUnavailable, RequestError) as error:
+                # A daemon that lives on (it stopped answering pings for a while) may not have
+                # ended our abandoned job yet, which holds an identity the hello claims; it
+                # does once it notices that job's connection closed.
+                if isinstance(error, RequestError) and error.code is not ErrorCode.JOB_CLAIMED:
+                    raise
+                if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
+                    raise DaemonUnavailable(
+                        f"no dalid daemon came back on {self.socket} within "
+                        f"{self._connect_timeout:.0f} s: {error}"
+                    ) from error
+                time.sleep(0.2)
+        self.generation = generation
+        self._closed = False
+        self.reconnects += 1
+        log.warning(
+            "reconnected to the dalid daemon on %s (pid %d), job %d",
+            self.socket,
+            self.welcome.daemon_pid,
+            self.welcome.job_id,
+        )
+        for registration in self._registrations:
+            self._register_now(registration)
+            for proxy in registration.proxies:
+                proxy.retarget(self.target_of(registration))
+
+    # --- registrations ------------------------------------------------------------------------
+
+    def register(
+        self, request: RegisterPipeline | RegisterNamedPipeline, deterministic: bool
+    ) -> Registration:
+        """Registers a pipeline with the daemon, and again with each new one."""
+        registration = Registration(request, deterministic)
+        self.call(lambda: self._register_now(registration))
+        self._registrations.append(registration)
+        return registration
+
+    def _register_now(self, registration: Registration) -> None:
+        """Registers with the daemon connected now, naming the ids the pipeline had in the
+        earlier jobs this session names at hello."""
+        earlier = {job.job_token for job in self._earlier_jobs}
+        request = dataclasses.replace(
+            registration.request,
+            earlier_ids=tuple(
+                EarlierPipeline(token, pipeline_id)
+                for (token, pipeline_id), known in self._pipeline_keys.items()
+                if known is registration and token in earlier
+            ),
+        )
+        link = self.link
+        reply = link.request(request)
+        assert isinstance(reply, PipelineRegistered)
+        registration.registered = reply
+        self._pipeline_keys[(link.welcome.job_token, reply.pipeline_id)] = registration
+
+    def target_of(self, registration: Registration) -> ProxyTarget:
+        """Where a proxy sends its batches: the pipeline as the daemon built it."""
+        welcome = self.link.welcome
+        registered = registration.registered
+        assert registered is not None
+        return ProxyTarget(
+            socket=self.socket,
+            device=self.device,
+            job_id=welcome.job_id,
+            job_token=welcome.job_token,
+            pipeline_id=registered.pipeline_id,
+            input_names=registered.input_names,
+            num_outputs=registered.num_outputs,
+            max_batch_size=registered.max_batch_size,
+            deterministic=registration.deterministic,
+            reconnect=self.enabled,
+            path_inputs=registered.path_inputs,
+            working_directory=os.getcwd(),
+        )
+
+    # --- batches ----------------------------------------------------------------------------------
+
+    def check(self, run: DALIPipelineRunRef) -> None:
+        """Raises :class:`InputError` for a batch reference the session cannot deliver."""
+        kept = run.resubmission is not None and bool(run.resubmission.inputs)
+        if run.batch_id is None and not (self.enabled and kept):
+            raise InputError(
+                "a batch reference that was never submitted: collate the proxy's sample "
+                "references (torch's default collate does) before produce_data"
+            )
+        if (run.job_token, run.pipeline_id) not in self._pipeline_keys:
+            raise InputError(
+                f"batch {run.batch_id} belongs to job {run.job_id}, not to this session's "
+                f"job {self.welcome.job_id}"
+            )
+
+    def submit_if_lost(self, run: DALIPipelineRunRef) -> None:
+        """Submits the batch to the daemon connected now unless one of its jobs accepted it:
+        a batch of an abandoned daemon, or one a worker could not send (point 3)."""
+        accepted_by = run.resubmission.accepted_by if run.resubmission is not None else None
+        if run.batch_id is not None and accepted_by in (None, self.link.welcome.job_token):
+            return
+        registration = self._pipeline_keys[(run.job_token, run.pipeline_id)]
+        if run.resubmission is None or not run.resubmission.inputs:
+            # Not DaemonUnavailable: reconnecting again would not bring the inputs back.
+            raise InputError(
+                f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
+                "are gone: it was delivered already, or its proxy was made by another session"
+            )
+        request = self.target_of(registration).submission(
+            run.resubmission.inputs, run.deterministic
+        )
+        link = self.link
+        reply = link.request(request)
+        assert isinstance(reply, BatchAccepted)
+        welcome = link.welcome
+        run.job_id, run.job_token = welcome.job_id, welcome.job_token
+        run.pipeline_id, run.batch_id = request.pipeline_id, reply.batch_id
+        run.resubmission.accepted_by = welcome.job_token
+        run.is_scheduled = not run.deterministic
+        self.submitted_by_trainer += 1
+
+    @staticmethod
+    def delivered(run: DALIPipelineRunRef) -> None:
+        """The batch's outputs are delivered: the inputs kept for a resubmission can go."""
+        if run.resubmission is not None:
+            run.resubmission.inputs = {}
+
+
+# --- a worker's side ------------------------------------------------------------------------------
+
+_LinkKey = tuple[Path, int, str]
+
+
+class WorkerLinks:
+    """This process's worker links, one per (socket, job); reset in a forked child.
+
+    A link's key is the job the proxy names; after a daemon restart the link may be welcomed
+    into the new job of that job's trainer (point 4 of the note).
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._links: dict[_LinkKey, Link] = {}
+        # Jobs whose daemon was found gone, with when to try a hello again: until one is
+        # welcomed, their batches are left for the trainer to submit.
+        self._lost: dict[_LinkKey, float] = {}
+
+    def get(self, target: ProxyTarget) -> Link | None:
+        """This process's link to the target's job; None while a job found unreachable waits
+        for its next try (see ``lose``)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                # Inherited across fork: the parent's sockets are not ours to use or close.
+                self._links = {}
+                self._lost = {}
+                self._pid = os.getpid()
+            key = (target.socket, target.job_id, target.job_token)
+            link = self._links.get(key)
+            if link is not None and not link.closed:
+                return link
+            retry_at = self._lost.get(key)
+            if retry_at is not None and time.monotonic() < retry_at:
+                return None
+            link = dial(
+                target.socket,
+                Role.WORKER,
+                device=target.device,
+                name=f"worker {os.getpid()}",
+                job_id=target.job_id,
+                job_token=target.job_token,
+                hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
+            )
+            self._links[key] = link
+            if retry_at is not None:
+                del self._lost[key]
+                log.info(
+                    "rejoined job %d as job %d of the daemon on %s (pid %d); this process "
+                    "submits its batches again",
+                    target.job_id,
+                    link.welcome.job_id,
+                    target.socket,
+                    link.welcome.daemon_pid,
+                )
+            return link
+
+    def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
+        """Closes this process's link to a job (``goodbye=False``: its daemon is gone)."""
+        with self._lock:
+            link = self._links.pop((socket, job_id, job_token), None)
+            if link is not None and self._pid == os.getpid():
+                link.close(goodbye=goodbye)
+
+    def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
+        """Drops the link to a job its daemon cannot take batches for (gone, or restarted and
+        not yet joined by the trainer); batches go to the trainer unsent until a hello, tried
+        ``retry_after`` seconds from now or later, is welcomed. ``goodbye``: the daemon lives.
+        Whether the job was reachable until now."""
+        self.close_job(target.socket, target.job_id, target.job_token, goodbye=goodbye)
+        key = (target.socket, target.job_id, target.job_token)
+        with self._lock:
+            known = key in self._lost
+            self._lost[key] = time.monotonic() + retry_after
+        return not known
+
+
+worker_links = WorkerLinks()
+
+
+def left_to_trainer(
+    target: ProxyTarget, error: DaemonUnavailable | RequestError, link: Link | None
+) -> bool:
+    """Whether a batch that ``link`` (None: not opened) could not submit is the trainer's to
+    submit (points 1 and 4 of the note); if so, this process stops using that job's link
+    until a later hello is welcomed. False: the error is the caller's to raise."""
+    rejoined = link is not None and link.welcome.job_token != target.job_token
+    if not target.reconnect or not _not_taken_yet(error, rejoined):
+        return False
+    gone = isinstance(error, DaemonUnavailable)
+    # A link that worked until now may find a restarted daemon at the next batch.
+    retry_after = 0.0 if gone and link is not None else REJOIN_EVERY_S
+    if worker_links.lose(target, retry_after, goodbye=not gone):
+        log.info(
+            "%s; the trainer submits this process's batches of job %d until this process "
+            "rejoins the job",
+            error,
+            target.job_id,
+        )
+    return True
+
+
+def _not_taken_yet(error: DaemonUnavailable | RequestError, rejoined: bool) -> bool:
+    """Whether a batch refused with ``error`` is the trainer's to submit: its daemon is gone,
+    or was restarted and the trainer has not reconnected to it, or (on a link that rejoined
+    the trainer's new job) not yet registered the pipeline again."""
+    if isinstance(error, ProtocolMismatch):
+        return False
+    if isinstance(error, DaemonUnavailable):
+        return True
+    return error.code is ErrorCode.UNKNOWN_JOB or (
+        rejoined and error.code is ErrorCode.UNKNOWN_PIPELINE
+    )

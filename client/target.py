@@ -1,0 +1,54 @@
+"""Where a proxy's batches go: the pipeline as the daemon registered it, for one job.
+
+A :class:`ProxyTarget` is what a pickled proxy carries to the DataLoader workers; the trainer
+makes one for each registration, and again after each reconnection to a restarted daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dalid.protocol import InputBatch, SubmitBatch
+
+from .paths import resolve_paths
+
+
+@dataclass(frozen=True)
+class ProxyTarget:
+    """Everything a worker process needs to reach the pipeline; this is what gets pickled."""
+
+    socket: Path
+    device: str | int
+    job_id: int
+    job_token: str
+    pipeline_id: int
+    input_names: tuple[str, ...]
+    num_outputs: int
+    max_batch_size: int
+    deterministic: bool
+    # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
+    reconnect: bool = False
+    # Inputs whose samples are file paths, made absolute from the trainer's working directory
+    # before they leave (dalid.client.paths).
+    path_inputs: tuple[str, ...] = ()
+    working_directory: str = ""
+
+    def submission(self, samples: Mapping[str, Sequence[Any]], deferred: bool) -> SubmitBatch:
+        """The request that submits a batch's ``samples`` (numpy arrays, by input name) to
+        this pipeline; ``deferred``: it runs only when the trainer schedules it. Relative file
+        paths are made absolute, and files this process cannot read are named."""
+        resolved, unreadable = resolve_paths(samples, self.path_inputs, self.working_directory)
+        inputs = tuple(
+            InputBatch(
+                name=name,
+                dtype=resolved[name][0].dtype.name,
+                shapes=tuple(tuple(sample.shape) for sample in resolved[name]),
+                # The codec sends any buffer as a frame, numpy arrays included.
+                samples=tuple(resolved[name]),  # type: ignore[arg-type]
+            )
+            for name in self.input_names
+        )
+        return SubmitBatch(self.pipeline_id, inputs, deferred=deferred, unreadable=unreadable)

@@ -1,0 +1,197 @@
+"""The worker side of a batch: the proxy call, collation and submission to the daemon.
+
+DataLoader workers call the picklable :class:`Proxy` from ``Dataset.__getitem__``: a call adds
+one sample to the batch this worker is building and returns references. Collating those
+references (torch's default collate does; importing this module registers the rule) ends the
+batch and submits it to the daemon through this process's own worker connection, returning at
+once with the daemon's batch id; the trainer then turns the batch references into tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from itertools import pairwise
+from typing import Any
+
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+from dalid.protocol import BatchAccepted
+
+from .errors import DaemonUnavailable, InputError, RequestError
+from .link import Link
+from .reconnect import Resubmission, left_to_trainer, worker_links
+from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
+from .samples import as_sample
+from .target import ProxyTarget
+
+
+class Proxy:
+    """Callable with DALI's proxy rules: one input positional or keyword, several keyword-only.
+
+    Returns one :class:`DALIOutputSampleRef` per pipeline output (the ref itself when there is
+    one output). Picklable: a worker process opens its own connection on first use.
+    """
+
+    def __init__(self, target: ProxyTarget) -> None:
+        self._target = target
+        self._init_local()
+
+    def _init_local(self) -> None:
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if len(self._target.input_names) == 1
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        self.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, kind) for name in self._target.input_names]
+        )
+        self._local = threading.local()
+
+    @property
+    def target(self) -> ProxyTarget:
+        return self._target
+
+    def retarget(self, target: ProxyTarget) -> None:
+        """Points this proxy at another registration of the same pipeline (a new job)."""
+        if target.input_names != self._target.input_names:
+            raise InputError("a proxy can only be pointed at the same pipeline again")
+        self._target = target
+        self._init_local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"target": self._target}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._target = state["target"]
+        self._init_local()
+
+    def __repr__(self) -> str:
+        names = ", ".join(self._target.input_names)
+        return f"<dalid Proxy pipeline={self._target.pipeline_id} inputs=({names})>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as error:
+            names = self._target.input_names
+            if args and len(names) > 1:
+                example = ", ".join(f"{name}=..." for name in names)
+                raise InputError(
+                    f"the pipeline has {len(names)} inputs, passed by keyword only (as with DALI's "
+                    f"proxy), named as its external_source operators: proxy({example})"
+                ) from None
+            raise InputError(
+                f"the pipeline takes {self.__signature__} (its external_source names): {error}"
+            ) from None
+        run = self._current_run()
+        if run.batch_size >= self._target.max_batch_size:
+            run.drop_abandoned()  # Note [Abandoned samples] in refs.py
+        index = run.batch_size
+        if index >= self._target.max_batch_size:
+            raise InputError(
+                f"more than {self._target.max_batch_size} samples in one batch, the pipeline's "
+                "max_batch_size: make the DataLoader's batch_size at most that"
+            )
+        # Check every input before adding any, so a refused call leaves the batch as it was.
+        arrays = {name: as_sample(bound.arguments[name], name) for name in self._target.input_names}
+        for name, array in arrays.items():
+            samples = run.call_args.get(name)
+            if samples and samples[0].dtype != array.dtype:
+                raise InputError(
+                    f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample "
+                    f"is {samples[0].dtype}; every sample of an input needs one dtype"
+                )
+        for name, array in arrays.items():
+            run.call_args.setdefault(name, []).append(array)
+        refs = tuple(
+            DALIOutputSampleRef(self, run, output, index)
+            for output in range(self._target.num_outputs)
+        )
+        run.add_sample(refs)
+        return refs[0] if len(refs) == 1 else refs
+
+    def _current_run(self) -> DALIPipelineRunRef:
+        run: DALIPipelineRunRef | None = getattr(self._local, "run", None)
+        if run is None or run.is_complete:
+            target = self._target
+            run = DALIPipelineRunRef(
+                target.pipeline_id,
+                target.job_id,
+                target.deterministic,
+                job_token=target.job_token,
+                resubmission=Resubmission() if target.reconnect else None,
+            )
+            self._local.run = run
+        return run
+
+    def _submit(self, run: DALIPipelineRunRef) -> None:
+        """Sends a collated batch to the daemon; it runs at once unless deterministic.
+
+        With ``reconnect``, a daemon found gone is not an error here: the batch reaches the
+        trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
+        """
+        target = self._target
+        request = target.submission(run.call_args, run.deterministic)
+        link: Link | None = None
+        accepted_by = ""
+        try:
+            # This process's link to the job; None while its daemon was found gone lately.
+            link = worker_links.get(target)
+            if link is not None:
+                reply = link.request(request)
+                assert isinstance(reply, BatchAccepted)
+                run.batch_id = reply.batch_id
+                run.is_scheduled = not run.deterministic
+                accepted_by = link.welcome.job_token
+        except (DaemonUnavailable, RequestError) as error:
+            if not left_to_trainer(target, error, link):
+                raise
+        inputs, run.call_args = run.call_args, {}
+        if run.resubmission is not None:
+            run.resubmission.accepted(accepted_by, inputs)
+
+
+def collate_sample_refs(
+    samples: list[DALIOutputSampleRef], *, collate_fn_map: Any = None
+) -> DALIOutputBatchRef:
+    """Collate rule: the sample refs of one output become a batch ref; the first submits."""
+    if not samples:
+        raise ValueError("cannot collate an empty batch of dalid sample references")
+    first = samples[0]
+    run = first.pipe_run_ref
+    for sample in samples:
+        if sample.pipe_run_ref is not run or sample.output_idx != first.output_idx:
+            raise RuntimeError(
+                "all samples of a batch must come from one proxy run: a batch mixes samples "
+                "of several pipelines or workers"
+            )
+    indices = [sample.sample_idx for sample in samples]
+    first_output = not run.is_complete
+    # Whatever happens below, this worker's next proxy call starts a new batch.
+    run.is_complete = True
+    if first_output:
+        for earlier, later in pairwise(indices):
+            if later <= earlier:
+                raise RuntimeError(
+                    f"unexpected sample order: sample {later} after sample {earlier} (was the "
+                    "batch shuffled after the proxy call?)"
+                )
+        if indices[-1] >= run.batch_size:
+            raise RuntimeError(
+                f"sample {indices[-1]} is not in its batch any more: a copy of a dalid "
+                "reference outlived the one the proxy returned"
+            )
+        if indices != list(range(run.batch_size)):
+            run.keep_samples(indices)  # Note [Abandoned samples] in refs.py
+        first.proxy._submit(run)
+    elif indices != list(range(run.batch_size)):
+        raise RuntimeError(
+            f"output {first.output_idx} of the batch has samples {indices}, but its other "
+            f"outputs had {run.batch_size} samples in order: every output of a sample must "
+            "stay in the batch"
+        )
+    return DALIOutputBatchRef(run, first.output_idx)
+
+
+default_collate_fn_map[DALIOutputSampleRef] = collate_sample_refs

@@ -1,0 +1,353 @@
+"""Which registrations may share one DALI pipeline, read from the pipeline's operators.
+
+Jobs whose pipelines are the same graph with the same operator arguments share one pipeline
+in the daemon, whatever seed DALI picked for each: the *graph key* compares the operators,
+their arguments and how they connect, and leaves out what differs between two definitions of
+one pipeline (the seed, thread count and device of the pipeline; DALI's own bookkeeping
+arguments, whose names start with ``_``, such as where in a script the operator was defined;
+the names DALI gave to intermediate tensors).
+
+A shared pipeline runs samples of several jobs in one batch, so it is only for pipelines
+whose output for a sample depends on that sample alone. That is decided from the operator
+list: every operator must be one this module knows to work sample by sample, and none may be
+asked to look across the batch (an argument ``batch`` set to true, as ``fn.normalize`` takes).
+Anything else (``fn.batch_permutation``, ``fn.permute_batch``, ``fn.multi_paste``, ``fn.pad``,
+Python operators, an operator this module does not know) keeps a pipeline of its own: when
+unsure, dalid does not share.
+
+A serialized pipeline is DALI's ``PipelineDef`` protocol buffer (``dali/pipeline/proto/
+dali.proto``): read here with a small decoder of the wire format, which needs no protobuf
+package and refuses what it cannot read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# Operators (DALI schema names) whose output for a sample depends on that sample's inputs only.
+PER_SAMPLE_OPERATORS = frozenset(
+    {
+        # Inputs, files and decoding.
+        "ExternalSource",
+        "io__file__Read",
+        "decoders__Image",
+        "decoders__ImageCrop",
+        "decoders__ImageRandomCrop",
+        "decoders__ImageSlice",
+        "decoders__Audio",
+        "decoders__Numpy",
+        "ImageDecoder",
+        "ImageDecoderCrop",
+        "ImageDecoderRandomCrop",
+        "ImageDecoderSlice",
+        "experimental__decoders__Image",
+        "experimental__decoders__ImageCrop",
+        "experimental__decoders__ImageRandomCrop",
+        "experimental__decoders__ImageSlice",
+        "PeekImageShape",
+        "experimental__PeekImageShape",
+        # Geometry and resampling.
+        "Resize",
+        "experimental__Resize",
+        "ResizeCropMirror",
+        "FastResizeCropMirror",
+        "RandomResizedCrop",
+        "TensorResize",
+        "experimental__TensorResize",
+        "Crop",
+        "CropMirrorNormalize",
+        "Slice",
+        "Flip",
+        "Rotate",
+        "WarpAffine",
+        "experimental__WarpPerspective",
+        "experimental__Remap",
+        "Paste",
+        "Sphere",
+        "Water",
+        "Jitter",
+        "GridMask",
+        "Erase",
+        "RandomCropGenerator",
+        "ROIRandomCrop",
+        "RandomBBoxCrop",
+        "SSDRandomCrop",
+        "BbFlip",
+        "BBoxPaste",
+        "BBoxRotate",
+        "CoordFlip",
+        "CoordTransform",
+        "BoxEncoder",
+        "transforms__Combine",
+        "transforms__Crop",
+        "transforms__Rotation",
+        "transforms__Scale",
+        "transforms__Shear",
+        "transforms__Translation",
+        "TransformTranslation",
+        # Colour, filters and noise.
+        "ColorSpaceConversion",
+        "ColorTwist",
+        "Hsv",
+        "Hue",
+        "Saturation",
+        "Brightness",
+        "Contrast",
+        "BrightnessContrast",
+        "GaussianBlur",
+        "Laplacian",
+        "Filter",
+        "experimental__Filter",
+        "experimental__MedianBlur",
+        "experimental__Dilate",
+        "experimental__Erode",
+        "Equalize",
+        "experimental__Equalize",
+        "Clahe",
+        "Debayer",
+        "experimental__Debayer",
+        "JpegCompressionDistortion",
+        "noise__Gaussian",
+        "noise__SaltAndPepper",
+        "noise__Shot",
+        # Normalizing, casting and reshaping (Normalize unless told to use the whole batch).
+        "Normalize",
+        "Cast",
+        "CastLike",
+        "Reshape",
+        "Reinterpret",
+        "Transpose",
+        "ExpandDims",
+        "Squeeze",
+        "Copy",
+        "Cat",
+        "Stack",
+        "ElementExtract",
+        "LookupTable",
+        "OneHot",
+        "Shapes",
+        "GetProperty",
+        "PerFrame",
+        "SequenceRearrange",
+        "_ArithmeticGenericOp",
+        "_Shape",
+        "_SubscriptDimCheck",
+        "_TensorSubscript",
+        "_conditional__Split",
+        "_conditional__Merge",
+        "_conditional__Not_",
+        "_conditional__ValidateLogical",
+        "reductions__Max",
+        "reductions__Mean",
+        "reductions__MeanSquare",
+        "reductions__Min",
+        "reductions__RMS",
+        "reductions__StdDev",
+        "reductions__Sum",
+        "reductions__Variance",
+        "segmentation__RandomMaskPixel",
+        "segmentation__RandomObjectBBox",
+        "segmentation__SelectMasks",
+        # Constants and per-sample random draws.
+        "Constant",
+        "Full",
+        "FullLike",
+        "Zeros",
+        "ZerosLike",
+        "Ones",
+        "OnesLike",
+        "CoinFlip",
+        "Uniform",
+        "NormalDistribution",
+        "random__CoinFlip",
+        "random__Uniform",
+        "random__Normal",
+        "random__Choice",
+        "random__Beta",
+        # Audio.
+        "AudioResample",
+        "experimental__AudioResample",
+        "MelFilterBank",
+        "MFCC",
+        "NonsilentRegion",
+        "PowerSpectrum",
+        "PreemphasisFilter",
+        "Spectrogram",
+        "ToDecibels",
+    }
+)
+
+# Pipeline-level fields of PipelineDef that belong to one build, not to the graph: thread
+# count (1), batch size (2), executor flags (3, 4), device (8), seed (9) and the fields later
+# DALI releases add after them. Operators (5), legacy external inputs (6) and outputs (7) are
+# the graph.
+_GRAPH_FIELDS = {5, 6, 7}
+_OP_NAME, _OP_INPUT, _OP_OUTPUT, _OP_ARG = 1, 2, 3, 4
+_IO_NAME = 1
+_ARG_NAME, _ARG_STRINGS, _ARG_BOOLS, _ARG_ELEMENTS = 1, 5, 6, 7
+
+
+class UnreadablePipeline(ValueError):
+    """Bytes that are not a serialized DALI pipeline this module can read."""
+
+
+@dataclass(frozen=True)
+class Operator:
+    """One operator of a graph: its schema name, its tensors' names, and its arguments (name,
+    raw encoded value) without DALI's own bookkeeping ones."""
+
+    schema: str
+    inputs: tuple[bytes, ...]
+    outputs: tuple[bytes, ...]
+    arguments: tuple[tuple[str, bytes], ...]
+    origin: str = ""
+
+    def flag(self, name: str) -> bool:
+        """Whether the boolean argument ``name`` is given and true."""
+        for argument, value in self.arguments:
+            if argument == name:
+                return any(
+                    number == _ARG_BOOLS and payload == 1 for number, _, payload in _fields(value)
+                )
+        return False
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A pipeline's operators, and a key equal for every definition of the same graph.
+
+    ``origin`` names the function that defined its first operator, as DALI recorded it (a name
+    to show for a pipeline registered without one; "" if DALI recorded none).
+    """
+
+    operators: tuple[Operator, ...]
+    key: bytes
+    origin: str = ""
+
+    def unshareable(self) -> str:
+        """Why the graph's samples must not share a run with other jobs' samples ("" if they
+        may)."""
+        for operator in self.operators:
+            if operator.schema not in PER_SAMPLE_OPERATORS:
+                return f"operator {operator.schema} is not known to work sample by sample"
+            if operator.flag("batch"):
+                return f"operator {operator.schema} uses the whole batch (batch=True)"
+        return ""
+
+
+def read_graph(serialized: bytes) -> Graph:
+    """The graph of a serialized pipeline (``Pipeline.serialize()``)."""
+    operators: list[Operator] = []
+    canonical: list[bytes] = []
+    # Tensors are named by their producer's position in the operator list and the output's
+    # place, so that names DALI made up for intermediate tensors do not count; the pipeline's
+    # inputs keep their names, which clients feed.
+    renamed: dict[bytes, bytes] = {}
+    for number, _, value in _fields(serialized):
+        if number not in _GRAPH_FIELDS:
+            continue
+        if not isinstance(value, bytes):
+            raise UnreadablePipeline(f"field {number} of the serialized pipeline is not a message")
+        if number == 6:
+            canonical.append(b"external\0" + value)
+            continue
+        if number == 7:
+            canonical.append(b"output\0" + _rename_io(value, renamed))
+            continue
+        operator = _read_operator(value)
+        for place, name in enumerate(operator.outputs):
+            if operator.schema != "ExternalSource":
+                renamed[name] = f"@{len(operators)}.{place}".encode()
+        operators.append(operator)
+        canonical.append(
+            b"op\0"
+            + operator.schema.encode()
+            + b"\0in\0"
+            + b"\0".join(renamed.get(name, name) for name in operator.inputs)
+            + b"\0out\0"
+            + b"\0".join(renamed.get(name, name) for name in operator.outputs)
+            + b"".join(b"\0arg\0" + name.encode() + b"=" + raw for name, raw in operator.arguments)
+        )
+    if not operators:
+        raise UnreadablePipeline("the serialized pipeline has no operators")
+    origin = next((op.origin for op in operators if op.origin), "")
+    return Graph(tuple(operators), hashlib.sha256(b"\n".join(canonical)).digest(), origin)
+
+
+def _read_operator(raw: bytes) -> Operator:
+    schema = ""
+    inputs: list[bytes] = []
+    outputs: list[bytes] = []
+    arguments: list[tuple[str, bytes]] = []
+    origin = ""
+    for number, _, value in _fields(raw):
+        if not isinstance(value, bytes):
+            continue  # the logical id: a number of the build, not of the graph
+        if number == _OP_NAME:
+            schema = value.decode(errors="replace")
+        elif number in (_OP_INPUT, _OP_OUTPUT):
+            (inputs if number == _OP_INPUT else outputs).append(_string(value, _IO_NAME))
+        elif number == _OP_ARG:
+            name = _string(value, _ARG_NAME)
+            if name == b"_origin_stack_name":
+                # A list: its first element is the function the operator was called in.
+                origin = _string(_string(value, _ARG_ELEMENTS), _ARG_STRINGS).decode(
+                    errors="replace"
+                )
+            elif not name.startswith(b"_"):
+                arguments.append((name.decode(errors="replace"), value))
+    if not schema:
+        raise UnreadablePipeline("an operator of the serialized pipeline has no name")
+    return Operator(schema, tuple(inputs), tuple(outputs), tuple(sorted(arguments)), origin)
+
+
+def _rename_io(raw: bytes, renamed: dict[bytes, bytes]) -> bytes:
+    """A pipeline output (an InputOutput message) with its tensor named canonically."""
+    name = _string(raw, _IO_NAME)
+    return renamed.get(name, name)
+
+
+def _string(raw: bytes, number: int) -> bytes:
+    """The first length-delimited field ``number`` of a message (b"" if none)."""
+    for field, _, value in _fields(raw):
+        if field == number and isinstance(value, bytes):
+            return value
+    return b""
+
+
+def _fields(raw: bytes) -> Iterator[tuple[int, int, bytes | int]]:
+    """(field number, wire type, value) of each field of a protocol buffer message: varints as
+    ints, length-delimited and fixed-size fields as bytes."""
+    position, end = 0, len(raw)
+    while position < end:
+        key, position = _varint(raw, position)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, position = _varint(raw, position)
+            yield number, wire, value
+            continue
+        if wire == 2:
+            size, position = _varint(raw, position)
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+        else:
+            raise UnreadablePipeline(f"unsupported protocol buffer wire type {wire}")
+        if position + size > end:
+            raise UnreadablePipeline("the serialized pipeline is truncated")
+        yield number, wire, raw[position : position + size]
+        position += size
+
+
+def _varint(raw: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= len(raw) or shift > 63:
+            raise UnreadablePipeline("the serialized pipeline is truncated")
+        byte = raw[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, position

@@ -1,0 +1,132 @@
+"""The bench's targets: which rows each compares, met or not from the medians, or not measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.contenders import CONTENDERS
+from bench.report import targets_table
+from bench.targets import all_targets, paired_ratio, row_id, row_kind, sharing_targets
+
+LABELS = {kind: contender.label for kind, contender in CONTENDERS.items()}
+
+
+def _run(rate: float, pss: float | None = None, peak: float | None = None, fair: float = 1.0):
+    return {"samples_per_s": rate, "fairness": fair, "all_pss_mb": pss,
+            "daemon_peak_rss_mb": peak}  # fmt: skip
+
+
+def _by_name(targets: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {target["name"]: target for target in targets}
+
+
+def test_row_ids_and_their_contenders() -> None:
+    assert row_id("dalid", 1) == "dalid"
+    assert row_id("dalid-private", 8) == "dalid-private-x8"
+    assert row_kind("dalid-private-x8") == "dalid-private"
+    assert row_kind("dalid-private") == "dalid-private"
+    assert row_kind("dali-x2") == "dali"
+
+
+def test_ratios_pair_runs_by_repeat() -> None:
+    values = {
+        "dalid-x2": {0: _run(100.0), 1: _run(90.0), 2: _run(80.0)},
+        "dali-x2": {0: _run(100.0), 1: _run(100.0)},  # repeat 2 failed
+    }
+    ratio = paired_ratio(values, "dalid-x2", "dali-x2", "samples_per_s")
+    assert ratio["n"] == 2
+    assert ratio["median"] == pytest.approx(0.95)
+    assert (ratio["min"], ratio["max"]) == pytest.approx((0.9, 1.0))
+    assert paired_ratio(values, "dalid-x2", "dali-x2", "all_pss_mb")["n"] == 0  # unread
+
+
+def _full_run() -> dict[str, dict[int, dict[str, float | None]]]:
+    values: dict[str, dict[int, dict[str, float | None]]] = {
+        "dalid": {0: _run(500.0, pss=600, peak=400)},
+        "dali": {0: _run(550.0, pss=500)},
+    }
+    for jobs, shared_rate in ((2, 600.0), (4, 560.0), (8, 590.0)):
+        values[f"dali-x{jobs}"] = {0: _run(580.0, pss=380.0 * jobs, fair=0.999)}
+        values[f"dalid-x{jobs}"] = {0: _run(shared_rate, pss=1700.0, peak=560.0, fair=0.995)}
+    values["dalid-x8"][0]["fairness"] = 0.98
+    return values
+
+
+def test_the_sharing_targets_from_a_run_of_every_job_count() -> None:
+    targets = _by_name(sharing_targets(_full_run(), LABELS))
+    throughput = {
+        jobs: targets[f"dalid (shared), {jobs} jobs: samples/s / DALI in-process, {jobs} jobs"]
+        for jobs in (2, 4, 8)
+    }
+    assert throughput[2]["measured"]["median"] == pytest.approx(600 / 580)
+    assert [throughput[jobs]["met"] for jobs in (2, 4, 8)] == [True, False, True]
+    assert throughput[2]["goal"] == ">= 100%" and throughput[2]["unit"] == "ratio"
+    pss = targets["dalid (shared), 8 jobs: all processes' PSS / DALI in-process, 8 jobs"]
+    assert pss["measured"]["median"] == pytest.approx(1700 / 3040)
+    assert pss["met"] is True and pss["goal"] == "<= 60%"
+    daemon = targets["dalid (shared): the daemon's peak RSS with 8 jobs / with 1 job"]
+    assert daemon["measured"]["median"] == pytest.approx(1.4)
+    assert daemon["met"] is True and daemon["unit"] == "times"
+    fairness = [
+        targets[f"dalid (shared), {n} jobs of equal weight: Jain's fairness"] for n in (2, 4, 8)
+    ]
+    assert [f["met"] for f in fairness] == [True, True, False]
+    assert fairness[2]["measured"]["median"] == pytest.approx(0.98)
+
+
+def test_a_target_over_the_limit_is_not_met() -> None:
+    values = _full_run()
+    values["dalid-x8"][0]["all_pss_mb"] = 0.61 * 3040
+    values["dalid-x8"][0]["daemon_peak_rss_mb"] = 601.0
+    targets = _by_name(sharing_targets(values, LABELS))
+    assert (
+        targets["dalid (shared), 8 jobs: all processes' PSS / DALI in-process, 8 jobs"]["met"]
+        is False
+    )
+    assert targets["dalid (shared): the daemon's peak RSS with 8 jobs / with 1 job"]["met"] is False
+
+
+def test_targets_of_job_counts_not_run_are_not_measured_not_met() -> None:
+    values = _full_run()
+    for row in ("dali-x8", "dalid-x8"):
+        del values[row]  # a quick run: 1, 2 and 4 jobs
+    targets = sharing_targets(values, LABELS)
+    eight = [target for target in targets if "8 jobs" in target["name"]]
+    assert len(eight) == 4  # throughput, PSS, daemon growth, fairness
+    assert all(t["met"] is None and t["measured"] is None for t in eight)
+    assert all(t["met"] is not None for t in targets if t not in eight)
+
+
+def test_the_sharing_targets_appear_when_any_of_their_contenders_ran() -> None:
+    transport: dict[str, Any] = {}
+    assert all_targets({"torch-pil": {0: _run(400.0)}}, transport, LABELS) == []
+    only_two = all_targets({"dali-x2": {0: _run(500.0)}}, transport, LABELS)
+    assert len(only_two) == 8 and all(t["met"] is None for t in only_two)
+    headline = all_targets(_full_run(), transport, LABELS)[0]
+    assert headline["name"] == "dalid (shared), 1 job: samples/s / DALI in-process, 1 job"
+    assert headline["met"] is False  # 500 / 550 < 95%
+
+
+def test_the_targets_table_says_not_measured() -> None:
+    values = _full_run()
+    del values["dalid-x8"]
+    lines = targets_table({"targets": all_targets(values, {}, LABELS)})
+    table = "\n".join(lines)
+    assert (
+        "| dalid (shared), 8 jobs of equal weight: Jain's fairness | >= 0.99 | n/a | not measured |"
+        in table
+    )
+    assert (
+        "| dalid (shared), 2 jobs: samples/s / DALI in-process, 2 jobs | >= 100% | 103.4% | yes |"
+        in table
+    )
+    assert (
+        "| dalid (shared), 4 jobs of equal weight: Jain's fairness | >= 0.99 | 0.995 | yes |"
+        in table
+    )
+    assert (
+        "| dalid (shared), 4 jobs: samples/s / DALI in-process, 4 jobs | >= 100% | 96.6% | **no** |"
+        in table
+    )

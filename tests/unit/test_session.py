@@ -1,0 +1,165 @@
+"""The session's logic through in-process links to a real daemon core: no process, no socket.
+
+Ordering of results, releases of regions, reconnection to a restarted daemon (a new core on the
+same path), resubmission of undelivered batches and workers rejoining as an earlier job. The
+same paths over real sockets and daemon processes are in tests/integration (test_restarts.py,
+test_end_to_end.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from nvidia.dali import fn, pipeline_def
+
+from dalid.client import DaemonUnavailable, Session
+from dalid.client.worker import Proxy
+from tests.inproc import ServedCore
+
+BATCH = 2
+
+
+@pipeline_def(batch_size=4, num_threads=1, device_id=None)
+def doubling() -> Any:
+    return fn.external_source(name="x") * 2
+
+
+def _sample(value: int) -> np.ndarray:
+    return np.full((3,), value, dtype=np.float32)
+
+
+def _batch(proxy: Proxy, first: int) -> Any:
+    """One worker batch of samples first, first + 1, ... collated as a DataLoader would."""
+    return torch.utils.data.default_collate([proxy(_sample(first + i)) for i in range(BATCH)])
+
+
+def _values(output: torch.Tensor) -> list[int]:
+    return [int(row[0]) // 2 for row in output]
+
+
+@pytest.fixture
+def daemon() -> Iterator[ServedCore]:
+    # Never created: an in-process daemon answers on the path without a socket file.
+    with ServedCore(Path(f"/tmp/dalid-inproc-{uuid.uuid4().hex[:8]}.sock")) as served:
+        yield served
+
+
+def _session(daemon: ServedCore, **options: Any) -> Session:
+    return Session("cpu", socket=daemon.path, autostart=False, connect_timeout=10, **options)
+
+
+def test_results_are_delivered_in_the_order_asked(daemon: ServedCore) -> None:
+    with _session(daemon) as session:
+        proxy = session.proxy(doubling())
+        batches = [_batch(proxy, 10 * n) for n in range(4)]
+        # The last first: the others arrive while the session waits, and wait for their turn.
+        for n in [3, 0, 2, 1]:
+            assert _values(session.produce_data(batches[n])) == [10 * n, 10 * n + 1]
+        assert session.submitted_by_trainer == 0
+
+
+def test_regions_go_back_to_the_daemon_when_their_tensors_die(daemon: ServedCore) -> None:
+    with _session(daemon) as session:
+        proxy = session.proxy(doubling())
+        first = session.produce_data(_batch(proxy, 0))
+        view = first[1:]
+        del first
+        gc.collect()
+        assert session.live_regions == 1  # a view keeps the region
+        second = session.produce_data(_batch(proxy, 2))  # its wait sends what was released
+        assert daemon.job(session.job_id).regions_held == 2
+        del view
+        gc.collect()
+        assert session.live_regions == 1
+        third = session.produce_data(_batch(proxy, 4))
+        assert daemon.job(session.job_id).regions_held == 2  # the second's and the third's
+        assert _values(second) == [2, 3] and _values(third) == [4, 5]
+        assert session.slabs_opened == 1  # one slab, mapped once
+
+
+def test_a_restarted_daemon_gets_the_undelivered_batches_again(
+    daemon: ServedCore, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _session(daemon, reconnect=True) as session:
+        # Deterministic: a batch runs when produce_data asks for it, so the second cannot have
+        # run before the restart.
+        proxy = session.proxy(doubling(), deterministic=True)
+        first, second = _batch(proxy, 0), _batch(proxy, 2)
+        delivered = session.produce_data(first)
+        daemon.restart()
+        assert _values(session.produce_data(second)) == [2, 3]
+        assert session.reconnects == 1 and session.submitted_by_trainer == 1
+        # Delivered by the daemon that is gone, and still readable.
+        assert _values(delivered) == [0, 1]
+        del delivered
+        gc.collect()
+        # The proxy points at the new registration: no batch of its goes through the trainer.
+        assert _values(session.produce_data(_batch(proxy, 4))) == [4, 5]
+        assert session.submitted_by_trainer == 1
+    # The released region of the daemon that is gone went nowhere: the new one, which has
+    # regions of the same ids, would have answered with an error.
+    assert not [r for r in caplog.records if r.getMessage().startswith("dalid daemon:")]
+
+
+def test_a_batch_a_worker_could_not_send_is_submitted_by_the_trainer(
+    daemon: ServedCore,
+) -> None:
+    with _session(daemon, reconnect=True) as session:
+        proxy = session.proxy(doubling())
+        assert _values(session.produce_data(_batch(proxy, 0))) == [0, 1]
+        daemon.stop()
+        unsent = _batch(proxy, 2)  # the worker finds the daemon gone: no error, no batch id
+        assert unsent.pipe_run_ref.batch_id is None
+        daemon.start()
+        assert _values(session.produce_data(unsent)) == [2, 3]
+        assert session.reconnects == 1 and session.submitted_by_trainer == 1
+
+
+def test_a_worker_of_the_earlier_job_joins_the_new_one(daemon: ServedCore) -> None:
+    with _session(daemon, reconnect=True) as session:
+        proxy = session.proxy(doubling())
+        # What a DataLoader worker started before the restart holds: the first job's proxy.
+        worker_proxy = pickle.loads(pickle.dumps(proxy))
+        assert _values(session.produce_data(_batch(worker_proxy, 0))) == [0, 1]
+        daemon.restart()
+        lost = _batch(worker_proxy, 2)  # before the trainer reconnected: left to the trainer
+        assert _values(session.produce_data(lost)) == [2, 3]
+        assert session.reconnects == 1 and session.submitted_by_trainer == 1
+        # Now the new daemon knows the earlier job as the trainer's: the worker joins it.
+        joined = _batch(worker_proxy, 4)
+        assert joined.pipe_run_ref.batch_id is not None
+        assert _values(session.produce_data(joined)) == [4, 5]
+        assert session.submitted_by_trainer == 1
+        assert daemon.job(session.job_id).workers == 1
+
+
+def test_without_reconnect_a_restart_ends_the_session(daemon: ServedCore) -> None:
+    with _session(daemon) as session:
+        proxy = session.proxy(doubling(), deterministic=True)
+        batch = _batch(proxy, 0)
+        daemon.restart()
+        with pytest.raises(DaemonUnavailable, match="is gone"):
+            session.produce_data(batch)
+
+
+def test_a_session_that_ends_lets_the_daemon_free_its_job(
+    daemon: ServedCore, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="dalid.server")
+    session = _session(daemon)
+    proxy = session.proxy(doubling())
+    kept = session.produce_data(_batch(proxy, 0))
+    job_id = session.job_id
+    session.close()
+    assert job_id not in daemon.core.jobs
+    assert any(f"job {job_id} said goodbye" in r.getMessage() for r in caplog.records)
+    assert _values(kept) == [0, 1]  # the tensor outlives the job
