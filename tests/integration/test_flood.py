@@ -235,13 +235,14 @@ def test_the_memory_a_flooder_took_goes_back_when_it_leaves(flood_dir):
         peak = Peak(daemon.pid)
         flooder = start_flooder(daemon.socket, "batches")
         wait_for(lambda: "cut: " in daemon.log_text(), 30, "the flooder to be cut")
-        assert peak.stop() > baseline + 16 * MiB  # it held its batches
+        assert peak.stop() > baseline + 48 * MiB  # it held 256 batches of 256 KiB, and more
         end(flooder)
         flooder = None
         # Within a second of its batches being freed; a pipeline that stops late (a loaded
-        # machine) frees them up to 10 s later.
+        # machine) frees them up to 10 s later. Not every byte: the flooder's pipeline was built
+        # and ran, which leaves DALI's and Python's caches larger than a fresh daemon's.
         wait_for(
-            lambda: anon_rss(daemon.pid) <= baseline + 16 * MiB,
+            lambda: anon_rss(daemon.pid) <= baseline + 32 * MiB,
             30,
             "the daemon to give the flooder's memory back",
         )
