@@ -51,6 +51,7 @@ from dalid.protocol import (
     SubmitBatch,
     TrainerProgress,
     Welcome,
+    codec,
     decode,
     encode,
 )
@@ -1070,8 +1071,25 @@ def _field_names(op: str) -> list[str]:
     return [*names, "name", "dtype", "shapes", "samples", "slab", "offset", "nbytes", "shape"]
 
 
+def _fast_decoder_agrees(frames: list[bytes]) -> None:
+    """What the compiled fast decoder takes, the checking decoder takes too and reads alike."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        cls = next(cls for cls in MESSAGE_TYPES if header["op"] == cls.OP)
+        body = header["body"]
+    except Exception:
+        return
+    try:
+        fast = codec._plan(cls).decode(body, frames, [False] * len(frames))
+    except Exception:
+        return  # refused: decode asks the checking decoder, which says why
+    checked = codec._decode_dataclass(cls, body, frames, [False] * len(frames), cls.OP)
+    assert _plain(fast) == _plain(checked)
+
+
 def _check_decode(frames: list[bytes]) -> None:
     """``decode`` returns a message that re-encodes, or raises ProtocolError; nothing else."""
+    _fast_decoder_agrees(frames)
     try:
         envelope = decode(frames)
     except ProtocolError as error:
