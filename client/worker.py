@@ -25,6 +25,9 @@ from .reconnect import Resubmission, left_to_trainer, worker_links
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .target import ProxyTarget
 
+# The allowed dtypes as numpy dtypes: a set lookup, where ``dtype.name`` is a Python property.
+_NATIVE_DTYPES = frozenset(np.dtype(name) for name in DTYPES)
+
 
 def _as_array(value: Any, input_name: str) -> np.ndarray:
     """One sample as a C-contiguous numpy array, without a copy where possible."""
@@ -51,7 +54,7 @@ def _as_array(value: Any, input_name: str) -> np.ndarray:
             f"input {input_name!r}: cannot send a {type(value).__name__}; pass a numpy "
             "array, a CPU torch tensor, bytes or a number"
         )
-    if array.dtype.name not in DTYPES:
+    if array.dtype not in _NATIVE_DTYPES and array.dtype.name not in DTYPES:
         raise InputError(
             f"input {input_name!r}: dtype {array.dtype} is not supported; use one of "
             f"{sorted(DTYPES)}"
@@ -104,13 +107,20 @@ class Proxy:
         names = ", ".join(self._target.input_names)
         return f"<dalid Proxy pipeline={self._target.pipeline_id} inputs=({names})>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The samples by input name, as the signature binds them."""
+        names = self._target.input_names
+        if len(args) == 1 and not kwargs and len(names) == 1:
+            return {names[0]: args[0]}  # the usual call, bound without inspect
         try:
-            bound = self.__signature__.bind(*args, **kwargs)
+            return self.__signature__.bind(*args, **kwargs).arguments
         except TypeError as error:
             raise InputError(
                 f"the pipeline takes {self.__signature__} (its external_source names): {error}"
             ) from None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self._arguments(args, kwargs)
         run = self._current_run()
         if run.batch_size >= self._target.max_batch_size:
             run.drop_abandoned()  # Note [Abandoned samples] in refs.py
@@ -121,7 +131,7 @@ class Proxy:
                 "max_batch_size: make the DataLoader's batch_size at most that"
             )
         # Check every input before adding any, so a refused call leaves the batch as it was.
-        arrays = {name: _as_array(bound.arguments[name], name) for name in self._target.input_names}
+        arrays = {name: _as_array(arguments[name], name) for name in self._target.input_names}
         for name, array in arrays.items():
             samples = run.call_args.get(name)
             if samples and samples[0].dtype != array.dtype:
