@@ -111,8 +111,9 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        # The peer that last sent on each connection, by its file descriptor.
+        # The peer that sent on each connection, by its file descriptor, and the other way.
         self._peer_by_fd: dict[int, bytes] = {}
+        self._fd_of_peer: dict[bytes, int] = {}
         self._lock_fd: int | None = None
         self._metrics: Any = None
         self._uuid_link: Path | None = None
@@ -352,17 +353,20 @@ class Daemon:
         assert self._socket is not None and self.core is not None
         while True:
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = transport.recv_frames(self._socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
             identity = frames[0].bytes
-            if len(frames) > 1:
-                # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to
-                # the monitor before it accepts the connection that reuses the descriptor, so
-                # handling the reports that are in now keeps an old peer's close from being
-                # taken for this sender's.
+            if len(frames) > 1 and identity not in self._fd_of_peer:
+                # A peer's first message: its connection's descriptor. A descriptor is reused
+                # as soon as it is closed. ZeroMQ reports the close to the monitor before it
+                # accepts the connection that reuses the descriptor, so handling the reports
+                # that are in now keeps an old peer's close from being taken for this sender's.
+                # (A peer's identity names one connection, so later messages need neither.)
                 self._connection_events()
-                self._peer_by_fd[frames[1].get(zmq.SRCFD)] = identity
+                fd = frames[1].get(zmq.SRCFD)
+                self._peer_by_fd[fd] = identity
+                self._fd_of_peer[identity] = fd
             try:
                 envelope = decode(frames[1:])
             except ProtocolError as error:
@@ -382,6 +386,8 @@ class Daemon:
                 return
             # For these two events the value is the connection's file descriptor.
             identity = self._peer_by_fd.pop(int(event["value"]), None)
+            if identity is not None:
+                self._fd_of_peer.pop(identity, None)
             if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
                 self.core.peer_disconnected(identity)
 
