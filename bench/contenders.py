@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -173,6 +174,24 @@ def dali_proxy(settings: Settings) -> Iterator[EpochFactory]:
         yield lambda: iter(loader)
 
 
+class DalidEpochs:
+    """dalid's epochs, noting how many slabs the trainer has mapped as each epoch starts."""
+
+    def __init__(self, session: Any, loader: Any) -> None:
+        self.session = session
+        self.loader = loader
+        self.slabs_opened: list[int] = []
+
+    def __call__(self) -> Iterator[Any]:
+        self.slabs_opened.append(self.session.slabs_opened)
+        return iter(self.loader)
+
+    def slab_maps(self) -> list[int]:
+        """Slabs mapped in each epoch so far."""
+        marks = [*self.slabs_opened, self.session.slabs_opened]
+        return [later - earlier for earlier, later in itertools.pairwise(marks)]
+
+
 @contextlib.contextmanager
 def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
     import dalid.client as dalid
@@ -186,7 +205,7 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
     with dalid.connect(settings.device, settings.socket, autostart=False, name=name) as session:
         dataset = PathDataset(session.proxy(pipe), settings.dataset_root)
         loader = _loader(settings, dataset, functools.partial(dalid.DataLoader, session))
-        yield lambda: iter(loader)
+        yield DalidEpochs(session, loader)
 
 
 # --- the registry ------------------------------------------------------------------------------

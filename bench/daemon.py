@@ -65,9 +65,9 @@ def _answers(socket: Path) -> bool:
         context.term()
 
 
-def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
-    them) from the daemon on ``socket``; a status request needs no hello."""
+def daemon_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> StatusReport:
+    """The status of the daemon on ``socket`` (what ``dalid status`` shows); a status request
+    needs no hello."""
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
     try:
@@ -77,10 +77,17 @@ def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dic
         report = transport.recv(sock).message
         if not isinstance(report, StatusReport):
             raise DaemonFailed(f"the daemon answered a status request with {report!r}")
-        return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
+        return report
     finally:
         sock.close(linger=0)
         context.term()
+
+
+def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
+    them) from the daemon on ``socket``."""
+    report = daemon_status(socket, timeout)
+    return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
 
 
 def _segments(pid: int) -> list[str]:

@@ -98,6 +98,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     # The daemon's pipelines as the jobs' timed windows ended (dalid only).
     daemon = CONTENDERS[outcome.kind].needs_daemon
     pipelines = run_pipelines(outcome.results) if daemon else None
+    slab_maps, slabs = _slab_figures(outcome.results) if daemon else (None, None)
     return {
         "samples_per_s": rate,
         "rate_window": method,
@@ -116,7 +117,20 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
         "pipelines": pipelines,
+        "slab_maps_per_epoch": slab_maps,
+        "slabs": slabs,
     }
+
+
+def _slab_figures(results: Sequence[dict[str, Any]]) -> tuple[int | None, int | None]:
+    """The most slabs a trainer mapped in one timed epoch, and the most slabs a job had; None
+    where no trainer could tell (an older result, or a status that could not be read)."""
+    readings = [result.get("slabs") or {} for result in results]
+    maps = [
+        max(r["maps_per_timed_epoch"], default=0) for r in readings if "maps_per_timed_epoch" in r
+    ]
+    slabs = [r["job_slabs"] for r in readings if r.get("job_slabs") is not None]
+    return (max(maps) if maps else None), (max(slabs) if slabs else None)
 
 
 def _transport_metrics(outcome: Outcome) -> dict[str, dict[str, float]]:
@@ -164,6 +178,9 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "fairness": m["fairness"],
                 "all_pss_mb": m["memory"].get("all_pss_mb"),
                 "daemon_peak_rss_mb": m["memory"].get("daemon_peak_rss_mb"),
+                "cpu_ms_per_sample": m["cpu_ms_per_sample"]["total"],
+                "slab_maps_per_epoch": m["slab_maps_per_epoch"],
+                "slabs": m["slabs"],
             }
             for run, m in zip(good, metrics, strict=True)
         }
@@ -195,6 +212,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
                 "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
+                "slab_maps_per_epoch": spread(
+                    m["slab_maps_per_epoch"]
+                    for m in metrics
+                    if m["slab_maps_per_epoch"] is not None
+                ),
+                "slabs": spread(m["slabs"] for m in metrics if m["slabs"] is not None),
                 "pipelines_per_run": [
                     {"repeat": run.repeat, **m["pipelines"]}
                     for run, m in zip(good, metrics, strict=True)

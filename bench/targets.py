@@ -13,10 +13,16 @@ from typing import Any
 
 from .stats import spread
 
-# One job through dalid against DALI in-process, and the transport's round trip.
-RATIO_TARGET = 0.95
-P50_TARGET_US = 100.0
-P99_TARGET_US = 500.0
+# One job through dalid against DALI in-process and DALI's proxy, and what it costs all processes.
+RATIO_TARGET = 0.97
+PROXY_RATIO_TARGET = 1.0
+CPU_RATIO_TARGET = 1.05  # all processes' CPU per sample over DALI in-process's, at most
+# The transport's round trip of a tiny batch, against the floors measured in the same run: a
+# bare ZeroMQ echo for one sample, DALI's own pipe.run of the same batch for 32.
+ECHO_P50_TARGET = 2.0
+ECHO_P99_TARGET = 3.0
+PIPE_RUN_B32_TARGET = 1.5
+# batch_ready to tensors maps no slab per batch: a timed epoch maps at most the job's slabs.
 
 # Jobs sharing one pipeline in the daemon (``dalid``, sharing on by default), against as many
 # jobs each running DALI in its own process (``dali``). On a CPU machine in-process DALI keeps
@@ -32,7 +38,9 @@ FAIRNESS_TARGET = 0.99  # Jain's index at equal weights, at least
 SHARING_KINDS = ("dali", "dalid", "dalid-private")
 
 # Per row id, per repeat, the run's figures: samples_per_s, fairness, all_pss_mb,
-# daemon_peak_rss_mb (None where a figure could not be read).
+# daemon_peak_rss_mb, cpu_ms_per_sample (all processes), slab_maps_per_epoch (the most slabs
+# a trainer mapped in one timed epoch) and slabs (the most its job had); None where a figure
+# could not be read.
 Values = Mapping[str, Mapping[int, Mapping[str, float | None]]]
 
 
@@ -122,35 +130,103 @@ def sharing_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str,
     return found
 
 
+def one_job_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """One job through dalid against DALI in-process and DALI's proxy: throughput, the CPU of
+    all processes, and slab maps. A target whose rows did not run is left out."""
+    found = []
+    dalid, dali, proxy = labels["dalid"], labels["dali"], labels["dali-proxy"]
+    throughput = (
+        ("dali", dali, RATIO_TARGET),
+        ("dali-proxy", proxy, PROXY_RATIO_TARGET),
+    )
+    for base, label, goal in throughput:
+        ratio = paired_ratio(values, "dalid", base, "samples_per_s")
+        if ratio["n"]:
+            found.append(
+                target(
+                    f"{dalid}, 1 job: samples/s / {label}, 1 job",
+                    f">= {goal:.0%}",
+                    ratio,
+                    "ratio",
+                    lambda r, goal=goal: r >= goal,
+                )
+            )
+    cpu = paired_ratio(values, "dalid", "dali", "cpu_ms_per_sample")
+    if cpu["n"]:
+        found.append(
+            target(
+                f"{dalid}, 1 job: all processes' CPU per sample / {dali}, 1 job",
+                f"<= {CPU_RATIO_TARGET:.2f}x",
+                cpu,
+                "times",
+                lambda r: r <= CPU_RATIO_TARGET,
+            )
+        )
+    maps = _slab_maps(values)
+    if maps["n"]:
+        found.append(
+            target(
+                f"{dalid}, 1 job: slab maps in its worst timed epoch / the job's slabs",
+                "<= 1.00x",
+                maps,
+                "times",
+                lambda r: r <= 1.0,
+            )
+        )
+    return found
+
+
+def _slab_maps(values: Values) -> dict[str, float]:
+    """Per repeat, the slabs the trainer mapped in its worst timed epoch over its job's slabs:
+    0 once every slab is mapped, 1 when an epoch maps each slab again (no more is allowed)."""
+    runs = values.get("dalid", {}).values()
+    return spread(
+        maps / slabs
+        for run in runs
+        if (maps := run.get("slab_maps_per_epoch")) is not None and (slabs := run.get("slabs"))
+    )
+
+
+def transport_targets(transport: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A tiny batch's round trip through dalid against the floors of the same run (ratios of
+    the run's quantiles, per repeat); none where the transport probes did not run."""
+    runs = transport.get("runs") or []
+
+    def ratio(probe: str, base: str, quantile: str) -> dict[str, float]:
+        return spread(
+            run[probe][quantile] / run[base][quantile]
+            for run in runs
+            if probe in run and base in run and run[base][quantile] > 0
+        )
+
+    goals = (
+        ("1 tiny sample, p50", "dalid_b1", "zmq_echo", "p50", "the ZeroMQ echo", ECHO_P50_TARGET),
+        ("1 tiny sample, p99", "dalid_b1", "zmq_echo", "p99", "the ZeroMQ echo", ECHO_P99_TARGET),
+        ("32 tiny samples, p50", "dalid_b32", "dali_b32", "p50", "DALI's pipe.run",
+         PIPE_RUN_B32_TARGET),
+    )  # fmt: skip
+    found = []
+    for what, probe, base, quantile, floor, goal in goals:
+        measured = ratio(probe, base, quantile)
+        if measured["n"]:
+            found.append(
+                target(
+                    f"transport: submit -> ready, {what} / {floor}, {quantile}",
+                    f"<= {goal:.1f}x",
+                    measured,
+                    "times",
+                    lambda r, goal=goal: r <= goal,
+                )
+            )
+    return found
+
+
 def all_targets(
     values: Values, transport: Mapping[str, Any], labels: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """The run's targets: one job and the transport where they ran, and the sharing targets
     where any of their contenders ran (those of job counts not run: not measured)."""
-    found = []
-    ratio = paired_ratio(values, "dalid", "dali", "samples_per_s")
-    if ratio["n"]:
-        found.append(
-            target(
-                f"{labels['dalid']}, 1 job: samples/s / {labels['dali']}, 1 job",
-                f">= {RATIO_TARGET:.0%}",
-                ratio,
-                "ratio",
-                lambda r: r >= RATIO_TARGET,
-            )
-        )
-    probe = transport.get("probes", {}).get("dalid_b1")
-    if probe:
-        for key, goal in (("p50_us", P50_TARGET_US), ("p99_us", P99_TARGET_US)):
-            found.append(
-                target(
-                    f"transport round trip {key[:3]} (1 tiny sample, empty pipeline)",
-                    f"<= {goal:.0f} us",
-                    probe[key],
-                    "us",
-                    lambda us, goal=goal: us <= goal,
-                )
-            )
+    found = one_job_targets(values, labels) + transport_targets(transport)
     if any(row_kind(row) in SHARING_KINDS for row in values):
         found += sharing_targets(values, labels)
     return found

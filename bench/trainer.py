@@ -8,6 +8,7 @@ also reads the daemon's pipelines as its timed window ends, while its job is sti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings
-from .contenders import CONTENDERS
+from .contenders import CONTENDERS, DalidEpochs
 from .measure import timed_loop
 
 
@@ -47,26 +48,38 @@ def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
     contender = CONTENDERS[kind]
     with contender.run(settings) as epochs:
         go_ns = _ready_then_wait(ready_fd)
-        result = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        result: dict[str, Any] = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
         if contender.needs_daemon:
-            result["pipelines"] = _daemon_pipelines(settings)
+            job_id = getattr(getattr(epochs, "session", None), "job_id", None)
+            result["pipelines"], result["slabs"] = _daemon_figures(settings, job_id)
+            if isinstance(epochs, DalidEpochs):
+                # The slabs this trainer mapped in each epoch after the warm-up.
+                result["slabs"]["maps_per_timed_epoch"] = epochs.slab_maps()[
+                    settings.warmup_epochs :
+                ]
         return result
 
 
-def _daemon_pipelines(settings: Settings) -> dict[str, Any]:
-    """The daemon's pipelines now (see :mod:`bench.fill`), or why they could not be read: a
-    run's throughput does not depend on them."""
+def _daemon_figures(
+    settings: Settings, job_id: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The daemon's pipelines now (see :mod:`bench.fill`) and the slabs of this trainer's job,
+    or why they could not be read: a run's throughput does not depend on them."""
     import zmq
 
     from dalid.protocol import ProtocolError
 
-    from .daemon import DaemonFailed, pipeline_status
+    from .daemon import DaemonFailed, daemon_status
 
     t_ns = time.monotonic_ns()
     try:
-        return {"t_ns": t_ns, "pipelines": pipeline_status(Path(settings.socket))}
+        report = daemon_status(Path(settings.socket))
     except (DaemonFailed, ProtocolError, zmq.ZMQError, OSError) as error:
-        return {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
+        failed = {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
+        return failed, dict(failed)
+    pipelines = [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
+    slabs = next((job.slabs for job in report.jobs if job.job_id == job_id), None)
+    return {"t_ns": t_ns, "pipelines": pipelines}, {"t_ns": t_ns, "job_slabs": slabs}
 
 
 def main(argv: Sequence[str]) -> int:
