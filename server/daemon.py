@@ -62,6 +62,7 @@ EXIT_NO_DEVICE = 4
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+_POLLIN = int(zmq.POLLIN)
 # How often the status snapshot that the metrics endpoint serves is refreshed.
 SNAPSHOT_INTERVAL_S = 1.0
 
@@ -376,6 +377,8 @@ class Daemon:
             reply = self.core.handle(identity, envelope.message, envelope.request_id)
             if reply is not None:
                 self._send(identity, reply, envelope.request_id)
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
+                return  # drained (asked, rather than failing a receive with zmq.Again)
 
     def _connection_events(self) -> None:
         assert self._monitor is not None and self.core is not None
