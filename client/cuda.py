@@ -34,6 +34,7 @@ import torch
 
 from dalid.protocol import GpuUnavailable, OutputDescriptor, ReleaseRegions, gpu_uuid
 
+from .copies import copied_tensor
 from .errors import DeviceMismatch
 
 MAX_FENCES = 64
@@ -68,6 +69,8 @@ class Device(Protocol):
     def synchronize(self, event: Any) -> None: ...
 
     def tensor(self, region: Any) -> torch.Tensor: ...
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchDevice:
@@ -123,6 +126,10 @@ class TorchDevice:
     def tensor(self, region: Any) -> torch.Tensor:
         # torch keeps `region` alive for as long as any tensor shares this storage.
         return torch.as_tensor(region, device=self.torch_device)
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor on this device, ordered on the current stream."""
+        return tensor.to(self.torch_device)
 
 
 def pick_device(daemon_uuid: str, uuids: Sequence[str], current: int) -> int:
@@ -274,6 +281,9 @@ class CudaOutputs:
         the order of the current stream: it waits for the batch's ``event`` (no host sync)."""
         stream = self._begin_batch(event)
         return [self._tensor(descriptor, stream) for descriptor in outputs]
+
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        return self.device.upload(copied_tensor(output, frame))
 
     def _begin_batch(self, event: str) -> Any:
         """Makes the current stream wait for the batch's event; that stream."""

@@ -27,6 +27,7 @@ from dalid.protocol import BatchFailed, BatchReady, OnError, SubmitBatch
 
 from .badsamples import oversized_images
 from .outputs import JobOutputs
+from .paths import FilesUnseen, check_paths
 from .runner import sample_arrays
 from .scheduler import FairScheduler, ServiceClock
 
@@ -56,8 +57,11 @@ class PendingBatch:
     request: SubmitBatch
     member: Member | None = None
     arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    # Image samples over the daemon's pixel limit, by position, with why (found once).
+    # Samples bad before they run, by position, with why (found once): images over the
+    # daemon's pixel limit, files nobody can read.
     oversized: dict[int, str] | None = None
+    # Why the batch cannot run at all (a file the daemon cannot see: see paths.py), or "".
+    unseen: str = ""
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
@@ -101,6 +105,8 @@ class Member:
     alone: int = 0
     # When it last submitted a batch (monotonic seconds): whether its job is busy.
     submitted_at: float = 0.0
+    # Since when its batches wait for its job's memory (None: they do not).
+    starved_since: float | None = None
     writing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -172,6 +178,8 @@ class RunPlanner:
         self.shared = False
         self.run_size = 0
         self.run_batches = 1
+        # The inputs whose samples are file paths (checked before a batch runs).
+        self.path_inputs: tuple[str, ...] = ()
         # Output sizes per sample of the last run, by output: (device, bytes).
         self.sample_sizes: list[tuple[str, int]] = []
         self._scheduler = scheduler
@@ -243,6 +251,7 @@ class RunPlanner:
                 and member.alone == 0
                 and not batch.alone
                 and not batch.oversized
+                and not batch.unseen
                 and batch.size <= room
                 and taken[member.job_id] < shares.get(member.job_id, self.run_batches)
                 and batch.input_kinds() == kinds
@@ -348,6 +357,7 @@ class RunPlanner:
             self.shared
             and not first.alone
             and not first.oversized
+            and not first.unseen
             and member is not None
             and not member.deterministic
             and member.alone == 0
@@ -361,16 +371,35 @@ class RunPlanner:
             return True
         sizes = [(device, size * head.size) for device, size in self.sample_sizes]
         if member.outputs.has_room(sizes):
+            member.starved_since = None
+            return True
+        # A trainer that takes private copies gets them once it has held everything for a
+        # while (Note [Private copies] in copies.py): a loop that keeps its outputs never hangs.
+        copy_after = member.outputs.copy_after
+        now = time.monotonic()
+        if member.starved_since is None:
+            member.starved_since = now
+        if copy_after is not None and now - member.starved_since >= copy_after:
             return True
         self._starved = True
         return False
 
     def prepare(self, batch: PendingBatch) -> None:
-        """Views the batch's frames as arrays, and finds its image samples over the limit."""
+        """Views the batch's frames as arrays, and finds the samples known bad before a run:
+        image samples over the pixel limit, files nobody can read (or that the daemon cannot
+        see, which fails the batch: ``unseen``)."""
         if not batch.arrays:
             batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
         if batch.oversized is None:
-            batch.oversized = oversized_images(batch.arrays, self._max_image_pixels)
+            bad = oversized_images(batch.arrays, self._max_image_pixels)
+            if self.path_inputs:
+                try:
+                    found = check_paths(batch.arrays, self.path_inputs, batch.request.unreadable)
+                except FilesUnseen as unseen:
+                    batch.unseen = str(unseen)
+                else:
+                    bad = {**found, **bad}
+            batch.oversized = bad
 
     # --- slots ----------------------------------------------------------------------------------
 

@@ -292,7 +292,8 @@ def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp):
         check=False,
     )
     assert gone.returncode == 1
-    assert "no daemon listens" in gone.stderr
+    assert "no dalid daemon listens" in gone.stderr
+    assert f"start one with `dalid serve --device cpu --socket {daemon.socket}`" in gone.stderr
 
 
 def _free_port() -> int:
