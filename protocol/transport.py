@@ -84,7 +84,8 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
     """Sends ``frames`` as one multipart message (what ``send_multipart`` does, for less)."""
     last = len(frames) - 1
     for index, frame in enumerate(frames):
-        size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        # Buffers (memoryviews, numpy samples of any shape) by their bytes; bytes by length.
+        size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
         more = _SNDMORE if index < last else 0
         sock.send(frame, flags | more, copy=size < COPY_BELOW_BYTES)
 

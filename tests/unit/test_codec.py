@@ -54,6 +54,7 @@ from dalid.protocol import (
     codec,
     decode,
     encode,
+    transport,
 )
 from dalid.protocol.codec import MAX_FRAMES, MAX_HEADER_BYTES
 from dalid.protocol.messages import MESSAGE_TYPES
@@ -1203,3 +1204,33 @@ def test_an_unknown_on_error_policy_is_malformed() -> None:
     header["body"]["on_error"] = "ignore"
     with pytest.raises(ProtocolError, match="'ignore' is not one of"):
         decode([msgpack.packb(header), *frames[1:]])
+
+
+def test_messages_cross_a_socket_whatever_their_samples_shapes_and_sizes() -> None:
+    """transport.send_frames copies small frames and hands large ones over, by their bytes."""
+    samples = [np.asarray(3, dtype=np.int64), np.zeros((2, 3), np.float32),
+               np.arange(1 << 17, dtype=np.uint8)]  # fmt: skip
+    message = SubmitBatch(
+        1,
+        tuple(
+            InputBatch(f"in{i}", sample.dtype.name, (sample.shape,), (sample,))
+            for i, sample in enumerate(samples)
+        ),
+    )
+    context: zmq.Context[Any] = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://codec-transport")
+        sender.connect("inproc://codec-transport")
+        transport.send(sender, message, 9)
+        envelope = transport.recv(receiver)
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
+    assert envelope.request_id == 9
+    received = envelope.message
+    assert isinstance(received, SubmitBatch)
+    for batch, sample in zip(received.inputs, samples, strict=True):
+        assert bytes(batch.samples[0]) == sample.tobytes()
+        assert batch.shapes == (sample.shape,)
