@@ -19,7 +19,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -30,6 +30,7 @@ from dalid.protocol import (
     ErrorCode,
     Goodbye,
     Hello,
+    IpcProbeResult,
     Message,
     Ok,
     Ping,
@@ -63,6 +64,9 @@ from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
 
+if TYPE_CHECKING:
+    from .staged import OutputPaths
+
 log = logging.getLogger("dalid.server")
 
 Push = Callable[[bytes, Message, int | None], None]
@@ -80,6 +84,7 @@ class DaemonCore:
     busy jobs by weight (:mod:`dalid.server.scheduler`). ``device_uuid`` names a GPU daemon's
     GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
     ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
+    ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class DaemonCore:
         repository: PipelineRepository | None = None,
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
+        paths: OutputPaths | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -103,6 +109,7 @@ class DaemonCore:
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
         self._outputs = outputs
+        self.paths = paths
         self._push = push
         self.quotas = quotas
         self.scheduler = FairScheduler(concurrency)
@@ -123,6 +130,7 @@ class DaemonCore:
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
+            IpcProbeResult: self._on_ipc_probe_result,
             Goodbye: self._on_goodbye,
             Ping: self._on_ping,
             Shutdown: self._on_shutdown,
@@ -260,6 +268,8 @@ class DaemonCore:
             self.close_job(job, daemon_stopping=True)
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
+        if self.paths is not None:
+            self.paths.close()
 
     def job_for(self, identity: bytes) -> Job | None:
         return self.registry.job_for(identity)
@@ -310,6 +320,7 @@ class DaemonCore:
             limits=job.limits,
             device_uuid=self.device_uuid,
             pid_namespace=self._pid_namespace,
+            ipc_probe=self.paths.probe if self.paths is not None else "",
         )
 
     def _open_job(self, identity: bytes, hello: Hello) -> Job:
@@ -347,6 +358,18 @@ class DaemonCore:
             else "",
         )
         return job
+
+    def _on_ipc_probe_result(
+        self, identity: bytes, result: IpcProbeResult, _request_id: int | None
+    ) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer answers the IPC probe")
+        if self.paths is None:
+            raise RequestRefused(
+                ErrorCode.MALFORMED_MESSAGE, "this daemon has no GPU outputs and sent no probe"
+            )
+        return self.paths.choose(peer.job, result)
 
     def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
         peer = self.peers[identity]

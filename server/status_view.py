@@ -53,6 +53,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("trainer waited", "right"),
     ("buffers held", "right"),
     ("memory", "right"),
+    ("outputs", "left"),
 )
 
 
@@ -75,6 +76,7 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.trainer_wait_seconds:.1f}s",
         f"{job.regions_held} / {size(job.bytes_held)}",
         size(job.memory_bytes),
+        job.output_path.replace("_", " "),
     )
 
 
