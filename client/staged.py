@@ -194,8 +194,13 @@ class StagedOutputs:
 
     @property
     def live_regions(self) -> int:
-        """Regions whose upload may still be running."""
-        return sum(len(upload.region_ids) for upload in self._uploads)
+        """Regions whose upload is still running (their release is not yet due)."""
+        device = self._device
+        return sum(
+            len(upload.region_ids)
+            for upload in self._uploads
+            if device is None or not device.done(upload.marker)
+        )
 
     # --- receiving ----------------------------------------------------------------------------
 
