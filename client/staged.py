@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dalid.protocol import IpcProbeResult, OutputDescriptor, OutputPath, ReleaseRegions
+from dalid.protocol import ErrorCode, IpcProbeResult, OutputDescriptor, OutputPath, ReleaseRegions
 
 from . import cuda
 from .errors import DeviceMismatch, RequestError
@@ -116,16 +116,20 @@ def _probe(device_uuid: str, handle: bytes) -> str:
 
 def output_path(link: Link) -> OutputPath:
     """How the GPU outputs of the daemon on ``link`` reach this process: probes CUDA IPC and
-    asks the daemon (an older daemon sends no probe: CUDA IPC). Raises DeviceMismatch where the
-    daemon refuses a trainer that cannot use CUDA IPC."""
+    asks the daemon. A daemon whose welcome offers no probe has no CUDA IPC of its own (a MIG
+    instance); an older daemon does not know the question, and delivers by CUDA IPC. Raises
+    DeviceMismatch where the daemon refuses a trainer that cannot use CUDA IPC."""
     welcome = link.welcome
-    if not welcome.ipc_probe:
-        return OutputPath("cuda_ipc")
-    reason = probe_ipc(welcome.device_uuid, welcome.ipc_probe)
+    if welcome.ipc_probe:
+        reason = probe_ipc(welcome.device_uuid, welcome.ipc_probe)
+    else:
+        reason = "the daemon offered no CUDA IPC probe"
     try:
         reply = link.request(IpcProbeResult(opened=not reason, reason=reason))
     except RequestError as error:
-        if error.code.value == "device_mismatch":
+        if error.code is ErrorCode.UNKNOWN_OPERATION:
+            return OutputPath("cuda_ipc")  # a daemon of an older release
+        if error.code is ErrorCode.DEVICE_MISMATCH:
             raise DeviceMismatch(str(error)) from None
         raise
     assert isinstance(reply, OutputPath)

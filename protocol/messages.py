@@ -238,7 +238,8 @@ class Welcome(Message):
     pid_namespace: int = 0
     # A GPU daemon's probe of CUDA IPC: hex of the cudaIpcMemHandle of a small buffer of its GPU
     # that holds these same 64 bytes. A trainer tells in ``ipc_probe_result`` whether it could
-    # open it and read them back ("" from a CPU daemon).
+    # open it and read them back ("" from a CPU daemon, and from a GPU daemon whose GPU cannot
+    # export CUDA IPC memory: its trainers answer that they could not).
     ipc_probe: str = ""
 
     def __post_init__(self) -> None:
@@ -247,8 +248,9 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class IpcProbeResult(Message):
-    """A trainer's answer to ``Welcome.ipc_probe``, before anything else on its connection:
-    whether it opened the probe handle and read its bytes back, and if not, why not."""
+    """A trainer's answer to ``Welcome.ipc_probe`` (sent to every GPU daemon), before anything
+    else on its connection: whether it opened the probe handle and read its bytes back, and if
+    not, why not."""
 
     OP: ClassVar[str] = "ipc_probe_result"
     opened: bool

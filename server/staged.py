@@ -221,28 +221,40 @@ class OutputPaths:
     """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, one
     of :data:`GPU_OUTPUT_MODES`), chosen for each job by its trainer's ``ipc_probe_result``.
 
-    Owns the daemon's :class:`IpcProbe`; ``close()`` frees it. A job whose trainer sends no
-    result (an older client) keeps CUDA IPC, in every mode: it could not read staged outputs.
+    Owns the daemon's :class:`IpcProbe`; ``close()`` frees it. Where the probe cannot be made
+    (the daemon's GPU cannot export CUDA IPC memory, as on a MIG instance), welcomes carry none
+    and every job is staged (mode ``ipc``: the daemon does not start). A job whose trainer sends
+    no result (an older client) keeps CUDA IPC, in every mode: it could not read staged outputs.
     """
 
     def __init__(self, device_id: int, mode: str = "auto", api: DeviceApi | None = None) -> None:
         if mode not in GPU_OUTPUT_MODES:
             raise ValueError(f"unknown GPU output mode {mode!r}: one of {GPU_OUTPUT_MODES}")
         self.mode = mode
-        self._probe = IpcProbe(api if api is not None else cuda_api.CupyApi(device_id))
+        self._probe: IpcProbe | None = None
+        # Why the daemon's own GPU has no CUDA IPC ("" where it has).
+        self.no_ipc = ""
+        try:
+            self._probe = IpcProbe(api if api is not None else cuda_api.CupyApi(device_id))
+        except Exception as error:
+            if mode == "ipc":
+                raise
+            # A MIG instance, say: CUDA IPC memory cannot even be exported. Every job stages.
+            self.no_ipc = f"the daemon's GPU cannot export CUDA IPC memory ({error})"
+            log.warning("%s: every job's GPU outputs are staged", self.no_ipc)
 
     @property
     def probe(self) -> str:
-        """The probe's IPC handle, in hex, for every welcome."""
-        return self._probe.handle
+        """The probe's IPC handle, in hex, for every welcome ("" where there is none)."""
+        return self._probe.handle if self._probe is not None else ""
 
     def choose(self, job: Job, result: IpcProbeResult) -> OutputPath:
         """The output path of ``job`` given its trainer's ``result``, put in place. Raises
         RequestRefused where the mode refuses it, or once the job registered a pipeline."""
-        if result.opened and self.mode != "staged":
+        if result.opened and self.mode != "staged" and not self.no_ipc:
             log.info("job %d: GPU outputs by CUDA IPC", job.job_id)
             return OutputPath("cuda_ipc")
-        why = result.reason or "no reason given"
+        why = self.no_ipc or result.reason or "no reason given"
         if self.mode == "ipc":
             raise RequestRefused(
                 ErrorCode.DEVICE_MISMATCH,
@@ -250,7 +262,7 @@ class OutputPaths:
                 "daemon delivers GPU outputs by CUDA IPC only (--gpu-outputs ipc): restart it "
                 "with --gpu-outputs auto to have them staged through shared memory",
             )
-        if result.opened:
+        if result.opened and not self.no_ipc:
             why = "the daemon stages every job's GPU outputs (--gpu-outputs staged)"
         if job.pipelines:
             raise RequestRefused(
@@ -271,4 +283,5 @@ class OutputPaths:
         return OutputPath("staged", why)
 
     def close(self) -> None:
-        self._probe.close()
+        if self._probe is not None:
+            self._probe.close()

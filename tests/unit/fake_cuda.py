@@ -23,6 +23,7 @@ class FakeApi:
         self.registered: dict[int, int] = {}  # page-locked host memory: address -> size
         self.written: dict[int, bytes] = {}
         self.fail_register = False
+        self.fail_export = False  # as on a MIG instance, which has no CUDA IPC
         self.calls: list[tuple[Any, ...]] = []
         self.allocated: dict[int, int] = {}
         self.freed: list[int] = []
@@ -45,6 +46,8 @@ class FakeApi:
         self.freed.append(ptr)
 
     def export_memory(self, ptr: int) -> bytes:
+        if self.fail_export:
+            raise RuntimeError("cudaErrorNotSupported: operation not supported")
         return ptr.to_bytes(64, "little")
 
     def create_stream(self) -> int:

@@ -270,6 +270,21 @@ def test_a_daemon_of_cuda_ipc_only_refuses_a_trainer_that_cannot_open_it(api: Fa
     assert api.allocated == {}
 
 
+def test_a_daemon_whose_gpu_cannot_export_ipc_memory_stages_every_job(api: FakeApi) -> None:
+    api.fail_export = True  # a MIG instance
+    core = _core(api, "auto")
+    try:
+        assert _hello(core).ipc_probe == ""
+        path = _path(core, IpcProbeResult(opened=False, reason="no probe offered"))
+        assert isinstance(path, OutputPath) and path.path == "staged"
+        assert "cannot export CUDA IPC memory" in path.reason and "not supported" in path.reason
+    finally:
+        core.close()
+    assert api.allocated == {}
+    with pytest.raises(RuntimeError, match="not supported"):
+        OutputPaths(0, "ipc", api=api)  # CUDA IPC only, and none: the daemon does not start
+
+
 def test_only_a_trainer_answers_the_probe_and_before_its_registrations(core: DaemonCore) -> None:
     welcome = _hello(core)
     worker = Hello(

@@ -377,10 +377,14 @@ def test_the_trainer_reports_its_probe_and_takes_the_daemons_path(
     (result,) = link.sent
     assert isinstance(result, IpcProbeResult) and not result.opened
     assert "no IPC here" in result.reason
-    # A daemon that sends no probe (an older release) delivers by CUDA IPC, unasked.
-    old = FakeLink("", OutputPath("staged"))
+    # A daemon that offers no probe has no CUDA IPC: the trainer says it could not open one.
+    mig = FakeLink("", OutputPath("staged", "no CUDA IPC on the daemon's GPU"))
+    assert output_path(mig).path == "staged"  # type: ignore[arg-type]
+    (result,) = mig.sent
+    assert isinstance(result, IpcProbeResult) and not result.opened
+    # A daemon of an older release does not know the question, and delivers by CUDA IPC.
+    old = FakeLink(HANDLE.hex(), RequestError(ErrorCode.UNKNOWN_OPERATION, "'ipc_probe_result'"))
     assert output_path(old) == OutputPath("cuda_ipc")  # type: ignore[arg-type]
-    assert old.sent == []
     # A daemon of CUDA IPC only refuses: the session does not start.
     refusing = FakeLink(HANDLE.hex(), RequestError(ErrorCode.DEVICE_MISMATCH, "IPC only"))
     with pytest.raises(DeviceMismatch, match="IPC only"):
