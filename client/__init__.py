@@ -20,6 +20,7 @@ from dalid.protocol import SOCKET_ENV, Device
 from .badsamples import SampleReport
 from .errors import (
     BatchError,
+    DaemonStopped,
     DaemonUnavailable,
     DalidError,
     DeviceMismatch,
@@ -91,6 +92,7 @@ __all__ = [
     "DALIOutputBatchRef",
     "DALIOutputSampleRef",
     "DALIPipelineRunRef",
+    "DaemonStopped",
     "DaemonUnavailable",
     "DalidError",
     "DataLoader",

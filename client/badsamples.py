@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,40 @@ class SampleReport:
     message: str
     replaced_by: int | None
     dataset_index: int | None = None
+    # The loader's step (as enumerate(loader) counts), where dalid's DataLoader gave the batch.
+    step: int | None = None
 
     @property
     def dropped(self) -> bool:
         return self.replaced_by is None
+
+    def __str__(self) -> str:
+        where = (
+            f"batch {self.batch_id} of pipeline {self.pipeline_id}"
+            if self.step is None
+            else f"loader step {self.step}"
+        )
+        index = "" if self.dataset_index is None else f" (dataset index {self.dataset_index})"
+        what = "dropped" if self.replaced_by is None else f"replaced by sample {self.replaced_by}"
+        return f"{where}: sample {self.position}{index} {what}: {self.message}"
+
+
+def locate(
+    reports: Sequence[SampleReport], step: int | None, indices: list[int] | None
+) -> list[SampleReport]:
+    """``reports`` with the loader's step and the dataset index of each sample."""
+    return [
+        dataclasses.replace(
+            report,
+            step=step,
+            dataset_index=(
+                indices[report.position]
+                if indices is not None and report.position < len(indices)
+                else report.dataset_index
+            ),
+        )
+        for report in reports
+    ]
 
 
 def follow_bad_samples(

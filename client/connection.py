@@ -37,7 +37,7 @@ from dalid.protocol import (
     transport,
 )
 
-from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
+from .errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
 
 log = logging.getLogger("dalid.client")
 
@@ -50,6 +50,8 @@ PING_AFTER_S = 1.0
 PING_TIMEOUT_S = 5.0
 PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
+# A daemon found exited may have sent a stop notice just before: one last look for it.
+NOTICE_GRACE_MS = 200
 
 _context: zmq.Context[Any] | None = None
 _context_pid = -1
@@ -62,6 +64,18 @@ def process_context() -> zmq.Context[Any]:
         _context = zmq.Context()
         _context_pid = os.getpid()
     return _context
+
+
+def stop_notice(envelope: Envelope) -> DaemonStopped | None:
+    """The error for a daemon's notice that it was stopped (see dalid.server.farewell)."""
+    message = envelope.message
+    if (
+        envelope.request_id is None
+        and isinstance(message, Error)
+        and message.code is ErrorCode.SHUTTING_DOWN
+    ):
+        return DaemonStopped(message.message)
+    return None
 
 
 def no_daemon_message(path: Path, device: str | int) -> str:
@@ -121,6 +135,7 @@ class Connection:
                 memory_bytes=memory_bytes,
                 max_inflight_batches=max_inflight_batches,
                 earlier_jobs=earlier_jobs,
+                private_copies=role is Role.TRAINER,
             )
             reply = self.request(hello, timeout=hello_timeout, ping=False)
         except BaseException:
@@ -150,10 +165,26 @@ class Connection:
             )
         if isinstance(envelope.message, Error):
             if self._daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
-                # A welcomed connection is unknown to the daemon only if it is another one.
+                # A welcomed connection is unknown to the daemon when its job ended, or when
+                # another daemon answers on the socket now.
+                if self._answering_pid() == self._daemon_pid:
+                    raise DaemonUnavailable(
+                        f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) "
+                        f"ended job {self.welcome.job_id}, which this connection belonged to: "
+                        "its trainer closed its session or exited"
+                    )
                 raise self.gone_error("another daemon now answers on its socket (it was restarted)")
             raise error_from_reply(envelope.message)
         return envelope.message
+
+    def _answering_pid(self) -> int | None:
+        """The pid of the daemon that answers a ping on the socket now (None: none does)."""
+        ping_id = next(self._request_ids)
+        self._send(Ping(), ping_id)
+        envelope = self.receive_until(lambda e: e.request_id == ping_id, 2.0, ping=False)
+        if envelope is None or not isinstance(envelope.message, Pong):
+            return None
+        return envelope.message.daemon_pid
 
     def notify(self, message: Message) -> None:
         """Sends a message that gets no reply."""
@@ -191,6 +222,8 @@ class Connection:
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
                     last_watch = now
                     if not process_running(self._daemon_pid):
+                        if sock.poll(NOTICE_GRACE_MS):
+                            continue  # its last words, a stop notice, may be on their way
                         raise self.gone_error("its process has exited (was it killed?)")
                 if ping and ping_id is None and silent > PING_AFTER_S:
                     ping_id = next(self._request_ids)
@@ -202,6 +235,10 @@ class Connection:
                 continue
             envelope = self._recv(sock)
             last_heard = time.monotonic()
+            stopped = stop_notice(envelope)
+            if stopped is not None:
+                self._daemon_gone = True
+                raise stopped
             if ping_id is not None and envelope.request_id == ping_id:
                 pong = envelope.message
                 assert isinstance(pong, Pong | Error)

@@ -36,6 +36,7 @@ import torch
 
 from dalid.protocol import GpuUnavailable, OutputDescriptor, ReleaseRegions, gpu_uuid
 
+from .copies import copied_tensor
 from .errors import DeviceMismatch
 
 MAX_FENCES = 64
@@ -70,6 +71,8 @@ class Device(Protocol):
     def synchronize(self, event: Any) -> None: ...
 
     def tensor(self, region: Any) -> torch.Tensor: ...
+
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor: ...
 
 
 class TorchDevice:
@@ -106,10 +109,10 @@ class TorchDevice:
             runtime.memcpy(ctypes.addressof(buffer), ptr, nbytes, runtime.memcpyDeviceToHost)
         return buffer.raw
 
-    def upload(self, host: torch.Tensor, stream: Any) -> torch.Tensor:
-        """A copy of the CPU tensor ``host`` on this device, made on ``stream`` without a host
-        wait where ``host`` is page-locked."""
-        with torch.cuda.stream(stream):
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
+        """A copy of the CPU tensor ``host`` on this device, ordered on ``stream`` (default:
+        the current stream), without a host wait where ``host`` is page-locked."""
+        with torch.cuda.stream(stream if stream is not None else self.current_stream()):
             return host.to(self.torch_device, non_blocking=True)
 
     def pin(self, ptr: int, size: int) -> bool:
@@ -329,6 +332,9 @@ class CudaOutputs:
         the order of the current stream: it waits for the batch's ``event`` (no host sync)."""
         stream = self._begin_batch(event)
         return [self._tensor(descriptor, stream) for descriptor in outputs]
+
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        return self.device.upload(copied_tensor(output, frame))
 
     def _begin_batch(self, event: str) -> Any:
         """Makes the current stream wait for the batch's event; that stream."""

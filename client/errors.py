@@ -35,8 +35,9 @@ class BatchError(RequestError):
     """A batch could not be run; the message carries DALI's own.
 
     ``bad_samples`` names the samples that fail on their own (code ``bad_samples``), by position
-    in the batch; ``dataset_indices`` their indices in the dataset, where dalid's DataLoader
-    knows them (None otherwise).
+    in the batch as collated; ``dataset_indices`` their indices in the dataset and ``step`` the
+    loader's step (as ``enumerate(loader)`` counts), where dalid's DataLoader knows them (None
+    otherwise). ``batch_id`` is the daemon's id of the batch, for its log.
     """
 
     def __init__(
@@ -47,21 +48,45 @@ class BatchError(RequestError):
         pipeline_id: int,
         bad_samples: tuple[BadSample, ...] = (),
     ) -> None:
-        super().__init__(code, f"batch {batch_id} of pipeline {pipeline_id} failed: {message}")
+        super().__init__(code, message)
+        self.reason = message
         self.batch_id = batch_id
         self.pipeline_id = pipeline_id
         self.bad_samples = bad_samples
         self.dataset_indices: list[int] | None = None
+        self.step: int | None = None
+        self.args = (self._describe(),)
 
     @property
     def positions(self) -> list[int]:
         """Positions in the batch of the bad samples."""
         return [sample.position for sample in self.bad_samples]
 
-    def name_indices(self, batch_indices: list[int]) -> None:
-        """Adds the dataset indices of the bad samples, given those of the whole batch."""
-        self.dataset_indices = [batch_indices[p] for p in self.positions if p < len(batch_indices)]
-        self.args = (f"{self.args[0]} (dataset indices {self.dataset_indices})",)
+    def locate(self, step: int | None, batch_indices: list[int] | None) -> None:
+        """Names the batch by the loader's ``step`` and its bad samples by dataset index,
+        given the indices of the whole batch."""
+        self.step = step
+        if batch_indices is not None:
+            self.dataset_indices = [
+                batch_indices[p] for p in self.positions if p < len(batch_indices)
+            ]
+        self.args = (self._describe(),)
+
+    def _describe(self) -> str:
+        daemon = f"batch {self.batch_id} of pipeline {self.pipeline_id}"
+        where = daemon if self.step is None else f"loader step {self.step} ({daemon} in the daemon)"
+        if not self.bad_samples:
+            return f"{where} failed: {self.reason}"
+        indices = self.dataset_indices or []
+        samples = "; ".join(
+            f"sample {bad.position}"
+            + (f" (dataset index {indices[n]})" if n < len(indices) else "")
+            + f": {bad.message}"
+            for n, bad in enumerate(self.bad_samples)
+        )
+        every = "every sample of the batch is bad: " if self.reason.startswith("every ") else ""
+        count = len(self.bad_samples)
+        return f"{where} failed, {every}{count} bad sample{'s' * (count != 1)}: {samples}"
 
 
 class DeviceMismatch(DalidError):
@@ -76,6 +101,11 @@ class ProtocolMismatch(DaemonUnavailable):
     """The daemon speaks another protocol version than this client."""
 
 
+class DaemonStopped(DaemonUnavailable):
+    """The daemon was stopped on purpose (``dalid stop``, SIGTERM) and said so before it went:
+    it will not come back by itself, so a session with ``reconnect`` does not wait for it."""
+
+
 _PIPELINE_CODES = {
     ErrorCode.INVALID_PIPELINE,
     ErrorCode.DEVICE_MISMATCH,
@@ -88,6 +118,6 @@ def error_from_reply(reply: Error) -> DalidError:
     if reply.code is ErrorCode.PROTOCOL_MISMATCH:
         return ProtocolMismatch(reply.message)
     if reply.code is ErrorCode.SHUTTING_DOWN:
-        return DaemonUnavailable(reply.message)
+        return DaemonStopped(reply.message)
     cls = PipelineError if reply.code in _PIPELINE_CODES else RequestError
     return cls(reply.code, reply.message, reply.traceback)

@@ -201,6 +201,7 @@ class InprocLink:
                 memory_bytes=memory_bytes,
                 max_inflight_batches=max_inflight_batches,
                 earlier_jobs=earlier_jobs,
+                private_copies=role is Role.TRAINER,
             )
             reply = self.request(hello, timeout=hello_timeout)
         except BaseException:

@@ -137,6 +137,13 @@ def start_daemon(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if socket.exists() and _answers(socket):
+            # Printed, not logged: the trainer's user must learn where this daemon's log is
+            # even when the trainer configures no logging.
+            print(
+                f"dalid: started a daemon for device {device} on {endpoint(socket)} (it stops "
+                f"after {idle_timeout:g} s without jobs); its log is {log}",
+                file=sys.stderr,
+            )
             return
         time.sleep(0.1)
     raise DaemonUnavailable(

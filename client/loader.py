@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from torch.utils import data as torchdata
 
 from .badsamples import SampleReport
-from .errors import BatchError
 
 
 class Producer(Protocol):
@@ -34,39 +32,35 @@ class _RecordingSampler:
 
 
 class _ProducingIterator:
-    """Wraps torch's loader iterator; each batch goes through ``produce_data`` on its way out."""
+    """Wraps torch's loader iterator; each batch goes through ``produce_data`` on its way out,
+    named by its step (as ``enumerate(loader)`` counts) and its dataset indices."""
 
     def __init__(self, inner: Iterator[Any], loader: DataLoader) -> None:
         self._inner = inner
         self._loader = loader
+        self._step = 0
 
     def __iter__(self) -> _ProducingIterator:
         return self
 
     def __next__(self) -> Any:
+        step = self._step
         try:
             batch = next(self._inner)
         except StopIteration:
             raise
         except BaseException:
+            self._step += 1
             self._loader._batch_indices()  # that batch's indices, so the next batch gets its own
             raise
+        self._step += 1
         indices = self._loader._batch_indices()
         producer = self._loader.session
-        try:
-            produced = producer.produce_data(batch)
-        except BatchError as error:
-            if indices is not None and error.bad_samples:
-                error.name_indices(indices)
-            raise
-        reports: list[SampleReport] = getattr(producer, "last_bad_samples", [])
-        for report in reports:
-            index = (
-                indices[report.position]
-                if indices is not None and report.position < len(indices)
-                else None
-            )
-            self._loader.bad_samples.append(dataclasses.replace(report, dataset_index=index))
+        produce = getattr(producer, "produce", None)
+        if produce is None:  # a producer of DALI's own kind: no steps, no indices
+            return producer.produce_data(batch)
+        produced = produce(batch, step=step, indices=indices)
+        self._loader.bad_samples.extend(getattr(producer, "last_bad_samples", []))
         return produced
 
     def __len__(self) -> int:

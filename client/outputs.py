@@ -60,6 +60,11 @@ class OutputBackend(Protocol):
         longer exists."""
         ...
 
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        """A tensor of the trainer's own holding a private copy of an output (Note [Private
+        copies] in ``dalid.server.copies``): nothing to release, on this memory's device."""
+        ...
+
     def retire(self, slabs: Sequence[str]) -> None:
         """The daemon has let go of these slabs (of any memory): unmap those mapped here once
         no tensor views them."""
@@ -104,21 +109,29 @@ class Outputs:
 
     def tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         """The batch's outputs as tensors, in order; each backend wraps its outputs at once."""
+        if result.copies:  # the job's memory was all held: the batch came as copies
+            return tuple(
+                self._backend(output.device).copy(output, frame)
+                for output, frame in zip(result.outputs, result.copies, strict=True)
+            )
         positions: dict[str, list[int]] = {}
         for position, output in enumerate(result.outputs):
             positions.setdefault(output.device, []).append(position)
         tensors: list[torch.Tensor | None] = [None] * len(result.outputs)
         for device, indices in positions.items():
-            backend = self._backends.get(device)
-            if backend is None:
-                raise DeviceMismatch(
-                    f"the daemon sent an output on {device!r} but named no such device in its "
-                    "welcome"
-                )
+            backend = self._backend(device)
             wrapped = backend.wrap([result.outputs[i] for i in indices], result.event)
             for position, tensor in zip(indices, wrapped, strict=True):
                 tensors[position] = tensor
         return tuple(tensor for tensor in tensors if tensor is not None)
+
+    def _backend(self, device: str) -> OutputBackend:
+        backend = self._backends.get(device)
+        if backend is None:
+            raise DeviceMismatch(
+                f"the daemon sent an output on {device!r} but named no such device in its welcome"
+            )
+        return backend
 
     def retire(self, slabs: Sequence[str]) -> None:
         """Slabs the daemon retired (``BatchReady.retired_slabs``): each backend takes its own."""

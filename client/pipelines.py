@@ -15,6 +15,7 @@ from dalid.protocol import Device, OnError, RegisterNamedPipeline, RegisterPipel
 
 from .errors import InputError
 from .named import RepositoryPipeline
+from .paths import path_inputs
 
 
 def _graph(pipeline: Any) -> Any:
@@ -97,4 +98,5 @@ def registration_request(
         name=getattr(pipeline, "_name", None) or "",
         on_error=policy,
         deterministic=deterministic,
+        path_inputs=path_inputs(pipeline),
     )

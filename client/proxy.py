@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import InputError
 from .loader import DataLoader as _DataLoader
+from .options import check_job_options
 from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
@@ -32,10 +33,11 @@ class DALIServer:
     The pipeline is registered with the daemon when ``proxy`` is first used or the server
     starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
 
-    Beyond DALI's arguments (``proxy`` is a property there, so it takes none): ``on_error``
-    (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`), ``socket``,
-    ``autostart`` and ``reconnect`` (the job carries on across a restart of the daemon, see
-    ``Session``).
+    Beyond DALI's arguments (``proxy`` is a property there, so it takes none), keyword-only:
+    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`),
+    ``socket`` and ``autostart``, and the job options of :func:`dalid.client.connect`:
+    ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches`` and ``reconnect`` (the job
+    carries on across a restart of the daemon, see ``Session``).
     """
 
     def __init__(
@@ -46,12 +48,24 @@ class DALIServer:
         on_error: str = "raise",
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
+        name: str | None = None,
+        weight: float = 1.0,
+        memory_bytes: int | None = None,
+        max_inflight_batches: int | None = None,
         reconnect: bool = False,
     ) -> None:
         try:
             check_pipeline(pipeline)
         except InputError as error:
             raise TypeError(str(error)) from None
+        self._job: dict[str, Any] = {
+            "name": name,
+            "weight": weight,
+            "memory_bytes": memory_bytes,
+            "max_inflight_batches": max_inflight_batches,
+            "reconnect": reconnect,
+        }
+        check_job_options(**self._job)
         if not external_source_names(pipeline):
             raise RuntimeError("The provided pipeline doesn't have any inputs")
         self._pipeline = pipeline
@@ -59,7 +73,6 @@ class DALIServer:
         self._on_error = on_error
         self._socket = socket
         self._autostart = autostart
-        self._reconnect = reconnect
         self._session: Session | None = None
         self._proxy: Proxy | None = None
         self._registered = False
@@ -72,7 +85,7 @@ class DALIServer:
                 pipeline_device(self._pipeline),
                 socket=self._socket,
                 autostart=self._autostart,
-                reconnect=self._reconnect,
+                **self._job,
             )
             self._registered = False
         return self._session
@@ -97,6 +110,12 @@ class DALIServer:
 
     def produce_data(self, obj: Any) -> Any:
         return self.session.produce_data(obj)
+
+    def produce(
+        self, obj: Any, *, step: int | None = None, indices: list[int] | None = None
+    ) -> Any:
+        """:meth:`Session.produce`, for the DataLoader: names batches by the loader's step."""
+        return self.session.produce(obj, step=step, indices=indices)
 
     @property
     def last_bad_samples(self) -> list[Any]:

@@ -85,7 +85,7 @@ from dalid.protocol import (
     Welcome,
 )
 
-from .errors import DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
 from .link import Link, dial
 from .outputs import Outputs
 from .target import ProxyTarget
@@ -269,8 +269,12 @@ class Reconnector:
                     self.reconnect_now()
                 return action()
             except DaemonUnavailable as error:
-                if not self.enabled or isinstance(error, ProtocolMismatch) or self._closed:
-                    raise
+                if (
+                    not self.enabled
+                    or isinstance(error, ProtocolMismatch | DaemonStopped)
+                    or self._closed
+                ):
+                    raise  # a daemon stopped on purpose is not restarted: nothing to wait for
                 if attempt == MAX_RECONNECTS:
                     raise DaemonUnavailable(
                         f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
@@ -371,6 +375,8 @@ class Reconnector:
             max_batch_size=registered.max_batch_size,
             deterministic=registration.deterministic,
             reconnect=self.enabled,
+            path_inputs=registered.path_inputs,
+            working_directory=os.getcwd(),
         )
 
     # --- batches ----------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ from dalid.protocol import (
     socket_path,
 )
 
-from .badsamples import SampleReport, follow_bad_samples
-from .errors import BatchError
+from .badsamples import SampleReport, follow_bad_samples, locate
+from .errors import BatchError, InputError
 from .launcher import JobRequest, trainer_dial
 from .link import Link
+from .options import check_job_options
 from .pipelines import registration_request
 from .reconnect import Reconnector
 from .refs import DALIPipelineRunRef
@@ -97,7 +98,17 @@ class Session:
         max_inflight_batches: int | None = None,
         reconnect: bool = False,
     ) -> None:
-        self.device = parse_device(device)
+        check_job_options(
+            name=name,
+            weight=weight,
+            memory_bytes=memory_bytes,
+            max_inflight_batches=max_inflight_batches,
+            reconnect=reconnect,
+        )
+        try:
+            self.device = parse_device(device)
+        except ValueError as error:
+            raise InputError(str(error)) from None
         self.socket = socket_path(self.device, socket)
         self.reconnect = reconnect
         self._progress = _Progress()
@@ -211,19 +222,41 @@ class Session:
         with outputs: a skipped sample's label is dropped, a replaced one's is the label of the
         sample that replaced it.
         """
+        return self.produce(obj)
+
+    def produce(
+        self, obj: Any, *, step: int | None = None, indices: list[int] | None = None
+    ) -> Any:
+        """:meth:`produce_data` for dalid's DataLoader, which names the batch's ``step`` (as
+        ``enumerate(loader)`` counts) and the dataset ``indices`` of its samples: bad samples
+        and batch errors are then told by those, not by the daemon's batch ids."""
+        reports: list[SampleReport] = []
         self.last_bad_samples = []
         resolved: list[tuple[DALIPipelineRunRef, tuple[torch.Tensor, ...]]] = []
 
         def resolve(runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
-            produced = self._outputs_of(runs)
+            produced = self._outputs_of(runs, reports)
             resolved.extend((run, produced[id(run)]) for run in runs)
             return produced
 
-        return follow_bad_samples(replace_refs(obj, resolve), resolved, self.last_bad_samples)
+        try:
+            produced = follow_bad_samples(replace_refs(obj, resolve), resolved, reports)
+        except BatchError as error:
+            if step is not None or indices is not None:
+                error.locate(step, indices)
+            raise
+        self.last_bad_samples = locate(reports, step, indices)
+        for report in self.last_bad_samples:
+            log.warning("%s", report)
+        return produced
 
     def outputs(self, run: DALIPipelineRunRef) -> tuple[torch.Tensor, ...]:
         """The outputs of one batch, waiting for them (and scheduling it if deferred)."""
-        return self._outputs_of([run])[id(run)]
+        reports: list[SampleReport] = []
+        outputs = self._outputs_of([run], reports)[id(run)]
+        for report in reports:
+            log.warning("%s", report)
+        return outputs
 
     def close(self) -> None:
         """Ends the job: the daemon frees its pipelines; live tensors stay valid. Idempotent."""
@@ -244,18 +277,27 @@ class Session:
     # --- the trainer's side of a batch ----------------------------------------------------------
 
     def _outputs_of(
-        self, runs: Iterable[DALIPipelineRunRef]
+        self, runs: Iterable[DALIPipelineRunRef], reports: list[SampleReport]
     ) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given."""
+        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given; the
+        bad samples they were delivered without, or with replaced, go to ``reports``."""
         runs = list(runs)
         for run in runs:
             self._daemon.check(run)
-        produced = self._daemon.call(lambda: self._deliver(runs))
+        start = len(reports)
+
+        def attempt() -> dict[int, tuple[torch.Tensor, ...]]:
+            del reports[start:]  # an attempt cut short by a reconnection reports nothing
+            return self._deliver(runs, reports)
+
+        produced: dict[int, tuple[torch.Tensor, ...]] = self._daemon.call(attempt)
         for run in runs:
             self._daemon.delivered(run)
         return produced
 
-    def _deliver(self, runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
+    def _deliver(
+        self, runs: list[DALIPipelineRunRef], reports: list[SampleReport]
+    ) -> dict[int, tuple[torch.Tensor, ...]]:
         for run in runs:
             self._daemon.submit_if_lost(run)
         link = self._daemon.link
@@ -275,25 +317,17 @@ class Session:
                     result.bad_samples,
                 )
             produced[id(run)] = self._tensors(result)
-            self._report(result)
-        return produced
-
-    def _report(self, result: BatchReady) -> None:
-        for bad in result.bad_samples:
-            replaced_by = None if bad.replaced_by < 0 else bad.replaced_by
-            self.last_bad_samples.append(
+            reports.extend(
                 SampleReport(
-                    result.batch_id, result.pipeline_id, bad.position, bad.message, replaced_by
+                    result.batch_id,
+                    result.pipeline_id,
+                    bad.position,
+                    bad.message,
+                    None if bad.replaced_by < 0 else bad.replaced_by,
                 )
+                for bad in result.bad_samples
             )
-            log.warning(
-                "batch %d of pipeline %d: sample %d %s: %s",
-                result.batch_id,
-                result.pipeline_id,
-                bad.position,
-                "dropped" if replaced_by is None else f"replaced by sample {replaced_by}",
-                bad.message,
-            )
+        return produced
 
     def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         outputs = self._daemon.generation.outputs

@@ -20,6 +20,8 @@ import torch
 
 from dalid.protocol import OutputDescriptor, ReleaseRegions
 
+from .copies import copied_tensor
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -96,6 +98,9 @@ class SharedMemoryOutputs:
         if self._retiring:
             self._retiring = [m for m in self._retiring if not _try_unmap(m)]
         return [ReleaseRegions(tuple(released))] if released else []
+
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        return copied_tensor(output, frame)
 
     def retire(self, slabs: Sequence[str]) -> None:
         """Unmaps slabs the daemon has freed (now, or once no tensor views them)."""

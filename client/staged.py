@@ -32,6 +32,7 @@ import torch
 from dalid.protocol import ErrorCode, IpcProbeResult, OutputDescriptor, OutputPath, ReleaseRegions
 
 from . import cuda
+from .copies import copied_tensor
 from .errors import DeviceMismatch, RequestError
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class StagingDevice(Protocol):
 
     def current_stream(self) -> Any: ...
 
-    def upload(self, host: torch.Tensor, stream: Any) -> torch.Tensor: ...
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor: ...
 
     def marker(self, stream: Any) -> Any: ...
 
@@ -227,6 +228,12 @@ class StagedOutputs:
         self._uploads.append(_Upload(marker, tuple(d.region_id for d in outputs), tuple(slabs)))
         self.uploaded += len(outputs)
         return tensors
+
+    def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
+        """A private copy of a staged output (Note [Private copies] in ``dalid.server.copies``)
+        put on the GPU on the current stream: the trainer's own, nothing to release."""
+        device = self.device
+        return device.upload(copied_tensor(output, frame), device.current_stream())
 
     def _slab(self, descriptor: OutputDescriptor) -> _Slab:
         if descriptor.device != "staged":

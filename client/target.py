@@ -13,6 +13,8 @@ from typing import Any
 
 from dalid.protocol import InputBatch, SubmitBatch
 
+from .paths import resolve_paths
+
 
 @dataclass(frozen=True)
 class ProxyTarget:
@@ -29,17 +31,24 @@ class ProxyTarget:
     deterministic: bool
     # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
     reconnect: bool = False
+    # Inputs whose samples are file paths, made absolute from the trainer's working directory
+    # before they leave (dalid.client.paths).
+    path_inputs: tuple[str, ...] = ()
+    working_directory: str = ""
 
     def submission(self, samples: Mapping[str, Sequence[Any]], deferred: bool) -> SubmitBatch:
         """The request that submits a batch's ``samples`` (numpy arrays, by input name) to
-        this pipeline; ``deferred``: it runs only when the trainer schedules it."""
+        this pipeline; ``deferred``: it runs only when the trainer schedules it. Relative file
+        paths are made absolute, and files this process cannot read are named."""
+        resolved, unreadable = resolve_paths(samples, self.path_inputs, self.working_directory)
         inputs = tuple(
             InputBatch(
                 name=name,
-                dtype=samples[name][0].dtype.name,
-                shapes=tuple(tuple(sample.shape) for sample in samples[name]),
-                samples=tuple(samples[name]),
+                dtype=resolved[name][0].dtype.name,
+                shapes=tuple(tuple(sample.shape) for sample in resolved[name]),
+                # The codec sends any buffer as a frame, numpy arrays included.
+                samples=tuple(resolved[name]),  # type: ignore[arg-type]
             )
             for name in self.input_names
         )
-        return SubmitBatch(self.pipeline_id, inputs, deferred=deferred)
+        return SubmitBatch(self.pipeline_id, inputs, deferred=deferred, unreadable=unreadable)

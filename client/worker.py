@@ -14,50 +14,16 @@ import threading
 from itertools import pairwise
 from typing import Any
 
-import numpy as np
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from dalid.protocol import DTYPES, BatchAccepted
+from dalid.protocol import BatchAccepted
 
 from .errors import DaemonUnavailable, InputError, RequestError
 from .link import Link
 from .reconnect import Resubmission, left_to_trainer, worker_links
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
+from .samples import as_sample
 from .target import ProxyTarget
-
-
-def _as_array(value: Any, input_name: str) -> np.ndarray:
-    """One sample as a C-contiguous numpy array, without a copy where possible."""
-    if isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, bytes | bytearray | memoryview):
-        array = np.frombuffer(value, dtype=np.uint8)
-    elif type(value).__module__.startswith("torch"):
-        if getattr(value, "device", None) is not None and value.device.type != "cpu":
-            raise InputError(
-                f"input {input_name!r}: a sample on {value.device} must be moved to the CPU "
-                "before it is sent to the daemon"
-            )
-        array = value.detach().contiguous().numpy()
-    elif isinstance(value, bool | int | float | np.generic):
-        array = np.asarray(value)
-    elif isinstance(value, str):
-        raise InputError(
-            f"input {input_name!r}: got a str; pass bytes or a numpy array, for example "
-            "np.frombuffer(path.encode(), dtype=np.int8) for a file path"
-        )
-    else:
-        raise InputError(
-            f"input {input_name!r}: cannot send a {type(value).__name__}; pass a numpy "
-            "array, a CPU torch tensor, bytes or a number"
-        )
-    if array.dtype.name not in DTYPES:
-        raise InputError(
-            f"input {input_name!r}: dtype {array.dtype} is not supported; use one of "
-            f"{sorted(DTYPES)}"
-        )
-    # np.ascontiguousarray would turn a 0-d sample (a label) into shape (1,).
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 class Proxy:
@@ -108,6 +74,13 @@ class Proxy:
         try:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError as error:
+            names = self._target.input_names
+            if args and len(names) > 1:
+                example = ", ".join(f"{name}=..." for name in names)
+                raise InputError(
+                    f"the pipeline has {len(names)} inputs, passed by keyword only (as with DALI's "
+                    f"proxy), named as its external_source operators: proxy({example})"
+                ) from None
             raise InputError(
                 f"the pipeline takes {self.__signature__} (its external_source names): {error}"
             ) from None
@@ -121,7 +94,7 @@ class Proxy:
                 "max_batch_size: make the DataLoader's batch_size at most that"
             )
         # Check every input before adding any, so a refused call leaves the batch as it was.
-        arrays = {name: _as_array(bound.arguments[name], name) for name in self._target.input_names}
+        arrays = {name: as_sample(bound.arguments[name], name) for name in self._target.input_names}
         for name, array in arrays.items():
             samples = run.call_args.get(name)
             if samples and samples[0].dtype != array.dtype:

@@ -174,6 +174,9 @@ class Hello(Message):
     # A trainer that reconnects after daemon restarts: the jobs it had on earlier daemons. A
     # worker's hello naming one of them joins this job (see Restarts in SPEC.md).
     earlier_jobs: tuple[EarlierJob, ...] = ()
+    # A trainer that takes outputs as private copies when its output memory is all held
+    # (``BatchReady.copies``); without it, batches wait for the trainer's releases.
+    private_copies: bool = False
 
     def __post_init__(self) -> None:
         _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
@@ -365,9 +368,13 @@ class RegisterPipeline(Message):
     # The trainer fixes the order of the batches (they come deferred): the pipeline is not
     # shared with other jobs, and each batch runs alone.
     deterministic: bool = False
+    # Inputs whose samples are file paths (they feed fn.io.file.read): the daemon checks that
+    # it can open each before the batch runs (see ``SubmitBatch.unreadable``).
+    path_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
+        _check(set(self.path_inputs) <= set(self.input_names), "path_inputs must be inputs")
         for input_name in self.input_names:
             _check_name(input_name, "an input name")
         _check(len(set(self.input_names)) == len(self.input_names), "input names must differ")
@@ -440,6 +447,8 @@ class PipelineRegistered(Message):
     input_names: tuple[str, ...] = ()
     num_outputs: int = 0
     max_batch_size: int = 0
+    # The inputs whose samples are file paths (they feed fn.io.file.read).
+    path_inputs: tuple[str, ...] = ()
 
 
 # --- Batch family -------------------------------------------------------------------------------
@@ -478,12 +487,17 @@ class SubmitBatch(Message):
     pipeline_id: int
     inputs: tuple[InputBatch, ...]
     deferred: bool = False
+    # Positions of samples whose file path (an input of ``path_inputs``) the submitter itself
+    # could not read: missing files, not files the daemon fails to see.
+    unreadable: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 < len(self.inputs) <= MAX_INPUTS, f"1 to {MAX_INPUTS} inputs")
         sizes = {len(batch.samples) for batch in self.inputs}
         _check(len(sizes) == 1, "every input of a batch must have the same number of samples")
-        _check(0 < sizes.pop() <= MAX_BATCH_SIZE, "a batch must have at least one sample")
+        size = sizes.pop()
+        _check(0 < size <= MAX_BATCH_SIZE, "a batch must have at least one sample")
+        _check(all(0 <= p < size for p in self.unreadable), "unreadable: position out of range")
 
     @property
     def batch_size(self) -> int:
@@ -535,7 +549,7 @@ class OutputDescriptor:
             self.offset >= 0 and self.offset + self.nbytes <= self.slab_size, "region outside slab"
         )
         _check(self.device in OUTPUT_DEVICES, f"unknown output device {self.device!r}")
-        if self.device == "cuda":
+        if self.device == "cuda" and self.slab:
             _check_handle(self.ipc_handle, "a GPU output's ipc_handle")
         else:
             _check(not self.ipc_handle, f"an output on {self.device!r} has no ipc_handle")
@@ -581,11 +595,20 @@ class BatchReady(Message):
     event: str = ""
     # Samples left out (outputs have fewer rows) or replaced, by the pipeline's on_error.
     bad_samples: tuple[BadSample, ...] = ()
+    # A batch delivered as private copies (its job's memory was all held): one frame per
+    # output, whose descriptor names no slab. Only to a trainer whose hello took copies.
+    copies: tuple[memoryview, ...] = ()
 
     def __post_init__(self) -> None:
-        on_gpu = any(output.device == "cuda" for output in self.outputs)
+        on_gpu = any(output.device == "cuda" and output.slab for output in self.outputs)
         _check_handle(self.event, "batch_ready.event", optional=not on_gpu)
         _check(on_gpu or not self.event, "batch_ready.event without GPU outputs")
+        if self.copies:
+            _check(len(self.copies) == len(self.outputs), "one copy per output")
+            for output, copy in zip(self.outputs, self.copies, strict=True):
+                _check(not output.slab and copy.nbytes == output.nbytes, "a copy's size")
+        else:
+            _check(all(output.slab for output in self.outputs), "an output names no slab")
 
 
 @dataclass(frozen=True)
@@ -683,6 +706,8 @@ class JobStatus:
     slabs: int
     memory_bytes: int
     connected_seconds: float
+    # Batches delivered as private copies, their job's output memory being all held.
+    batches_copied: int = 0
     # How its outputs reach the trainer: "shm" (CPU outputs only), "cuda_ipc" or "staged" for
     # GPU outputs (see OutputPath).
     output_path: str = ""

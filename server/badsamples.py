@@ -20,7 +20,7 @@ fails under every policy: there is nothing to skip to or replace with.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from dalid.protocol import BadSample, ErrorCode, OnError
 
+from .causes import explain
 from .imagesize import image_size, pixels
 
 log = logging.getLogger("dalid.server")
@@ -171,12 +172,14 @@ def recover(
     failure: tuple[ErrorCode, Exception | None],
     bad: dict[int, str],
     stream: int | None = None,
+    path_inputs: Collection[str] = (),
 ) -> Recovered:
     """Finds the samples of a batch that fail on their own and applies ``policy``, on the idle
     ``runner``, which it leaves idle and working.
 
     ``failure`` is the code and error of the batch's run (no error: it did not run, its ``bad``
-    samples were found before); ``stream`` is where the good samples' outputs are handed over.
+    samples were found before); ``stream`` is where the good samples' outputs are handed over;
+    ``path_inputs`` the inputs whose samples are file paths (their causes read differently).
     """
     code, error = failure
     # Whether the pipeline has run since it was last built: a batch that fails then gets a
@@ -204,7 +207,8 @@ def recover(
 
     candidates = [position for position in range(size) if position not in bad]
     if arrays:
-        bad.update(find_bad(candidates, trial, whole_failed=None if bad else error))
+        found = find_bad(candidates, trial, whole_failed=None if bad else error)
+        bad.update(explain(found, arrays, path_inputs))
     if not bad:
         assert error is not None
         return failed(code, dali_message(error))

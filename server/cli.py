@@ -16,13 +16,17 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from dalid.protocol import (
+    PROTOCOL_VERSION,
     RUNTIME_DIR_ENV,
+    SOCKET_ENV,
+    Device,
     Error,
     ErrorCode,
     Message,
@@ -34,8 +38,10 @@ from dalid.protocol import (
     Shutdown,
     StatusReport,
     StatusRequest,
+    device_label,
     endpoint,
     gpu_count,
+    runtime_dir,
     socket_path,
     transport,
 )
@@ -45,6 +51,7 @@ from .daemon import Daemon, DaemonConfig, usable_cores
 from .pipelines import Sharing
 from .quotas import Quotas
 from .shm import SHM_DIR
+from .status_view import legend
 from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
 
 log = logging.getLogger("dalid.server")
@@ -61,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dalid",
         description="A daemon that runs NVIDIA DALI pipelines for many PyTorch training jobs.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -95,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "daemon's socket may reload it, as it may stop it; SIGHUP to the daemon, or to "
                 "`dalid serve`, does the same."
             )
+        if name == "status":
+            description += f" Columns: {legend()}."
         command = commands.add_parser(name, help=text, description=description)
         add_options(command, [option for option in OPTIONS if option.locates_daemon])
         # Loading imports the repository's files, which may take a while.
@@ -119,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
             )
             command.add_argument("--once", action="store_true", help="print the table once")
     return parser
+
+
+def version_line() -> str:
+    """What ``dalid --version`` prints: this release and the protocol version it speaks."""
+    try:
+        release = metadata.version("dalid")
+    except metadata.PackageNotFoundError:
+        release = "(not installed)"
+    return f"dalid {release}, protocol version {PROTOCOL_VERSION}"
 
 
 def _settings(args: argparse.Namespace, serving: bool) -> dict[str, Any]:
@@ -216,14 +235,33 @@ class NoAnswer(Exception):
     """The daemon is not there or did not answer; the message says which."""
 
 
-class DaemonLine:
-    """A connection for requests that need no hello (ping, status, shutdown). Closes once."""
+def start_command(device: Device, path: Path) -> str:
+    """The command that starts a daemon for ``device`` on ``path``: with ``--socket`` unless
+    ``dalid serve`` would choose that socket by itself."""
+    command = f"dalid serve --device {device}"
+    chosen = os.environ.get(SOCKET_ENV)
+    try:
+        default = (
+            Path(chosen).absolute()
+            if chosen
+            else runtime_dir(create=False) / f"{device_label(device)}.sock"
+        )
+    except OSError:
+        return f"{command} --socket {path}"
+    return command if path == default else f"{command} --socket {path}"
 
-    def __init__(self, path: Path, timeout: float) -> None:
+
+class DaemonLine:
+    """A connection for requests that need no hello (ping, status, shutdown). Closes once.
+
+    ``start`` is the command that starts the daemon, for the message when none answers."""
+
+    def __init__(self, path: Path, timeout: float, start: str) -> None:
         self.path = path
         self.timeout = timeout
+        self.start = start
         if not path.exists():
-            raise NoAnswer(f"no daemon listens on {endpoint(path)}")
+            raise NoAnswer(f"no dalid daemon listens on {endpoint(path)}: start one with `{start}`")
         self._context: zmq.Context[Any] = zmq.Context()
         self._socket = transport.make_socket(self._context, zmq.DEALER, endpoint(path), bind=False)
         self._request_ids = iter(range(1, 1 << 62))
@@ -250,7 +288,11 @@ class DaemonLine:
                     )
                 raise NoAnswer(refusal.message)
             return envelope.message
-        raise NoAnswer(f"the daemon on {endpoint(self.path)} did not answer")
+        raise NoAnswer(
+            f"no dalid daemon answered on {endpoint(self.path)} within {self.timeout:g} s. A "
+            "daemon that was killed leaves its socket file behind; a busy one may answer with a "
+            f"longer --timeout. `{self.start}` starts one (it replaces a dead daemon's socket)"
+        )
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -263,28 +305,52 @@ class DaemonLine:
         self.close()
 
 
-def _ask(path: Path, timeout: float, request: Message) -> int:
-    """Sends one request that needs no hello and waits for its answer; the exit status."""
+def _ping(path: Path, timeout: float, start: str) -> int:
+    """Exit status 0 when the daemon answers."""
     try:
-        with DaemonLine(path, timeout) as line:
-            reply = line.ask(request)
-            if isinstance(reply, Pong):
-                print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(path)}")
-            deadline = time.monotonic() + timeout
-            while isinstance(request, Shutdown) and path.exists():
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-            return 0
+        with DaemonLine(path, timeout, start) as line:
+            reply = line.ask(Ping())
     except NoAnswer as error:
-        print(f"dalid: {error}", file=sys.stderr)
+        print(f"dalid ping: {error}", file=sys.stderr)
         return 1
+    assert isinstance(reply, Pong)
+    print(f"dalid daemon pid {reply.daemon_pid} answers on {endpoint(path)}")
+    return 0
 
 
-def _reload(path: Path, timeout: float) -> int:
+def _stop(path: Path, timeout: float, start: str) -> int:
+    """Asks the daemon to stop (it tells its jobs) and waits until its socket is gone."""
+    try:
+        with DaemonLine(path, timeout, start) as line:
+            report = line.ask(StatusRequest())
+            assert isinstance(report, StatusReport)
+            line.ask(Shutdown())
+    except NoAnswer as error:
+        print(f"dalid stop: {error}", file=sys.stderr)
+        return 1
+    what = f"the dalid {report.device} daemon pid {report.daemon_pid} on {endpoint(path)}"
+    deadline = time.monotonic() + timeout
+    while path.exists():
+        if time.monotonic() >= deadline:
+            print(
+                f"dalid stop: asked {what} to stop, and its socket is still there after "
+                f"{timeout:g} s: it may still be freeing its jobs' memory (see its log)",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.05)
+    jobs = len(report.jobs)
+    print(
+        f"stopped {what}"
+        + (f"; its {jobs} job(s) were told that it was stopped" if jobs else "; it had no jobs")
+    )
+    return 0
+
+
+def _reload(path: Path, timeout: float, start: str) -> int:
     """Has the daemon reload its repository; prints what it loaded and what failed."""
     try:
-        with DaemonLine(path, timeout) as line:
+        with DaemonLine(path, timeout, start) as line:
             report = line.ask(ReloadRepository())
     except NoAnswer as error:
         print(f"dalid reload: {error}", file=sys.stderr)
@@ -301,12 +367,12 @@ def _reload(path: Path, timeout: float) -> int:
     return EXIT_LOAD_FAILED if report.failures else 0
 
 
-def _status(path: Path, args: argparse.Namespace) -> int:
+def _status(path: Path, args: argparse.Namespace, start: str) -> int:
     """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C."""
     from .status_view import as_json, table
 
     try:
-        with DaemonLine(path, args.timeout) as line:
+        with DaemonLine(path, args.timeout, start) as line:
             where = endpoint(path)
             report = line.ask(StatusRequest())
             assert isinstance(report, StatusReport)
@@ -321,19 +387,21 @@ def _status(path: Path, args: argparse.Namespace) -> int:
                 # A pipe or a file has no width of its own: do not cut the table at 80 columns.
                 console = Console(width=200)
             if args.once or not console.is_terminal:
-                console.print(table(report, where))
+                console.print(table(report, where, console.width))
                 return 0
-            with Live(table(report, where), console=console, auto_refresh=False) as live:
+            with Live(
+                table(report, where, console.width), console=console, auto_refresh=False
+            ) as live:
                 try:
                     while True:
                         time.sleep(args.interval)
                         report = line.ask(StatusRequest())
                         assert isinstance(report, StatusReport)
-                        live.update(table(report, where), refresh=True)
+                        live.update(table(report, where, console.width), refresh=True)
                 except KeyboardInterrupt:
                     return 0
     except NoAnswer as error:
-        print(f"dalid: {error}", file=sys.stderr)
+        print(f"dalid status: {error}", file=sys.stderr)
         return 1
 
 
@@ -358,13 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is None:
             return _supervise(args, settings)
         return Daemon(config).serve()
+    # These need no hello: whoever can open the socket (mode 0600, its user) may send them.
+    start = start_command(settings["device"], path)
     if args.command == "status":
-        return _status(path, args)
+        return _status(path, args, start)
     if args.command == "reload":
-        # Like shutdown: whoever can open the socket (mode 0600, its user) may reload.
-        return _reload(path, args.timeout)
-    # Shutdown and ping need no hello: whoever can open the socket (mode 0600) may send them.
-    return _ask(path, args.timeout, Shutdown() if args.command == "stop" else Ping())
+        return _reload(path, args.timeout, start)
+    if args.command == "stop":
+        return _stop(path, args.timeout, start)
+    return _ping(path, args.timeout, start)
 
 
 if __name__ == "__main__":

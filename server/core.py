@@ -53,6 +53,7 @@ from dalid.protocol import (
     transport,
 )
 
+from .copies import PRIVATE_COPY_AFTER_S
 from .errors import RequestRefused
 from .jobs import Job, JobRegistry, Peer
 from .outputs import OutputsFactory, ReleaseRefused, StreamFactory, no_streams
@@ -162,9 +163,11 @@ class DaemonCore:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
                 )
-            if isinstance(message, TrainerProgress) and identity not in self.peers:
-                # Figures for `dalid status` only, from a connection of a daemon that was
-                # replaced (it has not noticed yet): nothing to apply, nobody to tell.
+            if request_id is None and identity not in self.peers:
+                # A notification (a release, progress figures) from a connection whose job
+                # ended, or that a replaced daemon welcomed: nothing to apply, and an error
+                # pushed back would only be logged by a peer that is going away.
+                log.debug("%s from a connection that is not in a job: ignored", message.OP)
                 return None
             if not isinstance(message, _NEEDS_NO_HELLO) and identity not in self.peers:
                 raise RequestRefused(
@@ -344,11 +347,12 @@ class DaemonCore:
             self.quotas.max_waiting_batches,
         )
         self.scheduler.add_job(job.job_id, limits.weight)
+        if hello.private_copies:
+            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
         log.info(
-            "job %d (%s, pid %d) connected: weight %g, %d MiB, %d batches in flight%s",
+            "job %d (%s) connected: weight %g, %d MiB, %d batches in flight%s",
             job.job_id,
-            hello.name or "?",
-            hello.client_pid,
+            job_label(hello.name, hello.client_pid),
             limits.weight,
             limits.pool_bytes >> 20,
             limits.max_inflight_batches,
@@ -454,6 +458,17 @@ class DaemonCore:
         if isinstance(result, BatchFailed):
             job.batches_failed += 1
         else:
+            if result.copies:
+                job.batches_copied += 1
+                if job.batches_copied == 1:
+                    log.warning(
+                        "job %d: its trainer holds all %d MiB of its output memory (it keeps "
+                        "its outputs), so batches that find no room come as private copies, "
+                        "which is slower; to avoid it, keep copies of kept outputs "
+                        "(tensor.clone()) or connect with a larger memory_bytes",
+                        job.job_id,
+                        job.limits.pool_bytes >> 20,
+                    )
             # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
             skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
             job.meter.add(batch.request.batch_size - skipped)
@@ -490,3 +505,9 @@ class DaemonCore:
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
         return None
+
+
+def job_label(name: str, pid: int) -> str:
+    """How the log names a job once, at connect: its name and its trainer's pid (the client's
+    default name is the pid, said once)."""
+    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

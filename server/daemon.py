@@ -48,6 +48,7 @@ from dalid.protocol import (
 )
 
 from .core import DaemonCore
+from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
@@ -109,6 +110,9 @@ class Daemon:
         self._outbox: collections.deque[tuple[bytes, Message, int | None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
+        self._stop_signal: int | None = None
+        # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
+        self._linger_ms = 0
         self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
@@ -129,7 +133,9 @@ class Daemon:
         self._outbox.append((identity, message, request_id))
         self._wake()
 
-    def request_stop(self, *_: object) -> None:
+    def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        if not self._stop.is_set():
+            self._stop_signal = signum
         self._stop.set()
         self._wake()
 
@@ -180,16 +186,22 @@ class Daemon:
         path = self.config.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = path.with_name(path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise AlreadyRunning(
+                    f"a dalid daemon (pid {owner}) already serves {endpoint(path)}; stop it with "
+                    f"`dalid stop --socket {path}` or choose another --socket"
+                ) from None
+            # A daemon that stops removes the lock file while it holds the lock (close()): a
+            # lock taken on a file no longer at the path locks nothing; open the new one.
+            if _same_file(fd, lock_path):
+                break
             os.close(fd)
-            raise AlreadyRunning(
-                f"a dalid daemon (pid {owner}) already serves {endpoint(path)}; stop it with "
-                f"`dalid stop --socket {path}` or choose another --socket"
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
@@ -287,7 +299,7 @@ class Daemon:
             self._monitor.close(linger=0)
             self._monitor = None
         if self._socket is not None:
-            self._socket.close(linger=0)
+            self._socket.close(linger=self._linger_ms)
             self._socket = None
         if self._context is not None:
             self._context.term()
@@ -299,6 +311,11 @@ class Daemon:
             self._uuid_link = None
         if self._lock_fd is not None:
             self.config.socket.unlink(missing_ok=True)
+            # Removed while still held, so that a clean stop leaves nothing in the runtime
+            # directory; a daemon starting meanwhile sees the file gone (_acquire_socket).
+            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
+            if _same_file(self._lock_fd, lock_path):
+                lock_path.unlink(missing_ok=True)
             os.close(self._lock_fd)
             self._lock_fd = None
         if self._wake_fd >= 0:
@@ -348,6 +365,20 @@ class Daemon:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
         self._flush_outbox()
+        if self._stop.is_set() or self.core.stop_requested:
+            self._tell_peers(stop_reason(self._stop_signal))
+
+    def _tell_peers(self, reason: str) -> None:
+        """Tells every connected peer that the daemon was stopped (see farewell.py)."""
+        assert self.core is not None
+        peers = list(self.core.peers)
+        log.info("stopping (%s): telling %d connected peer(s)", reason, len(peers))
+        notice = stopping_notice(self.config.socket, reason)
+        for identity in peers:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(identity, notice, None)
+        if peers:
+            self._linger_ms = NOTICE_LINGER_MS
 
     def _reload(self) -> None:
         assert self.core is not None
@@ -413,6 +444,16 @@ class Daemon:
             if error.errno != zmq.EHOSTUNREACH:
                 raise
             self.core.trainer_unreachable(identity)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    try:
+        named = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _remove_stale_segments() -> None:

@@ -35,7 +35,7 @@ from dalid.protocol import (
 
 from .badsamples import recover, summary
 from .outputs import OutputFailure, RunOutput, Stream
-from .pool import PoolClosed
+from .pool import PoolClosed, PoolFull
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run, RunPlanner
 from .scheduler import FairScheduler, ServiceClock
@@ -103,6 +103,7 @@ class PipelineExecutor:
         # Members, their queues and the next run; its lock also guards the build's outcome.
         self._planner = RunPlanner(scheduler, self._clock, self._stopping, max_image_pixels)
         self._planner.shared = self.shared
+        self._planner.run_batches = self.run_batches
         self._changed = self._planner.changed
         self.join(first, on_built)
         self._thread = threading.Thread(
@@ -224,6 +225,7 @@ class PipelineExecutor:
             if isinstance(outcome, PipelineSpec):
                 self.spec = outcome
                 self._planner.run_size = self.run_size
+                self._planner.path_inputs = outcome.path_inputs
             else:
                 self._build_error = outcome
             waiting, self._waiting_for_build = self._waiting_for_build, []
@@ -262,7 +264,13 @@ class PipelineExecutor:
                     run = self._planner.next_run(retry, block=not in_flight)
                     if run is None:
                         break
-                    if run.batches[0].oversized:
+                    first = run.batches[0]
+                    if first.unseen:
+                        # Not a bad sample: every batch would fail so (see paths.py).
+                        self._planner.give_slots(1)
+                        self._fail(first, ErrorCode.INVALID_BATCH, first.unseen)
+                        continue
+                    if first.oversized:
                         self._planner.give_slots(1)
                         start_over(run, ErrorCode.INVALID_BATCH, None)
                         continue
@@ -347,13 +355,21 @@ class PipelineExecutor:
     ) -> None:
         member = batch.member
         assert member is not None
+        copies: tuple[memoryview, ...] = ()
         try:
-            descriptors, event = member.outputs.write_batch(
-                outputs,
-                rows,
-                source_stream=self._stream,
-                cancelled=lambda: self._stopping.is_set() or member.closed,
-            )
+            try:
+                descriptors, event = member.outputs.write_batch(
+                    outputs,
+                    rows,
+                    source_stream=self._stream,
+                    cancelled=lambda: self._stopping.is_set() or member.closed,
+                    # Other jobs' batches wait for this run's end: no waiting for this job.
+                    wait=len(self._planner.members) < 2,
+                )
+            except PoolFull:
+                # Note [Private copies] in copies.py.
+                descriptors, copies = member.outputs.private_copies(outputs, rows)
+                event = ""
         except OutputFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
@@ -369,6 +385,7 @@ class PipelineExecutor:
                 retired_slabs=member.outputs.take_retired(),
                 event=event,
                 bad_samples=tuple(bad_samples),
+                copies=copies,
             ),
         )
 
@@ -415,6 +432,7 @@ class PipelineExecutor:
             failure=(code, error),
             bad=bad,
             stream=self._stream,
+            path_inputs=self.spec.path_inputs if self.spec is not None else (),
         )
         if found.report:
             # Another bad sample of this job then costs no other job a rerun.

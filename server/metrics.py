@@ -32,6 +32,17 @@ JOB_METRICS: tuple[tuple[str, str, str, str], ...] = (
 )  # fmt: skip
 
 
+# (metric, help, kind, field of PipelineStatus), one series per pipeline in the daemon.
+PIPELINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("dalid_pipeline_runs", "Runs of the pipeline", "counter", "runs"),
+    ("dalid_pipeline_samples", "Samples the pipeline ran", "counter", "samples"),
+    ("dalid_pipeline_mixed_runs", "Runs holding several jobs' batches", "counter", "mixed_runs"),
+    ("dalid_pipeline_run_size", "The most samples one run holds", "gauge", "run_size"),
+    ("dalid_pipeline_mean_fill", "Samples of its runs over their run size", "gauge", "mean_fill"),
+    ("dalid_pipeline_jobs", "Jobs whose registrations the pipeline runs", "gauge", "jobs"),
+)  # fmt: skip
+
+
 class StatusCollector:
     """A Prometheus collector over the latest :class:`StatusReport` that ``snapshot`` returns."""
 
@@ -65,6 +76,20 @@ class StatusCollector:
             )
             for job in report.jobs:
                 family.add_metric(_job_labels(report, job), float(getattr(job, field)))
+            yield family
+        labels = ["device", "pipeline", "name", "shared"]
+        for name, text, kind, field in PIPELINE_METRICS:
+            family = (
+                CounterMetricFamily(name, text, labels=labels)
+                if kind == "counter"
+                else GaugeMetricFamily(name, text, labels=labels)
+            )
+            for pipeline in report.pipelines:
+                value = getattr(pipeline, field)
+                family.add_metric(
+                    [report.device, str(pipeline.pipeline), pipeline.name, str(pipeline.shared)],
+                    float(len(value) if isinstance(value, tuple) else value),
+                )
             yield family
 
 

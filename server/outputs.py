@@ -24,6 +24,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
+from .copies import private_copy
 from .pool import PoolTooSmall, Region, RegionPool
 
 
@@ -104,6 +105,9 @@ class JobOutputs:
     def __init__(self, stores: Sequence[OutputStore]) -> None:
         self.stores = tuple(stores)
         self.closed = False
+        # How long a batch waits for memory before it goes as a private copy; None: it waits
+        # for ever (a trainer that takes no copies). Note [Private copies] in copies.py.
+        self.copy_after: float | None = None
 
     @property
     def stream(self) -> int | None:
@@ -136,13 +140,18 @@ class JobOutputs:
         *,
         source_stream: int | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        wait: bool = True,
     ) -> tuple[tuple[OutputDescriptor, ...], str]:
         """Copies a batch's ``rows`` of a run's outputs into fresh regions; their descriptors
         and the batch event.
 
-        Blocks while the job's memory is full (backpressure). Raises :class:`OutputFailure`
-        for outputs that cannot be delivered, and PoolClosed when the job ends meanwhile. On
-        return the regions are leased to the trainer (Note [Output buffer lifetime]).
+        Blocks while the job's memory is full (backpressure), or with ``copy_after`` set, for
+        that long at most, then raises PoolFull (deliver :meth:`private_copies` instead); with
+        ``wait`` false and ``copy_after`` set, raises PoolFull at once instead of waiting (a
+        pipeline other jobs share must not wait for one job's trainer).
+        Raises :class:`OutputFailure` for outputs that cannot be delivered, and PoolClosed when
+        the job ends meanwhile. On return the regions are leased to the trainer (Note [Output
+        buffer lifetime]).
         """
         shapes = [output.shape_of(rows) for output in outputs]
         stores = [self._store_of(output) for output in outputs]
@@ -150,7 +159,10 @@ class JobOutputs:
             math.prod(shape) * output.itemsize
             for shape, output in zip(shapes, outputs, strict=True)
         ]
-        regions = self._allocate(stores, sizes, cancelled)
+        give_up_after = self.copy_after
+        if not wait and give_up_after is not None:
+            give_up_after = 0.0
+        regions = self._allocate(stores, sizes, cancelled, give_up_after)
         try:
             used = {id(store) for store in stores}
             for store in self.stores:
@@ -182,6 +194,32 @@ class JobOutputs:
         )
         return descriptors, next((event for event in events if event), "")
 
+    def private_copies(
+        self, outputs: Sequence[RunOutput], rows: range
+    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...]]:
+        """A batch's ``rows`` of a run's outputs as private copies: descriptors that name no
+        slab, and the bytes of each output (Note [Private copies] in copies.py)."""
+        descriptors, frames = [], []
+        for output in outputs:
+            store = self._store_of(output)
+            shape = output.shape_of(rows)
+            nbytes = math.prod(shape) * output.itemsize
+            frames.append(private_copy(output, rows, nbytes).data)
+            descriptors.append(
+                OutputDescriptor(
+                    region_id=0,
+                    slab="",
+                    slab_size=nbytes,
+                    offset=0,
+                    nbytes=nbytes,
+                    dtype=output.dtype,
+                    shape=shape,
+                    layout=output.layout,
+                    device=store.device,
+                )
+            )
+        return tuple(descriptors), tuple(frames)
+
     def take_retired(self) -> tuple[str, ...]:
         """Slabs freed since the last call, for the trainer to unmap."""
         return tuple(name for store in self.stores for name in store.pool.take_retired())
@@ -205,7 +243,11 @@ class JobOutputs:
         )
 
     def _allocate(
-        self, stores: list[OutputStore], sizes: list[int], cancelled: Callable[[], bool]
+        self,
+        stores: list[OutputStore],
+        sizes: list[int],
+        cancelled: Callable[[], bool],
+        give_up_after: float | None,
     ) -> list[Region]:
         """One region per output, from the pool of its store; all or none."""
         by_store: dict[int, Iterator[Region]] = {}
@@ -214,7 +256,9 @@ class JobOutputs:
             for store in self.stores:
                 wanted = [size for size, s in zip(sizes, stores, strict=True) if s is store]
                 if wanted:
-                    regions = store.pool.allocate(wanted, cancelled=cancelled)
+                    regions = store.pool.allocate(
+                        wanted, cancelled=cancelled, give_up_after=give_up_after
+                    )
                     taken.extend(regions)
                     by_store[id(store)] = iter(regions)
         except PoolTooSmall as error:

@@ -210,6 +210,7 @@ class PipelineBuilder:
                 input_names=result.input_names,
                 num_outputs=result.num_outputs,
                 max_batch_size=result.max_batch_size,
+                path_inputs=result.path_inputs,
             )
         else:
             log.info("job %d: pipeline %r not built: %s", job.job_id, request.name, result)

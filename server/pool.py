@@ -32,6 +32,7 @@ import bisect
 import itertools
 import mmap
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -67,6 +68,11 @@ class PoolTooSmall(ValueError):
 
 class PoolClosed(RuntimeError):
     """The pool was closed while an allocation waited."""
+
+
+class PoolFull(RuntimeError):
+    """The pool stayed full, with nothing released, for as long as the allocation would wait
+    (Note [Private copies] in ``copies.py``)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,10 @@ class RegionPool:
         self._condition = threading.Condition()
         self._closed = False
         self._retired: list[str] = []
+        # Regions released so far, and that count when an allocation last gave up waiting: until
+        # it changes, the trainer holds everything and the next allocation gives up at once.
+        self._released = 0
+        self._gave_up_at = -1
 
     @property
     def slab_bytes_total(self) -> int:
@@ -170,16 +180,22 @@ class RegionPool:
         sizes: Sequence[int],
         cancelled: Callable[[], bool] = lambda: False,
         poll_interval: float = 0.05,
+        give_up_after: float | None = None,
     ) -> list[Region]:
         """One region per size, all or none; blocks while the pool is full.
 
         Raises :class:`PoolTooSmall` when the sizes could never fit, and :class:`PoolClosed`
-        when the pool closes or ``cancelled()`` turns true while waiting.
+        when the pool closes or ``cancelled()`` turns true while waiting. With
+        ``give_up_after``, raises :class:`PoolFull` once no region has been released for that
+        many seconds while the sizes do not fit, and at once while nothing was released since
+        the last time it did.
         """
         aligned = [_align(size, self._alignment) for size in sizes]
         if sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
+            released = self._released
+            deadline = None if give_up_after is None else time.monotonic() + give_up_after
             while True:
                 if self._closed or cancelled():
                     raise PoolClosed("the output pool was closed")
@@ -194,6 +210,15 @@ class RegionPool:
                     if regions is not None:
                         return regions
                     raise self._too_small(aligned)
+                if deadline is not None:
+                    if self._released != released:
+                        released = self._released
+                        deadline = time.monotonic() + (give_up_after or 0.0)
+                    if self._released == self._gave_up_at or time.monotonic() >= deadline:
+                        self._gave_up_at = self._released
+                        raise PoolFull(
+                            f"the job's {self.limit_bytes} bytes of output memory are all held"
+                        )
                 self._condition.wait(poll_interval)
 
     def _too_small(self, aligned: Sequence[int]) -> PoolTooSmall:
@@ -231,6 +256,7 @@ class RegionPool:
                     continue
                 space, offset, size = lease
                 space.give_back(offset, size)
+            self._released += len(region_ids) - len(unknown)
             self._condition.notify_all()
         return unknown
 

@@ -38,6 +38,8 @@ class PipelineSpec:
     name: str = ""
     on_error: OnError = OnError.RAISE
     definition: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    # The inputs whose samples are file paths (they feed fn.io.file.read).
+    path_inputs: tuple[str, ...] = ()
 
     @classmethod
     def from_message(cls, message: RegisterPipeline) -> PipelineSpec:
@@ -52,6 +54,7 @@ class PipelineSpec:
             exec_dynamic=message.exec_dynamic,
             name=message.name,
             on_error=message.on_error,
+            path_inputs=message.path_inputs,
         )
 
 
@@ -150,6 +153,7 @@ class PipelineRunner:
             name=name,
             on_error=on_error,
             definition=definition,
+            path_inputs=path_inputs(pipeline),
         )
         return cls(spec, device_id, pipeline, run_batches=run_batches, num_threads=num_threads)
 
@@ -278,3 +282,24 @@ def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
             ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} cannot be served: {'; '.join(problems)}"
         )
     return names, num_outputs
+
+
+# The operator that reads files named by its input; an external_source feeding it gives paths.
+FILE_READER = "io__file__Read"
+
+
+def path_inputs(pipeline: Any) -> tuple[str, ...]:
+    """The external_source names of a pipeline whose samples are file paths: those that feed
+    ``fn.io.file.read`` directly. (The client reads its pipelines the same way.)"""
+    from nvidia.dali.external_source import ExternalSource
+
+    ops = pipeline._ops or ()
+    sources = {op.name for op in ops if isinstance(op._op, ExternalSource)}
+    fed = {
+        node.source.name
+        for op in ops
+        if getattr(op._op, "schema_name", "") == FILE_READER
+        for node in op.inputs
+        if node.source is not None
+    }
+    return tuple(name for name in (op.name for op in ops) if name in sources & fed)

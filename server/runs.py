@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,7 @@ from dalid.protocol import BatchFailed, BatchReady, OnError, SubmitBatch
 
 from .badsamples import oversized_images
 from .outputs import JobOutputs
+from .paths import FilesUnseen, check_paths
 from .runner import sample_arrays
 from .scheduler import FairScheduler, ServiceClock
 
@@ -38,6 +41,8 @@ QUARANTINE_BATCHES = 8
 # again when a job's batch waited only for that job's memory (a release does not wake it).
 _IDLE_WAIT_S = 1.0
 _IDLE_POLL_S = 0.05
+# A job that submitted a batch this recently is busy: it gets its share of each run.
+_BUSY_S = 1.0
 
 _arrivals = itertools.count()
 
@@ -48,8 +53,11 @@ class PendingBatch:
     request: SubmitBatch
     member: Member | None = None
     arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    # Image samples over the daemon's pixel limit, by position, with why (found once).
+    # Samples bad before they run, by position, with why (found once): images over the
+    # daemon's pixel limit, files nobody can read.
     oversized: dict[int, str] | None = None
+    # Why the batch cannot run at all (a file the daemon cannot see: see paths.py), or "".
+    unseen: str = ""
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
@@ -91,6 +99,10 @@ class Member:
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
     alone: int = 0
+    # When it last submitted a batch (monotonic seconds): whether its job is busy.
+    submitted_at: float = 0.0
+    # Since when its batches wait for its job's memory (None: they do not).
+    starved_since: float | None = None
     writing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -140,7 +152,9 @@ class RunPlanner:
     Each run starts with the batch whose job comes first in the fair scheduler's order, and
     takes a slot of the scheduler for it (``FairScheduler.acquire``). On a shared pipeline the
     run then takes more batches, of any member, in the scheduler's order, while they fit in
-    ``run_size`` samples and feed DALI inputs of the same dtypes and ranks; they ride in that
+    ``run_size`` samples, each busy job at most its share of ``run_batches`` (so a job's
+    backlog does not fill whole runs while another job's next batch is on its way), and feed
+    DALI inputs of the same dtypes and ranks; they ride in that
     slot, each charged to its own job (``FairScheduler.ride``), so weights hold inside runs. A
     batch that ran in a mixed run that failed, or of a job in quarantine, runs alone.
 
@@ -159,6 +173,9 @@ class RunPlanner:
         self.changed = threading.Condition()
         self.shared = False
         self.run_size = 0
+        self.run_batches = 1
+        # The inputs whose samples are file paths (checked before a batch runs).
+        self.path_inputs: tuple[str, ...] = ()
         # Output sizes per sample of the last run, by output: (device, bytes).
         self.sample_sizes: list[tuple[str, int]] = []
         self._scheduler = scheduler
@@ -189,6 +206,7 @@ class RunPlanner:
         assert batch.member is not None
         with self.changed:
             batch.member.queue.append(batch)
+            batch.member.submitted_at = time.monotonic()
             self.changed.notify()
 
     def wake(self) -> None:
@@ -217,6 +235,10 @@ class RunPlanner:
             return run
         room = self.run_size - first.size
         kinds = first.input_kinds()
+        # A busy job's batches take at most its share of a run (by weight), so that a job whose
+        # next batch arrives a moment later does not wait for a whole run of another's backlog.
+        shares = self._shares()
+        taken = collections.Counter([first.member.job_id])
 
         def rides(batch: PendingBatch) -> bool:
             member = batch.member
@@ -224,7 +246,10 @@ class RunPlanner:
                 member is not None
                 and member.alone == 0
                 and not batch.alone
+                and not batch.oversized
+                and not batch.unseen
                 and batch.size <= room
+                and taken[member.job_id] < shares.get(member.job_id, self.run_batches)
                 and batch.input_kinds() == kinds
             )
 
@@ -236,8 +261,25 @@ class RunPlanner:
             if self._scheduler is not None:
                 self._scheduler.ride(rider.member.job_id, self._clock.cost(rider.size))
             run.batches.append(rider)
+            taken[rider.member.job_id] += 1
             room -= rider.size
         return run
+
+    def _shares(self) -> dict[int, int]:
+        """The batches each busy job (one with batches queued or submitted lately) may have in
+        one run: its weight's share of ``run_batches``, rounded up."""
+        since = time.monotonic() - _BUSY_S
+        with self.changed:
+            busy = {m.job_id for m in self.members if m.queue or m.submitted_at >= since}
+        weights = {
+            job_id: self._scheduler.weight(job_id) if self._scheduler is not None else 1.0
+            for job_id in busy
+        }
+        total = sum(weights.values())
+        return {
+            job_id: max(1, math.ceil(self.run_batches * weight / total - 1e-9))
+            for job_id, weight in weights.items()
+        }
 
     def _first_batch(
         self, retry: collections.deque[PendingBatch], block: bool
@@ -276,6 +318,8 @@ class RunPlanner:
         best: tuple[float, int] | None = None
         chosen: tuple[Member, PendingBatch] | None = None
         for member, head in heads:
+            if pop:
+                self.prepare(head)  # a rider's images are checked before it may ride
             if not fits(head) or not self._may_take(member, head):
                 continue
             tag = 0.0
@@ -299,13 +343,6 @@ class RunPlanner:
                 member.queue.popleft()
         if not taken:
             return None  # its job left meanwhile
-        self.prepare(head)
-        if head.oversized:
-            # Bad before it runs: it will start a run of its own.
-            with self.changed:
-                if not member.closed:
-                    member.queue.appendleft(head)
-            return None
         return head
 
     def _mixes(self, first: PendingBatch) -> bool:
@@ -314,6 +351,7 @@ class RunPlanner:
             self.shared
             and not first.alone
             and not first.oversized
+            and not first.unseen
             and member is not None
             and not member.deterministic
             and member.alone == 0
@@ -327,16 +365,35 @@ class RunPlanner:
             return True
         sizes = [(device, size * head.size) for device, size in self.sample_sizes]
         if member.outputs.has_room(sizes):
+            member.starved_since = None
+            return True
+        # A trainer that takes private copies gets them once it has held everything for a
+        # while (Note [Private copies] in copies.py): a loop that keeps its outputs never hangs.
+        copy_after = member.outputs.copy_after
+        now = time.monotonic()
+        if member.starved_since is None:
+            member.starved_since = now
+        if copy_after is not None and now - member.starved_since >= copy_after:
             return True
         self._starved = True
         return False
 
     def prepare(self, batch: PendingBatch) -> None:
-        """Views the batch's frames as arrays, and finds its image samples over the limit."""
+        """Views the batch's frames as arrays, and finds the samples known bad before a run:
+        image samples over the pixel limit, files nobody can read (or that the daemon cannot
+        see, which fails the batch: ``unseen``)."""
         if not batch.arrays:
             batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
         if batch.oversized is None:
-            batch.oversized = oversized_images(batch.arrays, self._max_image_pixels)
+            bad = oversized_images(batch.arrays, self._max_image_pixels)
+            if self.path_inputs:
+                try:
+                    found = check_paths(batch.arrays, self.path_inputs, batch.request.unreadable)
+                except FilesUnseen as unseen:
+                    batch.unseen = str(unseen)
+                else:
+                    bad = {**found, **bad}
+            batch.oversized = bad
 
     # --- slots ----------------------------------------------------------------------------------
 

@@ -180,6 +180,12 @@ class FairScheduler:
                 )
             self._grant_waiting()
 
+    def weight(self, job_id: int) -> float:
+        """The job's weight (1 for a removed job)."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            return share.weight if share is not None else 1.0
+
     def start_tag(self, job_id: int) -> float | None:
         """The start tag the job's next request would get (None for a removed job): a pipeline
         shared by several jobs serves them in the order of these tags."""

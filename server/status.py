@@ -73,6 +73,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         batches_done=job.meter.batches,
         samples_done=job.meter.samples,
         batches_failed=job.batches_failed,
+        batches_copied=job.batches_copied,
         batches_per_second=batches_per_second,
         samples_per_second=samples_per_second,
         queued=queued,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from dalid.protocol import JobStatus, StatusReport
@@ -27,38 +28,58 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
-def headline(report: StatusReport, where: str) -> str:
+def headline(report: StatusReport, where: str) -> tuple[str, str]:
+    """Two lines: which daemon, and how much of it is in use."""
     limit = size(report.memory_limit) if report.memory_limit else "no limit"
     return (
-        f"dalid {report.device} daemon pid {report.daemon_pid} on {where} - up "
-        f"{_duration(report.uptime_seconds)}, DALI {report.dali_version}, "
+        f"dalid {report.device} daemon pid {report.daemon_pid} on {where}",
+        f"up {_duration(report.uptime_seconds)}, DALI {report.dali_version}, "
         f"{len(report.jobs)}/{report.max_jobs} jobs, {report.concurrency} batches at once, "
-        f"memory reserved {size(report.memory_reserved)} of {limit}"
+        f"{size(report.memory_reserved)} of {limit} reserved",
     )
 
 
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("job", "right"),
-    ("name", "left"),
-    ("pid", "right"),
-    ("weight", "right"),
-    ("workers", "right"),
-    ("pipelines", "right"),
-    ("batches/s", "right"),
-    ("samples/s", "right"),
-    ("queue", "right"),
-    ("running", "right"),
-    ("run time", "right"),
-    ("waited for slots", "right"),
-    ("trainer waited", "right"),
-    ("buffers held", "right"),
-    ("memory", "right"),
-    ("outputs", "left"),
+@dataclass(frozen=True)
+class Column:
+    """A column of the jobs table. Where the terminal is too narrow for all, those of the
+    highest ``drop_order`` go first (0: never)."""
+
+    header: str
+    justify: str
+    drop_order: int
+    meaning: str
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("job", "right", 0, "the job's id on this daemon"),
+    Column("name", "left", 0, "the name the job gave (connect(name=...)), else its pid"),
+    Column("pid", "right", 4, "the trainer's process id"),
+    Column("weight", "right", 7, "its share of the daemon when jobs compete"),
+    Column("workers", "right", 10, "DataLoader workers connected"),
+    Column("pipes", "right", 11, "pipelines registered"),
+    Column("batches/s", "right", 9, "batches delivered per second, over the last 5 s"),
+    Column("samples/s", "right", 0, "samples delivered per second, over the last 5 s"),
+    Column("queue", "right", 3, "batches queued (+ held back over its in-flight limit)"),
+    Column("run", "right", 8, "batches running now"),
+    Column("busy", "right", 6, "the daemon's time its batches took"),
+    Column("slot wait", "right", 5, "time its batches waited while other jobs' ran"),
+    Column("data wait", "right", 2, "time the trainer waited for batches"),
+    Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
+    Column("memory", "right", 3, "output memory reserved for the job"),
+    Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
+    Column("outputs", "left", 12, "how its GPU outputs reach it: cuda ipc, or staged (copied)"),
 )
+
+# Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
+GAP = 2
+# A table too wide first cuts names (with an ellipsis) to NAME_CUT characters, then drops
+# columns, then cuts names down to MIN_NAME.
+NAME_CUT = 16
+MIN_NAME = 8
 
 
 def job_row(job: JobStatus) -> tuple[str, ...]:
-    """One table row. ``queue``: batches queued for the pipeline, plus held back over the limit."""
+    """One table row, in the order of COLUMNS."""
     queue = f"{job.queued}" + (f" (+{job.waiting})" if job.waiting else "")
     return (
         str(job.job_id),
@@ -74,23 +95,83 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.run_seconds:.1f}s",
         f"{job.slot_wait_seconds:.1f}s",
         f"{job.trainer_wait_seconds:.1f}s",
-        f"{job.regions_held} / {size(job.bytes_held)}",
+        f"{job.regions_held}/{size(job.bytes_held)}",
         size(job.memory_bytes),
+        str(job.batches_copied),
         job.output_path.replace("_", " "),
     )
 
 
-def table(report: StatusReport, where: str) -> Any:
-    """A rich renderable: the headline and one row per job."""
+def fit_columns(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], int]:
+    """The indices of the columns that fit in ``width`` characters, and the width the name
+    column gets (it may be cut). Columns go in ``drop_order``, highest first."""
+    widths = [
+        max([len(column.header), *(len(row[index]) for row in rows)])
+        for index, column in enumerate(COLUMNS)
+    ]
+    name = next(i for i, column in enumerate(COLUMNS) if column.header == "name")
+    kept = list(range(len(COLUMNS)))
+
+    def total() -> int:
+        return sum(widths[i] for i in kept) + GAP * (len(kept) - 1)
+
+    if total() > width:
+        widths[name] = min(widths[name], NAME_CUT)
+    for index in sorted(kept, key=lambda i: -COLUMNS[i].drop_order):
+        if total() <= width or COLUMNS[index].drop_order == 0:
+            break
+        kept.remove(index)
+    return kept, max(MIN_NAME, widths[name] - max(0, total() - width))
+
+
+def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
+    """A line per pipeline in the daemon: the jobs it runs for, and how full its runs are;
+    cut to ``width`` characters."""
+    lines = []
+    for pipeline in report.pipelines:
+        jobs = ",".join(str(job) for job in pipeline.jobs) or "none"
+        fill = f"{pipeline.mean_fill:.0%} full"
+        if pipeline.shared:
+            how = (
+                f"jobs {jobs} share runs of {pipeline.run_size}, {fill} "
+                f"({pipeline.mixed_runs} of {pipeline.runs} mixed)"
+            )
+        else:
+            how = f"job {jobs} alone, {fill}: {pipeline.private_reason or 'not shared'}"
+        line = f"pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
+        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+    return lines
+
+
+def table(report: StatusReport, where: str, width: int = 200) -> Any:
+    """A rich renderable, at most ``width`` columns wide: the headline and a row per job."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    jobs = Table(box=None, header_style="bold")
-    for name, justify in COLUMNS:
-        jobs.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for job in report.jobs:
-        jobs.add_row(*job_row(job))
+    lines = [Text(line) for line in headline(report, where)]
     if not report.jobs:
-        return Group(Text(headline(report, where)), Text("no jobs connected"))
-    return Group(Text(headline(report, where)), jobs)
+        return Group(*lines, Text("no jobs connected"))
+    rows = [job_row(job) for job in report.jobs]
+    kept, name_width = fit_columns(rows, width)
+    jobs = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1))
+    for index in kept:
+        column = COLUMNS[index]
+        jobs.add_column(
+            column.header,
+            justify=column.justify,  # type: ignore[arg-type]
+            no_wrap=True,
+            max_width=name_width if column.header == "name" else None,
+            overflow="ellipsis",
+        )
+    for row in rows:
+        jobs.add_row(*(row[index] for index in kept))
+    hidden = [COLUMNS[index].header for index in range(len(COLUMNS)) if index not in kept]
+    below = [Text(f"not shown: {', '.join(hidden)}")] if hidden else []
+    below += [Text(line) for line in pipeline_lines(report, width)]
+    return Group(*lines, jobs, *below)
+
+
+def legend() -> str:
+    """What each column means, for ``dalid status --help``."""
+    return "; ".join(f"{column.header}: {column.meaning}" for column in COLUMNS)

@@ -193,10 +193,13 @@ class Supervisor:
         child.fast_crashes = child.fast_crashes + 1 if fast else 1
         if child.fast_crashes > self.policy.max_fast_crashes:
             log.error(
-                "daemon %s crashed %d times in a row within %.0f s of starting: giving up",
+                "daemon %s crashed %d times in a row, each within %.0f s of its start (restarted "
+                "%d times): giving up. The lines above say why; fix that and run `dalid serve` "
+                "again",
                 name,
-                self.policy.max_fast_crashes + 1,
+                child.fast_crashes,
                 self.policy.fast_crash_s,
+                self.policy.max_fast_crashes,
             )
             child.state = State.DONE
             return

@@ -269,7 +269,7 @@ class SimulatedDevice:
     def tensor(self, region: Any) -> torch.Tensor:
         return torch.from_numpy(np.asarray(_HostView(region)))
 
-    def upload(self, host: torch.Tensor, stream: Any) -> torch.Tensor:
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
         self.uploads += 1
         return host.clone()
 

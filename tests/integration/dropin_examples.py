@@ -9,6 +9,7 @@ follow the documentation line for line; the free names of the documentation (``j
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 # ------------------------------------------------------------------------------------------------
-# A small JPEG image folder and an ImageFolder-like dataset (torchvision is not installed).
+# A small JPEG image folder and an ImageFolder-like dataset (torchvision's wheel does not
+# import beside the CPU build of torch that the tests use).
 
 
 def make_image_folder(root: Path, classes: int = 3, per_class: int = 8, seed: int = 7) -> Path:
@@ -44,14 +46,15 @@ class ImageFolder(torch.utils.data.Dataset):
     """The part of ``torchvision.datasets.ImageFolder`` the examples use.
 
     Classes are the sorted sub-folders; samples are ``(path, class_index)`` in sorted order;
-    ``__getitem__`` returns ``(transform(loader(path)), class_index)``.
+    ``__getitem__`` returns ``(transform(loader(path)), class_index)``. The default loader is
+    torchvision's: the file opened with PIL and converted to RGB.
     """
 
     def __init__(self, root: Any, transform: Any = None, target_transform: Any = None, loader=None):
         self.root = os.fspath(root)
         self.transform = transform
         self.target_transform = target_transform
-        self.loader = loader if loader is not None else _read_bytes
+        self.loader = loader if loader is not None else pil_loader
         self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
         self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
         self.samples = [
@@ -75,9 +78,13 @@ class ImageFolder(torch.utils.data.Dataset):
         return sample, target
 
 
-def _read_bytes(path: str) -> bytes:
+def pil_loader(path: str) -> Any:
+    """torchvision's ``default_loader`` without accimage: a PIL image in RGB."""
+    from PIL import Image
+
     with open(path, "rb") as file:
-        return file.read()
+        image = Image.open(file)
+        return image.convert("RGB")
 
 
 def read_filepath(path):
@@ -254,3 +261,169 @@ def run_image_folder(dali_proxy, pipe, jpeg, *, batch_size, num_workers, determi
         for data, target in batches:
             consumed.append((data.clone(), target.clone()))
     return consumed
+
+
+# ------------------------------------------------------------------------------------------------
+# The examples of DALI's proxy tutorial (docs/plugins/pytorch_dali_proxy.rst), run as written
+# there but on the CPU (device_id=None) and on the small image folder.
+
+
+@pipeline_def
+def my_dali_pipeline(size=224):
+    # "DALI Proxy in a Nutshell": the images come decoded, from ImageFolder's default loader.
+    images = fn.external_source(name="images", no_copy=True)
+    images = fn.resize(images, size=[size, size])
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+        std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+    )
+
+
+def nutshell(dali_proxy, root, *, batch_size=8, num_workers=2):
+    """ "DALI Proxy in a Nutshell": ImageFolder with its default (PIL) loader."""
+    consumed = []
+    pipe = my_dali_pipeline(batch_size=batch_size, num_threads=3, device_id=None, size=96)
+    with dali_proxy.DALIServer(pipe) as dali_server:
+        dataset = ImageFolder(root, transform=dali_server.proxy)
+        loader = dali_proxy.DataLoader(
+            dali_server, dataset, batch_size=batch_size, num_workers=num_workers, drop_last=True
+        )
+        for data, target in loader:
+            consumed.append((data.clone(), target.clone()))
+    return consumed
+
+
+@pipeline_def
+def example_pipeline2(device="cpu"):
+    a = fn.external_source(name="a", no_copy=True)
+    b = fn.external_source(name="b", no_copy=True)
+    return a + b, b - a
+
+
+def two_inputs(dali_proxy, *, batch_size=10, seed=3):
+    """Sections 2 and 3: two inputs by keyword (``proxy(b=b, a=a)``), collated and produced.
+
+    Section 2 also shows ``proxy(a, b)``; DALI's proxy takes several inputs by keyword only
+    and refuses that call with a ValueError (see ``positional_two_inputs``)."""
+    rng = np.random.default_rng(seed)
+    with dali_proxy.DALIServer(
+        example_pipeline2(batch_size=batch_size, num_threads=3, device_id=None)
+    ) as dali_server:
+        inputs, outs = [], []
+        for _ in range(batch_size):
+            a = np.array(rng.random((3, 3)), dtype=np.float32)
+            b = np.array(rng.random((3, 3)), dtype=np.float32)
+            a_plus_b, b_minus_a = dali_server.proxy(b=b, a=a)
+            inputs.append((a, b))
+            outs.append((a_plus_b, b_minus_a))
+        outs = torch.utils.data.dataloader.default_collate(outs)
+        outs = dali_server.produce_data(outs)
+        return inputs, [tensor.clone() for tensor in outs]
+
+
+def positional_two_inputs(dali_proxy):
+    """Section 2's ``proxy(a, b)``: what it raises, or None."""
+    with dali_proxy.DALIServer(
+        example_pipeline2(batch_size=2, num_threads=1, device_id=None)
+    ) as dali_server:
+        a = np.ones((3, 3), dtype=np.float32)
+        try:
+            dali_server.proxy(a, a)
+        except Exception as error:
+            return error
+        return None
+
+
+class Meta:
+    """A custom object in a sample: produce_data replaces references in its attributes."""
+
+    def __init__(self, image, label):
+        self.image = image
+        self.label = label
+
+
+class NestedDataset(torch.utils.data.Dataset):
+    """Section 4's CustomDataset, returning the processed sample inside nested structures."""
+
+    def __init__(self, transform_fn, data):
+        self.data = data
+        self.transform_fn = transform_fn
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, idx):
+        filename, label = self.data[idx]
+        image = self.transform_fn(read_filepath(filename))
+        return {"sample": (image, [label, {"again": image}]), "label": label}
+
+
+def files_and_labels(root):
+    return [(path, label) for path, label in ImageFolder(root).samples]
+
+
+def nested_structures(dali_proxy, root, *, batch_size=5):
+    """Section 4 and produce_data on nested structures: a dict of tuples of lists of dicts, a
+    named tuple and an object's attributes, each holding batch references."""
+    pipe = eval_pipe()
+    with dali_proxy.DALIServer(pipe) as dali_server:
+        dataset = NestedDataset(dali_server.proxy, files_and_labels(root))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+        Pair = collections.namedtuple("Pair", ["image", "label"])
+        consumed = []
+        for batch in loader:
+            image_ref = batch["sample"][0]
+            wrapped = {
+                "batch": batch,
+                "pair": Pair(image_ref, batch["label"]),
+                "meta": Meta(image_ref, batch["label"]),
+            }
+            produced = dali_server.produce_data(wrapped)
+            image, (label, inner) = produced["batch"]["sample"]
+            assert produced["pair"].image is image and produced["meta"].image is image
+            assert inner["again"] is image
+            consumed.append((image.clone(), label.clone(), produced["batch"]["label"].clone()))
+        return consumed
+
+
+def explicit_threads(dali_proxy, root, *, batch_size=8, num_workers=2):
+    """The server started with ``start_thread()`` and stopped with ``stop_thread()``."""
+    dali_server = dali_proxy.DALIServer(eval_pipe())
+    dali_server.start_thread()
+    try:
+        dataset = ImageFolder(root, transform=dali_server.proxy, loader=read_filepath)
+        loader = dali_proxy.DataLoader(
+            dali_server, dataset, batch_size=batch_size, num_workers=num_workers
+        )
+        return [(data.clone(), target.clone()) for data, target in loader]
+    finally:
+        dali_server.stop_thread()
+
+
+class ListCollateLoader(torch.utils.data.DataLoader):
+    """A custom DataLoader: batches as lists of [images, labels, dataset indices]."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, collate_fn=self.collate, **kwargs)
+
+    @staticmethod
+    def collate(samples):
+        images, labels = zip(*samples, strict=True)
+        collated = torch.utils.data.default_collate(list(images))
+        return [collated, torch.tensor(labels), len(samples)]
+
+
+def custom_loader(dali_proxy, root, *, batch_size=8, num_workers=2):
+    """Section 5: a custom DataLoader, with ``produce_data`` called explicitly."""
+    with dali_proxy.DALIServer(eval_pipe()) as dali_server:
+        dataset = ImageFolder(root, transform=dali_server.proxy, loader=read_filepath)
+        loader = ListCollateLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        consumed = []
+        for data in loader:
+            processed_data = dali_server.produce_data(data)
+            images, labels, count = processed_data
+            consumed.append((images.clone(), labels.clone(), count))
+        return consumed

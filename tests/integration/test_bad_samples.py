@@ -151,13 +151,26 @@ def test_raise_names_positions_dataset_indices_and_dali_message(session, num_wor
     assert error.code is ErrorCode.BAD_SAMPLES
     assert error.positions == [1, 4, 7]
     assert error.dataset_indices == [9, 12, 15]
+    # The batch by the loader's step, each sample by its dataset index and in plain words,
+    # then DALI's text.
     message = str(error)
-    assert f"batch {error.batch_id} of pipeline" in message
-    assert "nvImageCodec failure" in message and "[9, 12, 15]" in message
+    assert error.step == 1
+    assert message.startswith(
+        f"loader step 1 (batch {error.batch_id} of pipeline {error.pipeline_id} in the daemon) "
+        "failed, 3 bad samples: sample 1 (dataset index 9): input 'jpegs': a truncated JPEG ("
+    ), message
+    assert "sample 4 (dataset index 12): input 'jpegs': not in an image format DALI decodes" in (
+        message
+    )
+    assert "sample 7 (dataset index 15): input 'jpegs': a GIF, a format DALI's image" in message
+    assert "DALI says: " in message and "nvImageCodec failure" in message
     with pytest.raises(dalid.BatchError) as raised:
         next(iterator)
     assert raised.value.positions == [0, 4] and raised.value.dataset_indices == [16, 20]
-    assert "declares 30000x30000 pixels" in str(raised.value)
+    message = str(raised.value)
+    assert message.startswith("loader step 2 ")
+    assert "sample 0 (dataset index 16): input 'jpegs': empty (0 bytes); DALI says:" in message
+    assert "sample 4 (dataset index 20): input 'jpegs': the image declares 30000x30000" in message
     # The batches after the bad ones are whole and right.
     last, labels, _ = next(iterator)
     np.testing.assert_array_equal(last.numpy(), expected(list(range(24, 32))))
@@ -182,9 +195,13 @@ def test_skip_drops_bad_samples_with_their_labels(session, num_workers):
     assert seen == [index for index in range(LENGTH) if index not in BAD]
     reports = loader.bad_samples
     assert [report.dataset_index for report in reports] == sorted(BAD)
+    assert [report.step for report in reports] == [1, 1, 1, 2, 2]
     assert all(report.dropped for report in reports)
     assert [report.position for report in reports] == [1, 4, 7, 0, 4]
     assert "30000x30000" in reports[-1].message
+    assert str(reports[0]).startswith(
+        "loader step 1: sample 1 (dataset index 9) dropped: input 'jpegs': a truncated JPEG"
+    )
 
 
 def test_replace_fills_bad_positions_with_good_samples_and_their_labels(session):
@@ -247,7 +264,10 @@ def test_dropin_server_takes_on_error(daemon):
         good = [index for index in range(8, 16) if index not in BAD]
         np.testing.assert_array_equal(images.numpy(), expected(good))
         assert labels.tolist() == [10 * index for index in good]
+        # The session's own list names the dataset indices too.
         assert [r.position for r in server.last_bad_samples] == [1, 4, 7]
+        assert [r.dataset_index for r in server.last_bad_samples] == [1, 4, 7]
+        assert [r.dataset_index for r in loader.bad_samples] == [1, 4, 7]
 
 
 def test_unknown_policy_is_refused_in_the_caller(session):

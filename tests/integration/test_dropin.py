@@ -388,3 +388,13 @@ def test_pipeline_without_external_source_is_a_runtime_error(which, monkeypatch)
     with pytest.raises(RuntimeError, match="doesn't have any inputs"):
         module.DALIServer(no_inputs())
     gc.collect()
+
+
+def test_daliserver_takes_connects_job_options(dali_proxy, daemon):
+    options = {"name": "eval", "weight": 2.5, "memory_bytes": 96 << 20, "max_inflight_batches": 3}
+    with dali_proxy.DALIServer(two_output_pipeline(), **options) as server:
+        _one_epoch(dali_proxy, server)
+        limits = server.session.limits
+        assert (limits.weight, limits.pool_bytes, limits.max_inflight_batches) == (2.5, 96 << 20, 3)
+        (job,) = [job for job in daemon.status().jobs if job.job_id == server.session.job_id]
+        assert (job.name, job.weight, job.max_inflight_batches) == ("eval", 2.5, 3)

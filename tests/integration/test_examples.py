@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,27 @@ def test_multi_input_pipeline(daemon, images):
     out = _run("examples.multi_input", daemon, images)
     assert "24 samples rotated and cropped, each with its own parameters" in out
     assert out.count("rotated") >= 3
+
+
+def readme_block(heading: str) -> str:
+    """The first Python block of the README after ``heading``."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```\n", start)]
+
+
+def test_the_readmes_using_it_code_runs_as_pasted(daemon, images, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(readme_block("## Using it"))
+    result = subprocess.run(
+        [sys.executable, str(script), str(images)],
+        cwd=tmp_path,
+        env={**os.environ, "DALID_SOCKET": str(daemon.socket)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch.Size([24, 3, 224, 224])" in result.stdout

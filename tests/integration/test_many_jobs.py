@@ -98,6 +98,10 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
         assert light > 0 and heavy > 0
         # The same pipeline for both: shares of time are shares of samples.
         assert 2.0 <= heavy / light <= 4.5, (light, heavy, backlog)
+        # ... and one pipeline in the daemon, whose runs mix both jobs' batches: the weights
+        # hold inside shared runs.
+        (pipeline,) = daemon.status().pipelines
+        assert pipeline.shared and len(pipeline.jobs) == 2 and pipeline.mixed_runs > 0, pipeline
         for job in jobs:
             assert job.poll() is None, job.communicate()[0]
     finally:
@@ -288,7 +292,8 @@ def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp):
         check=False,
     )
     assert gone.returncode == 1
-    assert "no daemon listens" in gone.stderr
+    assert "no dalid daemon listens" in gone.stderr
+    assert f"start one with `dalid serve --device cpu --socket {daemon.socket}`" in gone.stderr
 
 
 def _free_port() -> int:
@@ -320,6 +325,9 @@ def test_metrics_endpoint_serves_the_status_figures(short_tmp):
         text = scrape()
         assert 'dalid_jobs{device="cpu"} 1.0' in text
         assert f"dalid_job_batches_total{{{labels}}} 2.0" in text
+        pipeline = 'device="cpu",name="two_output_pipeline",pipeline="1",shared="True"'
+        assert f"dalid_pipeline_samples_total{{{pipeline}}} {2.0 * BATCH}" in text
+        assert f"dalid_pipeline_jobs{{{pipeline}}} 1.0" in text
         assert "job_token" not in text and "dalid-" not in text  # no secrets, no buffer names
     finally:
         session.close()

@@ -139,10 +139,13 @@ def test_client_notices_a_killed_daemon(short_tmp, monkeypatch):
             session.produce_data(batch)
 
 
-def test_autostart_then_dalid_stop(private_runtime_dir):
+def test_autostart_then_dalid_stop(private_runtime_dir, capfd):
     path = socket_path("cpu")
     assert path.parent == private_runtime_dir
     with dalid.connect(device="cpu") as session:
+        # Where the daemon's log is, printed whatever the trainer's logging.
+        log = private_runtime_dir / "cpu.sock.log"
+        assert f"its log is {log}" in capfd.readouterr().err
         pid = session.daemon_pid
         proxy = session.proxy(two_output_pipeline())
         loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
@@ -157,8 +160,60 @@ def test_autostart_then_dalid_stop(private_runtime_dir):
         check=False,
     )
     assert stop.returncode == 0, stop.stderr
+    assert stop.stdout.startswith(f"stopped the dalid cpu daemon pid {pid} on ipc://{path}")
     wait_for(lambda: not _alive(pid), 10.0, "the autostarted daemon to exit")
-    assert not path.exists()
+    # Of this daemon, only the log, which says what it did, stays behind (the directory is
+    # the whole test session's; the next test checks an empty one).
+    left = {p.name for p in private_runtime_dir.iterdir() if p.name.startswith("cpu.sock")}
+    assert left == {"cpu.sock.log"}
+    log.unlink()
+
+
+def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_one(short_tmp):
+    runtime = short_tmp / "runtime"
+    serve = [sys.executable, "-m", "dalid.server", "serve", "--runtime-dir", str(runtime)]
+    daemon = subprocess.Popen([*serve, "--no-supervisor"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_answering(runtime / "cpu.sock", daemon)  # type: ignore[arg-type]
+        assert {p.name for p in runtime.iterdir()} == {"cpu.sock", "cpu.sock.lock"}
+        with dalid.connect(socket=runtime / "cpu.sock", autostart=False, name="told"):
+            stop = _dalid("stop", "--runtime-dir", str(runtime))
+            assert stop.returncode == 0, stop.stderr
+            assert "stopped the dalid cpu daemon pid" in stop.stdout
+            assert "its 1 job(s) were told" in stop.stdout
+        assert daemon.wait(timeout=20) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        daemon.communicate()
+    assert list(runtime.iterdir()) == []
+    for command in ("stop", "ping", "status", "reload"):
+        done = _dalid(command, "--runtime-dir", str(runtime))
+        assert done.returncode == 1
+        start = f"start one with `dalid serve --device cpu --socket {runtime}/cpu.sock`"
+        assert start in done.stderr, done.stderr
+
+
+def _dalid(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dalid.server", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_version():
+    from importlib import metadata
+
+    from dalid.protocol import PROTOCOL_VERSION
+
+    done = _dalid("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == (
+        f"dalid {metadata.version('dalid')}, protocol version {PROTOCOL_VERSION}"
+    )
 
 
 def _alive(pid: int) -> bool:

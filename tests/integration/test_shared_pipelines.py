@@ -30,7 +30,9 @@ from ..daemons import (
     start_job,
     wait_for,
 )
-from .helpers import run_in_process
+from .helpers import BATCH as HELPER_BATCH
+from .helpers import ProxyDataset, run_in_process, two_output_pipeline
+from .helpers import sample as helper_sample
 from .test_bad_samples import as_array, encode
 
 BATCH = 8
@@ -238,3 +240,38 @@ def test_a_job_killed_while_its_samples_share_runs_leaves_the_other_job_whole(sh
         kill_leftovers(jobs)
         assert daemon.stop() == 0
     assert not daemon.segments()
+
+
+def test_a_job_that_keeps_its_outputs_holds_up_no_other_job_of_its_pipeline(short_tmp):
+    # 8 KiB of output memory a job: the keeper holds it all after a few batches.
+    daemon = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K")
+    try:
+        with (
+            dalid.connect(socket=daemon.socket, autostart=False, name="keeper") as keeper,
+            dalid.connect(socket=daemon.socket, autostart=False, name="steady") as steady,
+        ):
+            proxies = [keeper.proxy(two_output_pipeline()), steady.proxy(two_output_pipeline())]
+            loaders = [
+                dalid.DataLoader(
+                    session, ProxyDataset(proxy, 12 * HELPER_BATCH), batch_size=HELPER_BATCH
+                )
+                for session, proxy in zip((keeper, steady), proxies, strict=True)
+            ]
+            kept = []
+            for kept_batch, steady_batch in zip(*loaders, strict=True):
+                kept.append(kept_batch)  # the keeper never lets go
+                (_, shifted), indices = steady_batch
+                np.testing.assert_array_equal(
+                    shifted[0].numpy(), helper_sample(int(indices[0])) + 7
+                )
+            for (_, shifted), indices in kept:
+                np.testing.assert_array_equal(
+                    shifted[0].numpy(), helper_sample(int(indices[0])) + 7
+                )
+            (pipeline,) = daemon.status().pipelines
+            assert pipeline.shared and len(pipeline.jobs) == 2
+            jobs = {job.name: job for job in daemon.status().jobs}
+            assert jobs["keeper"].batches_copied > 0
+            assert jobs["steady"].batches_copied == 0
+    finally:
+        assert daemon.stop() == 0

@@ -27,9 +27,10 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     SubmitBatch,
+    TrainerProgress,
     Welcome,
 )
-from dalid.server.core import DaemonCore
+from dalid.server.core import DaemonCore, job_label
 from dalid.server.quotas import Quotas
 from dalid.server.shm import host_outputs
 
@@ -90,6 +91,19 @@ def _batch(pipeline_id: int, *samples: np.ndarray) -> SubmitBatch:
 def test_requests_before_hello_are_refused(core):
     reply = core.handle(TRAINER, ReleaseRegions((1,)), 1)
     assert isinstance(reply, Error) and reply.code is ErrorCode.NOT_WELCOMED
+
+
+def test_notifications_from_a_connection_in_no_job_are_ignored(core):
+    # A release or progress report from a job that ended, or that another daemon welcomed:
+    # no error goes back to a peer that awaits none (it would only log it).
+    assert core.handle(TRAINER, ReleaseRegions((1,)), None) is None
+    assert core.handle(TRAINER, TrainerProgress(1.0, 3), None) is None
+
+
+def test_a_job_is_named_once_in_the_log():
+    assert job_label("resnet", 12) == "resnet, pid 12"
+    assert job_label("pid 12", 12) == "pid 12"
+    assert job_label("", 12) == "pid 12"
 
 
 def test_a_batch_runs_and_its_regions_are_leased_until_released(core):

@@ -163,6 +163,10 @@ def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need()
     sources = {target: source for source, target in daemon_mounts.items()}
     assert (DOCKER / sources[pipelines]).resolve().is_dir()
     assert trainer["depends_on"]["dalid"]["condition"] == "service_healthy"
+    # The dataset the trainer generates (under $TMPDIR) is the daemon's at the same path.
+    data = trainer["environment"]["TMPDIR"]
+    (shared,) = [source for source, target in trainer_mounts.items() if target == data]
+    assert daemon_mounts[shared] == data and shared in _yaml(DOCKER / "compose.yaml")["volumes"]
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------
@@ -193,6 +197,13 @@ def test_kubernetes_daemonset_and_job_share_the_node_runtime_dir_ipc_pid_and_uid
         assert pod["securityContext"]["runAsUser"] != 0
     assert daemons["securityContext"]["runAsUser"] == job["securityContext"]["runAsUser"]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The job's dataset (generated under $TMPDIR) is every daemon's at the same path.
+    data = {item["name"]: item["value"] for item in trainer["env"]}["TMPDIR"]
+    for pod, containers in ((job, [trainer]), (daemons, daemons["containers"])):
+        for container in containers:
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data]
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert volume["hostPath"]["path"] == "/var/lib/dalid-example-data"
 
 
 def test_kubernetes_trainer_finds_the_daemon_of_its_gpu_by_uuid(tmp_path):

@@ -20,7 +20,15 @@ import torch
 
 from dalid.client.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, ReleaseRegions
-from dalid.server.pool import ALIGNMENT, PAGE, PoolClosed, PoolTooSmall, Region, RegionPool
+from dalid.server.pool import (
+    ALIGNMENT,
+    PAGE,
+    PoolClosed,
+    PoolFull,
+    PoolTooSmall,
+    Region,
+    RegionPool,
+)
 from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
@@ -589,3 +597,28 @@ def test_close_without_unmap_unlinks_but_keeps_memory_writable(
     assert int(view.sum()) == 3 * PAGE
     del view
     slab.close()
+
+
+def test_a_pool_held_full_gives_up_after_the_wait_then_at_once(make_pool: PoolFactory) -> None:
+    # Note [Private copies] in dalid.server.copies: the caller then delivers a copy.
+    pool = make_pool(limit_pages=1)
+    held = pool.allocate([PAGE])
+    started = time.monotonic()
+    with pytest.raises(PoolFull):
+        pool.allocate([64], give_up_after=QUIET_S)
+    assert time.monotonic() - started >= QUIET_S
+    started = time.monotonic()
+    with pytest.raises(PoolFull):  # nothing released since: no second wait
+        pool.allocate([64], give_up_after=PROMPT_S)
+    assert time.monotonic() - started < PROMPT_S / 2
+    # Once the trainer releases again, a full pool waits for its releases as it always did.
+    pool.release([held[0].region_id])
+    held = pool.allocate([PAGE])
+    releaser = threading.Timer(QUIET_S, pool.release, [[held[0].region_id]])
+    releaser.start()
+    try:
+        other = pool.allocate([PAGE], give_up_after=PROMPT_S)
+    finally:
+        releaser.join()
+    assert len(other) == 1
+    pool.release([other[0].region_id])

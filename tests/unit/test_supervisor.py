@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -101,12 +102,18 @@ def _python(code: str) -> tuple[str, ...]:
     return (sys.executable, "-c", code)
 
 
-def test_a_child_that_keeps_crashing_is_given_up():
+def test_a_child_that_keeps_crashing_is_given_up(caplog):
     supervisor = Supervisor([ChildSpec("crash", _python("raise SystemExit(1)"))], QUICK)
-    assert supervisor.run() == 1
+    with caplog.at_level(logging.INFO, logger="dalid.server"):
+        assert supervisor.run() == 1
     (child,) = supervisor.children
     assert child.state is State.DONE
     assert len(child.pids) == QUICK.max_fast_crashes + 1
+    # The numbers the README gives: N restarts, and the crash after them gives up.
+    assert (
+        "daemon crash crashed 4 times in a row, each within 30 s of its start (restarted 3 "
+        "times): giving up" in caplog.text
+    )
 
 
 def test_a_child_killed_by_a_signal_is_restarted(tmp_path):

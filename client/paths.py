@@ -1,0 +1,67 @@
+"""File paths given to a pipeline that reads files: the daemon opens them, as the trainer would.
+
+With DALI's proxy the pipeline runs in the trainer, so ``fn.io.file.read`` opens a relative
+path from the trainer's working directory. The daemon runs elsewhere, so before a batch leaves
+this process every path sample of an input that feeds ``fn.io.file.read`` is made absolute from
+the trainer's working directory (its directory when the proxy was made, carried to the
+DataLoader workers in the pickled proxy), and the samples whose file this process cannot read
+are named in the submission (``SubmitBatch.unreadable``). The daemon then tells a missing file
+(a bad sample) from a file it cannot see (``dalid.server.paths``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# The operator that reads files named by its input (fn.io.file.read).
+FILE_READER = "io__file__Read"
+# The dtypes DALI's file reader takes a path in.
+PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
+
+
+def path_inputs(pipeline: Any) -> tuple[str, ...]:
+    """The external_source names whose samples are file paths: those feeding
+    ``fn.io.file.read`` directly. (The daemon reads its repository's pipelines the same way.)"""
+    from nvidia.dali.external_source import ExternalSource
+
+    ops = pipeline._ops or ()
+    sources = {op.name for op in ops if isinstance(op._op, ExternalSource)}
+    fed = {
+        node.source.name
+        for op in ops
+        if getattr(op._op, "schema_name", "") == FILE_READER
+        for node in op.inputs
+        if node.source is not None
+    }
+    return tuple(name for name in (op.name for op in ops) if name in sources & fed)
+
+
+def resolve_paths(
+    call_args: Mapping[str, Sequence[np.ndarray]], names: Sequence[str], directory: str
+) -> tuple[Mapping[str, Sequence[np.ndarray]], tuple[int, ...]]:
+    """``call_args`` with the path samples of inputs ``names`` made absolute from
+    ``directory``, and the positions of those whose file this process cannot read."""
+    if not names:
+        return call_args, ()
+    resolved = dict(call_args)
+    unreadable: set[int] = set()
+    base = os.fsencode(directory)
+    for name in names:
+        samples = list(call_args.get(name, ()))
+        for position, sample in enumerate(samples):
+            if sample.dtype not in PATH_DTYPES or sample.ndim != 1 or not sample.size:
+                continue
+            path = sample.tobytes()
+            if b"\0" in path:
+                continue  # not a path; the daemon says so
+            if not os.path.isabs(path) and base:
+                path = os.path.join(base, path)
+                samples[position] = np.frombuffer(path, dtype=sample.dtype)
+            if not os.access(path, os.R_OK):
+                unreadable.add(position)
+        resolved[name] = samples
+    return resolved, tuple(sorted(unreadable))

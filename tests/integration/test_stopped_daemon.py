@@ -1,0 +1,103 @@
+"""A daemon stopped on purpose under a running job: the job is told, and says so.
+
+The job (``restart_job``: a trainer and two DataLoader workers) pauses mid-epoch with batches
+in flight; the test stops the daemon with ``dalid stop`` or SIGTERM to ``dalid serve``, then
+lets the job go on. The job must fail at once with ``DaemonStopped`` saying that the daemon was
+stopped and why, even with ``reconnect=True`` (nobody will restart a stopped daemon), and
+nothing in its output may speak of a crash or of protocol errors.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dalid.client as dalid
+
+from ..daemons import kill_leftovers, start_daemon
+from .helpers import sample, two_output_pipeline
+from .test_restarts import _job
+
+# What a job that saw its daemon stopped must not say: guesses at a crash, protocol noise.
+NOT_SAID = (
+    "killed",
+    "crashed",
+    "send hello first",
+    "malformed",
+    "not_welcomed",
+    "it was restarted",
+)
+
+
+@pytest.mark.parametrize(
+    ("how", "reconnect"),
+    [("dalid stop", False), ("dalid stop", True), ("SIGTERM", True)],
+    ids=["dalid-stop", "dalid-stop-reconnect", "sigterm-reconnect"],
+)
+def test_a_job_is_told_that_its_daemon_was_stopped(short_tmp, how, reconnect):
+    daemon = start_daemon(short_tmp, supervised=True)
+    job = _job(daemon.socket, "--pause-at", "3", *(["--reconnect"] if reconnect else []))
+    try:
+        assert job.stdout is not None and job.stdin is not None
+        line = job.stdout.readline()
+        assert line.strip() == "paused", line + job.stdout.read()
+        if how == "dalid stop":
+            stop = subprocess.run(
+                [sys.executable, "-m", "dalid.server", "stop", "--socket", str(daemon.socket)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert stop.returncode == 0, stop.stderr
+            assert "its 1 job(s) were told that it was stopped" in stop.stdout
+            reason = "`dalid stop` asked it to"
+        else:
+            daemon.process.send_signal(signal.SIGTERM)
+            reason = "it received SIGTERM"
+        # The supervisor does not restart a daemon that was stopped: it exits, cleanly.
+        assert daemon.process.wait(timeout=30) == 0
+        started = time.monotonic()
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        out, _ = job.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        kill_leftovers([job])
+        daemon.stop()
+    assert job.returncode != 0, out
+    assert "DaemonStopped" in out, out
+    assert f"was stopped ({reason})" in out, out
+    for words in NOT_SAID:
+        assert words not in out, f"{words!r} in the job's output:\n{out}"
+    # Not the minute a reconnecting job waits for a daemon that was killed.
+    assert took < 20, f"the job took {took:.0f} s to give up:\n{out}"
+    log = daemon.log_text()
+    assert "telling 3 connected peer(s)" in log, log
+    assert not daemon.segments()
+    assert not daemon.socket.exists()
+    assert not daemon.socket.with_name(daemon.socket.name + ".lock").exists()
+
+
+def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(daemon):
+    from dalid.client.connection import Connection
+    from dalid.protocol import Role
+
+    session = dalid.connect(socket=daemon.socket, autostart=False)
+    target = session.proxy(two_output_pipeline()).target
+    worker = Connection(
+        daemon.socket, Role.WORKER, job_id=target.job_id, job_token=target.job_token
+    )
+    try:
+        session.close()
+        request = target.submission({target.input_names[0]: [sample(0)]}, deferred=False)
+        with pytest.raises(dalid.DaemonUnavailable) as caught:
+            worker.request(request)
+        assert f"ended job {target.job_id}" in str(caught.value)
+        assert "restarted" not in str(caught.value)
+    finally:
+        worker.close()

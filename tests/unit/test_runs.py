@@ -1,0 +1,117 @@
+"""RunPlanner (server/runs.py): which batches of the jobs that share a pipeline form its next
+run, with the real fair scheduler; the same path in a daemon is in
+tests/integration/test_shared_pipelines.py."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+
+from dalid.protocol import InputBatch, OnError, SubmitBatch
+from dalid.server.outputs import JobOutputs
+from dalid.server.runs import Member, PendingBatch, RunPlanner
+from dalid.server.scheduler import FairScheduler, ServiceClock
+
+BATCH = 4
+
+
+def _member(job_id: int) -> Member:
+    return Member(job_id, 1, JobOutputs([]), lambda batch, result: None, OnError.RAISE)
+
+
+def _batch(member: Member, number: int, dtype: str = "uint8", image: bytes = b"") -> PendingBatch:
+    samples = [np.frombuffer(image, np.uint8) if image else np.zeros(3, dtype)] * BATCH
+    item = InputBatch("x", dtype, tuple(s.shape for s in samples), tuple(samples))
+    return PendingBatch(number, SubmitBatch(1, (item,)), member)
+
+
+class Planner:
+    """A planner of a shared pipeline (runs of up to ``run_batches`` batches) over a one-slot
+    scheduler, with members of ``weights`` by job id."""
+
+    def __init__(self, weights: dict[int, float], run_batches: int = 4) -> None:
+        self.scheduler = FairScheduler(1)
+        self.members = {}
+        self.planner = RunPlanner(self.scheduler, ServiceClock(), threading.Event(), 1000)
+        self.planner.shared = True
+        self.planner.run_batches = run_batches
+        self.planner.run_size = run_batches * BATCH
+        for job_id, weight in weights.items():
+            self.scheduler.add_job(job_id, weight)
+            self.members[job_id] = _member(job_id)
+            self.planner.add(self.members[job_id])
+
+    def submit(self, job_id: int, count: int, **batch: object) -> None:
+        for number in range(count):
+            self.planner.submit(_batch(self.members[job_id], number, **batch))  # type: ignore[arg-type]
+
+    def run(self) -> list[int]:
+        """The job of each batch of the next run (its slot given back at once)."""
+        run = self.planner.next_run(collections.deque(), block=False)
+        assert run is not None
+        self.planner.give_slots(1)
+        return [batch.member.job_id for batch in run.batches if batch.member]
+
+
+def test_one_busy_job_fills_whole_runs() -> None:
+    plan = Planner({1: 1.0})
+    plan.submit(1, 6)
+    assert plan.run() == [1, 1, 1, 1]
+    assert plan.run() == [1, 1]
+
+
+def test_busy_jobs_take_turns_and_at_most_their_share_of_a_run() -> None:
+    plan = Planner({1: 1.0, 2: 1.0})
+    plan.submit(1, 6)
+    plan.submit(2, 6)
+    runs = [plan.run() for _ in range(3)]
+    assert runs == [[1, 2, 1, 2], [1, 2, 1, 2], [1, 2, 1, 2]]
+    # Job 1's backlog alone: it still takes only its share while job 2 counts as busy.
+    plan.submit(1, 4)
+    assert plan.run() == [1, 1]
+
+
+def test_weights_hold_inside_mixed_runs() -> None:
+    plan = Planner({1: 1.0, 3: 3.0}, run_batches=8)
+    plan.submit(1, 40)
+    plan.submit(3, 40)
+    served = collections.Counter(job for _ in range(6) for job in plan.run())
+    assert served[3] == pytest.approx(3 * served[1], rel=0.15), served
+
+
+def test_a_quarantined_job_runs_alone_and_rides_with_no_one() -> None:
+    plan = Planner({1: 1.0, 2: 1.0})
+    plan.members[2].alone = 2
+    plan.submit(2, 2)
+    plan.submit(1, 2)
+    runs = [plan.run() for _ in range(3)]
+    assert runs.count([2]) == 2
+    assert [1, 1] in runs
+
+
+def test_batches_that_feed_other_dtypes_do_not_share_a_run() -> None:
+    plan = Planner({1: 1.0, 2: 1.0})
+    plan.submit(1, 1, dtype="uint8")
+    plan.submit(2, 1, dtype="float32")
+    assert sorted([plan.run(), plan.run()]) == [[1], [2]]
+
+
+def test_an_image_over_the_pixel_limit_starts_a_run_of_its_own() -> None:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(out, format="PNG")  # 4096 pixels, over the limit of 1000
+    plan = Planner({1: 1.0, 2: 1.0})
+    plan.submit(1, 1)
+    plan.submit(2, 1, image=out.getvalue())
+    plan.submit(1, 1)
+    first = plan.planner.next_run(collections.deque(), block=False)
+    assert first is not None and [b.member.job_id for b in first.batches if b.member] == [1, 1]
+    plan.planner.give_slots(1)
+    second = plan.planner.next_run(collections.deque(), block=False)
+    assert second is not None and len(second.batches) == 1 and second.batches[0].oversized

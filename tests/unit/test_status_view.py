@@ -1,0 +1,79 @@
+"""`dalid status` as a table: whatever the terminal's width, lines fit and headers stay whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+from rich.console import Console
+
+from dalid.protocol import JobStatus, PipelineStatus, StatusReport
+from dalid.server.status_view import COLUMNS, table
+
+JOB = JobStatus(
+    job_id=12, name="resnet50-imagenet-run-7", pid=4123456, weight=2, workers=8, pipelines=1,
+    batches_done=1000, samples_done=64000, batches_failed=0, batches_per_second=12.5,
+    samples_per_second=800, queued=3, running=2, waiting=4, deferred=0, max_inflight_batches=16,
+    slot_wait_seconds=12.5, passed_over=3, run_seconds=1234.5, trainer_wait_seconds=3.2,
+    regions_held=12, bytes_held=3 << 30, slabs=16, memory_bytes=1 << 30, connected_seconds=100,
+)  # fmt: skip
+SHARED = PipelineStatus(
+    pipeline=1, name="imagenet_train", shared=True, jobs=(12, 13), run_size=1024, threads=16,
+    runs=5320, samples=4800000, mean_fill=0.88, mixed_runs=5100,
+)  # fmt: skip
+OWN = PipelineStatus(
+    pipeline=2, name="mosaic", shared=False, jobs=(13,), run_size=256, threads=4, runs=10,
+    samples=2560, mean_fill=1.0, mixed_runs=0,
+    private_reason="operator PermuteBatch is not known to work sample by sample",
+)  # fmt: skip
+REPORT = StatusReport(
+    daemon_pid=4123000, device="gpu0", device_uuid="", dali_version="2.4.0", protocol_version=4,
+    uptime_seconds=3700, max_jobs=64, concurrency=16, memory_limit=64 << 30,
+    memory_reserved=8 << 30, jobs=(JOB, dataclasses.replace(JOB, job_id=13, name="eval")),
+    pipelines=(SHARED, OWN),
+)  # fmt: skip
+WHERE = "ipc:///run/user/1000/dalid/gpu0.sock"
+
+
+def _render(width: int) -> list[str]:
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(table(REPORT, WHERE, width))
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_narrow_terminals_get_whole_headers_and_lines_that_fit(width: int) -> None:
+    lines = _render(width)
+    assert all(len(line) <= width for line in lines), "\n".join(lines)
+    header = next(line for line in lines if line.startswith("job "))
+    shown = [column.header for column in COLUMNS if f" {column.header}" in f" {header}"]
+    # The essentials stay, each header whole; the rest is named below the table.
+    for essential in ("job", "name", "pid", "samples/s", "queue", "data wait", "held", "memory"):
+        assert essential in shown, header
+    assert "…" not in header
+    rows = [line for line in lines if line.lstrip().startswith(("12 ", "13 "))]
+    assert len(rows) == 2 and all(" 4123456 " in row for row in rows)
+    hidden = [column.header for column in COLUMNS if column.header not in shown]
+    if hidden:
+        assert any(line.startswith("not shown:") for line in lines)
+
+
+def test_a_wide_terminal_shows_every_column_and_whole_names() -> None:
+    lines = _render(200)
+    header = next(line for line in lines if line.startswith("job "))
+    for column in COLUMNS:
+        assert column.header in header
+    assert any("resnet50-imagenet-run-7" in line for line in lines)
+    assert not any(line.startswith("not shown") for line in lines)
+
+
+def test_pipelines_show_which_jobs_share_them_and_how_full_their_runs_are() -> None:
+    lines = _render(200)
+    shared = next(line for line in lines if line.startswith("pipeline 1 "))
+    assert "jobs 12,13 share runs of 1024, 88% full (5100 of 5320 mixed)" in shared
+    own = next(line for line in lines if line.startswith("pipeline 2 "))
+    assert "job 13 alone" in own and "PermuteBatch" in own
+    narrow = _render(80)
+    assert all(len(line) <= 80 for line in narrow)
+    assert any("88% full" in line for line in narrow)
