@@ -111,8 +111,10 @@ def test_a_trainer_that_sees_the_daemons_gpu_gets_cuda_ipc_and_probes_once(
 
     with dalid.connect(socket=auto_daemon.socket, autostart=False, name="ipc") as first:
         assert _path_of(auto_daemon, first.job_id) == "cuda_ipc"
+        welcome = first._daemon.welcome
+        assert welcome.ipc_probe
+        assert staged._probed[(os.getpid(), welcome.device_uuid, welcome.ipc_probe)] == ""
         probes = dict(staged._probed)
-        assert list(probes.values()) == [""]
         with dalid.connect(socket=auto_daemon.socket, autostart=False, name="ipc2") as second:
             assert _path_of(auto_daemon, second.job_id) == "cuda_ipc"
         assert staged._probed == probes  # the same probe, not opened again
