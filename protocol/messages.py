@@ -658,7 +658,12 @@ class TrainerProgress(Message):
     batches_received: int
 
     def __post_init__(self) -> None:
-        _check(self.waited_seconds >= 0, "waited_seconds must not be negative")
+        # Not infinite: the figure is summed into `dalid status` and the metrics (NaN fails
+        # the comparison too).
+        _check(
+            math.isfinite(self.waited_seconds) and self.waited_seconds >= 0,
+            "waited_seconds must be a finite number, not negative",
+        )
         _check(self.batches_received >= 0, "batches_received must not be negative")
 
 

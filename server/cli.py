@@ -162,18 +162,16 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     limit = settings["memory_limit"]
     quotas = Quotas(
         max_jobs=settings["max_jobs"],
+        max_jobs_per_process=settings["max_jobs_per_process"],
         pool_bytes=settings["pool_bytes"],
         slab_bytes=settings["slab_bytes"],
         memory_limit=limit if limit is not None else shm_size(),
         max_inflight_batches=settings["max_inflight_batches"],
+        input_memory=settings["input_memory"],
+        max_pipelines=settings["max_pipelines"],
         max_batch_size=settings["max_batch_size"],
         max_image_pixels=settings["max_image_pixels"],
     )
-    if quotas.pool_bytes > quotas.memory_limit:
-        raise ConfigError(
-            f"pool_bytes {quotas.pool_bytes} is more than memory_limit {quotas.memory_limit}: "
-            "no job could connect"
-        )
     return DaemonConfig(
         device=settings["device"],
         socket=_socket(settings),
@@ -189,6 +187,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         gpu_outputs=settings["gpu_outputs"],
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
+        max_connections=settings["max_connections"],
     )
 
 

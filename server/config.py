@@ -210,8 +210,8 @@ OPTIONS: tuple[Option, ...] = (
         "pool_bytes",
         parse_size,
         parse_size("1G"),
-        "output memory of a job that asks for none; on a GPU daemon, this much host memory and "
-        "this much device memory",
+        "the most output memory of a job that asks for none (it reserves what its outputs need, "
+        "up to this); on a GPU daemon, this much host memory and this much device memory",
         "SIZE",
         default_text="1G",
     ),
@@ -220,11 +220,35 @@ OPTIONS: tuple[Option, ...] = (
         parse_size,
         None,
         "output memory all jobs together may reserve; a job that asks for more than is left is "
-        "refused at connect",
+        "refused at connect, and one whose outputs need more than is left fails its batch",
         "SIZE",
         default_text="the size of /dev/shm",
     ),
     Option("max_jobs", parse_positive_int, 64, "jobs served at once", "N"),
+    Option(
+        "max_jobs_per_process",
+        parse_count,
+        8,
+        "jobs whose trainer is one process (0: no limit besides --max-jobs)",
+        "N",
+    ),
+    Option(
+        "input_memory",
+        parse_size,
+        parse_size("2G"),
+        "batch samples the daemon holds for all jobs (queued, running, waiting, deferred); one "
+        "job holds at most half, and a batch over either is refused",
+        "SIZE",
+        default_text="2G",
+    ),
+    Option("max_pipelines", parse_positive_int, 32, "pipelines one job may register", "N"),
+    Option(
+        "max_connections",
+        parse_positive_int,
+        2048,
+        "client connections open at once; more are closed as they come",
+        "N",
+    ),
     Option(
         "max_inflight_batches",
         parse_positive_int,

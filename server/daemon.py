@@ -9,6 +9,10 @@ process's socket at once, and ZeroMQ heartbeats close one whose process stopped 
 (frozen, or its host gone). The socket monitor reports the closed file descriptor, which the
 loop maps back to the peer that last sent on it.
 
+The loop reads at most a turn's worth of messages before it sends what is ready, and every
+connection is held to its limits (:mod:`dalid.server.intake`): whatever a client sends, the
+daemon keeps serving the others, answers a new hello at once and stops when told to.
+
 SIGHUP loads the pipeline repository again, as ``dalid reload`` does (the loop starts the
 reload; the log tells what it loaded).
 """
@@ -34,6 +38,7 @@ from dalid.protocol import (
     BatchFailed,
     BatchReady,
     Device,
+    Error,
     GpuUnavailable,
     Message,
     ProtocolError,
@@ -49,6 +54,17 @@ from dalid.protocol import (
 
 from .core import DaemonCore
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .heap import give_back_free_memory
+from .intake import (
+    RECEIVE_QUEUE,
+    SEND_QUEUE,
+    TURN_MESSAGES,
+    TURN_SECONDS,
+    Intake,
+    IntakeLimits,
+    Verdict,
+    reserve_descriptors,
+)
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
@@ -63,6 +79,8 @@ EXIT_NO_DEVICE = 4
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+# Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
+TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
 SNAPSHOT_INTERVAL_S = 1.0
 
@@ -83,6 +101,7 @@ class DaemonConfig:
     gpu_outputs: str = "auto"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    max_connections: int = IntakeLimits.max_connections
 
 
 def usable_cores() -> int:
@@ -117,8 +136,8 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        # The peer that last sent on each connection, by its file descriptor.
-        self._peer_by_fd: dict[int, bytes] = {}
+        # Every open connection, what it may do and who is behind it.
+        self._intake: Intake | None = None
         self._lock_fd: int | None = None
         self._metrics: Any = None
         self._uuid_link: Path | None = None
@@ -236,6 +255,11 @@ class Daemon:
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
         )
+        limits = IntakeLimits(
+            max_connections=reserve_descriptors(config.max_connections),
+            max_message_bytes=config.quotas.input_memory // 2,
+        )
+        intake = self._intake = Intake(limits)
         self.core = DaemonCore(
             config.device,
             outputs,
@@ -246,6 +270,7 @@ class Daemon:
             repository=repository,
             sharing=config.sharing,
             streams=streams,
+            credentials=intake.credentials,
             paths=paths,
         )
         self.snapshot = self.core.status()
@@ -258,6 +283,9 @@ class Daemon:
                 endpoint(config.socket),
                 bind=True,
                 heartbeat_ms=(HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS),
+                queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
+                # ZeroMQ drops a connection that starts a frame over this, before it is read.
+                max_frame_bytes=limits.max_message_bytes,
             )
         finally:
             os.umask(previous)
@@ -326,16 +354,22 @@ class Daemon:
 
     def _loop(self) -> None:
         assert self._socket is not None and self.core is not None
-        assert self._monitor is not None
+        assert self._monitor is not None and self._intake is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
+        # What the last tick saw: a job that ended, a connection cut, or batch inputs freed
+        # since then (by executors that stop late too) leave freed memory to give back.
+        seen = (set(self.core.jobs), self._intake.cuts)
+        inputs_peak = self.core.inputs.held
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         while not self._stop.is_set() and not self.core.stop_requested:
-            events = dict(poller.poll(timeout=500))
+            next_cut = self._intake.next_cut()
+            wait_ms = 500 if next_cut is None else min(500, int(next_cut * 1000) + 1)
+            events = dict(poller.poll(timeout=wait_ms))
             if self._wake_fd in events:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
@@ -344,15 +378,27 @@ class Daemon:
             if self._monitor in events:
                 self._connection_events()
             if self._socket in events:
-                self._receive_all()
+                self._receive_turn()
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
             self._flush_outbox()
+            self._intake.cut_due()
             now = time.monotonic()
             if now >= next_reap:
                 self.core.reap()
                 next_reap = now + 1.0
+                jobs, cuts = seen
+                held = self.core.inputs.held
+                inputs_peak = max(inputs_peak, held)
+                if (
+                    jobs - self.core.jobs.keys()
+                    or cuts != self._intake.cuts
+                    or inputs_peak - held >= TRIM_AFTER_BYTES
+                ):
+                    give_back_free_memory()
+                    inputs_peak = held
+                seen = (set(self.core.jobs), self._intake.cuts)
             if now >= next_snapshot:
                 self.snapshot = self.core.status()
                 next_snapshot = now + SNAPSHOT_INTERVAL_S
@@ -388,42 +434,73 @@ class Daemon:
         log.info("SIGHUP: reloading the pipeline repository %s", self.config.pipelines)
         self.core.reload_repository()
 
-    def _receive_all(self) -> None:
-        assert self._socket is not None and self.core is not None
-        while True:
+    def _receive_turn(self) -> None:
+        """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
+        connection after the other); the rest wait for the next turn, after the loop has sent
+        what is ready."""
+        assert self._socket is not None and self.core is not None and self._intake is not None
+        deadline = time.monotonic() + TURN_SECONDS
+        for _ in range(TURN_MESSAGES):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = frames[0].bytes
-            if len(frames) > 1:
-                # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to
-                # the monitor before it accepts the connection that reuses the descriptor, so
-                # handling the reports that are in now keeps an old peer's close from being
-                # taken for this sender's.
-                self._connection_events()
-                self._peer_by_fd[frames[1].get(zmq.SRCFD)] = identity
-            try:
-                envelope = decode(frames[1:])
-            except ProtocolError as error:
+            self._receive(frames)
+            if time.monotonic() >= deadline:
+                return
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        assert self.core is not None and self._intake is not None
+        identity = frames[0].bytes
+        fd = None
+        if len(frames) > 1:
+            # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to the
+            # monitor before it accepts the connection that reuses the descriptor, so handling
+            # the reports that are in now keeps an old peer's close from being taken for this
+            # sender's.
+            self._connection_events()
+            fd = frames[1].get(zmq.SRCFD)
+        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))
+        if verdict is Verdict.DROP:
+            return
+        if not isinstance(verdict, Verdict):
+            self._send(identity, verdict, None)
+            return
+        try:
+            envelope = decode(frames[1:])
+        except ProtocolError as error:
+            if self._intake.log_refusal(identity):
                 log.warning("malformed message from %s: %s", identity.hex(), error.message)
-                self._send(identity, self.core.malformed(error), error.request_id)
-                continue
-            reply = self.core.handle(identity, envelope.message, envelope.request_id)
-            if reply is not None:
-                self._send(identity, reply, envelope.request_id)
+            self._answer(identity, self.core.malformed(error), error.request_id)
+            return
+        reply = self.core.handle(identity, envelope.message, envelope.request_id)
+        if reply is not None:
+            self._answer(identity, reply, envelope.request_id)
+
+    def _answer(self, identity: bytes, reply: Message, request_id: int | None) -> None:
+        """Sends a reply; a refusal counts against the connection's limits."""
+        assert self._intake is not None
+        self._send(identity, reply, request_id)
+        if isinstance(reply, Error):
+            cut = self._intake.refused(identity, reply)
+            if cut is not None:
+                self._send(identity, cut, None)
 
     def _connection_events(self) -> None:
-        assert self._monitor is not None and self.core is not None
+        assert self._monitor is not None and self.core is not None and self._intake is not None
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             # For these two events the value is the connection's file descriptor.
-            identity = self._peer_by_fd.pop(int(event["value"]), None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
-                self.core.peer_disconnected(identity)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                gone = self._intake.accepted(fd)
+            else:
+                gone = self._intake.closed(fd)
+            if gone is not None:
+                self.core.peer_disconnected(gone)
 
     def _flush_outbox(self) -> None:
         assert self.core is not None
@@ -437,9 +514,12 @@ class Daemon:
             self._send(identity, message, request_id)
 
     def _send(self, identity: bytes, message: Message, request_id: int | None) -> None:
-        assert self._socket is not None and self.core is not None
+        assert self._socket is not None and self.core is not None and self._intake is not None
         try:
-            transport.send_to(self._socket, identity, message, request_id)
+            transport.send_to(self._socket, identity, message, request_id, block=False)
+        except zmq.Again:
+            # Its queue is full: the peer does not read what it is sent.
+            self._intake.unreachable(identity)
         except zmq.ZMQError as error:
             if error.errno != zmq.EHOSTUNREACH:
                 raise

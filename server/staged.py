@@ -48,6 +48,7 @@ from .shm import SharedMemorySlab
 
 if TYPE_CHECKING:
     from .jobs import Job
+    from .reservations import OutputMemory
 
 log = logging.getLogger("dalid.server")
 
@@ -248,9 +249,10 @@ class OutputPaths:
         """The probe's IPC handle, in hex, for every welcome ("" where there is none)."""
         return self._probe.handle if self._probe is not None else ""
 
-    def choose(self, job: Job, result: IpcProbeResult) -> OutputPath:
-        """The output path of ``job`` given its trainer's ``result``, put in place. Raises
-        RequestRefused where the mode refuses it, or once the job registered a pipeline."""
+    def choose(self, job: Job, result: IpcProbeResult, host_memory: OutputMemory) -> OutputPath:
+        """The output path of ``job`` given its trainer's ``result``, put in place; a staged
+        pool grows within ``host_memory`` (``reservations.py``). Raises RequestRefused where
+        the mode refuses it, or once the job registered a pipeline."""
         if result.opened and self.mode != "staged" and not self.no_ipc:
             log.info("job %d: GPU outputs by CUDA IPC", job.job_id)
             return OutputPath("cuda_ipc")
@@ -276,8 +278,11 @@ class OutputPaths:
                 ErrorCode.MALFORMED_MESSAGE, "the job's GPU outputs are staged already"
             ) from None
         assert isinstance(store, CudaStore)
-        job.outputs.replace("cuda", StagedStore.instead_of(store))
-        store.pool.close()  # it made no slab; its backend went to the staged store
+        staged = StagedStore.instead_of(store)
+        staged.pool.grow_within(host_memory.growing(job.limits.pool_bytes))
+        job.outputs.replace("cuda", staged)
+        # It made no slab; its backend went to the staged store, its reservation goes now.
+        store.pool.close()
         log.warning("job %d (%s): GPU outputs staged: %s; %s", job.job_id, job.name or "?", why,
                     STAGING_COST)  # fmt: skip
         return OutputPath("staged", why)

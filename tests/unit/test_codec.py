@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import msgpack
@@ -861,6 +862,18 @@ def test_submit_batch_without_inputs_or_samples() -> None:
         SubmitBatch(1, (InputBatch("a", "uint8", (), ()),))
     _expect_error(_submit_frames(frames=0))
     _expect_error(_submit_frames(_input_batch_body(shapes=[], samples=[]), frames=0))
+
+
+@pytest.mark.parametrize("waited", [math.inf, -math.inf, math.nan, -1.0])
+def test_trainer_progress_must_be_finite(waited: float) -> None:
+    with pytest.raises(ValueError, match="waited_seconds"):
+        TrainerProgress(waited_seconds=waited, batches_received=1)
+    # msgpack carries IEEE infinities and NaN as they are: the receiver refuses them.
+    _expect_error(
+        _pack(
+            _header(op="trainer_progress", body={"waited_seconds": waited, "batches_received": 1})
+        )
+    )
 
 
 @pytest.mark.parametrize(

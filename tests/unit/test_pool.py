@@ -22,6 +22,7 @@ from dalid.client.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, ReleaseRegions
 from dalid.server.pool import (
     ALIGNMENT,
+    GROWTH_REGIONS,
     PAGE,
     PoolClosed,
     PoolFull,
@@ -29,6 +30,8 @@ from dalid.server.pool import (
     Region,
     RegionPool,
 )
+from dalid.server.quotas import QuotaRefused
+from dalid.server.reservations import OutputMemory
 from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
@@ -622,3 +625,97 @@ def test_a_pool_held_full_gives_up_after_the_wait_then_at_once(make_pool: PoolFa
         releaser.join()
     assert len(other) == 1
     pool.release([other[0].region_id])
+
+
+# --- Pools that grow as their outputs need room (a job's reservation) ---------------------------
+
+
+def test_a_growing_pool_reserves_slabs_sized_from_its_outputs(prefix: str) -> None:
+    memory = OutputMemory(limit=64 * PAGE)
+    reservation = memory.growing(cap=32 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, 16 * PAGE)
+    pool.grow_within(reservation)
+    try:
+        assert memory.reserved == 0  # nothing until an output needs room
+        (region,) = pool.allocate([PAGE - 100])
+        # Room for GROWTH_REGIONS such outputs, not a whole slab_bytes.
+        assert pool.limit_bytes == GROWTH_REGIONS * PAGE == memory.reserved
+        held = [pool.allocate([PAGE - 100])[0] for _ in range(GROWTH_REGIONS - 1)]
+        assert pool.slab_count == 1  # they share the slab
+        pool.allocate([PAGE - 100])  # the trainer holds them all: the pool grows
+        assert memory.reserved == 2 * GROWTH_REGIONS * PAGE
+        pool.release([r.region_id for r in [region, *held]])
+        assert memory.reserved == 2 * GROWTH_REGIONS * PAGE  # kept for the next batches
+    finally:
+        pool.close()
+    assert memory.reserved == 0 and reservation.closed
+
+
+def test_a_growing_pool_waits_at_the_daemons_limit_and_refuses_when_it_holds_nothing(
+    prefix: str,
+) -> None:
+    memory = OutputMemory(limit=6 * PAGE)
+    other = memory.fixed(4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(64 * PAGE))
+    try:
+        (first,) = pool.allocate([PAGE])
+        (second,) = pool.allocate([PAGE])
+        assert memory.reserved == 6 * PAGE
+        assert not _fits_now(pool, [PAGE])  # full: it waits for a release, as any full pool
+        pool.release([first.region_id, second.region_id])
+        with pytest.raises(
+            PoolTooSmall,
+            match=r"needs 12 KiB .* has 0 B left .* --memory-limit 24 KiB \(2 jobs hold 24 KiB\)",
+        ):
+            pool.allocate([3 * PAGE])
+        other.close()
+        (large,) = pool.allocate([3 * PAGE])  # the other job's memory is free again
+        pool.release([large.region_id])
+    finally:
+        pool.close()
+    assert memory.reserved == 0
+
+
+def test_a_growing_pool_stops_at_its_cap(prefix: str) -> None:
+    memory = OutputMemory(limit=0)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(2 * PAGE))
+    try:
+        with pytest.raises(PoolTooSmall, match="more than its limit of 8 KiB"):
+            pool.allocate([3 * PAGE])
+        (region,) = pool.allocate([2 * PAGE])
+        assert not _fits_now(pool, [PAGE])
+        pool.release([region.region_id])
+    finally:
+        pool.close()
+
+
+def test_a_fixed_reservation_is_refused_when_the_daemon_has_not_that_much_left() -> None:
+    memory = OutputMemory(limit=3 << 20)
+    kept = memory.fixed(2 << 20)
+    with pytest.raises(
+        QuotaRefused, match=r"asks for 2 MiB .* has 1 MiB left .* 3 MiB \(1 jobs hold 2 MiB\)"
+    ):
+        memory.fixed(2 << 20)
+    assert memory.reserved == 2 << 20
+    kept.close()
+    kept.close()
+    assert memory.reserved == 0
+    memory.fixed(3 << 20).close()
+
+
+def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> None:
+    # A shared pipeline takes a job's batch only where its outputs have room (runs.py).
+    memory = OutputMemory(limit=4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(3 * PAGE))
+    try:
+        assert pool.limit_bytes == 0
+        assert pool.has_room([3 * PAGE])  # its cap
+        assert not pool.has_room([3 * PAGE + 1])
+        other = memory.fixed(2 * PAGE)
+        assert pool.has_room([2 * PAGE]) and not pool.has_room([3 * PAGE])  # the daemon's limit
+        other.close()
+    finally:
+        pool.close()
