@@ -30,10 +30,10 @@ from dalid.protocol import (
     StatusReport,
     StatusRequest,
     endpoint,
+    slabs,
     transport,
 )
 
-SHM = Path("/dev/shm")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0
@@ -89,7 +89,7 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
 
 
 def _segments(pid: int) -> list[str]:
-    return sorted(path.name for path in SHM.glob(f"dalid-{pid}-*"))
+    return sorted(path.name for path, record in slabs.user_segments() if record.pid == pid)
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -138,7 +138,7 @@ def running_daemon(
             code = None
         leaked = _segments(process.pid)
         for name in leaked:
-            (SHM / name).unlink(missing_ok=True)
+            (slabs.SHM_DIR / name).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
     if code != 0 or leaked:
         raise DaemonFailed(

@@ -5,7 +5,7 @@ most of their pages with the trainer they forked from, and a dalid trainer maps 
 shared-memory slabs, so a sum of RSS overstates. The sampler therefore also reads PSS
 (proportional set size, ``/proc/<pid>/smaps_rollup``), which divides each shared page among
 the processes that map it, so that PSS adds up across processes. Beside them: the daemon's
-high-water mark (``VmHWM``), the bytes its ``/dev/shm/dalid-<pid>-*`` segments hold, and, with
+high-water mark (``VmHWM``), the bytes its ``/dev/shm`` segments hold, and, with
 a GPU, the GPU memory in use (``nvidia-smi``, over the reading before the run) and each process's
 share of it (``nvidia-smi --query-compute-apps``): the trainers with their workers, and the
 daemon.
@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dalid.protocol import slabs
+
 from .measure import descendants
 
 _PROC = Path("/proc")
-SHM = Path("/dev/shm")
 INTERVAL_S = 1.0
 # Reading PSS walks a process's page tables, about 1 ms of CPU per 100 MiB resident: with many
 # jobs the sampler waits longer between samples, so that it takes at most this much of a core.
@@ -59,7 +60,9 @@ def process_memory(pid: int) -> tuple[float, float | None, float]:
 def shm_mib(daemon_pid: int) -> float:
     """Memory held by the daemon's shared-memory segments (allocated pages, not their sizes)."""
     total = 0
-    for path in SHM.glob(f"dalid-{daemon_pid}-*"):
+    for path, record in slabs.user_segments():
+        if record.pid != daemon_pid:
+            continue
         with contextlib.suppress(OSError):  # a segment unlinked meanwhile
             total += path.stat().st_blocks * 512
     return total / MIB

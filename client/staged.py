@@ -23,13 +23,19 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from dalid.protocol import ErrorCode, IpcProbeResult, OutputDescriptor, OutputPath, ReleaseRegions
+from dalid.protocol import (
+    ErrorCode,
+    IpcProbeResult,
+    OutputDescriptor,
+    OutputPath,
+    ReleaseRegions,
+    slabs,
+)
 
 from . import cuda
 from .copies import copied_tensor
@@ -40,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dalid.client")
 
-SHM_DIR = Path("/dev/shm")
 MAX_REASON = 1000
 
 STAGING_COST = (
@@ -248,17 +253,20 @@ class StagedOutputs:
         return slab
 
     def _map(self, name: str, size: int) -> _Slab:
-        if "/" in name or not name.startswith("dalid-"):
+        # As SharedMemoryOutputs maps a slab (client/shm.py): a dalid name, this user's file.
+        if not slabs.is_slab_name(name):
             raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_size < size:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid():
+                raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
+            if info.st_size < size:
                 raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
-            shared = mmap.mmap(fd, size)
+            # DataLoader workers forked later get neither the mapping nor a way to unmap it.
+            shared = slabs.map_slab(fd, size)
         finally:
             os.close(fd)
-        # DataLoader workers forked later must not inherit the trainer's mappings.
-        shared.madvise(mmap.MADV_DONTFORK)
         array = np.frombuffer(shared, dtype=np.uint8)
         pinned = self.device.pin(array.ctypes.data, size)
         if not pinned:
@@ -304,11 +312,13 @@ class StagedOutputs:
     def _unmap(self, slab: _Slab) -> None:
         if slab.bytes is None:
             return
-        if slab.pinned and self._device is not None:
+        here = slabs.mapped_here(slab.map)  # not in a forked child (Note [Slab mappings ...])
+        if here and slab.pinned and self._device is not None:
             self._device.unpin(slab.bytes.ctypes.data)
         slab.bytes = None
-        # Nothing else views it: tensors handed out are copies.
-        slab.map.close()
+        if here:
+            # Nothing else views it: tensors handed out are copies.
+            slab.map.close()
 
     # --- the end ------------------------------------------------------------------------------
 

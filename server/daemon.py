@@ -48,9 +48,11 @@ from dalid.protocol import (
     endpoint,
     gpu_uuid,
     process_running,
+    slabs,
     transport,
     uuid_socket_path,
 )
+from dalid.protocol.ownership import UnsafePath, check_owned_directory
 
 from .core import DaemonCore
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
@@ -69,12 +71,15 @@ from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
 from .repository import PipelineRepository
-from .shm import SHM_DIR, SLAB_PREFIX, host_outputs
+from .shm import host_outputs
 
 log = logging.getLogger("dalid.server")
 
 EXIT_ALREADY_RUNNING = 3
 EXIT_NO_DEVICE = 4
+# The socket's directory, or the pipeline repository, is not the user's alone (another user
+# could change it: see dalid.protocol.ownership).
+EXIT_UNSAFE_PATH = 5
 # ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
@@ -177,6 +182,10 @@ class Daemon:
             log.error("%s", error)
             self.close()
             return EXIT_ALREADY_RUNNING
+        except UnsafePath as error:
+            log.error("cannot serve: %s", error)
+            self.close()
+            return EXIT_UNSAFE_PATH
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
@@ -188,6 +197,9 @@ class Daemon:
             except GpuUnavailable as error:
                 log.error("cannot serve GPU %s: %s", self.config.device, error)
                 return EXIT_NO_DEVICE
+            except UnsafePath as error:
+                log.error("cannot serve: %s", error)
+                return EXIT_UNSAFE_PATH
             log.info(
                 "dalid daemon pid %d serving %s on %s",
                 os.getpid(),
@@ -204,9 +216,11 @@ class Daemon:
         """Takes the socket's lock file; a live daemon holding it means we must not start."""
         path = self.config.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Another user who could write there could plant links or take the socket's name.
+        check_owned_directory(path.parent, "socket directory")
         lock_path = path.with_name(path.name + ".lock")
         while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -312,6 +326,23 @@ class Daemon:
             log.warning("cannot link %s to the socket: %s", link, error)
             return
         self._uuid_link = link
+
+    def abandon(self) -> None:
+        """Removes what a stop would, for a process about to exit without one (its loop is
+        stuck, see :mod:`.lifeline`); from any thread. The socket file, its lock file and the
+        GPU UUID link go only while this daemon holds the lock, and the shared memory it made."""
+        if self._lock_fd is not None:
+            if self._uuid_link is not None:
+                with contextlib.suppress(OSError):
+                    if os.readlink(self._uuid_link) == self.config.socket.name:
+                        self._uuid_link.unlink()
+            self.config.socket.unlink(missing_ok=True)
+            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
+            if _same_file(self._lock_fd, lock_path):
+                lock_path.unlink(missing_ok=True)
+        for path, record in slabs.user_segments():
+            if record.pid == os.getpid():
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
@@ -538,15 +569,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def _remove_stale_segments() -> None:
     """Unlinks shared-memory slabs left by daemons of this user that died without cleaning up."""
-    uid = os.getuid()
-    for path in SHM_DIR.glob(SLAB_PREFIX + "*"):
-        parts = path.name.split("-")
-        if len(parts) < 3 or not parts[1].isdigit():
+    for path, record in slabs.user_segments():
+        if process_running(record.pid):
             continue
-        try:
-            if path.stat().st_uid != uid or process_running(int(parts[1])):
-                continue
-            path.unlink()
-            log.info("removed stale shared memory %s", path.name)
-        except FileNotFoundError:
-            continue
+        path.unlink(missing_ok=True)
+        log.info("removed stale shared memory %s (%s)", path.name, record.label)

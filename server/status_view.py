@@ -10,9 +10,10 @@ from typing import Any
 from dalid.protocol import JobStatus, StatusReport
 
 
-def as_json(report: StatusReport) -> str:
-    """The report as one JSON object; jobs as a list of objects with the protocol's names."""
-    return json.dumps(dataclasses.asdict(report), indent=2, sort_keys=True)
+def as_json(report: StatusReport, extra: dict[str, Any] | None = None) -> str:
+    """The report as one JSON object; jobs as a list of objects with the protocol's names.
+    ``extra``: more keys (what the supervisor says of the daemon)."""
+    return json.dumps({**dataclasses.asdict(report), **(extra or {})}, indent=2, sort_keys=True)
 
 
 def size(nbytes: float) -> str:

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dalid.client.shm import SharedMemoryOutputs
-from dalid.protocol import OutputDescriptor, ReleaseRegions
+from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
+from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
@@ -32,7 +33,7 @@ from dalid.server.pool import (
 )
 from dalid.server.quotas import QuotaRefused
 from dalid.server.reservations import OutputMemory
-from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
+from dalid.server.shm import SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
@@ -43,14 +44,17 @@ PoolFactory = Callable[..., RegionPool]
 
 
 def _segments(prefix: str) -> list[str]:
-    return sorted(path.name for path in SHM_DIR.glob(f"{prefix}*"))
+    """The segments of slabs whose label (the pool's name for them) starts with ``prefix``."""
+    return sorted(
+        path.name for path, record in slabs.user_segments() if record.label.startswith(prefix)
+    )
 
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    """A slab name prefix of this test's own; no segment with it may outlive the test."""
-    # dalid-<pid>-...: the pid is alive while the test runs, so neither a daemon starting up nor
-    # a concurrent test session takes these segments for stale ones.
+    """A slab label prefix of this test's own; no segment with it may outlive the test."""
+    # The segments' records name this process, alive while the test runs, so neither a daemon
+    # starting up nor a concurrent test session takes them for stale ones.
     name = f"dalid-{os.getpid()}-unittest-{uuid.uuid4().hex[:12]}"
     yield name
     gc.collect()
@@ -132,7 +136,8 @@ def test_allocate_release_reuse(make_pool: PoolFactory, prefix: str) -> None:
     (first,) = pool.allocate([1000])
     assert first.nbytes == 1000
     assert first.offset == 0
-    assert first.slab.name.startswith(prefix)
+    assert first.slab.label.startswith(prefix)  # type: ignore[attr-defined]
+    assert slabs.is_slab_name(first.slab.name)
     assert first.slab.size == 2 * PAGE
     assert pool.slab_count == 1
     assert pool.leased_regions == 1
@@ -437,7 +442,8 @@ def test_writes_through_the_view_are_visible_in_another_mapping(make_pool: PoolF
     # What the trainer does: open the segment by name and map it on its own.
     fd = os.open(SHM_DIR / region.slab.name, os.O_RDWR)
     try:
-        assert os.fstat(fd).st_size == region.slab.size
+        # The slab, then its record (see dalid.protocol.slabs).
+        assert os.fstat(fd).st_size == region.slab.size + slabs.RECORD_BYTES
         other = mmap.mmap(fd, region.slab.size)
     finally:
         os.close(fd)
@@ -553,11 +559,40 @@ def test_segments_are_private_whatever_the_umask(prefix: str) -> None:
         slab.close()
 
 
-def test_slab_names_are_never_reused_or_clobbered(prefix: str) -> None:
-    with SharedMemorySlab(f"{prefix}-x", PAGE) as slab:
+def test_slab_names_are_unguessable_and_say_nothing(prefix: str) -> None:
+    with (
+        SharedMemorySlab(f"{prefix}-j7-1", PAGE) as first,
+        SharedMemorySlab(f"{prefix}-j7-1", PAGE) as second,
+    ):
+        assert first.name != second.name
+        for slab in (first, second):
+            assert slabs.is_slab_name(slab.name)
+            assert str(os.getpid()) not in slab.name and "j7" not in slab.name
+            # What the name no longer says, the segment's record does (for its user only).
+            assert slabs.read_record(SHM_DIR / slab.name) == slabs.SlabRecord(
+                os.getpid(), f"{prefix}-j7-1"
+            )
+            # The record lies past the slab: the mapped bytes are all the slab's.
+            assert os.stat(SHM_DIR / slab.name).st_size == PAGE + slabs.RECORD_BYTES
+    assert _segments(prefix) == []
+
+
+def test_a_slab_never_clobbers_a_file_planted_under_its_name(
+    prefix: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Were a name guessed, O_EXCL | O_NOFOLLOW keep the daemon off what was planted there."""
+    planted_name = slabs.new_name()
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    (SHM_DIR / planted_name).symlink_to(target)
+    try:
+        monkeypatch.setattr(slabs, "new_name", lambda: planted_name)
         with pytest.raises(FileExistsError):
             SharedMemorySlab(f"{prefix}-x", PAGE)
-        assert Path(SHM_DIR / slab.name).exists()  # the failed attempt did not unlink it
+        assert (SHM_DIR / planted_name).is_symlink()  # the failed attempt did not unlink it
+        assert target.read_bytes() == b"keep me"
+    finally:
+        (SHM_DIR / planted_name).unlink()
     assert _segments(prefix) == []
 
 

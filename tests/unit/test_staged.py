@@ -31,13 +31,15 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     Welcome,
+    slabs,
 )
+from dalid.protocol.slabs import SHM_DIR
 from dalid.server.core import DaemonCore
 from dalid.server.cuda import CudaBackend, CudaStore, device_outputs
 from dalid.server.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
 from dalid.server.pool import PAGE
 from dalid.server.quotas import Quotas
-from dalid.server.shm import SHM_DIR, SharedMemoryStore
+from dalid.server.shm import SharedMemoryStore
 from dalid.server.staged import OutputPaths, StagedStore
 
 from .fake_cuda import DEVICE_UUID, FakeApi, TensorListGPU
@@ -98,7 +100,9 @@ def test_gpu_outputs_are_copied_into_page_locked_shared_memory_before_delivery(
         assert (staged.device, cpu.device) == ("staged", "cpu")
         assert staged.ipc_handle == "" and event == ""  # no IPC handle, no event to wait on
         assert staged.shape == (2, 2, 3, 4) and staged.dtype == "float32"
-        assert staged.layout == "CHW" and staged.slab.endswith("-staged-1")
+        assert staged.layout == "CHW" and slabs.is_slab_name(staged.slab)
+        named = {record.label for path, record in slabs.user_segments() if path.name == staged.slab}
+        assert named == {f"{prefix}-staged-1"}  # the daemon's name for it, in its record
         assert _bytes(staged.slab, staged.offset, staged.nbytes) == np.stack(images).tobytes()
         assert _bytes(cpu.slab, cpu.offset, cpu.nbytes) == labels.tobytes()
         kinds = [call[0] for call in api.calls]
@@ -120,7 +124,7 @@ def test_gpu_outputs_are_copied_into_page_locked_shared_memory_before_delivery(
         outputs.free()
     assert api.registered == {}  # unregistered before unmapped
     assert ("destroy_stream", STREAM) in api.calls
-    assert not list(SHM_DIR.glob(f"{prefix}*"))
+    assert not [path for path, record in slabs.user_segments() if record.label.startswith(prefix)]
 
 
 def test_a_jobs_rows_of_a_shared_run_are_staged_alone(prefix: str) -> None:

@@ -36,6 +36,7 @@ from dalid.protocol import (
     ReleaseRegions,
     Welcome,
 )
+from dalid.protocol import slabs as slab_names
 
 SLAB_BYTES = 1 << 16
 UUID = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
@@ -97,9 +98,8 @@ class FakeDevice:
 
 @pytest.fixture
 def slabs() -> Iterator[list[str]]:
-    """Two shared-memory slabs as the daemon makes them, named as its staged slabs are."""
-    base = f"dalid-unittest{os.getpid()}-{os.urandom(3).hex()}-j1-staged"
-    names = [f"{base}-{n}" for n in (1, 2)]
+    """Two shared-memory slabs as the daemon makes them (named as dalid names slabs)."""
+    names = [slab_names.new_name() for _ in range(2)]
     for name in names:
         fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, SLAB_BYTES)
@@ -246,10 +246,11 @@ def test_outputs_it_does_not_take_are_refused(uploads: StagedOutputs, slabs: lis
     )
     with pytest.raises(ValueError, match="C-contiguous"):
         uploads.wrap([strided])
+    gone = slab_names.new_name()
     with pytest.raises(FileNotFoundError):
-        uploads.wrap(
-            [OutputDescriptor(3, "dalid-gone-1", 4096, 0, 4, "int32", (1,), device="staged")]
-        )
+        uploads.wrap([OutputDescriptor(3, gone, 4096, 0, 4, "int32", (1,), device="staged")])
+    with pytest.raises(ValueError, match="not a dalid slab name"):
+        uploads.wrap([OutputDescriptor(4, "../passwd", 4096, 0, 4, "int32", (1,), device="staged")])
 
 
 def test_a_batch_of_staged_and_cpu_outputs_comes_out_in_order(
