@@ -102,6 +102,8 @@ class DaemonConfig:
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
     sharing: Sharing = SHARING
+    # How GPU outputs reach trainers (staged.GPU_OUTPUT_MODES).
+    gpu_outputs: str = "auto"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_connections: int = IntakeLimits.max_connections
@@ -247,16 +249,22 @@ class Daemon:
         device_uuid = ""
         outputs: OutputsFactory = host_outputs()
         streams: StreamFactory = no_streams
+        paths = None
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
             from .cuda import device_outputs, device_streams
+            from .staged import OutputPaths
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)
-            log.info("GPU %d is %s", device_id, device_uuid)
+            try:
+                paths = OutputPaths(device_id, config.gpu_outputs)
+            except Exception as error:
+                raise GpuUnavailable(f"its CUDA IPC probe could not be made: {error}") from None
+            log.info("GPU %d is %s; GPU outputs: %s", device_id, device_uuid, config.gpu_outputs)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
@@ -277,6 +285,7 @@ class Daemon:
             sharing=config.sharing,
             streams=streams,
             credentials=intake.credentials,
+            paths=paths,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
