@@ -2,8 +2,8 @@
 
 The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
 and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
-Trainers read the daemon's pipelines from its status (:func:`pipeline_status`) as their timed
-window ends.
+Trainers read the daemon's pipelines and jobs from its status (:func:`status_reading`) as their
+timed window ends.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from dalid.protocol import (
     StatusReport,
     StatusRequest,
     endpoint,
+    slabs,
     transport,
 )
 
-SHM = Path("/dev/shm")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0
@@ -65,9 +65,10 @@ def _answers(socket: Path) -> bool:
         context.term()
 
 
-def daemon_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> StatusReport:
-    """The status of the daemon on ``socket`` (what ``dalid status`` shows); a status request
-    needs no hello."""
+def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
+    them) and, of each job, its id, slabs and output path, from the daemon on ``socket``; a
+    status request needs no hello."""
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
     try:
@@ -77,21 +78,18 @@ def daemon_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> StatusRepo
         report = transport.recv(sock).message
         if not isinstance(report, StatusReport):
             raise DaemonFailed(f"the daemon answered a status request with {report!r}")
-        return report
+        jobs = [
+            {"job_id": job.job_id, "slabs": job.slabs, "output_path": job.output_path}
+            for job in report.jobs
+        ]
+        return {"pipelines": [dataclasses.asdict(p) for p in report.pipelines], "jobs": jobs}
     finally:
         sock.close(linger=0)
         context.term()
 
 
-def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
-    them) from the daemon on ``socket``."""
-    report = daemon_status(socket, timeout)
-    return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
-
-
 def _segments(pid: int) -> list[str]:
-    return sorted(path.name for path in SHM.glob(f"dalid-{pid}-*"))
+    return sorted(path.name for path, record in slabs.user_segments() if record.pid == pid)
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -140,7 +138,7 @@ def running_daemon(
             code = None
         leaked = _segments(process.pid)
         for name in leaked:
-            (SHM / name).unlink(missing_ok=True)
+            (slabs.SHM_DIR / name).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
     if code != 0 or leaked:
         raise DaemonFailed(

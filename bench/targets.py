@@ -13,8 +13,10 @@ from typing import Any
 
 from .stats import spread
 
-# One job through dalid against DALI in-process and DALI's proxy, and what it costs all processes.
+# One job through dalid against DALI in-process (on a GPU, GPU_RATIO_TARGET) and DALI's
+# proxy, and what it costs all processes.
 RATIO_TARGET = 0.97
+GPU_RATIO_TARGET = 0.98
 PROXY_RATIO_TARGET = 1.0
 CPU_RATIO_TARGET = 1.05  # all processes' CPU per sample over DALI in-process's, at most
 # The transport's round trip of a tiny batch, against the floors measured in the same run: a
@@ -22,7 +24,6 @@ CPU_RATIO_TARGET = 1.05  # all processes' CPU per sample over DALI in-process's,
 ECHO_P50_TARGET = 2.0
 ECHO_P99_TARGET = 3.0
 PIPE_RUN_B32_TARGET = 1.5
-# batch_ready to tensors maps no slab per batch: a timed epoch maps at most the job's slabs.
 
 # Jobs sharing one pipeline in the daemon (``dalid``, sharing on by default), against as many
 # jobs each running DALI in its own process (``dali``). On a CPU machine in-process DALI keeps
@@ -37,10 +38,18 @@ FAIRNESS_TARGET = 0.99  # Jain's index at equal weights, at least
 # The rows these targets need: any of them in a run brings them into its report.
 SHARING_KINDS = ("dali", "dalid", "dalid-private")
 
+# On a GPU: DALI's QA decoder configuration through dalid, at least DALI's own QA floor on an
+# H100 in-process; 8 jobs sharing a pipeline against 8 in-process jobs, in throughput and in
+# the GPU memory of all their processes (nvidia-smi, per process).
+QA_TARGET = 19_000.0
+QA_KINDS = ("dali-qa", "dalid-qa")
+GPU_SHARED_JOBS = 8
+GPU_SHARED_TARGET = 1.2
+GPU_MEMORY_TARGET = 0.5
+
 # Per row id, per repeat, the run's figures: samples_per_s, fairness, all_pss_mb,
-# daemon_peak_rss_mb, cpu_ms_per_sample (all processes), slab_maps_per_epoch (the most slabs
-# a trainer mapped in one timed epoch) and slabs (the most its job had); None where a figure
-# could not be read.
+# daemon_peak_rss_mb, cpu_ms_per_sample (all processes), the slab handles (bench.handles)
+# and on a GPU all_gpu_mb (None where a figure could not be read).
 Values = Mapping[str, Mapping[int, Mapping[str, float | None]]]
 
 
@@ -76,8 +85,8 @@ def paired_ratio(values: Values, row: str, base: str, name: str) -> dict[str, fl
 def target(
     name: str, goal: str, measured: dict[str, float], unit: str, met: Callable[[float], bool]
 ) -> dict[str, Any]:
-    """A target's row; ``unit`` says how the report shows it: "ratio" (as %), "times", "index"
-    or "us"."""
+    """A target's row; ``unit`` says how the report shows it: "ratio" (as %), "times",
+    "index", "us", "rate" (samples/s) or "count"."""
     if not measured.get("n"):
         return {"name": name, "goal": goal, "measured": None, "unit": unit, "met": None}
     return {"name": name, "goal": goal, "measured": measured, "unit": unit,
@@ -130,13 +139,15 @@ def sharing_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str,
     return found
 
 
-def one_job_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-    """One job through dalid against DALI in-process and DALI's proxy: throughput, the CPU of
-    all processes, and slab maps. A target whose rows did not run is left out."""
+def one_job_targets(
+    values: Values, labels: Mapping[str, str], gpu: bool = False
+) -> list[dict[str, Any]]:
+    """One job through dalid against DALI in-process and DALI's proxy: throughput, and the CPU
+    of all processes per sample. A target whose rows did not run is left out."""
     found = []
     dalid, dali, proxy = labels["dalid"], labels["dali"], labels["dali-proxy"]
     throughput = (
-        ("dali", dali, RATIO_TARGET),
+        ("dali", dali, GPU_RATIO_TARGET if gpu else RATIO_TARGET),
         ("dali-proxy", proxy, PROXY_RATIO_TARGET),
     )
     for base, label, goal in throughput:
@@ -162,29 +173,7 @@ def one_job_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str,
                 lambda r: r <= CPU_RATIO_TARGET,
             )
         )
-    maps = _slab_maps(values)
-    if maps["n"]:
-        found.append(
-            target(
-                f"{dalid}, 1 job: slab maps in its worst timed epoch / the job's slabs",
-                "<= 1.00x",
-                maps,
-                "times",
-                lambda r: r <= 1.0,
-            )
-        )
     return found
-
-
-def _slab_maps(values: Values) -> dict[str, float]:
-    """Per repeat, the slabs the trainer mapped in its worst timed epoch over its job's slabs:
-    0 once every slab is mapped, 1 when an epoch maps each slab again (no more is allowed)."""
-    runs = values.get("dalid", {}).values()
-    return spread(
-        maps / slabs
-        for run in runs
-        if (maps := run.get("slab_maps_per_epoch")) is not None and (slabs := run.get("slabs"))
-    )
 
 
 def transport_targets(transport: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -221,14 +210,86 @@ def transport_targets(transport: Mapping[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+def handle_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """One dalid job's slab handles: each slab opened once, none after the warm-up epoch
+    (bench.handles); no targets where the runs counted none."""
+    runs = values.get("dalid", {}).values()
+    counted = [run for run in runs if run.get("handle_opens") is not None]
+    if not counted:
+        return []
+    name = f"{labels['dalid']}, 1 job"
+    per_slab = spread(
+        (run["handle_opens"] or 0.0) / run["slabs"] for run in counted if run.get("slabs")
+    )
+    timed = spread(
+        run["handle_timed_opens"] for run in counted if run.get("handle_timed_opens") is not None
+    )
+    return [
+        target(
+            f"{name}: slab handles opened / slabs of its pool (each opened once)",
+            "= 100%",
+            per_slab,
+            "ratio",
+            lambda ratio: ratio == 1.0,
+        ),
+        target(
+            f"{name}: slab handles opened after the warm-up epoch",
+            "= 0",
+            timed,
+            "count",
+            # Every repeat, not only the median one.
+            lambda _: timed["max"] == 0,
+        ),
+    ]
+
+
+def gpu_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """What a GPU run is held to beyond the others: the QA configuration's throughput (through
+    dalid, and DALI's own in-process), and 8 shared jobs against 8 in-process ones."""
+    found = [
+        target(
+            f"{labels[kind]}: samples/s",
+            f">= {QA_TARGET:,.0f}",
+            figure(values, kind, "samples_per_s"),
+            "rate",
+            lambda rate: rate >= QA_TARGET,
+        )
+        for kind in reversed(QA_KINDS)
+        if kind in values
+    ]
+    if any(row_kind(row) in SHARING_KINDS for row in values):
+        n, shared, inprocess = GPU_SHARED_JOBS, labels["dalid"], labels["dali"]
+        found += [
+            target(
+                f"{shared}, {n} jobs: samples/s / {inprocess}, {n} jobs (GPU)",
+                f">= {GPU_SHARED_TARGET:.0%}",
+                paired_ratio(values, row_id("dalid", n), row_id("dali", n), "samples_per_s"),
+                "ratio",
+                lambda ratio: ratio >= GPU_SHARED_TARGET,
+            ),
+            target(
+                f"{shared}, {n} jobs: GPU memory of all processes / {inprocess}, {n} jobs",
+                f"<= {GPU_MEMORY_TARGET:.0%}",
+                paired_ratio(values, row_id("dalid", n), row_id("dali", n), "all_gpu_mb"),
+                "ratio",
+                lambda ratio: ratio <= GPU_MEMORY_TARGET,
+            ),
+        ]
+    return found
+
+
 def all_targets(
-    values: Values, transport: Mapping[str, Any], labels: Mapping[str, str]
+    values: Values, transport: Mapping[str, Any], labels: Mapping[str, str], gpu: bool = False
 ) -> list[dict[str, Any]]:
-    """The run's targets: one job and the transport where they ran, and the sharing targets
-    where any of their contenders ran (those of job counts not run: not measured)."""
-    found = one_job_targets(values, labels) + transport_targets(transport)
+    """The run's targets: one job and the transport where they ran, the sharing targets where
+    any of their contenders ran (those of job counts not run: not measured), the slab handles
+    of one dalid job, and on a GPU (``gpu``) the GPU targets."""
+    found = one_job_targets(values, labels, gpu) + transport_targets(transport)
     if any(row_kind(row) in SHARING_KINDS for row in values):
         found += sharing_targets(values, labels)
+    found += handle_targets(values, labels)
+    if gpu:
+        found += gpu_targets(values, labels)
     return found
 
 

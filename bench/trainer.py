@@ -3,12 +3,12 @@
 It sets up one contender (or the transport probes), writes a byte to ``READY_FD``, waits for a
 line on stdin (the orchestrator starts concurrent trainers together that way), runs, and
 writes its result, or the error that stopped it, as JSON to ``RESULT_PATH``. A dalid trainer
-also reads the daemon's pipelines as its timed window ends, while its job is still there.
+also reads the daemon's pipelines and jobs as its timed window ends, while its job is still
+there, and counts the slabs and events its session opened by the end of each epoch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings
-from .contenders import CONTENDERS, DalidEpochs
+from .contenders import CONTENDERS
 from .measure import timed_loop
 
 
@@ -49,37 +49,28 @@ def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
     with contender.run(settings) as epochs:
         go_ns = _ready_then_wait(ready_fd)
         result: dict[str, Any] = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        handles = getattr(epochs, "handles", None)
+        if handles is not None:
+            result["handles"] = handles()
         if contender.needs_daemon:
-            job_id = getattr(getattr(epochs, "session", None), "job_id", None)
-            result["pipelines"], result["slabs"] = _daemon_figures(settings, job_id)
-            if isinstance(epochs, DalidEpochs):
-                # The slabs this trainer mapped in each epoch after the warm-up.
-                result["slabs"]["maps_per_timed_epoch"] = epochs.slab_maps()[
-                    settings.warmup_epochs :
-                ]
+            result["pipelines"] = _daemon_pipelines(settings)
         return result
 
 
-def _daemon_figures(
-    settings: Settings, job_id: int | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The daemon's pipelines now (see :mod:`bench.fill`) and the slabs of this trainer's job,
-    or why they could not be read: a run's throughput does not depend on them."""
+def _daemon_pipelines(settings: Settings) -> dict[str, Any]:
+    """The daemon's pipelines and jobs now (see :mod:`bench.fill`), or why they could not be
+    read: a run's throughput does not depend on them."""
     import zmq
 
     from dalid.protocol import ProtocolError
 
-    from .daemon import DaemonFailed, daemon_status
+    from .daemon import DaemonFailed, status_reading
 
     t_ns = time.monotonic_ns()
     try:
-        report = daemon_status(Path(settings.socket))
+        return {"t_ns": t_ns, **status_reading(Path(settings.socket))}
     except (DaemonFailed, ProtocolError, zmq.ZMQError, OSError) as error:
-        failed = {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
-        return failed, dict(failed)
-    pipelines = [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
-    slabs = next((job.slabs for job in report.jobs if job.job_id == job_id), None)
-    return {"t_ns": t_ns, "pipelines": pipelines}, {"t_ns": t_ns, "job_slabs": slabs}
+        return {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
 
 
 def main(argv: Sequence[str]) -> int:

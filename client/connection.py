@@ -31,6 +31,7 @@ from dalid.protocol import (
     ProtocolError,
     Role,
     Welcome,
+    daemon_socket,
     endpoint,
     pid_namespace,
     process_running,
@@ -50,6 +51,8 @@ PING_AFTER_S = 1.0
 PING_TIMEOUT_S = 5.0
 PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
+# How often a socket that nothing listens on yet is tried again.
+CONNECT_RETRY_S = 0.05
 # A daemon found exited may have sent a stop notice just before: one last look for it.
 NOTICE_GRACE_MS = 200
 
@@ -83,6 +86,23 @@ def no_daemon_message(path: Path, device: str | int) -> str:
         f"no dalid daemon answers on {endpoint(path)}: start one with "
         f"`dalid serve --device {device} --socket {path}` (or connect with autostart=True)"
     )
+
+
+def _verified_socket(path: Path, device: str | int, timeout: float) -> Path:
+    """The socket to connect to for ``path``, once it is known to be the user's daemon's
+    (UnsafePath, a PermissionError, otherwise). A daemon that is not listening yet (being
+    restarted, say) is waited for up to ``timeout``, as a hello is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return daemon_socket.verified_socket(path, max(0.1, deadline - time.monotonic()))
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(
+                    f"{no_daemon_message(path, device)} (nothing listened on it within "
+                    f"{timeout:.0f} s)"
+                ) from None
+            time.sleep(CONNECT_RETRY_S)
 
 
 class Connection:
@@ -119,8 +139,10 @@ class Connection:
         self._daemon_pid = 0
         self._watch_daemon = False
         self._daemon_gone = False
+        # The hello may carry a job token: it goes only to the user's own daemon.
+        target = _verified_socket(path, device, hello_timeout)
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
-            process_context(), zmq.DEALER, endpoint(path), bind=False
+            process_context(), zmq.DEALER, endpoint(target), bind=False
         )
         # One poller for the connection's life: Socket.poll would make one per wait.
         self._poller = zmq.Poller()

@@ -2,7 +2,8 @@
 
 See Note [Output buffer lifetime] in ``dalid.server.pool`` for the whole contract. This side
 keeps its half: a region is released only after the last tensor viewing it is gone, and a
-mapping is closed only once no tensor views it.
+mapping is closed only once no tensor views it, and only by this process (Note [Slab mappings
+across fork] in ``dalid.protocol.slabs``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from dalid.protocol import OutputDescriptor, ReleaseRegions
+from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 
 from .copies import copied_tensor
-
-SHM_DIR = Path("/dev/shm")
 
 
 @dataclass
@@ -32,8 +30,11 @@ class _Mapping:
 
 
 def _try_unmap(mapping: _Mapping) -> bool:
-    """Unmaps the slab unless a tensor still views it; whether it is unmapped."""
+    """Unmaps the slab unless a tensor still views it; whether it is unmapped (or, in a forked
+    child, forgotten: see Note [Slab mappings across fork] in ``dalid.protocol.slabs``)."""
     mapping.bytes = None
+    if not slabs.mapped_here(mapping.map):
+        return True
     try:
         mapping.map.close()
     except BufferError:
@@ -129,17 +130,20 @@ class SharedMemoryOutputs:
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)
         if mapping is None:
-            if "/" in name or not name.startswith("dalid-"):
+            if not slabs.is_slab_name(name):
                 raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                if os.fstat(fd).st_size < size:
+                info = os.fstat(fd)
+                if info.st_uid != os.getuid():
+                    # The daemon runs as this user (its socket is checked); this is not its.
+                    raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
+                if info.st_size < size:
                     raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
-                shared = mmap.mmap(fd, size)
+                # DataLoader workers forked later get neither the mapping nor a way to unmap it.
+                shared = slabs.map_slab(fd, size)
             finally:
                 os.close(fd)
-            # DataLoader workers forked later must not inherit the trainer's mappings.
-            shared.madvise(mmap.MADV_DONTFORK)
             mapping = _Mapping(shared, np.frombuffer(shared, dtype=np.uint8))
             self._mappings[name] = mapping
             self.opened += 1

@@ -7,8 +7,9 @@ with the same arguments and environment.
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
+
+from .ownership import check_private_directory
 
 SOCKET_ENV = "DALID_SOCKET"
 RUNTIME_DIR_ENV = "DALID_RUNTIME_DIR"
@@ -42,8 +43,9 @@ def runtime_dir(create: bool = True, explicit: str | os.PathLike[str] | None = N
     """The per-user directory holding daemon sockets and logs, mode 0700.
 
     ``explicit``, else ``$DALID_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/dalid``, else
-    ``/tmp/dalid-$UID``. An existing directory that another user owns or others can enter is
-    refused: a socket there could be someone else's daemon.
+    ``/tmp/dalid-$UID``. An existing directory that is a link, that another user owns or that
+    others can enter is refused (:class:`~dalid.protocol.ownership.UnsafePath`): a socket
+    there could be someone else's daemon.
     """
     explicit = explicit or os.environ.get(RUNTIME_DIR_ENV)
     xdg = os.environ.get("XDG_RUNTIME_DIR")
@@ -53,17 +55,10 @@ def runtime_dir(create: bool = True, explicit: str | os.PathLike[str] | None = N
         path = Path(xdg) / "dalid"
     else:
         path = Path(f"/tmp/dalid-{os.getuid()}")
-    if create:
+    if create and not os.path.lexists(path):  # mkdir would follow a link planted there
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.exists():
-        info = path.stat()
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"runtime directory {path} belongs to uid {info.st_uid}, not you")
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise PermissionError(
-                f"runtime directory {path} is open to other users "
-                f"(mode {stat.S_IMODE(info.st_mode):o}): run `chmod 700 {path}`"
-            )
+    if os.path.lexists(path):
+        check_private_directory(path, "runtime directory")
     return path
 
 

@@ -27,12 +27,21 @@ def make_socket(
     *,
     bind: bool,
     heartbeat_ms: tuple[int, int] | None = None,
+    queue_limits: tuple[int, int] | None = None,
+    max_frame_bytes: int = MAX_MESSAGE_BYTES,
 ) -> zmq.Socket[Any]:
     """A socket of ``kind`` bound (daemon) or connected (client) to ``address``.
 
     ``heartbeat_ms`` (interval, timeout): ZeroMQ pings every peer at that interval and drops
     the connection of one that answers nothing within the timeout. Any peer answers on its own
     I/O thread, whatever its program is doing.
+
+    ``queue_limits`` (send, receive): the most whole messages ZeroMQ queues per connection in
+    each direction. Without them (0) nothing is ever dropped or refused, and a peer that sends
+    faster than the socket's owner reads, or reads slower than it sends, grows its memory
+    without bound: a server facing clients it does not control sets them (a client sends only
+    what it means to and may queue its own backlog). ZeroMQ drops a connection that starts a
+    frame of more than ``max_frame_bytes``, before it allocates it.
     """
     sock = context.socket(kind)
     try:
@@ -40,12 +49,16 @@ def make_socket(
             sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        # Never drop messages silently when a peer is slow: block or poll instead.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # Never drop messages silently when a peer is slow: block or poll instead. A ROUTER
+        # over its send limit refuses the message (EAGAIN, see ROUTER_MANDATORY); over its
+        # receive limit it stops reading that connection, and the sender queues or blocks.
+        send_limit, receive_limit = queue_limits or (0, 0)
+        sock.setsockopt(zmq.SNDHWM, send_limit)
+        sock.setsockopt(zmq.RCVHWM, receive_limit)
         if kind == zmq.ROUTER:
-            # A reply to a peer that has gone raises EHOSTUNREACH instead of vanishing.
+            # A reply to a peer that has gone raises EHOSTUNREACH instead of vanishing, and one
+            # to a peer whose queue is full raises EAGAIN (when sent without blocking).
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if bind:
             sock.bind(address)
@@ -63,10 +76,16 @@ def send(sock: zmq.Socket[Any], message: Message, request_id: int | None = None)
 
 
 def send_to(
-    sock: zmq.Socket[Any], peer: bytes, message: Message, request_id: int | None = None
+    sock: zmq.Socket[Any],
+    peer: bytes,
+    message: Message,
+    request_id: int | None = None,
+    *,
+    block: bool = True,
 ) -> None:
-    """Sends ``message`` to ``peer`` on a ROUTER socket."""
-    send_frames(sock, [peer, *encode(message, request_id)])
+    """Sends ``message`` to ``peer`` on a ROUTER socket; without ``block``, a peer whose queue
+    is full raises ``zmq.Again`` and nothing is sent."""
+    send_frames(sock, [peer, *encode(message, request_id)], 0 if block else _NOBLOCK)
 
 
 def recv(sock: zmq.Socket[Any]) -> Envelope:
@@ -78,6 +97,7 @@ def recv(sock: zmq.Socket[Any]) -> Envelope:
 # ZeroMQ a buffer to keep until it is sent; larger ones go without a copy.
 COPY_BELOW_BYTES = zmq.COPY_THRESHOLD
 _SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:

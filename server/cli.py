@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -38,21 +39,26 @@ from dalid.protocol import (
     Shutdown,
     StatusReport,
     StatusRequest,
+    daemon_socket,
     device_label,
     endpoint,
     gpu_count,
     runtime_dir,
+    slabs,
     socket_path,
     transport,
 )
+from dalid.protocol.ownership import UnsafePath
 
+from . import crash_report
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .daemon import Daemon, DaemonConfig, usable_cores
+from .devices import DeviceListError, child_specs, parse_devices
+from .lifeline import watch_supervisor
 from .pipelines import Sharing
 from .quotas import Quotas
-from .shm import SHM_DIR
 from .status_view import legend
-from .supervisor import DeviceListError, Supervisor, child_specs, parse_devices
+from .supervisor import Supervisor
 
 log = logging.getLogger("dalid.server")
 # As argparse exits on a bad flag.
@@ -151,7 +157,7 @@ def _socket(settings: dict[str, Any]) -> Path:
 
 def shm_size() -> int:
     """The size of the shared-memory filesystem, which bounds what CPU outputs can use."""
-    info = os.statvfs(SHM_DIR)
+    info = os.statvfs(slabs.SHM_DIR)
     return info.f_frsize * info.f_blocks
 
 
@@ -162,18 +168,16 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     limit = settings["memory_limit"]
     quotas = Quotas(
         max_jobs=settings["max_jobs"],
+        max_jobs_per_process=settings["max_jobs_per_process"],
         pool_bytes=settings["pool_bytes"],
         slab_bytes=settings["slab_bytes"],
         memory_limit=limit if limit is not None else shm_size(),
         max_inflight_batches=settings["max_inflight_batches"],
+        input_memory=settings["input_memory"],
+        max_pipelines=settings["max_pipelines"],
         max_batch_size=settings["max_batch_size"],
         max_image_pixels=settings["max_image_pixels"],
     )
-    if quotas.pool_bytes > quotas.memory_limit:
-        raise ConfigError(
-            f"pool_bytes {quotas.pool_bytes} is more than memory_limit {quotas.memory_limit}: "
-            "no job could connect"
-        )
     return DaemonConfig(
         device=settings["device"],
         socket=_socket(settings),
@@ -186,8 +190,10 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
             run_batches=settings["run_batches"],
             threads=settings["threads"] or usable_cores(),
         ),
+        gpu_outputs=settings["gpu_outputs"],
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
+        max_connections=settings["max_connections"],
     )
 
 
@@ -259,11 +265,30 @@ class DaemonLine:
         self.path = path
         self.timeout = timeout
         self.start = start
-        if not path.exists():
-            raise NoAnswer(f"no dalid daemon listens on {endpoint(path)}: start one with `{start}`")
+        target = self._verified(path, timeout)
         self._context: zmq.Context[Any] = zmq.Context()
-        self._socket = transport.make_socket(self._context, zmq.DEALER, endpoint(path), bind=False)
+        self._socket = transport.make_socket(
+            self._context, zmq.DEALER, endpoint(target), bind=False
+        )
         self._request_ids = iter(range(1, 1 << 62))
+
+    def _verified(self, path: Path, timeout: float) -> Path:
+        """The socket of the user's own daemon on ``path`` (only it is asked, or told to stop).
+        A socket file there that nothing listens on yet (a daemon being restarted) is tried
+        again until ``timeout``."""
+        absent = f"no dalid daemon listens on {endpoint(path)}: start one with `{self.start}`"
+        if not path.exists():
+            raise NoAnswer(absent)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return daemon_socket.verified_socket(path, timeout)
+            except UnsafePath as error:
+                raise NoAnswer(str(error)) from None
+            except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise NoAnswer(absent) from None
+            time.sleep(0.05)
 
     def ask(self, request: Message) -> Message:
         request_id = next(self._request_ids)
@@ -367,16 +392,25 @@ def _reload(path: Path, timeout: float, start: str) -> int:
 
 
 def _status(path: Path, args: argparse.Namespace, start: str) -> int:
-    """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C."""
+    """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C.
+
+    A daemon that its supervisor reports crash-looping (:mod:`.crash_report`) is said to be
+    first, on stderr, whether or not a daemon answers now; with ``--json`` the report is also
+    the object's ``crash_loop``.
+    """
     from .status_view import as_json, table
 
+    crashes = crash_report.read(path)
+    if crashes is not None:
+        print(f"dalid status: {crashes.text()}", file=sys.stderr)
+    crash_loop = {"crash_loop": dataclasses.asdict(crashes)} if crashes is not None else {}
     try:
         with DaemonLine(path, args.timeout, start) as line:
             where = endpoint(path)
             report = line.ask(StatusRequest())
             assert isinstance(report, StatusReport)
             if args.json:
-                print(as_json(report))
+                print(as_json(report, crash_loop))
                 return 0
             from rich.console import Console
             from rich.live import Live
@@ -401,6 +435,8 @@ def _status(path: Path, args: argparse.Namespace, start: str) -> int:
                     return 0
     except NoAnswer as error:
         print(f"dalid status: {error}", file=sys.stderr)
+        if args.json and crash_loop:
+            print(json.dumps(crash_loop, indent=2, sort_keys=True))
         return 1
 
 
@@ -424,7 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
         if config is None:
             return _supervise(args, settings)
-        return Daemon(config).serve()
+        daemon = Daemon(config)
+        # A child of `dalid serve` ends with its supervisor, stuck or not.
+        watch_supervisor(daemon.request_stop, daemon.abandon)
+        return daemon.serve()
     # These need no hello: whoever can open the socket (mode 0600, its user) may send them.
     start = start_command(settings["device"], path)
     if args.command == "status":

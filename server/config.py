@@ -107,6 +107,14 @@ def parse_device_list(text: str) -> str:
     return text
 
 
+def parse_gpu_outputs(text: str) -> str:
+    """auto, ipc or staged (see ``staged.GPU_OUTPUT_MODES``)."""
+    mode = text.strip().lower()
+    if mode not in ("auto", "ipc", "staged"):
+        raise ValueError(f"expected auto, ipc or staged, got {text!r}")
+    return mode
+
+
 def parse_log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in logging.getLevelNamesMapping():
@@ -202,8 +210,8 @@ OPTIONS: tuple[Option, ...] = (
         "pool_bytes",
         parse_size,
         parse_size("1G"),
-        "output memory of a job that asks for none; on a GPU daemon, this much host memory and "
-        "this much device memory",
+        "the most output memory of a job that asks for none (it reserves what its outputs need, "
+        "up to this); on a GPU daemon, this much host memory and this much device memory",
         "SIZE",
         default_text="1G",
     ),
@@ -212,11 +220,35 @@ OPTIONS: tuple[Option, ...] = (
         parse_size,
         None,
         "output memory all jobs together may reserve; a job that asks for more than is left is "
-        "refused at connect",
+        "refused at connect, and one whose outputs need more than is left fails its batch",
         "SIZE",
         default_text="the size of /dev/shm",
     ),
     Option("max_jobs", parse_positive_int, 64, "jobs served at once", "N"),
+    Option(
+        "max_jobs_per_process",
+        parse_count,
+        8,
+        "jobs whose trainer is one process (0: no limit besides --max-jobs)",
+        "N",
+    ),
+    Option(
+        "input_memory",
+        parse_size,
+        parse_size("2G"),
+        "batch samples the daemon holds for all jobs (queued, running, waiting, deferred); one "
+        "job holds at most half, and a batch over either is refused",
+        "SIZE",
+        default_text="2G",
+    ),
+    Option("max_pipelines", parse_positive_int, 32, "pipelines one job may register", "N"),
+    Option(
+        "max_connections",
+        parse_positive_int,
+        2048,
+        "client connections open at once; more are closed as they come",
+        "N",
+    ),
     Option(
         "max_inflight_batches",
         parse_positive_int,
@@ -257,6 +289,15 @@ OPTIONS: tuple[Option, ...] = (
         "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
         "N",
         default_text="the CPU cores the daemon may use",
+    ),
+    Option(
+        "gpu_outputs",
+        parse_gpu_outputs,
+        "auto",
+        "how GPU outputs reach a trainer: 'auto' by CUDA IPC where the trainer can open the "
+        "daemon's memory, else staged through shared memory (a copy each way); 'ipc' by CUDA IPC "
+        "only, refusing a trainer that cannot; 'staged' always staged",
+        "auto|ipc|staged",
     ),
     Option(
         "max_image_pixels",

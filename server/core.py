@@ -19,7 +19,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -30,6 +30,7 @@ from dalid.protocol import (
     ErrorCode,
     Goodbye,
     Hello,
+    IpcProbeResult,
     Message,
     Ok,
     Ping,
@@ -49,20 +50,25 @@ from dalid.protocol import (
     Welcome,
     device_label,
     pid_namespace,
-    transport,
 )
 
 from .copies import PRIVATE_COPY_AFTER_S
+from .credentials import PeerCredentials
 from .errors import RequestRefused
+from .inputs import InputMemory, InputRefused
 from .jobs import Job, JobRegistry, Peer
 from .outputs import OutputsFactory, ReleaseRefused, StreamFactory, no_streams
 from .pipelines import SHARING, PipelineBuilder, Sharing, check_batch, executor_for
 from .quotas import QuotaRefused, Quotas, grant
 from .reload import LiveRepository
 from .repository import PipelineRepository
+from .reservations import OutputMemory
 from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
+
+if TYPE_CHECKING:
+    from .staged import OutputPaths
 
 log = logging.getLogger("dalid.server")
 
@@ -81,6 +87,11 @@ class DaemonCore:
     busy jobs by weight (:mod:`dalid.server.scheduler`). ``device_uuid`` names a GPU daemon's
     GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
     ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
+    ``credentials(peer)`` gives the process behind a connection, as its socket tells
+    (:mod:`dalid.server.credentials`): a job lives as long as that process does, whatever pid
+    the client claims; without them (no socket, or a process in a pid namespace the daemon
+    cannot see) a job lives as long as its connection.
+    ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
     """
 
     def __init__(
@@ -96,6 +107,8 @@ class DaemonCore:
         repository: PipelineRepository | None = None,
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
+        credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
+        paths: OutputPaths | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -104,8 +117,14 @@ class DaemonCore:
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
         self._outputs = outputs
+        self.paths = paths
         self._push = push
+        self._credentials = credentials
         self.quotas = quotas
+        # What jobs reserve of output memory, by the device of their stores: shared memory
+        # against --memory-limit, device memory the same way with no limit of its own.
+        self.output_memory = {"cpu": OutputMemory(quotas.memory_limit), "cuda": OutputMemory(0)}
+        self.inputs = InputMemory(quotas.input_memory)
         self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
         self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -124,6 +143,7 @@ class DaemonCore:
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
+            IpcProbeResult: self._on_ipc_probe_result,
             Goodbye: self._on_goodbye,
             Ping: self._on_ping,
             Shutdown: self._on_shutdown,
@@ -263,6 +283,8 @@ class DaemonCore:
             self.close_job(job, daemon_stopping=True)
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
+        if self.paths is not None:
+            self.paths.close()
 
     def job_for(self, identity: bytes) -> Job | None:
         return self.registry.job_for(identity)
@@ -283,8 +305,12 @@ class DaemonCore:
         if identity in self.peers:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
         earlier_token = ""
+        # The process behind the connection, as its socket tells; hello.client_pid is the
+        # client's word only, and decides nothing.
+        credentials = self._credentials(identity)
+        pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
-            job = self._open_job(identity, hello)
+            job = self._open_job(identity, hello, pid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             if found is None:
@@ -299,10 +325,10 @@ class DaemonCore:
                 log.info(
                     "job %d: worker pid %d joined as job %d of an earlier daemon",
                     job.job_id,
-                    hello.client_pid,
+                    pid,
                     hello.job_id,
                 )
-        self.registry.join(identity, hello, job, earlier_token)
+        self.registry.join(identity, hello, job, pid, earlier_token)
         return Welcome(
             protocol_version=PROTOCOL_VERSION,
             daemon_pid=os.getpid(),
@@ -313,37 +339,61 @@ class DaemonCore:
             limits=job.limits,
             device_uuid=self.device_uuid,
             pid_namespace=self._pid_namespace,
+            ipc_probe=self.paths.probe if self.paths is not None else "",
         )
 
-    def _open_job(self, identity: bytes, hello: Hello) -> Job:
-        """A new job for a trainer's hello, within the daemon's quotas."""
+    def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:
+        """A new job for a trainer's hello, within the daemon's quotas; ``pid``: its trainer's
+        process, 0 where the daemon cannot see it.
+
+        Its output memory is reserved now if the job asked for an amount, else as its outputs
+        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.reservations`).
+        """
         self.registry.check_unclaimed(hello.earlier_jobs)
         try:
             limits = grant(
                 hello,
                 self.quotas,
                 jobs=len(self.jobs),
-                reserved=self.registry.memory_reserved,
-                max_message_bytes=transport.MAX_MESSAGE_BYTES,
+                max_message_bytes=self.inputs.job_limit,
+                pid=pid,
+                jobs_of_process=sum(1 for job in self.jobs.values() if job.pid == pid),
             )
+            reservations = {
+                device: memory.fixed(limits.pool_bytes)
+                if hello.memory_bytes
+                else memory.growing(limits.pool_bytes)
+                for device, memory in self.output_memory.items()
+            }
         except QuotaRefused as refusal:
             raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        job = self.registry.open(
-            identity,
-            hello,
-            limits,
-            lambda job_id: self._outputs(f"dalid-{self._instance}-j{job_id}", limits),
-            self.quotas.max_waiting_batches,
-        )
+        try:
+            job = self.registry.open(
+                identity,
+                hello,
+                limits,
+                lambda job_id: self._outputs(f"dalid-{self._instance}-j{job_id}", limits),
+                self.quotas.max_waiting_batches,
+                pid=pid,
+            )
+        except BaseException:
+            for reservation in reservations.values():
+                reservation.close()
+            raise
+        # Each store's pool owns its reservation from here (it closes it when it closes).
+        for store in job.outputs.stores:
+            store.pool.grow_within(reservations.pop(store.device))
+        for unused in reservations.values():
+            unused.close()
         self.scheduler.add_job(job.job_id, limits.weight)
         if hello.private_copies:
             job.outputs.copy_after = PRIVATE_COPY_AFTER_S
         log.info(
-            "job %d (%s) connected: weight %g, %d MiB, %d batches in flight%s",
+            "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
             job.job_id,
-            job_label(hello.name, hello.client_pid),
+            job_label(hello.name, pid),
             limits.weight,
-            limits.pool_bytes >> 20,
+            ("" if hello.memory_bytes else "up to ") + str(limits.pool_bytes >> 20),
             limits.max_inflight_batches,
             f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
             "daemons"
@@ -351,6 +401,19 @@ class DaemonCore:
             else "",
         )
         return job
+
+    def _on_ipc_probe_result(
+        self, identity: bytes, result: IpcProbeResult, _request_id: int | None
+    ) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer answers the IPC probe")
+        if self.paths is None:
+            raise RequestRefused(
+                ErrorCode.MALFORMED_MESSAGE, "this daemon has no GPU outputs and sent no probe"
+            )
+        # Staged outputs are host memory: they count against the daemon's --memory-limit.
+        return self.paths.choose(peer.job, result, self.output_memory["cpu"])
 
     def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
         peer = self.peers[identity]
@@ -398,6 +461,14 @@ class DaemonCore:
         peer = self.peers[identity]
         if peer.role is not Role.TRAINER:
             raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
+        live = sum(1 for member in peer.job.pipelines.values() if not member.failed)
+        if live >= self.quotas.max_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {peer.job.job_id} already has {live} pipelines, the limit of one job (dalid "
+                f"serve --max-pipelines {self.quotas.max_pipelines}): a job registers each "
+                "pipeline once",
+            )
         peer.job.check_earlier_ids(request)
         self.pipelines.start(
             peer.job, request, request_id, functools.partial(self._batch_answered, peer.job)
@@ -413,7 +484,19 @@ class DaemonCore:
             request = job.pipeline_in_this_job(peer.earlier_token, request)
         member = executor_for(job, request.pipeline_id)
         check_batch(member, request)
+        if request.deferred and len(job.deferred) >= self.quotas.max_waiting_batches:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {job.job_id} already has {len(job.deferred)} deferred batches: schedule "
+                "them before sending more",
+            )
         batch = PendingBatch(job.next_batch_id, request, member)
+        nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
+        try:
+            # Counted until the batch is freed, whichever way it goes (inputs.py).
+            self.inputs.take(job.job_id, nbytes, holder=batch)
+        except InputRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
         job.next_batch_id += 1
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here

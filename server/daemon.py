@@ -9,6 +9,10 @@ process's socket at once, and ZeroMQ heartbeats close one whose process stopped 
 (frozen, or its host gone). The socket monitor reports the closed file descriptor, which the
 loop maps back to the peer that last sent on it.
 
+The loop reads at most a turn's worth of messages before it sends what is ready, and every
+connection is held to its limits (:mod:`dalid.server.intake`): whatever a client sends, the
+daemon keeps serving the others, answers a new hello at once and stops when told to.
+
 SIGHUP loads the pipeline repository again, as ``dalid reload`` does (the loop starts the
 reload; the log tells what it loaded).
 """
@@ -34,6 +38,7 @@ from dalid.protocol import (
     BatchFailed,
     BatchReady,
     Device,
+    Error,
     GpuUnavailable,
     Message,
     ProtocolError,
@@ -43,27 +48,45 @@ from dalid.protocol import (
     endpoint,
     gpu_uuid,
     process_running,
+    slabs,
     transport,
     uuid_socket_path,
 )
+from dalid.protocol.ownership import UnsafePath, check_owned_directory
 
 from .core import DaemonCore
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .heap import give_back_free_memory
+from .intake import (
+    RECEIVE_QUEUE,
+    SEND_QUEUE,
+    TURN_MESSAGES,
+    TURN_SECONDS,
+    Intake,
+    IntakeLimits,
+    Verdict,
+    reserve_descriptors,
+)
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
 from .repository import PipelineRepository
-from .shm import SHM_DIR, SLAB_PREFIX, host_outputs
+from .shm import host_outputs
 
 log = logging.getLogger("dalid.server")
 
 EXIT_ALREADY_RUNNING = 3
 EXIT_NO_DEVICE = 4
+# The socket's directory, or the pipeline repository, is not the user's alone (another user
+# could change it: see dalid.protocol.ownership).
+EXIT_UNSAFE_PATH = 5
 # ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 _POLLIN = int(zmq.POLLIN)
+# Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
+TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
 SNAPSHOT_INTERVAL_S = 1.0
 
@@ -80,8 +103,11 @@ class DaemonConfig:
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
     sharing: Sharing = SHARING
+    # How GPU outputs reach trainers (staged.GPU_OUTPUT_MODES).
+    gpu_outputs: str = "auto"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    max_connections: int = IntakeLimits.max_connections
 
 
 def usable_cores() -> int:
@@ -116,9 +142,8 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        # The peer that sent on each connection, by its file descriptor, and the other way.
-        self._peer_by_fd: dict[int, bytes] = {}
-        self._fd_of_peer: dict[bytes, int] = {}
+        # Every open connection, what it may do and who is behind it.
+        self._intake: Intake | None = None
         self._lock_fd: int | None = None
         self._metrics: Any = None
         self._uuid_link: Path | None = None
@@ -158,6 +183,10 @@ class Daemon:
             log.error("%s", error)
             self.close()
             return EXIT_ALREADY_RUNNING
+        except UnsafePath as error:
+            log.error("cannot serve: %s", error)
+            self.close()
+            return EXIT_UNSAFE_PATH
         try:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
@@ -169,6 +198,9 @@ class Daemon:
             except GpuUnavailable as error:
                 log.error("cannot serve GPU %s: %s", self.config.device, error)
                 return EXIT_NO_DEVICE
+            except UnsafePath as error:
+                log.error("cannot serve: %s", error)
+                return EXIT_UNSAFE_PATH
             log.info(
                 "dalid daemon pid %d serving %s on %s",
                 os.getpid(),
@@ -185,9 +217,11 @@ class Daemon:
         """Takes the socket's lock file; a live daemon holding it means we must not start."""
         path = self.config.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Another user who could write there could plant links or take the socket's name.
+        check_owned_directory(path.parent, "socket directory")
         lock_path = path.with_name(path.name + ".lock")
         while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -216,20 +250,31 @@ class Daemon:
         device_uuid = ""
         outputs: OutputsFactory = host_outputs()
         streams: StreamFactory = no_streams
+        paths = None
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
             from .cuda import device_outputs, device_streams
+            from .staged import OutputPaths
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)
-            log.info("GPU %d is %s", device_id, device_uuid)
+            try:
+                paths = OutputPaths(device_id, config.gpu_outputs)
+            except Exception as error:
+                raise GpuUnavailable(f"its CUDA IPC probe could not be made: {error}") from None
+            log.info("GPU %d is %s; GPU outputs: %s", device_id, device_uuid, config.gpu_outputs)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
         )
+        limits = IntakeLimits(
+            max_connections=reserve_descriptors(config.max_connections),
+            max_message_bytes=config.quotas.input_memory // 2,
+        )
+        intake = self._intake = Intake(limits)
         self.core = DaemonCore(
             config.device,
             outputs,
@@ -240,6 +285,8 @@ class Daemon:
             repository=repository,
             sharing=config.sharing,
             streams=streams,
+            credentials=intake.credentials,
+            paths=paths,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
@@ -251,6 +298,9 @@ class Daemon:
                 endpoint(config.socket),
                 bind=True,
                 heartbeat_ms=(HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS),
+                queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
+                # ZeroMQ drops a connection that starts a frame over this, before it is read.
+                max_frame_bytes=limits.max_message_bytes,
             )
         finally:
             os.umask(previous)
@@ -277,6 +327,23 @@ class Daemon:
             log.warning("cannot link %s to the socket: %s", link, error)
             return
         self._uuid_link = link
+
+    def abandon(self) -> None:
+        """Removes what a stop would, for a process about to exit without one (its loop is
+        stuck, see :mod:`.lifeline`); from any thread. The socket file, its lock file and the
+        GPU UUID link go only while this daemon holds the lock, and the shared memory it made."""
+        if self._lock_fd is not None:
+            if self._uuid_link is not None:
+                with contextlib.suppress(OSError):
+                    if os.readlink(self._uuid_link) == self.config.socket.name:
+                        self._uuid_link.unlink()
+            self.config.socket.unlink(missing_ok=True)
+            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
+            if _same_file(self._lock_fd, lock_path):
+                lock_path.unlink(missing_ok=True)
+        for path, record in slabs.user_segments():
+            if record.pid == os.getpid():
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Frees every job, closes the socket and removes its file. Idempotent."""
@@ -319,16 +386,22 @@ class Daemon:
 
     def _loop(self) -> None:
         assert self._socket is not None and self.core is not None
-        assert self._monitor is not None
+        assert self._monitor is not None and self._intake is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
+        # What the last tick saw: a job that ended, a connection cut, or batch inputs freed
+        # since then (by executors that stop late too) leave freed memory to give back.
+        seen = (set(self.core.jobs), self._intake.cuts)
+        inputs_peak = self.core.inputs.held
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         while not self._stop.is_set() and not self.core.stop_requested:
-            events = dict(poller.poll(timeout=500))
+            next_cut = self._intake.next_cut()
+            wait_ms = 500 if next_cut is None else min(500, int(next_cut * 1000) + 1)
+            events = dict(poller.poll(timeout=wait_ms))
             if self._wake_fd in events:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
@@ -337,15 +410,27 @@ class Daemon:
             if self._monitor in events:
                 self._connection_events()
             if self._socket in events:
-                self._receive_all()
+                self._receive_turn()
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
             self._flush_outbox()
+            self._intake.cut_due()
             now = time.monotonic()
             if now >= next_reap:
                 self.core.reap()
                 next_reap = now + 1.0
+                jobs, cuts = seen
+                held = self.core.inputs.held
+                inputs_peak = max(inputs_peak, held)
+                if (
+                    jobs - self.core.jobs.keys()
+                    or cuts != self._intake.cuts
+                    or inputs_peak - held >= TRIM_AFTER_BYTES
+                ):
+                    give_back_free_memory()
+                    inputs_peak = held
+                seen = (set(self.core.jobs), self._intake.cuts)
             if now >= next_snapshot:
                 self.snapshot = self.core.status()
                 next_snapshot = now + SNAPSHOT_INTERVAL_S
@@ -381,49 +466,76 @@ class Daemon:
         log.info("SIGHUP: reloading the pipeline repository %s", self.config.pipelines)
         self.core.reload_repository()
 
-    def _receive_all(self) -> None:
-        assert self._socket is not None and self.core is not None
-        while True:
+    def _receive_turn(self) -> None:
+        """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
+        connection after the other); the rest wait for the next turn, after the loop has sent
+        what is ready."""
+        assert self._socket is not None and self.core is not None and self._intake is not None
+        deadline = time.monotonic() + TURN_SECONDS
+        for _ in range(TURN_MESSAGES):
             try:
                 frames = transport.recv_frames(self._socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity = frames[0].bytes
-            if len(frames) > 1 and identity not in self._fd_of_peer:
-                # A peer's first message: its connection's descriptor. A descriptor is reused
-                # as soon as it is closed. ZeroMQ reports the close to the monitor before it
-                # accepts the connection that reuses the descriptor, so handling the reports
-                # that are in now keeps an old peer's close from being taken for this sender's.
-                # (A peer's identity names one connection, so later messages need neither.)
-                self._connection_events()
-                fd = frames[1].get(zmq.SRCFD)
-                self._peer_by_fd[fd] = identity
-                self._fd_of_peer[identity] = fd
-            try:
-                envelope = decode(frames[1:])
-            except ProtocolError as error:
-                log.warning("malformed message from %s: %s", identity.hex(), error.message)
-                self._send(identity, self.core.malformed(error), error.request_id)
-                continue
-            reply = self.core.handle(identity, envelope.message, envelope.request_id)
-            if reply is not None:
-                self._send(identity, reply, envelope.request_id)
+            self._receive(frames)
+            if time.monotonic() >= deadline:
+                return
             if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
                 return  # drained (asked, rather than failing a receive with zmq.Again)
 
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        assert self.core is not None and self._intake is not None
+        identity = frames[0].bytes
+        fd = None
+        if len(frames) > 1 and not self._intake.knows(identity):
+            # A peer's first message: its connection's descriptor. A descriptor is reused as
+            # soon as it is closed. ZeroMQ reports the close to the monitor before it accepts
+            # the connection that reuses the descriptor, so handling the reports that are in
+            # now keeps an old peer's close from being taken for this sender's. (An identity
+            # names one connection, so its later messages need neither.)
+            self._connection_events()
+            fd = frames[1].get(zmq.SRCFD)
+        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))
+        if verdict is Verdict.DROP:
+            return
+        if not isinstance(verdict, Verdict):
+            self._send(identity, verdict, None)
+            return
+        try:
+            envelope = decode(frames[1:])
+        except ProtocolError as error:
+            if self._intake.log_refusal(identity):
+                log.warning("malformed message from %s: %s", identity.hex(), error.message)
+            self._answer(identity, self.core.malformed(error), error.request_id)
+            return
+        reply = self.core.handle(identity, envelope.message, envelope.request_id)
+        if reply is not None:
+            self._answer(identity, reply, envelope.request_id)
+
+    def _answer(self, identity: bytes, reply: Message, request_id: int | None) -> None:
+        """Sends a reply; a refusal counts against the connection's limits."""
+        assert self._intake is not None
+        self._send(identity, reply, request_id)
+        if isinstance(reply, Error):
+            cut = self._intake.refused(identity, reply)
+            if cut is not None:
+                self._send(identity, cut, None)
+
     def _connection_events(self) -> None:
-        assert self._monitor is not None and self.core is not None
+        assert self._monitor is not None and self.core is not None and self._intake is not None
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             # For these two events the value is the connection's file descriptor.
-            identity = self._peer_by_fd.pop(int(event["value"]), None)
-            if identity is not None:
-                self._fd_of_peer.pop(identity, None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
-                self.core.peer_disconnected(identity)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                gone = self._intake.accepted(fd)
+            else:
+                gone = self._intake.closed(fd)
+            if gone is not None:
+                self.core.peer_disconnected(gone)
 
     def _flush_outbox(self) -> None:
         assert self.core is not None
@@ -437,9 +549,12 @@ class Daemon:
             self._send(identity, message, request_id)
 
     def _send(self, identity: bytes, message: Message, request_id: int | None) -> None:
-        assert self._socket is not None and self.core is not None
+        assert self._socket is not None and self.core is not None and self._intake is not None
         try:
-            transport.send_to(self._socket, identity, message, request_id)
+            transport.send_to(self._socket, identity, message, request_id, block=False)
+        except zmq.Again:
+            # Its queue is full: the peer does not read what it is sent.
+            self._intake.unreachable(identity)
         except zmq.ZMQError as error:
             if error.errno != zmq.EHOSTUNREACH:
                 raise
@@ -458,15 +573,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def _remove_stale_segments() -> None:
     """Unlinks shared-memory slabs left by daemons of this user that died without cleaning up."""
-    uid = os.getuid()
-    for path in SHM_DIR.glob(SLAB_PREFIX + "*"):
-        parts = path.name.split("-")
-        if len(parts) < 3 or not parts[1].isdigit():
+    for path, record in slabs.user_segments():
+        if process_running(record.pid):
             continue
-        try:
-            if path.stat().st_uid != uid or process_running(int(parts[1])):
-                continue
-            path.unlink()
-            log.info("removed stale shared memory %s", path.name)
-        except FileNotFoundError:
-            continue
+        path.unlink(missing_ok=True)
+        log.info("removed stale shared memory %s (%s)", path.name, record.label)

@@ -185,17 +185,20 @@ class JobRegistry:
         limits: Limits,
         outputs: Callable[[int], JobOutputs],
         max_waiting_batches: int,
+        *,
+        pid: int,
     ) -> Job:
         """A new job for a trainer's hello, granted ``limits``; ``outputs(job_id)`` makes its
-        output stores."""
+        output stores. ``pid``: the trainer's process as its socket tells (the hello's pid is
+        the client's word, and decides nothing), 0 where this daemon cannot see it."""
         job_id = self._next_job_id
         self._next_job_id += 1
         job = Job(
             job_id=job_id,
             token=secrets.token_hex(16),
             trainer=trainer,
-            pid=hello.client_pid,
-            pid_namespace=hello.pid_namespace,
+            pid=pid,
+            pid_namespace=self._pid_namespace,
             name=hello.name,
             limits=limits,
             outputs=outputs(job_id),
@@ -205,9 +208,12 @@ class JobRegistry:
         self.jobs[job_id] = job
         return job
 
-    def join(self, identity: bytes, hello: Hello, job: Job, earlier_token: str = "") -> Peer:
-        """Makes the connection ``identity`` a peer of ``job``."""
-        peer = Peer(identity, hello.role, job, hello.client_pid, hello.pid_namespace, earlier_token)
+    def join(
+        self, identity: bytes, hello: Hello, job: Job, pid: int, earlier_token: str = ""
+    ) -> Peer:
+        """Makes the connection ``identity``, of process ``pid`` (as for :meth:`open`), a peer
+        of ``job``."""
+        peer = Peer(identity, hello.role, job, pid, self._pid_namespace, earlier_token)
         job.peers.add(identity)
         self.peers[identity] = peer
         return peer
@@ -288,11 +294,6 @@ class JobRegistry:
             ]
             self._lingering = [job for job in self._lingering if job not in gone]
         return gone
-
-    @property
-    def memory_reserved(self) -> int:
-        """The output memory the open jobs have reserved (each device counted apart)."""
-        return sum(job.limits.pool_bytes for job in self.jobs.values())
 
 
 def _same_token(expected: str, given: str) -> bool:

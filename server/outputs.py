@@ -43,7 +43,8 @@ class ReleaseRefused(ValueError):
 class OutputStore(Protocol):
     """One job's output memory of one kind, and how DALI outputs get into it.
 
-    ``device`` is what descriptors of its regions say ("cpu", "cuda"). ``stream`` is the CUDA
+    ``device`` is what descriptors of its regions say ("cpu", "cuda", "staged"); ``takes`` the
+    DALI outputs it holds ("cpu" or "cuda", TensorListCPU or TensorListGPU). ``stream`` is the CUDA
     stream the store writes on, on which DALI may hand outputs over (None: the host).
     ``peer_ordered``: releases of its regions come with the trainer's fence, and its slabs are
     freed only once the trainer reports them unmapped (device memory; Note [GPU output
@@ -51,6 +52,7 @@ class OutputStore(Protocol):
     """
 
     device: str
+    takes: str
     pool: RegionPool
     peer_ordered: bool
 
@@ -118,6 +120,16 @@ class JobOutputs:
             if store.device == device:
                 return store
         raise KeyError(device)
+
+    def replace(self, device: str, store: OutputStore) -> OutputStore:
+        """Puts ``store`` in the place of the store of ``device`` memory, which must not have
+        made a slab yet (a trainer's handshake chose how GPU outputs reach it: ``staged.py``);
+        returns the store replaced, for the caller to close."""
+        old = self.store(device)
+        if old.pool.slab_count:
+            raise ValueError(f"the job's {device} outputs are in use already")
+        self.stores = tuple(store if s is old else s for s in self.stores)
+        return old
 
     # --- a batch ------------------------------------------------------------------------------
 
@@ -213,9 +225,9 @@ class JobOutputs:
         return tuple(name for store in self.stores for name in store.pool.take_retired())
 
     def has_room(self, sizes: Sequence[tuple[str, int]]) -> bool:
-        """Whether outputs of these (device, bytes) would fit now, without waiting."""
+        """Whether outputs of these (DALI device, bytes) would fit now, without waiting."""
         for store in self.stores:
-            wanted = [size for device, size in sizes if device == store.device]
+            wanted = [size for device, size in sizes if device == store.takes]
             if wanted and not store.pool.has_room(wanted):
                 return False
         return True
@@ -311,6 +323,13 @@ class JobOutputs:
             store.free()
 
     # --- figures --------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """How the job's GPU outputs reach the trainer, "cuda_ipc" or "staged" (``staged.py``);
+        "shm" where the job has CPU outputs only."""
+        devices = {store.device for store in self.stores}
+        return "staged" if "staged" in devices else "cuda_ipc" if "cuda" in devices else "shm"
 
     @property
     def leased_regions(self) -> int:

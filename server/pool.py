@@ -13,7 +13,9 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    lease to the trainer with ``batch_ready``; from then on only the trainer may end it.
 3. Backpressure (rule 4). When the pool has no room, ``allocate`` blocks until releases make
    some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
-   fails at once instead of waiting forever.
+   fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
+   ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
+   allows, and only then waits.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
    their names handed to the trainer (``take_retired``).
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
@@ -39,6 +41,9 @@ from typing import Any, Protocol
 
 ALIGNMENT = 256
 PAGE = mmap.PAGESIZE
+# A slab of a growing pool holds this many regions of the size that asked for it (at most
+# ``slab_bytes``): small outputs get small slabs, and room for a few batches at a time.
+GROWTH_REGIONS = 4
 
 
 class Slab(Protocol):
@@ -60,6 +65,23 @@ class SlabBackend(Protocol):
     ``cuda.py``)."""
 
     def create(self, name: str, size: int) -> Slab: ...
+
+
+class Growth(Protocol):
+    """How far a pool may raise its limit (point 3 of the note): ``bytes`` reserved so far, at
+    most ``cap``."""
+
+    bytes: int
+    cap: int
+
+    def grow(self, nbytes: int) -> bool: ...
+
+    def available(self) -> int:
+        """How much more it could reserve now."""
+
+    def refusal(self, nbytes: int) -> str: ...
+
+    def close(self) -> None: ...
 
 
 class PoolTooSmall(ValueError):
@@ -127,7 +149,8 @@ class RegionPool:
     """Output regions for one job, at most ``limit_bytes`` of slabs of ``slab_bytes`` or more.
 
     Thread-safe: executors allocate from their threads while the I/O thread releases. Pools of
-    one job pass the same ``region_ids`` so that their ids never collide.
+    one job pass the same ``region_ids`` so that their ids never collide. A pool given a growth
+    (:meth:`grow_within`) holds what the growth reserves, and closes it when it closes.
     """
 
     def __init__(
@@ -141,6 +164,7 @@ class RegionPool:
         region_ids: Iterator[int] | None = None,
     ) -> None:
         self._backend = backend
+        self._growth: Growth | None = None
         self._name_prefix = name_prefix
         self.limit_bytes = limit_bytes
         self.slab_bytes = _align(slab_bytes, PAGE)
@@ -157,6 +181,15 @@ class RegionPool:
         # it changes, the trainer holds everything and the next allocation gives up at once.
         self._released = 0
         self._gave_up_at = -1
+
+    def grow_within(self, growth: Growth) -> None:
+        """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
+        room, at most to its cap; for a pool that has made no slab yet."""
+        with self._condition:
+            if self._spaces:
+                raise RuntimeError("a pool takes its growth before it makes a slab")
+            self._growth = growth
+            self.limit_bytes = growth.bytes
 
     @property
     def slab_bytes_total(self) -> int:
@@ -191,7 +224,9 @@ class RegionPool:
         the last time it did.
         """
         aligned = [_align(size, self._alignment) for size in sizes]
-        if sum(aligned) > self.limit_bytes:
+        if self._growth is not None and sum(aligned) > self._growth.cap:
+            raise PoolTooSmall(self._growth.refusal(sum(aligned)))
+        if self._growth is None and sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
             released = self._released
@@ -209,6 +244,8 @@ class RegionPool:
                     regions = self._try_allocate(aligned, sizes)
                     if regions is not None:
                         return regions
+                    if self._growth is not None:
+                        raise PoolTooSmall(self._growth.refusal(sum(aligned)))
                     raise self._too_small(aligned)
                 if deadline is not None:
                     if self._released != released:
@@ -243,7 +280,8 @@ class RegionPool:
         needed = sum(_align(size, self._alignment) for size in sizes)
         with self._condition:
             leased = sum(size for _, _, size in self._leases.values())
-        return needed <= self.limit_bytes - leased
+            growth = self._growth.available() if self._growth is not None else 0
+        return needed <= self.limit_bytes - leased + growth
 
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
@@ -281,6 +319,8 @@ class RegionPool:
             self._condition.notify_all()
         for space in spaces:
             space.slab.close(unmap=unmap)
+        if self._growth is not None:
+            self._growth.close()
 
     def _try_allocate(self, aligned: Sequence[int], sizes: Sequence[int]) -> list[Region] | None:
         taken: list[tuple[_SlabSpace, int, int]] = []
@@ -315,13 +355,22 @@ class RegionPool:
     def _make_room(self, needed: int) -> int | None:
         """The size of a new slab holding ``needed`` bytes, freeing empty slabs if need be.
 
-        Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one.
-        None when there is no room until regions are released.
+        Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one. A
+        growing pool sizes a slab for ``GROWTH_REGIONS`` regions of ``needed`` and raises its
+        limit to make it, or just ``needed``, if its growth allows. None when there is no room
+        until regions are released.
         """
         preferred = max(self.slab_bytes, needed)
+        if self._growth is not None:
+            preferred = max(needed, min(self.slab_bytes, needed * GROWTH_REGIONS))
         room = self.limit_bytes - self.slab_bytes_total
         if room >= preferred:
             return preferred
+        if self._growth is not None:
+            for size in (preferred, needed):
+                if size > room and self._growth.grow(size - room):
+                    self.limit_bytes += size - room
+                    return size
         empty = [space for space in self._spaces if space.empty]
         if room + sum(space.slab.size for space in empty) < needed:
             return None

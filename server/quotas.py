@@ -1,9 +1,8 @@
 """What the daemon grants a job at connect: output memory, batches in flight, its weight.
 
 A job asks in its ``hello``; :func:`grant` answers with its :class:`Limits` or refuses with a
-message that says what the daemon can give. Memory is reserved, not allocated: slabs are made as
-outputs need them, but a job can always grow to its reservation, so one job cannot take what
-another was promised.
+message that says what the daemon can give. Output memory is reserved as the job's outputs need
+it, or at connect when the job asks for an amount (:mod:`dalid.server.reservations`).
 """
 
 from __future__ import annotations
@@ -22,20 +21,25 @@ MiB = 1 << 20
 class Quotas:
     """The daemon's limits.
 
-    ``pool_bytes``: a job's output memory when it asks for none. ``memory_limit``: the output
-    memory all jobs together may reserve (0: no limit). ``max_inflight_batches``: the most
-    batches one job may have queued or running, and what a job that asks for none gets.
-    ``max_waiting_batches``: batches a job may have waiting over that limit before more are
-    refused (each holds its samples in the daemon's memory). ``max_image_pixels``: an image
-    sample declaring more is a bad sample (0: no limit).
+    ``pool_bytes``: the most output memory of a job that asks for none (it reserves what its
+    outputs need, up to that). ``memory_limit``: the output memory all jobs together may
+    reserve (0: no limit). ``max_inflight_batches``: the most batches one job may have queued
+    or running, and what a job that asks for none gets. ``max_waiting_batches``: batches a job
+    may have waiting over that limit or deferred before more are refused. ``input_memory``: the
+    batch samples the daemon holds for all jobs (one job at most half). ``max_jobs_per_process``:
+    jobs whose trainer is one process (0: no limit). ``max_pipelines``: pipelines one job may
+    have. ``max_image_pixels``: an image sample declaring more is a bad sample (0: no limit).
     """
 
     max_jobs: int = 64
+    max_jobs_per_process: int = 8
     pool_bytes: int = 1 * GiB
     slab_bytes: int = 64 * MiB
     memory_limit: int = 0
     max_inflight_batches: int = 16
     max_waiting_batches: int = 256
+    input_memory: int = 2 * GiB
+    max_pipelines: int = 32
     max_batch_size: int = 4096
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
@@ -45,24 +49,29 @@ class QuotaRefused(Exception):
 
 
 def grant(
-    hello: Hello, quotas: Quotas, *, jobs: int, reserved: int, max_message_bytes: int
+    hello: Hello,
+    quotas: Quotas,
+    *,
+    jobs: int,
+    max_message_bytes: int,
+    pid: int = 0,
+    jobs_of_process: int = 0,
 ) -> Limits:
-    """The limits of a new job, given the ``jobs`` already open and the memory they reserved."""
+    """The limits of a new job, given the ``jobs`` already open, ``jobs_of_process`` of them
+    with a trainer of process ``pid`` (0: a process the daemon cannot see)."""
     if jobs >= quotas.max_jobs:
         raise QuotaRefused(
             f"this daemon already serves {jobs} jobs, its limit (dalid serve --max-jobs "
             f"{quotas.max_jobs}): wait for one to end, or start the daemon with a higher limit"
         )
+    per_process = quotas.max_jobs_per_process
+    if pid and per_process and jobs_of_process >= per_process:
+        raise QuotaRefused(
+            f"process {pid} already has {jobs_of_process} jobs on this daemon, the limit of one "
+            f"process (dalid serve --max-jobs-per-process {per_process}): close a session "
+            "first, or start the daemon with a higher limit"
+        )
     memory = hello.memory_bytes or quotas.pool_bytes
-    if quotas.memory_limit:
-        left = quotas.memory_limit - reserved
-        if memory > left:
-            raise QuotaRefused(
-                f"the job asks for {_size(memory)} of output memory and this daemon has "
-                f"{_size(max(left, 0))} left of its --memory-limit {_size(quotas.memory_limit)} "
-                f"({jobs} jobs hold {_size(reserved)}): ask for less (memory_bytes=) or start "
-                "the daemon with a higher --memory-limit"
-            )
     inflight = hello.max_inflight_batches or quotas.max_inflight_batches
     if inflight > quotas.max_inflight_batches:
         raise QuotaRefused(
@@ -80,7 +89,8 @@ def grant(
     )
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people: 1.5 GiB, 64 MiB, 12 KiB, 300 B."""
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"

@@ -1,9 +1,10 @@
 """The pipeline repository: ``@pipeline_def`` functions the daemon loads from a directory.
 
 ``dalid serve --pipelines DIR`` imports every ``*.py`` file of DIR (not its subdirectories) at
-start. Each module-level function decorated with ``@pipeline_def`` whose name does not start
-with ``_`` becomes a pipeline that clients select by that name, with the build arguments and
-parameters they choose. Pipelines that cannot be serialized (Python operators, say) run this
+start, provided no other user can change them (see :mod:`.repository_trust`). Each module-level
+function decorated with ``@pipeline_def`` whose name does not start with ``_`` becomes a
+pipeline that clients select by that name, with the build arguments and parameters they
+choose. Pipelines that cannot be serialized (Python operators, say) run this
 way. A file that fails to import is logged and kept as a failure: the daemon runs on, and a
 client that asks for an unknown name is told which names exist and which files failed.
 
@@ -26,6 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dalid.protocol.ownership import UnsafePath
+
+from . import repository_trust
 
 log = logging.getLogger("dalid.server")
 
@@ -66,12 +71,15 @@ class PipelineRepository:
         A file that fails keeps the definitions it had in ``previous`` (the repository this
         one replaces), if it had any: see the module docstring.
         """
+        # Code others could change is never run (see repository_trust): raises UnsafePath.
+        repository_trust.check_directory(directory)
         repository = cls(directory)
         # Files added since the last load, and siblings that changed, are read afresh.
         importlib.invalidate_caches()
         _forget_modules_of(directory)
         for path in sorted(directory.glob("*.py")):
             try:
+                repository_trust.check_file(path)
                 functions = _pipeline_functions(_import(path))
             except BaseException as error:  # a SystemExit or KeyboardInterrupt in user code too
                 if isinstance(error, KeyboardInterrupt):
@@ -124,7 +132,12 @@ class PipelineRepository:
                 f"{self.directory} is not a directory any more: the pipelines loaded before "
                 "stay in use"
             )
-        return PipelineRepository.load(self.directory, previous=self)
+        try:
+            return PipelineRepository.load(self.directory, previous=self)
+        except UnsafePath as error:
+            raise RepositoryUnavailable(
+                f"{error}; the pipelines loaded before stay in use"
+            ) from None
 
     def _add(
         self, path: Path, functions: Mapping[str, Callable[..., Any]], failed: bool

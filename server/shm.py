@@ -13,47 +13,47 @@ import ctypes
 import mmap
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dalid.protocol import Limits
+from dalid.protocol import Limits, slabs
 
 from .outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
 from .pool import PAGE, Region, RegionPool
 
-SHM_DIR = Path("/dev/shm")
-SLAB_PREFIX = "dalid-"
-
 
 class SharedMemorySlab:
-    """A POSIX shared-memory segment (``/dev/shm/NAME``, mode 0600), mapped once.
+    """A POSIX shared-memory segment (``/dev/shm/<random name>``, mode 0600), mapped once.
 
-    The daemon owns it: ``close()`` unmaps it and unlinks the name. A trainer that still maps
-    it keeps its pages until it unmaps them (POSIX semantics), so closing never pulls memory
-    from under a tensor; only the name disappears.
+    ``label`` is the daemon's name for it; the segment's own name is a fresh unguessable one
+    (``name``), and the label and this process's pid go in its record (see
+    :mod:`dalid.protocol.slabs`). The daemon owns it: ``close()`` unmaps it and unlinks the
+    name. A trainer that still maps it keeps its pages until it unmaps them (POSIX semantics),
+    so closing never pulls memory from under a tensor; only the name disappears.
     """
 
     device = "cpu"
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, label: str, size: int) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"slab size must be a positive multiple of {PAGE}, got {size}")
-        self.name = name
+        self.label = label
+        self.name = slabs.new_name()
         self.size = size
-        self._path = SHM_DIR / name
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._path = slabs.SHM_DIR / self.name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self._path, flags, 0o600)
         try:
-            os.ftruncate(fd, size)
-            self._map: mmap.mmap | None = mmap.mmap(fd, size)
+            slabs.write_record(fd, size, slabs.SlabRecord(os.getpid(), label))
+            # A child forked by the daemon (a Python operator's worker, say) neither inherits
+            # the mapping nor can unmap it (Note [Slab mappings across fork]).
+            self._map: mmap.mmap | None = slabs.map_slab(fd, size)
         except BaseException:
             os.close(fd)
             self._path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        # A child forked by the daemon (a supervisor restart, say) must not inherit the mapping.
-        self._map.madvise(mmap.MADV_DONTFORK)
         self._bytes: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8)
         self._base = self._bytes.ctypes.data
 
@@ -96,6 +96,7 @@ class SharedMemoryBackend:
     """Creates :class:`SharedMemorySlab`s for CPU outputs."""
 
     def create(self, name: str, size: int) -> SharedMemorySlab:
+        """A new slab; ``name`` becomes its label (its segment gets a name of its own)."""
         return SharedMemorySlab(name, size)
 
 
@@ -104,6 +105,7 @@ class SharedMemoryStore:
     lifetime] in ``pool.py`` says. The trainer maps a slab by its name alone."""
 
     device = "cpu"
+    takes = "cpu"
     peer_ordered = False
 
     def __init__(self, name_prefix: str, limits: Limits, ids: Iterator[int] | None = None) -> None:

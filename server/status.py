@@ -88,8 +88,9 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         regions_held=job.outputs.leased_regions,
         bytes_held=job.outputs.leased_bytes,
         slabs=job.outputs.slab_count,
-        memory_bytes=job.limits.pool_bytes,
+        memory_bytes=job.outputs.store("cpu").pool.limit_bytes,
         connected_seconds=now - job.connected_at,
+        output_path=job.outputs.path,
     )
 
 
@@ -106,7 +107,7 @@ def status_report(core: DaemonCore, uptime: float) -> StatusReport:
         max_jobs=core.quotas.max_jobs,
         concurrency=core.scheduler.slots,
         memory_limit=core.quotas.memory_limit,
-        memory_reserved=core.registry.memory_reserved,
+        memory_reserved=core.output_memory["cpu"].reserved,
         jobs=tuple(
             job_status(job, core.scheduler.stats(job.job_id), now) for job in core.jobs.values()
         ),

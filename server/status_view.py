@@ -10,9 +10,10 @@ from typing import Any
 from dalid.protocol import JobStatus, StatusReport
 
 
-def as_json(report: StatusReport) -> str:
-    """The report as one JSON object; jobs as a list of objects with the protocol's names."""
-    return json.dumps(dataclasses.asdict(report), indent=2, sort_keys=True)
+def as_json(report: StatusReport, extra: dict[str, Any] | None = None) -> str:
+    """The report as one JSON object; jobs as a list of objects with the protocol's names.
+    ``extra``: more keys (what the supervisor says of the daemon)."""
+    return json.dumps({**dataclasses.asdict(report), **(extra or {})}, indent=2, sort_keys=True)
 
 
 def size(nbytes: float) -> str:
@@ -67,6 +68,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
     Column("memory", "right", 3, "output memory reserved for the job"),
     Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
+    Column("outputs", "left", 12, "how its GPU outputs reach it: cuda ipc, or staged (copied)"),
 )
 
 # Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
@@ -97,6 +99,7 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.regions_held}/{size(job.bytes_held)}",
         size(job.memory_bytes),
         str(job.batches_copied),
+        job.output_path.replace("_", " "),
     )
 
 

@@ -7,7 +7,12 @@ device (``--devices 0,1`` runs one daemon per GPU, each with its own CUDA contex
 log). It
 
 - restarts a child that crashed (killed by a signal, or a non-zero exit), after a delay that
-  doubles with each fast crash in a row, and gives up on a child after ``max_fast_crashes``;
+  doubles with each fast crash in a row, up to a cap, less a random part (so that daemons
+  crashing together do not restart together). It never gives up: a daemon that an OOM killer
+  keeps killing comes back once memory is there, and jobs with ``reconnect=True`` carry on.
+  After ``crash_loop_after`` fast crashes in a row it says, in its log and in what
+  ``dalid status`` shows (:mod:`.crash_report`), that the daemon is crash-looping and why: the
+  last exit status and the child's last log lines (:mod:`.child_output`);
 - leaves stopped a child that exited cleanly (``dalid stop``, ``--idle-timeout``) or that
   cannot start (another daemon holds its socket, no such GPU): a restart would not help;
 - forwards SIGTERM and SIGINT to its children, waits for them, and exits with their status
@@ -17,8 +22,8 @@ log). It
   start anyway);
 - exits once no child is left running or waiting for a restart.
 
-Children die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no
-daemon behind.
+Children die with the supervisor (``PR_SET_PDEATHSIG``, and :mod:`.lifeline` for a child
+too stuck to stop), so a killed supervisor leaves no daemon behind.
 """
 
 from __future__ import annotations
@@ -27,60 +32,59 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import select
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dalid.protocol import (
-    SOCKET_ENV,
-    Device,
-    GpuUnavailable,
-    device_label,
-    parse_device,
-    runtime_dir,
-    socket_path,
-)
-
-from .daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE
+from . import crash_report
+from .child_output import ChildOutput, last_lines
+from .crash_report import CrashReport
+from .daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH
+from .lifeline import SUPERVISOR_ENV
 
 log = logging.getLogger("dalid.supervisor")
 
 # Exit statuses of a daemon that a restart cannot fix (its own, and argparse's).
 EXIT_USAGE = 2
-NOT_RESTARTED = frozenset({EXIT_USAGE, EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE})
+NOT_RESTARTED = frozenset({EXIT_USAGE, EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH})
 STOP_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """One daemon to run: its name in logs, its command line, and its log file (None:
-    the supervisor's own stdout and stderr)."""
+    """One daemon to run: its name in logs, its command line, its log file (None: the
+    supervisor's own stdout and stderr), and its socket (where a crash report goes)."""
 
     name: str
     command: tuple[str, ...]
     log: Path | None = None
+    socket: Path | None = None
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
     """When to restart a crashed child. A crash less than ``fast_crash_s`` after its start is
-    a fast crash; after ``max_fast_crashes`` of them in a row the child is given up."""
+    a fast crash; the delay doubles with each one in a row, up to ``max_delay_s``, less up to
+    ``jitter`` of it at random. From ``crash_loop_after`` of them in a row the child is
+    crash-looping; once it has run ``fast_crash_s`` it no longer is."""
 
     first_delay_s: float = 0.5
     max_delay_s: float = 30.0
     fast_crash_s: float = 30.0
-    max_fast_crashes: int = 5
+    crash_loop_after: int = 3
+    jitter: float = 0.25
 
-    def delay(self, fast_crashes: int) -> float:
-        return min(self.max_delay_s, self.first_delay_s * 2 ** max(0, fast_crashes - 1))
+    def delay(self, fast_crashes: int, rng: random.Random | None = None) -> float:
+        ceiling = min(self.max_delay_s, self.first_delay_s * 2 ** max(0, fast_crashes - 1))
+        return ceiling * (1.0 - self.jitter * (rng or random).random())
 
 
 class State(Enum):
@@ -100,6 +104,10 @@ class Child:
     restarts: int = 0
     exit_status: int = 0
     pids: list[int] = field(default_factory=list)
+    # The child's stdout and stderr when they pass through the supervisor (no log file).
+    output: ChildOutput | None = None
+    # The crash report in force while it crash-loops (see crash_report).
+    report: CrashReport | None = None
 
 
 def exit_status(returncode: int) -> int:
@@ -153,6 +161,10 @@ class Supervisor:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            for child in self.children:
+                if child.output is not None:
+                    child.output.close()
+                self._clear_report(child)
             os.close(self._wake_read)
             os.close(self._wake_write)
         status = next((c.exit_status for c in self.children if c.exit_status), 0)
@@ -173,6 +185,12 @@ class Supervisor:
                 code = child.process.poll()
                 if code is not None:
                     self._exited(child, code, now)
+                elif child.fast_crashes and now - child.started_at >= self.policy.fast_crash_s:
+                    if child.report is not None:
+                        log.info("daemon %s has run %.0f s: no longer crash-looping",
+                                 child.spec.name, now - child.started_at)  # fmt: skip
+                    child.fast_crashes = 0
+                    self._clear_report(child)
             if child.state is State.WAITING and now >= child.restart_at:
                 self._start(child)
         return any(child.state is not State.DONE for child in self.children)
@@ -180,34 +198,56 @@ class Supervisor:
     def _exited(self, child: Child, returncode: int, now: float) -> None:
         status = exit_status(returncode)
         child.exit_status = status
+        if child.output is not None:
+            child.output.drain()
         name = child.spec.name
         if returncode == 0:
             log.info("daemon %s (pid %d) stopped", name, child.pids[-1])
             child.state = State.DONE
+            self._clear_report(child)
             return
         if returncode in NOT_RESTARTED:
             log.error("daemon %s exited with %d, which a restart cannot fix", name, status)
             child.state = State.DONE
+            self._clear_report(child)
             return
         fast = now - child.started_at < self.policy.fast_crash_s
         child.fast_crashes = child.fast_crashes + 1 if fast else 1
-        if child.fast_crashes > self.policy.max_fast_crashes:
-            log.error(
-                "daemon %s crashed %d times in a row, each within %.0f s of its start (restarted "
-                "%d times): giving up. The lines above say why; fix that and run `dalid serve` "
-                "again",
-                name,
-                child.fast_crashes,
-                self.policy.fast_crash_s,
-                self.policy.max_fast_crashes,
-            )
-            child.state = State.DONE
-            return
         delay = self.policy.delay(child.fast_crashes)
         how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with {status}"
         log.warning("daemon %s (pid %d) %s: restarting in %.1f s", name, child.pids[-1], how, delay)
         child.state = State.WAITING
         child.restart_at = now + delay
+        if child.fast_crashes >= self.policy.crash_loop_after:
+            self._report_crash_loop(child, how, delay)
+
+    def _report_crash_loop(self, child: Child, how: str, delay: float) -> None:
+        """Says in the log, and beside the socket for ``dalid status``, that ``child`` keeps
+        crashing, how it last ended and what it last said."""
+        if child.output is not None:
+            lines = list(child.output.lines)
+        else:
+            lines = last_lines(child.spec.log) if child.spec.log is not None else []
+        child.report = CrashReport(
+            name=child.spec.name,
+            crashes=child.fast_crashes,
+            within_s=self.policy.fast_crash_s,
+            last_exit=how,
+            restart_at=time.time() + delay,
+            supervisor_pid=os.getpid(),
+            log_lines=lines,
+        )
+        log.error("%s", child.report.text())
+        if child.spec.socket is not None:
+            try:
+                crash_report.write(child.spec.socket, child.report)
+            except OSError as error:
+                log.warning("cannot write the crash report beside %s: %s", child.spec.socket, error)
+
+    def _clear_report(self, child: Child) -> None:
+        if child.report is not None and child.spec.socket is not None:
+            crash_report.remove(child.spec.socket)
+        child.report = None
 
     def _start(self, child: Child) -> None:
         spec = child.spec
@@ -222,20 +262,31 @@ class Supervisor:
             if os.getppid() != parent:  # the supervisor died before prctl took effect
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        output = None
+        # A log file of its own, or pipes through this process (to keep its last lines).
+        stdout: Any
+        stderr: Any
         if spec.log is not None:
-            output = spec.log.open("ab")
+            stdout, stderr = spec.log.open("ab"), subprocess.STDOUT
+        else:
+            if child.output is None:
+                child.output = ChildOutput()
+            stdout, stderr = child.output.open()
         try:
             child.process = subprocess.Popen(
                 spec.command,
                 stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT if output is not None else None,
+                stdout=stdout,
+                stderr=stderr,
+                env={**os.environ, SUPERVISOR_ENV: str(parent)},
                 preexec_fn=before_exec,  # noqa: PLW1509 - the supervisor has one thread
             )
         finally:
-            if output is not None:
-                output.close()
+            # The child has its ends (or never will): this process keeps the read ends only.
+            if spec.log is not None:
+                stdout.close()
+            else:
+                os.close(stdout)
+                os.close(stderr)
         if child.pids:
             child.restarts += 1
         child.pids.append(child.process.pid)
@@ -261,17 +312,23 @@ class Supervisor:
             assert child.process is not None
             with contextlib.suppress(ProcessLookupError):
                 child.process.send_signal(signum)
+        # Their output keeps flowing while they stop: a child blocked on a full pipe would not.
         deadline = time.monotonic() + STOP_GRACE_S
+        while any(c.process.poll() is None for c in running if c.process is not None):
+            if time.monotonic() >= deadline:
+                break
+            self._sleep(0.1)
         for child in running:
             assert child.process is not None
-            try:
-                code = child.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            code = child.process.poll()
+            if code is None:
                 log.error(
                     "daemon %s did not stop in %.0f s: killing it", child.spec.name, STOP_GRACE_S
                 )
                 child.process.kill()
                 code = child.process.wait()
+            if child.output is not None:
+                child.output.drain()
             # A daemon stopped by the signal it was sent stopped cleanly.
             child.exit_status = 0 if code in (0, -signum) else exit_status(code)
         for child in self.children:
@@ -287,75 +344,14 @@ class Supervisor:
             os.write(self._wake_write, b"\0")
 
     def _sleep(self, timeout: float) -> None:
-        ready, _, _ = select.select([self._wake_read], [], [], timeout)
-        if ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_read, 4096)
-
-
-# --- what to supervise ------------------------------------------------------------------------
-
-
-class DeviceListError(ValueError):
-    """A ``--devices`` value that names no device, or devices this machine lacks."""
-
-
-def parse_devices(text: str, gpu_count: Callable[[], int]) -> list[Device]:
-    """``--devices``: ``all`` (every GPU that ``gpu_count()`` reports), or a comma-separated
-    list of ``cpu`` and GPU ordinals such as ``0,1``."""
-    text = text.strip().lower()
-    if text == "all":
-        try:
-            count = gpu_count()
-        except GpuUnavailable as error:
-            raise DeviceListError(
-                f"--devices all: this machine has no usable GPU ({error}); use --devices cpu "
-                "for CPU pipelines"
-            ) from None
-        if count == 0:
-            raise DeviceListError(
-                "--devices all: the CUDA driver reports no GPU (check CUDA_VISIBLE_DEVICES); "
-                "use --devices cpu for CPU pipelines"
-            )
-        return list(range(count))
-    devices: list[Device] = []
-    for item in text.split(","):
-        try:
-            device = parse_device(item)
-        except ValueError as error:
-            raise DeviceListError(f"--devices {text!r}: {error}") from None
-        if device in devices:
-            raise DeviceListError(f"--devices {text!r} names {device_label(device)} twice")
-        devices.append(device)
-    return devices
-
-
-def child_specs(
-    devices: Sequence[Device], socket: str | None, daemon_options: Sequence[str]
-) -> list[ChildSpec]:
-    """One child per device. A single daemon logs to the supervisor's output and may take
-    ``socket``; several each get ``<runtime dir>/<device>.sock`` and a log file beside it."""
-    if len(devices) == 1:
-        device = devices[0]
-        path = socket_path(device, socket)
-        return [ChildSpec(device_label(device), _daemon_command(device, path, daemon_options))]
-    if socket is not None or os.environ.get(SOCKET_ENV):
-        raise DeviceListError(
-            f"several devices need a socket each: drop --socket and ${SOCKET_ENV}; each daemon "
-            "listens on <runtime dir>/<device>.sock"
-        )
-    directory = runtime_dir()
-    specs = []
-    for device in devices:
-        label = device_label(device)
-        path = directory / f"{label}.sock"
-        command = _daemon_command(device, path, daemon_options)
-        specs.append(ChildSpec(label, command, path.with_name(path.name + ".log")))
-    return specs
-
-
-def _daemon_command(device: Device, socket: Path, options: Sequence[str]) -> tuple[str, ...]:
-    return (
-        sys.executable, "-m", "dalid.server", "serve", "--no-supervisor",
-        "--device", str(device), "--socket", str(socket), *options,
-    )  # fmt: skip
+        """Waits for a wake-up or ``timeout``, passing on the children's output meanwhile."""
+        outputs = {
+            fd: c.output for c in self.children if c.output is not None for fd in c.output.fds
+        }
+        ready, _, _ = select.select([self._wake_read, *outputs], [], [], timeout)
+        for fd in ready:
+            if fd == self._wake_read:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 4096)
+            else:
+                outputs[fd].pump(fd)

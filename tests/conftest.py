@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from dalid.protocol import slabs
+
 from .daemons import OWN_DIRECTORIES, DaemonProcess, own_directory, start_daemon
 
-SHM = Path("/dev/shm")
 
-
-def _dalid_segments() -> set[str]:
-    return {path.name for path in SHM.glob("dalid-*")}
+def _dalid_segments() -> dict[str, int]:
+    """This user's dalid segments, each with the pid of the process that made it."""
+    return {path.name: record.pid for path, record in slabs.user_segments()}
 
 
 def _dalid_daemons() -> list[int]:
@@ -29,7 +30,10 @@ def _dalid_daemons() -> list[int]:
     started: by a socket path in their command line, or by the runtime directory in their
     environment (a supervisor of `--devices` names no socket)."""
     out = subprocess.run(
-        ["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True, check=False
+        ["pgrep", "-af", "(dalid.server|simulated_gpu) serve"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     pids = []
     for line in out.stdout.splitlines():
@@ -51,12 +55,9 @@ def _own_runtime(pid: str) -> bool:
     return False
 
 
-def _owner_alive(segment: str) -> bool:
-    parts = segment.split("-")
-    if len(parts) < 3 or not parts[1].isdigit():
-        return False
+def _alive(pid: int) -> bool:
     try:
-        os.kill(int(parts[1]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     return True
@@ -67,7 +68,7 @@ def private_runtime_dir() -> Iterator[Path]:
     path = own_directory("dalid-rt-")
     os.environ["DALID_RUNTIME_DIR"] = str(path)
     os.environ.pop("DALID_SOCKET", None)
-    segments_before = _dalid_segments()
+    segments_before = set(_dalid_segments())
     yield path
     leaked_daemons = set(_dalid_daemons())
     for pid in leaked_daemons:
@@ -75,11 +76,11 @@ def private_runtime_dir() -> Iterator[Path]:
     # Segments of daemons this session did not start (and that still run) are not ours.
     leaked_segments = {
         name
-        for name in _dalid_segments() - segments_before
-        if not _owner_alive(name) or int(name.split("-")[1]) in leaked_daemons
+        for name, pid in _dalid_segments().items()
+        if name not in segments_before and (not _alive(pid) or pid in leaked_daemons)
     }
     for name in leaked_segments:
-        (SHM / name).unlink(missing_ok=True)
+        (slabs.SHM_DIR / name).unlink(missing_ok=True)
     sockets = [p.name for p in path.rglob("*.sock")]
     shutil.rmtree(path, ignore_errors=True)
     assert not leaked_daemons, f"daemon processes left running: {sorted(leaked_daemons)}"

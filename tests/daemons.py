@@ -64,15 +64,23 @@ class DaemonProcess:
 
     def segments(self) -> set[str]:
         """The shared-memory segments of this daemon, of any of its children, past or present."""
-        pids = {self.pid, *self.daemon_pids, *descendants(self.pid)}
-        return {p.name for pid in pids for p in Path("/dev/shm").glob(f"dalid-{pid}-*")}
+        return set(self._segment_labels())
 
     def status(self) -> Any:
         """The daemon's StatusReport, asked for as ``dalid status`` does."""
         return daemon_status(self.socket)
 
     def job_segments(self, job_id: int) -> set[str]:
-        return {name for name in self.segments() if f"-j{job_id}-" in name}
+        """The shared-memory segments of the daemon's job ``job_id`` (by their records)."""
+        return {name for name, label in self._segment_labels().items() if f"-j{job_id}-" in label}
+
+    def _segment_labels(self) -> dict[str, str]:
+        from dalid.protocol import slabs
+
+        pids = {self.pid, *self.daemon_pids, *descendants(self.pid)}
+        return {
+            path.name: record.label for path, record in slabs.user_segments() if record.pid in pids
+        }
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -174,11 +182,16 @@ def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
 
 
 def start_daemon(
-    directory: Path, *args: str, name: str = "d", supervised: bool = False
+    directory: Path,
+    *args: str,
+    name: str = "d",
+    supervised: bool = False,
+    module: str = "dalid.server",
 ) -> DaemonProcess:
+    """``module``: what runs ``serve`` (tests.simulated_gpu: the daemon on a simulated GPU)."""
     socket = directory / f"{name}.sock"
     log = directory / f"{name}.log"
-    command = [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket), *args]
+    command = [sys.executable, "-m", module, "serve", "--socket", str(socket), *args]
     if not supervised:
         command.append("--no-supervisor")
     with log.open("wb") as out:

@@ -14,14 +14,15 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
 import dalid.client as dalid
 from dalid.client import RequestError
-from dalid.protocol import JobStatus
+from dalid.protocol import ErrorCode, JobStatus
 
-from ..daemons import DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
+from ..daemons import ROOT, DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 from .helpers import BATCH, ProxyDataset, two_output_pipeline
 from .load_job import Images, heavy_pipeline
 
@@ -214,12 +215,100 @@ def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
         third = connect(memory_bytes=2 << 20)
         assert third.limits.pool_bytes == 2 << 20
         report = daemon.status()
-        assert report.memory_reserved == 3 << 20
+        # A job that asked for no amount has reserved nothing yet: it has run no batch.
+        assert report.memory_reserved == 2 << 20
         assert report.memory_limit == 3 << 20
     finally:
         for session in sessions:
             session.close()
         assert daemon.stop() == 0
+
+
+class BigSamples(torch.utils.data.Dataset):
+    """Samples of 1 MiB: a batch of 8 has 8 MiB in each of the two outputs."""
+
+    def __init__(self, proxy) -> None:
+        self.proxy = proxy
+
+    def __len__(self) -> int:
+        return BATCH
+
+    def __getitem__(self, index: int):
+        return self.proxy(np.full((256, 1024), index, np.int32)), index
+
+
+def test_a_job_reserves_what_its_outputs_take_and_is_told_when_the_daemon_has_not_that_much(
+    short_tmp,
+):
+    daemon = start_daemon(short_tmp, "--memory-limit", "12M", "--slab-bytes", "1M")
+    small = dalid.connect(socket=daemon.socket, autostart=False, name="small")
+    big = dalid.connect(socket=daemon.socket, autostart=False, name="big")
+    try:
+        assert daemon.status().memory_reserved == 0  # connected jobs that ran nothing
+        proxy = small.proxy(two_output_pipeline())
+        batches = list(dalid.DataLoader(small, ProxyDataset(proxy, BATCH * 3), batch_size=BATCH))
+        assert len(batches) == 3
+        report = daemon.status()
+        (job,) = [job for job in report.jobs if job.name == "small"]
+        # A few pages for outputs of a few hundred bytes, not the --pool-bytes default.
+        assert 0 < job.memory_bytes == report.memory_reserved <= 64 << 10
+        big_proxy = big.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(big, BigSamples(big_proxy), batch_size=BATCH)
+        with pytest.raises(RequestError) as refused:
+            next(iter(loader))
+        assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        message = str(refused.value)
+        assert re.search(r"needs [\d.]+ MiB of output memory and this daemon has", message), message
+        assert "of its --memory-limit 12 MiB" in message
+        # The small job goes on.
+        assert list(dalid.DataLoader(small, ProxyDataset(proxy, BATCH), batch_size=BATCH))
+    finally:
+        small.close()
+        big.close()
+        assert daemon.stop() == 0
+
+
+def test_sixty_four_small_jobs_fit_on_the_defaults(short_tmp):
+    # The defaults: --max-jobs 64, --memory-limit the size of /dev/shm, 8 jobs per process.
+    daemon = start_daemon(short_tmp)
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(8):
+            command = [sys.executable, "-m", "tests.integration.small_jobs", "--jobs", "8"]
+            job = subprocess.Popen(
+                [*command, "--socket", str(daemon.socket)],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            jobs.append(job)
+        for job in jobs:
+            _wait_ready(job)
+        report = daemon.status()
+        assert len(report.jobs) == 64
+        assert all(job.batches_done == 1 for job in report.jobs)
+        # Each reserved what its outputs took: a few pages, not a GiB.
+        assert report.memory_reserved <= 64 * (64 << 10), report.memory_reserved
+        with pytest.raises(RequestError, match=r"already serves 64 jobs.*--max-jobs 64"):
+            dalid.connect(socket=daemon.socket, autostart=False)
+        for job in jobs:
+            out, _ = job.communicate("\n", timeout=120)
+            assert job.returncode == 0 and out.strip().endswith("ok"), out
+        wait_for(lambda: not daemon.status().jobs, 30, "every job to end")
+    finally:
+        kill_leftovers(jobs)
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+def _wait_ready(job: subprocess.Popen[str]) -> None:
+    assert job.stdout is not None
+    line = job.stdout.readline()
+    if line.strip() != "ready":
+        job.kill()
+        raise AssertionError(f"the jobs did not start: {line}{job.communicate()[0]}")
 
 
 def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):

@@ -56,9 +56,7 @@ def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
             5.0,
             "the daemon to notice the killed trainer",
         )
-        wait_for(
-            lambda: not any("-j1-" in name for name in daemon.segments()), 5.0, "job 1's slabs"
-        )
+        wait_for(lambda: not daemon.job_segments(1), 5.0, "job 1's slabs")
         out, _ = survivor.communicate(timeout=120)
         assert survivor.returncode == 0, out
         assert "ok 200" in out

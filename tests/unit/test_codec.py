@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import msgpack
@@ -27,12 +28,14 @@ from dalid.protocol import (
     Goodbye,
     Hello,
     InputBatch,
+    IpcProbeResult,
     JobStatus,
     Limits,
     Message,
     Ok,
     OnError,
     OutputDescriptor,
+    OutputPath,
     Ping,
     PipelineRegistered,
     Pong,
@@ -141,9 +144,14 @@ def _examples() -> list[tuple[Message, int | None]]:
                 job_token="4567cdef",
                 limits=Limits(4096, 1 << 31, 2 << 30, 64 << 20),
                 device_uuid="GPU-00010203-0405-0607-0809-0a0b0c0d0e0f",
+                ipc_probe=GPU_HANDLE,
             ),
             3,
         ),
+        (IpcProbeResult(opened=True), 4),
+        (IpcProbeResult(opened=False, reason="cudaIpcOpenMemHandle: operation not supported"), 4),
+        (OutputPath("cuda_ipc"), 4),
+        (OutputPath("staged", reason="the trainer cannot see the daemon's GPU"), 4),
         (
             Welcome(
                 protocol_version=PROTOCOL_VERSION,
@@ -277,6 +285,26 @@ def _examples() -> list[tuple[Message, int | None]]:
                 ),
                 retired_slabs=("dalid-1-abc-j1-cuda-0",),
                 event=GPU_EVENT,
+            ),
+            None,
+        ),
+        (
+            BatchReady(
+                batch_id=14,
+                pipeline_id=3,
+                outputs=(
+                    OutputDescriptor(
+                        region_id=6,
+                        slab="dalid-1-abc-j1-staged-1",
+                        slab_size=1 << 20,
+                        offset=0,
+                        nbytes=2 * 3 * 4 * 2,
+                        dtype="float16",
+                        shape=(2, 3, 4),
+                        layout="CHW",
+                        device="staged",
+                    ),
+                ),
             ),
             None,
         ),
@@ -836,6 +864,18 @@ def test_submit_batch_without_inputs_or_samples() -> None:
         SubmitBatch(1, (InputBatch("a", "uint8", (), ()),))
     _expect_error(_submit_frames(frames=0))
     _expect_error(_submit_frames(_input_batch_body(shapes=[], samples=[]), frames=0))
+
+
+@pytest.mark.parametrize("waited", [math.inf, -math.inf, math.nan, -1.0])
+def test_trainer_progress_must_be_finite(waited: float) -> None:
+    with pytest.raises(ValueError, match="waited_seconds"):
+        TrainerProgress(waited_seconds=waited, batches_received=1)
+    # msgpack carries IEEE infinities and NaN as they are: the receiver refuses them.
+    _expect_error(
+        _pack(
+            _header(op="trainer_progress", body={"waited_seconds": waited, "batches_received": 1})
+        )
+    )
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from dalid.protocol import (
     Welcome,
 )
 from dalid.server.core import DaemonCore, job_label
+from dalid.server.credentials import PeerCredentials
 from dalid.server.quotas import Quotas
 from dalid.server.shm import host_outputs
 
@@ -301,3 +302,103 @@ def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core):
     reply = core.handle(WORKER, ReleaseRegions((output.region_id,)), None)
     assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_REGION
     assert core.jobs[first.job_id].outputs.leased_regions == 1
+
+
+# --- who the daemon serves, and how much ----------------------------------------------------------
+
+
+def _limited_core(credentials: dict[bytes, PeerCredentials], **limits: int) -> DaemonCore:
+    quotas = Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, **limits)
+    return DaemonCore(
+        "cpu",
+        host_outputs(),
+        lambda *_: None,
+        quotas,
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+        credentials=credentials.get,
+    )
+
+
+def test_a_job_is_the_process_its_socket_names_not_the_pid_it_claims() -> None:
+    credentials = {TRAINER: PeerCredentials(pid=4242, uid=0, gid=0)}
+    core = _limited_core(credentials)
+    try:
+        reply = core.handle(TRAINER, Hello(PROTOCOL_VERSION, 0, Role.TRAINER), 1)
+        assert isinstance(reply, Welcome)
+        assert core.jobs[reply.job_id].pid == 4242
+        # Without credentials (no socket) the job lives as long as its connection.
+        other = core.handle(WORKER, Hello(PROTOCOL_VERSION, 1, Role.TRAINER), 1)
+        assert isinstance(other, Welcome) and core.jobs[other.job_id].pid == 0
+    finally:
+        core.close()
+
+
+def test_one_process_holds_at_most_its_share_of_the_jobs() -> None:
+    credentials: dict[bytes, PeerCredentials] = {}
+    core = _limited_core(credentials, max_jobs_per_process=2)
+    try:
+
+        def hello(identity: bytes, pid: int) -> Message | None:
+            credentials[identity] = PeerCredentials(pid, 0, 0)
+            return core.handle(identity, Hello(PROTOCOL_VERSION, 1, Role.TRAINER), 1)
+
+        assert isinstance(hello(b"a", 100), Welcome)
+        assert isinstance(hello(b"b", 100), Welcome)
+        refused = hello(b"c", 100)
+        assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "process 100 already has 2 jobs" in refused.message
+        assert "--max-jobs-per-process 2" in refused.message
+        assert isinstance(hello(b"d", 101), Welcome)  # another process
+        # Processes the daemon cannot see (pid 0) are not counted together.
+        assert all(isinstance(hello(bytes([i]), 0), Welcome) for i in range(3))
+    finally:
+        core.close()
+
+
+def test_a_job_registers_at_most_its_limit_of_pipelines() -> None:
+    core = _limited_core({}, max_pipelines=1)
+    try:
+        core.handle(TRAINER, Hello(PROTOCOL_VERSION, 1, Role.TRAINER), 1)
+        request = RegisterPipeline(memoryview(doubling().serialize()), ("x",), 1, 4, 1, 2)
+        assert core.handle(TRAINER, request, 2) is None
+        refused = core.handle(TRAINER, request, 3)
+        assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "already has 1 pipelines" in refused.message
+    finally:
+        core.close()
+
+
+def test_batches_over_the_jobs_share_of_input_memory_are_refused(core):
+    _hello(core)
+    pipeline_id = _register(core)
+    share = core.inputs.job_limit
+    big = np.zeros(share // 4 + 1, np.int32)
+    reply = core.handle(TRAINER, _batch(pipeline_id, big), 3)
+    assert isinstance(reply, Error) and reply.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "--input-memory" in reply.message
+    assert core.inputs.held == 0
+
+
+def test_deferred_batches_are_bounded_too() -> None:
+    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
+    core = DaemonCore(
+        "cpu",
+        host_outputs(),
+        lambda peer, message, rid: pushed.put((peer, message, rid)),
+        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, max_waiting_batches=2),
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+    )
+    core.pushed = pushed  # type: ignore[attr-defined]
+    try:
+        _hello(core)
+        pipeline_id = _register(core)
+        sample = np.zeros((2, 3), np.int32)
+        deferred = SubmitBatch(pipeline_id, _batch(pipeline_id, sample).inputs, deferred=True)
+        for rid in (3, 4):
+            assert isinstance(core.handle(TRAINER, deferred, rid), BatchAccepted)
+        refused = core.handle(TRAINER, deferred, 5)
+        assert isinstance(refused, Error) and "2 deferred batches" in refused.message
+        assert core.inputs.held == 2 * sample.nbytes
+    finally:
+        core.close()
+    assert core.inputs.held == 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +25,8 @@ import torch
 from dalid.client.cuda import MAX_FENCES, CudaOutputs, pick_device
 from dalid.client.errors import DeviceMismatch
 from dalid.client.outputs import Outputs
-from dalid.client.shm import SHM_DIR, SharedMemoryOutputs
-from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
+from dalid.client.shm import SharedMemoryOutputs
+from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions, slabs
 
 SLAB_BYTES = 1 << 16
 
@@ -339,14 +338,14 @@ def test_closing_unmaps_idle_slabs_and_names_the_viewed_ones(
 @pytest.fixture
 def shm_slab() -> Iterator[str]:
     """A shared-memory slab as a CPU daemon makes one (named as the client accepts)."""
-    name = f"dalid-unittest-{uuid.uuid4().hex[:8]}"
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    name = slabs.new_name()
+    fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, SLAB_BYTES)
     finally:
         os.close(fd)
     yield name
-    (SHM_DIR / name).unlink()
+    (slabs.SHM_DIR / name).unlink()
 
 
 def test_a_batch_on_both_devices_comes_out_in_order_each_output_from_its_backend(

@@ -16,10 +16,11 @@ import pytest
 from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import ErrorCode, Limits
+from dalid.protocol.slabs import SHM_DIR
 from dalid.server.cuda import device_outputs
 from dalid.server.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
 from dalid.server.pool import PAGE
-from dalid.server.shm import SHM_DIR, host_outputs
+from dalid.server.shm import host_outputs
 
 from .fake_cuda import FakeApi
 

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from dalid.client.shm import SharedMemoryOutputs
-from dalid.protocol import OutputDescriptor, ReleaseRegions
+from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
+from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (
     ALIGNMENT,
+    GROWTH_REGIONS,
     PAGE,
     PoolClosed,
     PoolFull,
@@ -29,7 +31,9 @@ from dalid.server.pool import (
     Region,
     RegionPool,
 )
-from dalid.server.shm import SHM_DIR, SharedMemoryBackend, SharedMemorySlab
+from dalid.server.quotas import QuotaRefused
+from dalid.server.reservations import OutputMemory
+from dalid.server.shm import SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
@@ -40,14 +44,17 @@ PoolFactory = Callable[..., RegionPool]
 
 
 def _segments(prefix: str) -> list[str]:
-    return sorted(path.name for path in SHM_DIR.glob(f"{prefix}*"))
+    """The segments of slabs whose label (the pool's name for them) starts with ``prefix``."""
+    return sorted(
+        path.name for path, record in slabs.user_segments() if record.label.startswith(prefix)
+    )
 
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    """A slab name prefix of this test's own; no segment with it may outlive the test."""
-    # dalid-<pid>-...: the pid is alive while the test runs, so neither a daemon starting up nor
-    # a concurrent test session takes these segments for stale ones.
+    """A slab label prefix of this test's own; no segment with it may outlive the test."""
+    # The segments' records name this process, alive while the test runs, so neither a daemon
+    # starting up nor a concurrent test session takes them for stale ones.
     name = f"dalid-{os.getpid()}-unittest-{uuid.uuid4().hex[:12]}"
     yield name
     gc.collect()
@@ -129,7 +136,8 @@ def test_allocate_release_reuse(make_pool: PoolFactory, prefix: str) -> None:
     (first,) = pool.allocate([1000])
     assert first.nbytes == 1000
     assert first.offset == 0
-    assert first.slab.name.startswith(prefix)
+    assert first.slab.label.startswith(prefix)  # type: ignore[attr-defined]
+    assert slabs.is_slab_name(first.slab.name)
     assert first.slab.size == 2 * PAGE
     assert pool.slab_count == 1
     assert pool.leased_regions == 1
@@ -434,7 +442,8 @@ def test_writes_through_the_view_are_visible_in_another_mapping(make_pool: PoolF
     # What the trainer does: open the segment by name and map it on its own.
     fd = os.open(SHM_DIR / region.slab.name, os.O_RDWR)
     try:
-        assert os.fstat(fd).st_size == region.slab.size
+        # The slab, then its record (see dalid.protocol.slabs).
+        assert os.fstat(fd).st_size == region.slab.size + slabs.RECORD_BYTES
         other = mmap.mmap(fd, region.slab.size)
     finally:
         os.close(fd)
@@ -550,11 +559,40 @@ def test_segments_are_private_whatever_the_umask(prefix: str) -> None:
         slab.close()
 
 
-def test_slab_names_are_never_reused_or_clobbered(prefix: str) -> None:
-    with SharedMemorySlab(f"{prefix}-x", PAGE) as slab:
+def test_slab_names_are_unguessable_and_say_nothing(prefix: str) -> None:
+    with (
+        SharedMemorySlab(f"{prefix}-j7-1", PAGE) as first,
+        SharedMemorySlab(f"{prefix}-j7-1", PAGE) as second,
+    ):
+        assert first.name != second.name
+        for slab in (first, second):
+            assert slabs.is_slab_name(slab.name)
+            assert str(os.getpid()) not in slab.name and "j7" not in slab.name
+            # What the name no longer says, the segment's record does (for its user only).
+            assert slabs.read_record(SHM_DIR / slab.name) == slabs.SlabRecord(
+                os.getpid(), f"{prefix}-j7-1"
+            )
+            # The record lies past the slab: the mapped bytes are all the slab's.
+            assert os.stat(SHM_DIR / slab.name).st_size == PAGE + slabs.RECORD_BYTES
+    assert _segments(prefix) == []
+
+
+def test_a_slab_never_clobbers_a_file_planted_under_its_name(
+    prefix: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Were a name guessed, O_EXCL | O_NOFOLLOW keep the daemon off what was planted there."""
+    planted_name = slabs.new_name()
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    (SHM_DIR / planted_name).symlink_to(target)
+    try:
+        monkeypatch.setattr(slabs, "new_name", lambda: planted_name)
         with pytest.raises(FileExistsError):
             SharedMemorySlab(f"{prefix}-x", PAGE)
-        assert Path(SHM_DIR / slab.name).exists()  # the failed attempt did not unlink it
+        assert (SHM_DIR / planted_name).is_symlink()  # the failed attempt did not unlink it
+        assert target.read_bytes() == b"keep me"
+    finally:
+        (SHM_DIR / planted_name).unlink()
     assert _segments(prefix) == []
 
 
@@ -622,3 +660,97 @@ def test_a_pool_held_full_gives_up_after_the_wait_then_at_once(make_pool: PoolFa
         releaser.join()
     assert len(other) == 1
     pool.release([other[0].region_id])
+
+
+# --- Pools that grow as their outputs need room (a job's reservation) ---------------------------
+
+
+def test_a_growing_pool_reserves_slabs_sized_from_its_outputs(prefix: str) -> None:
+    memory = OutputMemory(limit=64 * PAGE)
+    reservation = memory.growing(cap=32 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, 16 * PAGE)
+    pool.grow_within(reservation)
+    try:
+        assert memory.reserved == 0  # nothing until an output needs room
+        (region,) = pool.allocate([PAGE - 100])
+        # Room for GROWTH_REGIONS such outputs, not a whole slab_bytes.
+        assert pool.limit_bytes == GROWTH_REGIONS * PAGE == memory.reserved
+        held = [pool.allocate([PAGE - 100])[0] for _ in range(GROWTH_REGIONS - 1)]
+        assert pool.slab_count == 1  # they share the slab
+        pool.allocate([PAGE - 100])  # the trainer holds them all: the pool grows
+        assert memory.reserved == 2 * GROWTH_REGIONS * PAGE
+        pool.release([r.region_id for r in [region, *held]])
+        assert memory.reserved == 2 * GROWTH_REGIONS * PAGE  # kept for the next batches
+    finally:
+        pool.close()
+    assert memory.reserved == 0 and reservation.closed
+
+
+def test_a_growing_pool_waits_at_the_daemons_limit_and_refuses_when_it_holds_nothing(
+    prefix: str,
+) -> None:
+    memory = OutputMemory(limit=6 * PAGE)
+    other = memory.fixed(4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(64 * PAGE))
+    try:
+        (first,) = pool.allocate([PAGE])
+        (second,) = pool.allocate([PAGE])
+        assert memory.reserved == 6 * PAGE
+        assert not _fits_now(pool, [PAGE])  # full: it waits for a release, as any full pool
+        pool.release([first.region_id, second.region_id])
+        with pytest.raises(
+            PoolTooSmall,
+            match=r"needs 12 KiB .* has 0 B left .* --memory-limit 24 KiB \(2 jobs hold 24 KiB\)",
+        ):
+            pool.allocate([3 * PAGE])
+        other.close()
+        (large,) = pool.allocate([3 * PAGE])  # the other job's memory is free again
+        pool.release([large.region_id])
+    finally:
+        pool.close()
+    assert memory.reserved == 0
+
+
+def test_a_growing_pool_stops_at_its_cap(prefix: str) -> None:
+    memory = OutputMemory(limit=0)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(2 * PAGE))
+    try:
+        with pytest.raises(PoolTooSmall, match="more than its limit of 8 KiB"):
+            pool.allocate([3 * PAGE])
+        (region,) = pool.allocate([2 * PAGE])
+        assert not _fits_now(pool, [PAGE])
+        pool.release([region.region_id])
+    finally:
+        pool.close()
+
+
+def test_a_fixed_reservation_is_refused_when_the_daemon_has_not_that_much_left() -> None:
+    memory = OutputMemory(limit=3 << 20)
+    kept = memory.fixed(2 << 20)
+    with pytest.raises(
+        QuotaRefused, match=r"asks for 2 MiB .* has 1 MiB left .* 3 MiB \(1 jobs hold 2 MiB\)"
+    ):
+        memory.fixed(2 << 20)
+    assert memory.reserved == 2 << 20
+    kept.close()
+    kept.close()
+    assert memory.reserved == 0
+    memory.fixed(3 << 20).close()
+
+
+def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> None:
+    # A shared pipeline takes a job's batch only where its outputs have room (runs.py).
+    memory = OutputMemory(limit=4 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(3 * PAGE))
+    try:
+        assert pool.limit_bytes == 0
+        assert pool.has_room([3 * PAGE])  # its cap
+        assert not pool.has_room([3 * PAGE + 1])
+        other = memory.fixed(2 * PAGE)
+        assert pool.has_room([2 * PAGE]) and not pool.has_room([3 * PAGE])  # the daemon's limit
+        other.close()
+    finally:
+        pool.close()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import random
 import signal
 import subprocess
 import sys
@@ -11,18 +15,18 @@ from pathlib import Path
 import pytest
 
 from dalid.protocol import GpuUnavailable
+from dalid.server import crash_report
+from dalid.server.crash_report import CrashReport
+from dalid.server.devices import DeviceListError, child_specs, parse_devices
 from dalid.server.supervisor import (
     ChildSpec,
-    DeviceListError,
     RestartPolicy,
     State,
     Supervisor,
-    child_specs,
     exit_status,
-    parse_devices,
 )
 
-QUICK = RestartPolicy(first_delay_s=0.01, max_delay_s=0.05, fast_crash_s=30.0, max_fast_crashes=3)
+QUICK = RestartPolicy(first_delay_s=0.01, max_delay_s=0.05, fast_crash_s=30.0, crash_loop_after=3)
 
 
 def _gpus(count: int):
@@ -89,8 +93,17 @@ def test_several_devices_refuse_one_socket(private_runtime_dir, monkeypatch):
 
 
 def test_restart_delay_doubles_up_to_its_limit():
-    policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0)
+    policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0, jitter=0.0)
     assert [policy.delay(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_restart_delays_have_a_random_part_and_never_pass_the_cap():
+    policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0, jitter=0.25)
+    rng = random.Random(7)
+    for crashes, ceiling in ((1, 0.5), (3, 2.0), (9, 3.0)):
+        delays = [policy.delay(crashes, rng) for _ in range(200)]
+        assert all(0.75 * ceiling <= delay <= ceiling for delay in delays)
+        assert len(set(delays)) == len(delays)  # daemons crashing together restart apart
 
 
 def test_exit_status_of_a_killed_child():
@@ -102,18 +115,61 @@ def _python(code: str) -> tuple[str, ...]:
     return (sys.executable, "-c", code)
 
 
-def test_a_child_that_keeps_crashing_is_given_up(caplog):
-    supervisor = Supervisor([ChildSpec("crash", _python("raise SystemExit(1)"))], QUICK)
-    with caplog.at_level(logging.INFO, logger="dalid.server"):
-        assert supervisor.run() == 1
-    (child,) = supervisor.children
-    assert child.state is State.DONE
-    assert len(child.pids) == QUICK.max_fast_crashes + 1
-    # The numbers the README gives: N restarts, and the crash after them gives up.
-    assert (
-        "daemon crash crashed 4 times in a row, each within 30 s of its start (restarted 3 "
-        "times): giving up" in caplog.text
+def _crashing(count_file: Path, crashes: int, then: str = "") -> tuple[str, ...]:
+    """A child that crashes ``crashes`` times, saying so, then runs ``then`` and exits 0."""
+    return _python(
+        "import pathlib, sys\n"
+        f"count = pathlib.Path({str(count_file)!r})\n"
+        "n = int(count.read_text()) + 1 if count.exists() else 1\n"
+        "count.write_text(str(n))\n"
+        f"if n <= {crashes}:\n"
+        "    print(f'run {n} starting', flush=True)\n"
+        "    print(f'run {n}: out of memory', file=sys.stderr, flush=True)\n"
+        "    sys.exit(1)\n" + then
     )
+
+
+def test_a_child_that_keeps_crashing_is_never_given_up(tmp_path, caplog):
+    # Twice as many fast crashes in a row as the supervisor used to give up after.
+    supervisor = Supervisor([ChildSpec("crash", _crashing(tmp_path / "n", 12))], QUICK)
+    with caplog.at_level(logging.INFO, logger="dalid.supervisor"):
+        assert supervisor.run() == 0
+    (child,) = supervisor.children
+    assert child.state is State.DONE and len(child.pids) == 13
+    # From the third crash on, the log says it crash-loops, how it ended and what it said.
+    loops = [r.getMessage() for r in caplog.records if "is crash-looping" in r.getMessage()]
+    assert len(loops) == 12 - QUICK.crash_loop_after + 1
+    assert (
+        "12 crashes in a row, each within 30 s of its start; the last one exited with 1"
+        in (loops[-1])
+    )
+    assert "run 12: out of memory" in loops[-1] and "run 12 starting" in loops[-1]
+
+
+def test_a_crash_loop_is_reported_beside_the_socket_until_the_daemon_runs(tmp_path, capfd):
+    socket = tmp_path / "d.sock"
+    report = crash_report.path_for(socket)
+    # The fifth run copies the report it finds, then runs long enough to count as started.
+    then = (
+        f"report = pathlib.Path({str(report)!r})\n"
+        f"pathlib.Path({str(tmp_path / 'seen')!r}).write_text(report.read_text())\n"
+        "import time; time.sleep(2.5)\n"
+        f"pathlib.Path({str(tmp_path / 'after')!r}).write_text(str(report.exists()))\n"
+    )
+    policy = dataclasses.replace(QUICK, fast_crash_s=1.0)
+    spec = ChildSpec("cpu", _crashing(tmp_path / "n", 4, then), socket=socket)
+    supervisor = Supervisor([spec], policy)
+    assert supervisor.run() == 0
+    seen = CrashReport(**json.loads((tmp_path / "seen").read_text()))
+    assert seen.crashes == 4 and seen.last_exit == "exited with 1"
+    assert seen.supervisor_pid == os.getpid()
+    assert seen.log_lines[-2:] == ["run 4 starting", "run 4: out of memory"]
+    assert (tmp_path / "after").read_text() == "False"  # cleared once the daemon ran 1 s
+    assert not report.exists()
+    # The children's output went on to the supervisor's own streams, each to its own.
+    out, err = capfd.readouterr()
+    assert "run 4 starting" in out and "run 4: out of memory" not in out
+    assert "run 4: out of memory" in err
 
 
 def test_a_child_killed_by_a_signal_is_restarted(tmp_path):

@@ -1,0 +1,103 @@
+"""Who is at the other end of a connection: the credentials the kernel gives for its socket.
+
+When a process connects a Unix socket the kernel records its pid, uid and gid, and the
+listening side reads them with ``SO_PEERCRED``. A client cannot choose them, unlike what it
+writes in its ``hello``: the daemon decides on them whom it serves and whose death ends a job.
+The pid is given in the daemon's pid namespace, and is 0 where the client's process cannot be
+seen from there (another, unrelated pid namespace).
+
+ZeroMQ owns the connections' descriptors. The daemon learns a connection's number from a
+message (``zmq.SRCFD``) or a socket-monitor event, and works on a duplicate of it: a duplicate
+names the same socket even if ZeroMQ closes the number meanwhile and a new connection reuses
+it, so the socket whose inode the daemon checked is the one it reads or shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The process that connected: ``pid`` in the daemon's pid namespace (0: not visible)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class SocketId:
+    """One socket, by device and inode: a descriptor number may name another one later."""
+
+    device: int
+    inode: int
+
+
+def read_peer(fd: int) -> tuple[SocketId, PeerCredentials] | None:
+    """The socket behind descriptor ``fd`` and its peer's credentials; None if ``fd`` is no
+    longer an open Unix socket."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return None
+    with _as_socket(duplicate) as sock:
+        if sock is None:
+            return None
+        info = os.fstat(sock.fileno())
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        except OSError:
+            return None
+        pid, uid, gid = _UCRED.unpack(raw)
+        return SocketId(info.st_dev, info.st_ino), PeerCredentials(pid, uid, gid)
+
+
+def shut_down(fd: int, expected: SocketId) -> bool:
+    """Shuts the connection on ``fd`` down both ways, if ``fd`` still names socket ``expected``.
+
+    ZeroMQ then finds the connection closed, as if the peer had gone, and frees it (its socket
+    monitor reports the disconnection). Whether it was shut down here.
+    """
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return False
+    with _as_socket(duplicate) as sock:
+        if sock is None:
+            return False
+        info = os.fstat(sock.fileno())
+        if SocketId(info.st_dev, info.st_ino) != expected:
+            return False  # the number was reused: not the connection we meant
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False  # already disconnected
+        return True
+
+
+@contextlib.contextmanager
+def _as_socket(duplicate: int) -> Iterator[socket.socket | None]:
+    """A socket object owning ``duplicate`` (closed on exit), or None if it is no socket."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(duplicate).st_mode):
+            os.close(duplicate)
+            yield None
+            return
+        sock = socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        yield None
+        return
+    try:
+        yield sock
+    finally:
+        sock.close()

@@ -1,0 +1,72 @@
+"""A ZeroMQ peer written by hand (ZMTP 3.0, NULL mechanism), over a plain Unix socket.
+
+For what a ZeroMQ library never does: a connection whose process forks and dies while a child
+keeps it open, a peer running as another user with nothing but the standard library. Standard
+library only, so that it runs in any interpreter (``python -I -S``).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+_MORE, _LONG, _COMMAND = 1, 2, 4
+
+
+def _greeting() -> bytes:
+    signature = b"\xff" + b"\x00" * 8 + b"\x7f"
+    return signature + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+
+
+def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    """One ZMTP frame (short or long form)."""
+    flags = (_MORE if more else 0) | (_COMMAND if command else 0)
+    if len(body) > 255:
+        return bytes([flags | _LONG]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+class RawPeer:
+    """A DEALER's side of one connection to ``path``; ``send`` and ``receive`` whole messages."""
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.sock.sendall(_greeting())
+        self._exactly(64)  # the daemon's greeting
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        self.sock.sendall(frame(ready, command=True))
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.sendall(
+            b"".join(frame(body, more=i < len(frames) - 1) for i, body in enumerate(frames))
+        )
+
+    def receive(self) -> list[bytes]:
+        """The next message (commands such as READY and heartbeats are skipped)."""
+        parts: list[bytes] = []
+        while True:
+            flags = self._exactly(1)[0]
+            if flags & _LONG:
+                (size,) = struct.unpack(">Q", self._exactly(8))
+            else:
+                size = self._exactly(1)[0]
+            body = self._exactly(size)
+            if flags & _COMMAND:
+                continue
+            parts.append(body)
+            if not flags & _MORE:
+                return parts
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _exactly(self, count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            chunk = self.sock.recv(count - len(data))
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            data += chunk
+        return data

@@ -1,0 +1,155 @@
+"""The limits of one connection, on real Unix sockets standing for the daemon's connections."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from dalid.protocol import Error, ErrorCode
+from dalid.server.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    made: list[tuple[socket.socket, socket.socket]] = []
+    yield made
+    for ours, theirs in made:
+        ours.close()
+        theirs.close()
+
+
+def connect(
+    intake: Intake, pairs: list[tuple[socket.socket, socket.socket]]
+) -> tuple[int, socket.socket]:
+    ours, theirs = socket.socketpair()
+    pairs.append((ours, theirs))
+    theirs.settimeout(1.0)
+    assert intake.accepted(ours.fileno()) is None
+    return ours.fileno(), theirs
+
+
+def is_cut(theirs: socket.socket) -> bool:
+    theirs.settimeout(0.2)
+    try:
+        return theirs.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+REFUSED = Error(ErrorCode.NOT_WELCOMED, "send hello first")
+
+
+def test_refusals_over_the_burst_cut_the_connection_after_telling_it(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=1.0), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    assert intake.admit(b"a", fd, 10) is Verdict.PROCESS
+    assert intake.credentials(b"a") is not None
+    for _ in range(3):
+        assert intake.refused(b"a", REFUSED) is None
+    notice = intake.refused(b"a", REFUSED)
+    assert isinstance(notice, Error) and notice.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "4 requests" in notice.message and "closes this connection" in notice.message
+    assert "send hello first" in notice.message
+    assert intake.admit(b"a", fd, 10) is Verdict.DROP  # told: the rest is not read
+    intake.cut_due()
+    assert not is_cut(theirs)  # the error leaves first
+    assert intake.next_cut() == pytest.approx(CUT_GRACE_S)
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert is_cut(theirs)
+    assert intake.next_cut() is None
+    assert intake.closed(fd) == b"a"
+    assert intake.open_connections == 0
+
+
+def test_refusals_at_a_sustainable_rate_are_never_cut(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=2.0), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    intake.admit(b"a", fd, 10)
+    for _ in range(100):
+        clock.now += 0.5
+        assert intake.refused(b"a", REFUSED) is None
+    assert not is_cut(theirs)
+
+
+def test_another_users_process_is_told_and_cut(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    notice = intake.admit(b"a", fd, 10)
+    assert isinstance(notice, Error) and notice.code is ErrorCode.NOT_WELCOMED
+    assert "uid 12345 only" in notice.message and "closes this connection" in notice.message
+    assert intake.admit(b"a", fd, 10) is Verdict.DROP
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert is_cut(theirs)
+
+
+def test_another_users_process_that_says_nothing_is_cut_too(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
+    _, theirs = connect(intake, pairs)
+    assert intake.next_cut() == pytest.approx(CUT_GRACE_S)
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert is_cut(theirs)
+
+
+def test_a_message_over_the_limit_is_refused_and_its_connection_cut(pairs) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(max_message_bytes=1000), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    assert intake.admit(b"a", fd, 1000) is Verdict.PROCESS
+    notice = intake.admit(b"a", fd, 1001)
+    assert isinstance(notice, Error) and "1001 bytes" in notice.message
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert is_cut(theirs)
+
+
+def test_connections_past_the_limit_are_cut_at_once(pairs) -> None:
+    intake = Intake(IntakeLimits(max_connections=2))
+    kept = [connect(intake, pairs)[1] for _ in range(2)]
+    _, third = connect(intake, pairs)
+    assert is_cut(third)
+    assert not any(is_cut(theirs) for theirs in kept)
+
+
+def test_a_peer_that_reads_nothing_is_cut_at_once(pairs) -> None:
+    intake = Intake(IntakeLimits())
+    fd, theirs = connect(intake, pairs)
+    intake.admit(b"a", fd, 10)
+    intake.unreachable(b"a")
+    assert is_cut(theirs)
+    intake.unreachable(b"a")  # once is enough
+
+
+def test_a_late_message_of_a_closed_connection_is_dropped(pairs) -> None:
+    intake = Intake(IntakeLimits())
+    fd, _ = connect(intake, pairs)
+    intake.admit(b"a", fd, 10)
+    assert intake.closed(fd) == b"a"
+    assert intake.admit(b"a", fd, 10) is Verdict.DROP
+    assert intake.credentials(b"a") is None
+
+
+def test_a_descriptor_reused_unreported_is_a_new_connection(pairs) -> None:
+    intake = Intake(IntakeLimits())
+    fd, _ = connect(intake, pairs)
+    intake.admit(b"a", fd, 10)
+    # Accepted again with no close reported: the identity that sent on it is gone.
+    assert intake.accepted(fd) == b"a"
+    assert intake.admit(b"b", fd, 10) is Verdict.PROCESS
+    assert intake.closed(fd) == b"b"
