@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dalid.client.cuda
-from dalid.client import staged
+from dalid.client import cuda_staged as staged
 from dalid.client.cuda_staged import StagedOutputs, output_path, probe_ipc
 from dalid.client.errors import DeviceMismatch, RequestError
 from dalid.client.outputs import Outputs
