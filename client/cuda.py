@@ -78,7 +78,7 @@ class Device(Protocol):
 class TorchDevice:
     """:class:`Device` on CUDA device ``index`` of this process: memory handles through CuPy
     (torch has no public call for a foreign cudaIpcMemHandle), streams, events and the uploads of
-    staged outputs (``staged.py``) through torch.
+    staged outputs (``cuda_staged.py``) through torch.
     """
 
     def __init__(self, index: int) -> None:

@@ -8,13 +8,13 @@ what a release must carry differ by memory, so each kind has its backend:
 - shared memory (``device="cpu"`` descriptors): :class:`~dalid.client.shm.SharedMemoryOutputs`;
 - CUDA IPC (``device="cuda"``, from a daemon on a GPU): :class:`~dalid.client.cuda.CudaOutputs`;
 - GPU outputs staged in shared memory (``device="staged"``, from a daemon on a GPU whose memory
-  this process cannot open): :class:`~dalid.client.staged.StagedOutputs`.
+  this process cannot open): :class:`~dalid.client.cuda_staged.StagedOutputs`.
 
 :class:`Outputs` holds the backends of one daemon and hands each descriptor to the backend of
 its device; which GPU backend a job gets, the handshake with a GPU daemon decides
-(:func:`~dalid.client.staged.output_path`). Note [Output buffer lifetime] in
+(:func:`~dalid.client.cuda_staged.output_path`). Note [Output buffer lifetime] in
 ``dalid.server.pool``, Note [GPU output lifetime] in ``dalid.server.cuda`` and Note [Staged GPU
-outputs] in ``dalid.server.staged`` are the contracts the backends keep.
+outputs] in ``dalid.server.cuda_staged`` are the contracts the backends keep.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
 
 from .cuda import CudaOutputs
+from .cuda_staged import StagedOutputs, output_path
 from .errors import DeviceMismatch
 from .shm import SharedMemoryOutputs
-from .staged import StagedOutputs, output_path
 
 if TYPE_CHECKING:
     from .link import Link

@@ -68,7 +68,7 @@ from .scheduler import FairScheduler
 from .status import status_report
 
 if TYPE_CHECKING:
-    from .staged import OutputPaths
+    from .cuda_staged import OutputPaths
 
 log = logging.getLogger("dalid.server")
 

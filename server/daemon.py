@@ -257,7 +257,7 @@ class Daemon:
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
             from .cuda import device_outputs, device_streams
-            from .staged import OutputPaths
+            from .cuda_staged import OutputPaths
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)

@@ -44,7 +44,7 @@ class OutputStore(Protocol):
     """One job's output memory of one kind, and how DALI outputs get into it.
 
     ``device`` is what descriptors of its regions say ("cpu", "cuda", "staged"); ``takes`` the
-    DALI outputs it holds ("cpu" or "cuda", TensorListCPU or TensorListGPU). ``stream`` is the CUDA
+    DALI outputs it holds ("cpu" or "cuda": DALI's CPU or GPU TensorLists). ``stream`` is the CUDA
     stream the store writes on, on which DALI may hand outputs over (None: the host).
     ``peer_ordered``: releases of its regions come with the trainer's fence, and its slabs are
     freed only once the trainer reports them unmapped (device memory; Note [GPU output
@@ -123,7 +123,7 @@ class JobOutputs:
 
     def replace(self, device: str, store: OutputStore) -> OutputStore:
         """Puts ``store`` in the place of the store of ``device`` memory, which must not have
-        made a slab yet (a trainer's handshake chose how GPU outputs reach it: ``staged.py``);
+        made a slab yet (a trainer's handshake chose how GPU outputs reach it: ``cuda_staged.py``);
         returns the store replaced, for the caller to close."""
         old = self.store(device)
         if old.pool.slab_count:
@@ -326,7 +326,7 @@ class JobOutputs:
 
     @property
     def path(self) -> str:
-        """How the job's GPU outputs reach the trainer, "cuda_ipc" or "staged" (``staged.py``);
+        """How the job's GPU outputs reach the trainer, "cuda_ipc" or "staged" (``cuda_staged.py``);
         "shm" where the job has CPU outputs only."""
         devices = {store.device for store in self.stores}
         return "staged" if "staged" in devices else "cuda_ipc" if "cuda" in devices else "shm"

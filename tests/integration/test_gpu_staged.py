@@ -1,6 +1,6 @@
 """GPU outputs without CUDA IPC, for real: a daemon on GPU 0 that stages them, trainers that
 upload them on their own streams, the IPC probe on a real device, and a trainer in another PID
-namespace. See Note [Staged GPU outputs] in server/staged.py.
+namespace. See Note [Staged GPU outputs] in server/cuda_staged.py.
 
 Skipped without CUDA; tests/integration/test_staged.py runs the same paths on a simulated GPU.
 """
@@ -107,7 +107,7 @@ def test_staged_outputs_equal_in_process_run_and_upload_without_host_sync(
 def test_a_trainer_that_sees_the_daemons_gpu_gets_cuda_ipc_and_probes_once(
     auto_daemon: DaemonProcess,
 ) -> None:
-    from dalid.client import staged
+    from dalid.client import cuda_staged as staged
 
     with dalid.connect(socket=auto_daemon.socket, autostart=False, name="ipc") as first:
         assert _path_of(auto_daemon, first.job_id) == "cuda_ipc"

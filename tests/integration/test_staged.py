@@ -20,7 +20,7 @@ import pytest
 
 import dalid.client as dalid
 from dalid.client import cuda as client_cuda
-from dalid.client import staged
+from dalid.client import cuda_staged as staged
 from dalid.client.errors import DeviceMismatch
 
 from ..daemons import DaemonProcess, own_directory, start_daemon, wait_for

@@ -1,4 +1,4 @@
-"""Staged GPU outputs, the daemon's half (server/staged.py): the store that copies GPU outputs
+"""Staged GPU outputs, the daemon's half (server/cuda_staged.py): the store that copies GPU outputs
 into page-locked shared memory, and the handshake that chooses each job's output path.
 
 Shared memory and the bytes in it are real; the CUDA calls are the fake of fake_cuda.py, whose
@@ -36,11 +36,11 @@ from dalid.protocol import (
 from dalid.protocol.slabs import SHM_DIR
 from dalid.server.core import DaemonCore
 from dalid.server.cuda import CudaBackend, CudaStore, device_outputs
+from dalid.server.cuda_staged import OutputPaths, StagedStore
 from dalid.server.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
 from dalid.server.pool import PAGE
 from dalid.server.quotas import Quotas
 from dalid.server.shm import SharedMemoryStore
-from dalid.server.staged import OutputPaths, StagedStore
 
 from .fake_cuda import DEVICE_UUID, FakeApi, TensorListGPU
 

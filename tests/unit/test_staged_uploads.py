@@ -1,4 +1,4 @@
-"""Staged GPU outputs, the trainer's half (client/staged.py): the IPC probe, the output path
+"""Staged GPU outputs, the trainer's half (client/cuda_staged.py): the IPC probe, the output path
 the daemon answers, and the backend that uploads staged regions, on a fake device.
 
 The slabs are real shared memory written by the test; the fake device uploads by copying to
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import dalid.client.cuda
-from dalid.client import staged
+from dalid.client import cuda_staged as staged
+from dalid.client.cuda_staged import StagedOutputs, output_path, probe_ipc
 from dalid.client.errors import DeviceMismatch, RequestError
 from dalid.client.outputs import Outputs
-from dalid.client.staged import StagedOutputs, output_path, probe_ipc
 from dalid.protocol import (
     BatchReady,
     ErrorCode,

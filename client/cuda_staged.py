@@ -6,7 +6,7 @@ trainer opens it and reads it back (:func:`probe_ipc`), tells the daemon whether
 cannot work (a MIG instance, another PID namespace than the daemon's, a GPU this process does not
 see), the daemon stages the job's GPU outputs in shared memory, and :class:`StagedOutputs`
 uploads them to this process's GPU on its current stream. Note [Staged GPU outputs] in
-``dalid.server.staged`` is the contract; this side keeps its half:
+``dalid.server.cuda_staged`` is the contract; this side keeps its half:
 
 - each slab is mapped once, by name, and page-locked once, so uploads from it are asynchronous;
 - a batch's outputs are uploaded on the current stream, which the tensors handed out belong to,

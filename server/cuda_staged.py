@@ -8,12 +8,13 @@ opens it, reads it back and says whether it could (``ipc_probe_result``); :class
 chooses the job's output path and answers ``output_path``. For a job that cannot use CUDA IPC,
 :class:`StagedStore` takes the place of its CUDA IPC store (``cuda.py``): it copies each GPU
 output from the device into page-locked shared memory and delivers descriptors of device
-``staged``, which the trainer uploads to its own GPU on its current stream (``client/staged.py``).
+``staged``, which the trainer uploads to its own GPU on its current stream
+(``client/cuda_staged.py``).
 
 Note [Staged GPU outputs]
 -------------------------
 SPEC.md, "Outputs", rules 14 to 17, is the contract; the trainer keeps its half in
-``client/staged.py``. How the daemon keeps it:
+``client/cuda_staged.py``. How the daemon keeps it:
 
 1. Memory. Slabs are shared-memory segments as for CPU outputs (``shm.py``), page-locked
    (``cudaHostRegister``) once when made, so that copies into them are asynchronous DMA at full
