@@ -17,7 +17,7 @@ from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
 from .table import NONE, fmt, gpu_names, spread_text
-from .targets import P50_TARGET_US, P99_TARGET_US, met_text
+from .targets import ECHO_P50_TARGET, ECHO_P99_TARGET, met_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -271,11 +271,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for offset, key in ((-width / 2, "p50_us"), (width / 2, "p99_us")):
         values = [probes[name][key]["median"] for name in names]
         ax.bar([i + offset for i in px], values, width, label=key[:3])
-    for goal, style in ((P50_TARGET_US, "--"), (P99_TARGET_US, ":")):
-        ax.axhline(goal, color="grey", linestyle=style, linewidth=1)
+    if "zmq_echo" in probes:
+        # The round-trip targets: a tiny batch within 2x (p50) and 3x (p99) of the echo.
+        echo = probes["zmq_echo"]
+        for quantile, goal, style in (("p50_us", ECHO_P50_TARGET, "--"),
+                                      ("p99_us", ECHO_P99_TARGET, ":")):  # fmt: skip
+            ax.axhline(goal * echo[quantile]["median"], color="grey", linestyle=style, linewidth=1)
     ax.set_yscale("log")
     ax.set_xticks(px, [name.replace("_", "\n", 1) for name in names], fontsize=8)
-    ax.set_title("empty-pipeline round trip (µs, log scale; targets dashed/dotted)")
+    ax.set_title("empty-pipeline round trip (µs, log; 2x/3x the echo dashed/dotted)")
     ax.legend()
 
     fig.tight_layout()

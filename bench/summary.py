@@ -172,6 +172,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "fairness": m["fairness"],
                 "all_pss_mb": m["memory"].get("all_pss_mb"),
                 "daemon_peak_rss_mb": m["memory"].get("daemon_peak_rss_mb"),
+                "cpu_ms_per_sample": m["cpu_ms_per_sample"]["total"],
                 "all_gpu_mb": m["memory"].get("all_gpu_mb"),
                 **_handle_values(m["handles"]),
             }

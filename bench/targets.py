@@ -13,12 +13,17 @@ from typing import Any
 
 from .stats import spread
 
-# One job through dalid against DALI in-process (on a GPU, GPU_RATIO_TARGET), and the
-# transport's round trip.
-RATIO_TARGET = 0.95
+# One job through dalid against DALI in-process (on a GPU, GPU_RATIO_TARGET) and DALI's
+# proxy, and what it costs all processes.
+RATIO_TARGET = 0.97
 GPU_RATIO_TARGET = 0.98
-P50_TARGET_US = 100.0
-P99_TARGET_US = 500.0
+PROXY_RATIO_TARGET = 1.0
+CPU_RATIO_TARGET = 1.05  # all processes' CPU per sample over DALI in-process's, at most
+# The transport's round trip of a tiny batch, against the floors measured in the same run: a
+# bare ZeroMQ echo for one sample, DALI's own pipe.run of the same batch for 32.
+ECHO_P50_TARGET = 2.0
+ECHO_P99_TARGET = 3.0
+PIPE_RUN_B32_TARGET = 1.5
 
 # Jobs sharing one pipeline in the daemon (``dalid``, sharing on by default), against as many
 # jobs each running DALI in its own process (``dali``). On a CPU machine in-process DALI keeps
@@ -43,7 +48,8 @@ GPU_SHARED_TARGET = 1.2
 GPU_MEMORY_TARGET = 0.5
 
 # Per row id, per repeat, the run's figures: samples_per_s, fairness, all_pss_mb,
-# daemon_peak_rss_mb (None where a figure could not be read).
+# daemon_peak_rss_mb, cpu_ms_per_sample (all processes), the slab handles (bench.handles)
+# and on a GPU all_gpu_mb (None where a figure could not be read).
 Values = Mapping[str, Mapping[int, Mapping[str, float | None]]]
 
 
@@ -133,6 +139,77 @@ def sharing_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str,
     return found
 
 
+def one_job_targets(
+    values: Values, labels: Mapping[str, str], gpu: bool = False
+) -> list[dict[str, Any]]:
+    """One job through dalid against DALI in-process and DALI's proxy: throughput, and the CPU
+    of all processes per sample. A target whose rows did not run is left out."""
+    found = []
+    dalid, dali, proxy = labels["dalid"], labels["dali"], labels["dali-proxy"]
+    throughput = (
+        ("dali", dali, GPU_RATIO_TARGET if gpu else RATIO_TARGET),
+        ("dali-proxy", proxy, PROXY_RATIO_TARGET),
+    )
+    for base, label, goal in throughput:
+        ratio = paired_ratio(values, "dalid", base, "samples_per_s")
+        if ratio["n"]:
+            found.append(
+                target(
+                    f"{dalid}, 1 job: samples/s / {label}, 1 job",
+                    f">= {goal:.0%}",
+                    ratio,
+                    "ratio",
+                    lambda r, goal=goal: r >= goal,
+                )
+            )
+    cpu = paired_ratio(values, "dalid", "dali", "cpu_ms_per_sample")
+    if cpu["n"]:
+        found.append(
+            target(
+                f"{dalid}, 1 job: all processes' CPU per sample / {dali}, 1 job",
+                f"<= {CPU_RATIO_TARGET:.2f}x",
+                cpu,
+                "times",
+                lambda r: r <= CPU_RATIO_TARGET,
+            )
+        )
+    return found
+
+
+def transport_targets(transport: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A tiny batch's round trip through dalid against the floors of the same run (ratios of
+    the run's quantiles, per repeat); none where the transport probes did not run."""
+    runs = transport.get("runs") or []
+
+    def ratio(probe: str, base: str, quantile: str) -> dict[str, float]:
+        return spread(
+            run[probe][quantile] / run[base][quantile]
+            for run in runs
+            if probe in run and base in run and run[base][quantile] > 0
+        )
+
+    goals = (
+        ("1 tiny sample, p50", "dalid_b1", "zmq_echo", "p50", "the ZeroMQ echo", ECHO_P50_TARGET),
+        ("1 tiny sample, p99", "dalid_b1", "zmq_echo", "p99", "the ZeroMQ echo", ECHO_P99_TARGET),
+        ("32 tiny samples, p50", "dalid_b32", "dali_b32", "p50", "DALI's pipe.run",
+         PIPE_RUN_B32_TARGET),
+    )  # fmt: skip
+    found = []
+    for what, probe, base, quantile, floor, goal in goals:
+        measured = ratio(probe, base, quantile)
+        if measured["n"]:
+            found.append(
+                target(
+                    f"transport: submit -> ready, {what} / {floor}, {quantile}",
+                    f"<= {goal:.1f}x",
+                    measured,
+                    "times",
+                    lambda r, goal=goal: r <= goal,
+                )
+            )
+    return found
+
+
 def handle_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
     """One dalid job's slab handles: each slab opened once, none after the warm-up epoch
     (bench.handles); no targets where the runs counted none."""
@@ -207,31 +284,7 @@ def all_targets(
     """The run's targets: one job and the transport where they ran, the sharing targets where
     any of their contenders ran (those of job counts not run: not measured), the slab handles
     of one dalid job, and on a GPU (``gpu``) the GPU targets."""
-    found = []
-    goal = GPU_RATIO_TARGET if gpu else RATIO_TARGET
-    ratio = paired_ratio(values, "dalid", "dali", "samples_per_s")
-    if ratio["n"]:
-        found.append(
-            target(
-                f"{labels['dalid']}, 1 job: samples/s / {labels['dali']}, 1 job",
-                f">= {goal:.0%}",
-                ratio,
-                "ratio",
-                lambda r: r >= goal,
-            )
-        )
-    probe = transport.get("probes", {}).get("dalid_b1")
-    if probe:
-        for key, goal in (("p50_us", P50_TARGET_US), ("p99_us", P99_TARGET_US)):
-            found.append(
-                target(
-                    f"transport round trip {key[:3]} (1 tiny sample, empty pipeline)",
-                    f"<= {goal:.0f} us",
-                    probe[key],
-                    "us",
-                    lambda us, goal=goal: us <= goal,
-                )
-            )
+    found = one_job_targets(values, labels, gpu) + transport_targets(transport)
     if any(row_kind(row) in SHARING_KINDS for row in values):
         found += sharing_targets(values, labels)
     found += handle_targets(values, labels)

@@ -84,6 +84,7 @@ EXIT_UNSAFE_PATH = 5
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+_POLLIN = int(zmq.POLLIN)
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
@@ -473,22 +474,25 @@ class Daemon:
         deadline = time.monotonic() + TURN_SECONDS
         for _ in range(TURN_MESSAGES):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = transport.recv_frames(self._socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._receive(frames)
             if time.monotonic() >= deadline:
                 return
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
+                return  # drained (asked, rather than failing a receive with zmq.Again)
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None
         identity = frames[0].bytes
         fd = None
-        if len(frames) > 1:
-            # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to the
-            # monitor before it accepts the connection that reuses the descriptor, so handling
-            # the reports that are in now keeps an old peer's close from being taken for this
-            # sender's.
+        if len(frames) > 1 and not self._intake.knows(identity):
+            # A peer's first message: its connection's descriptor. A descriptor is reused as
+            # soon as it is closed. ZeroMQ reports the close to the monitor before it accepts
+            # the connection that reuses the descriptor, so handling the reports that are in
+            # now keeps an old peer's close from being taken for this sender's. (An identity
+            # names one connection, so its later messages need neither.)
             self._connection_events()
             fd = frames[1].get(zmq.SRCFD)
         verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))

@@ -354,7 +354,7 @@ class RunOutput:
     def __init__(self, index: int, tensors: Any) -> None:
         self.index = index
         self.tensors = tensors
-        self.samples = [tuple(int(extent) for extent in shape) for shape in tensors.shape()]
+        self.samples = [tuple(map(int, shape)) for shape in tensors.shape()]
         self.dtype = _dtype_name(tensors.dtype)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.layout = tensors.layout() or ""
@@ -413,7 +413,14 @@ def region_ids() -> Iterator[int]:
     return itertools.count(1)
 
 
-def _dtype_name(dali_dtype: Any) -> str:
-    from nvidia.dali.types import to_numpy_type
+_DTYPE_NAMES: dict[Any, str] = {}
 
-    return np.dtype(to_numpy_type(dali_dtype)).name
+
+def _dtype_name(dali_dtype: Any) -> str:
+    """The numpy name of a DALI dtype (looked up once per dtype: every run asks)."""
+    name = _DTYPE_NAMES.get(dali_dtype)
+    if name is None:
+        from nvidia.dali.types import to_numpy_type
+
+        name = _DTYPE_NAMES[dali_dtype] = np.dtype(to_numpy_type(dali_dtype)).name
+    return name

@@ -122,10 +122,10 @@ def test_the_gpu_targets() -> None:
     assert later["met"] is True
     table = "\n".join(targets_table({"targets": list(targets.values())}))
     assert "| dalid, QA configuration: samples/s | >= 19,000 | 18,500 samples/s | **no** |" in table
-    # On the CPU the GPU targets are not set, and one job is held to 95%.
+    # On the CPU the GPU targets are not set, and one job is held to 97% (the hot path's goal).
     cpu = _by_name(all_targets(values, {}, LABELS))
     assert "dalid, QA configuration: samples/s" not in cpu
-    assert cpu["dalid (shared), 1 job: samples/s / DALI in-process, 1 job"]["goal"] == ">= 95%"
+    assert cpu["dalid (shared), 1 job: samples/s / DALI in-process, 1 job"]["goal"] == ">= 97%"
 
 
 def test_a_handle_opened_late_or_twice_misses_its_target() -> None:
