@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .config import QUICK, Settings
-from .contenders import CONTENDERS
+from .config import PROFILES, Settings
+from .contenders import CONTENDERS, GPU_KINDS
 from .dataset import make_imagefolder
 from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
@@ -37,6 +37,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description="Compare dalid with DALI in-process, DALI's proxy and a torch+PIL loader.",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="cpu",
+        help="the named configuration to start from: cpu (the default: batch 32, 2 workers, "
+        "every contender) or gpu (the ImageNet-style training pipeline at batch 256 with 8 "
+        "workers, DALI's QA decoder configuration, staged GPU outputs, scaling runs of dalid "
+        "against DALI in-process; see README.md)",
     )
     parser.add_argument("--quick", action="store_true", help="a small smoke run (about a minute)")
     parser.add_argument("--images", type=int, help="images in the dataset (default 512)")
@@ -85,8 +94,10 @@ _OVERRIDABLE = (
 
 
 def make_settings(args: argparse.Namespace) -> Settings:
-    """The defaults (or quick mode's), with the options given on the command line."""
-    settings = QUICK if args.quick else Settings()
+    """The profile's settings (or its quick mode's), with the options given on the command
+    line."""
+    full, quick = PROFILES[args.profile]
+    settings = quick if args.quick else full
     given = {name: getattr(args, name) for name in _OVERRIDABLE}
     overrides = {name: value for name, value in given.items() if value is not None}
     settings = settings.with_(**overrides, gpu=not args.cpu and gpu_present())
@@ -97,19 +108,34 @@ def make_settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def default_kinds(settings: Settings) -> list[str]:
+    """What a run without ``--only`` runs: on the GPU profile, neither torch + PIL nor the
+    private pipelines (a short stay on a GPU has no time for them); on the CPU profile, the
+    GPU profile's contenders in quick mode only (their code runs; their figures mean nothing
+    on a CPU)."""
+    if settings.profile == "gpu":
+        return [kind for kind in KINDS if kind not in ("torch-pil", "dalid-private")]
+    if settings.quick:
+        return KINDS
+    return [kind for kind in KINDS if kind not in GPU_KINDS]
+
+
 def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], Settings]:
     """(contender, jobs) pairs, one run each per repeat: multi-job runs when jobs > 1, and the
     scaling runs; and the settings, without scaling job counts when they are not run."""
-    kinds = KINDS if not only else [k.strip() for k in only.split(",") if k.strip()]
+    kinds = (
+        default_kinds(settings) if not only else [k.strip() for k in only.split(",") if k.strip()]
+    )
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
+    scaled = [kind for kind in SCALED if kind in settings.scaled]
     runs = [(kind, 1) for kind in kinds if kind != SCALING]
     if settings.jobs > 1:
-        runs += [(kind, settings.jobs) for kind in SCALED if kind in kinds]
+        runs += [(kind, settings.jobs) for kind in scaled if kind in kinds]
     if SCALING not in kinds:
         return runs, settings.with_(scaling_jobs=())
-    return add_scaling_runs(runs, settings.scaling_jobs), settings
+    return add_scaling_runs(runs, settings.scaling_jobs, scaled), settings
 
 
 def _step_name(kind: str, jobs: int, repeat: int, repeats: int) -> str:
@@ -195,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "foreign_cores": foreign,
         "redone_runs": len(discarded),
-        "summary": summarize(outcomes),
+        "summary": summarize(outcomes, gpu=settings.gpu),
     }
     update_latest = not settings.quick and not args.no_latest and args.output == RESULTS_DIR
     written = write(report, outcomes, discarded, args.output, update_latest)

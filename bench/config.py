@@ -1,4 +1,5 @@
-"""What one benchmark run is: the settings every trainer subprocess receives as JSON."""
+"""What one benchmark run is: the settings every trainer subprocess receives as JSON, and the
+named configurations (profiles) a run starts from."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
+# What the GPU profile's pipelines do instead ("train"): an ImageNet-style training pipeline, as
+# DALI's ResNet-50 examples and its hw_decoder_bench "rn50" pipeline: the decoder decodes a
+# random crop (the same area and aspect ranges), resized to CROP x CROP, flipped at random and
+# normalized into float16 NCHW. "rrc" is the CPU profile's (see pipelines.py).
+PIPELINES = ("rrc", "train")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Sizes and knobs shared by every contender of a run, so that they do the same work."""
 
+    profile: str = "cpu"
     images: int = 512
     classes: int = 8
     seed: int = 0
@@ -32,6 +41,16 @@ class Settings:
     scaling_jobs: tuple[int, ...] = (1, 2, 4, 8)  # job counts of the scaling runs; () if none
     repeats: int = 3
     transport_iterations: int = 2000
+    pipeline: str = "rrc"  # one of PIPELINES
+    # The decoder's share of images for the hardware JPEG decoder (None: DALI's default).
+    hw_decoder_load: float | None = None
+    # DALI's QA decoder configuration (hw_decoder_bench -p rn50: batch 408, 70 threads,
+    # hw_decoder_load 0.12), run by the *-qa contenders with the "train" pipeline.
+    qa_batch_size: int = 408
+    qa_threads: int = 70
+    qa_hw_decoder_load: float = 0.12
+    # The contenders of the scaling runs (scaling.SCALED: all three).
+    scaled: tuple[str, ...] = ("dali", "dalid", "dalid-private")
     gpu: bool = False
     quick: bool = False
     # Filled in per trainer by the orchestrator.
@@ -55,10 +74,20 @@ class Settings:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
+    def for_qa(self) -> Settings:
+        """These settings in DALI's QA decoder configuration (the *-qa contenders)."""
+        return self.with_(
+            batch_size=self.qa_batch_size,
+            threads=self.qa_threads,
+            pipeline="train",
+            hw_decoder_load=self.qa_hw_decoder_load,
+        )
+
     @classmethod
     def from_json(cls, text: str) -> Settings:
         data = json.loads(text)
-        return cls(**{**data, "scaling_jobs": tuple(data["scaling_jobs"])})
+        tuples = {name: tuple(data[name]) for name in ("scaling_jobs", "scaled") if name in data}
+        return cls(**{**data, **tuples})
 
     def describe(self) -> dict[str, Any]:
         """The settings that define the run (without per-trainer fields), for the report."""
@@ -69,5 +98,27 @@ class Settings:
 
 
 QUICK = Settings(
-    images=128, epochs=2, repeats=1, transport_iterations=300, scaling_jobs=(1, 2, 4), quick=True
-)
+    images=128, epochs=2, repeats=1, transport_iterations=300, scaling_jobs=(1, 2, 4), quick=True,
+    qa_batch_size=32, qa_threads=2,
+)  # fmt: skip
+"""Quick mode of the CPU profile: a smoke test. It also runs the GPU profile's contenders (the
+QA configuration scaled down to its batch and threads, staged GPU outputs), so that their code
+runs on the CPU too."""
+
+GPU = Settings(
+    profile="gpu", images=8192, classes=100, batch_size=256, workers=8, threads=8, repeats=2,
+    jobs=1, transport_iterations=1000, pipeline="train", scaled=("dali", "dalid"),
+)  # fmt: skip
+"""The GPU profile (``--profile gpu``): the ImageNet-style training pipeline at batch 256 with 8
+DataLoader workers, DALI's QA decoder configuration, and the scaling runs of dalid (shared)
+against DALI in-process, which hold its runs of several jobs (the private pipelines are left
+out, to fit a short stay on a GPU)."""
+
+GPU_QUICK = GPU.with_(
+    images=512, epochs=2, repeats=1, batch_size=64, workers=2, threads=2,
+    scaling_jobs=(1, 2), transport_iterations=100, qa_batch_size=64, qa_threads=2, quick=True,
+)  # fmt: skip
+"""Quick mode of the GPU profile: its smoke test, on a GPU or on the CPU."""
+
+PROFILES = {"cpu": (Settings(), QUICK), "gpu": (GPU, GPU_QUICK)}
+"""Each profile's settings, in full and in quick mode."""

@@ -1,5 +1,7 @@
 """The contenders: four ways of getting the same augmented batches into a training loop, the
-last of them, dalid, with its jobs sharing one pipeline in the daemon or each with its own.
+last of them, dalid, with its jobs sharing one pipeline in the daemon or each with its own, or
+with its GPU outputs staged through shared memory; and DALI in-process and dalid in DALI's QA
+decoder configuration.
 
 Each is a context manager that sets its loader up, then yields a function returning one
 epoch's iterator of ``(images, labels)``; :func:`bench.measure.timed_loop` times it. Each runs
@@ -120,6 +122,8 @@ def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
         settings.threads,
         settings.gpu,
         settings.seed + settings.job,
+        pipeline=settings.pipeline,
+        hw_decoder_load=settings.hw_decoder_load,
     )
     iterator = DALIGenericIterator(
         [pipe],
@@ -157,14 +161,12 @@ class PathDataset(Dataset[tuple[Any, int]]):
 
 @contextlib.contextmanager
 def dali_proxy(settings: Settings) -> Iterator[EpochFactory]:
-    from .pipelines import patch_nvtx_for_cpu_torch, path_pipeline
+    from .pipelines import patch_nvtx_for_cpu_torch
 
     patch_nvtx_for_cpu_torch()  # must come before the proxy module is imported
     from nvidia.dali.plugin.pytorch.experimental import proxy
 
-    pipe = path_pipeline(
-        settings.batch_size, settings.threads, settings.gpu, settings.seed + settings.job
-    )
+    pipe = _path_pipeline(settings)
     # Not timed: leaving the DALIServer takes 5 s (its thread polls with a 5 s timeout), and
     # joining its DataLoader workers at exit about 5 s each.
     with proxy.DALIServer(pipe) as server:
@@ -173,23 +175,61 @@ def dali_proxy(settings: Settings) -> Iterator[EpochFactory]:
         yield lambda: iter(loader)
 
 
+def _path_pipeline(settings: Settings) -> Any:
+    from .pipelines import path_pipeline
+
+    return path_pipeline(
+        settings.batch_size,
+        settings.threads,
+        settings.gpu,
+        settings.seed + settings.job,
+        pipeline=settings.pipeline,
+        hw_decoder_load=settings.hw_decoder_load,
+    )
+
+
+class DalidEpochs:
+    """The epochs of a dalid loader (an ``EpochFactory``), counting as each epoch ends the
+    slabs and batch events the session has opened so far: each is opened once, so every epoch
+    after the pools have filled should open none (GPU outputs: CUDA IPC handle opens)."""
+
+    def __init__(self, session: Any, loader: Any) -> None:
+        self._session = session
+        self._loader = loader
+        self.slabs_opened: list[int] = []
+        self.events_opened: list[int] = []
+
+    def __call__(self) -> Iterator[Any]:
+        yield from self._loader
+        self.slabs_opened.append(self._session.slabs_opened)
+        self.events_opened.append(self._session.events_opened)
+
+    def handles(self) -> dict[str, Any]:
+        """The counts at the end of each epoch (cumulative), with the session's job id."""
+        return {
+            "job_id": self._session.job_id,
+            "slabs_opened": self.slabs_opened,
+            "events_opened": self.events_opened,
+        }
+
+
 @contextlib.contextmanager
 def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
     import dalid.client as dalid
 
-    from .pipelines import path_pipeline
-
-    pipe = path_pipeline(
-        settings.batch_size, settings.threads, settings.gpu, settings.seed + settings.job
-    )
+    pipe = _path_pipeline(settings)
     name = f"bench job {settings.job}"
     with dalid.connect(settings.device, settings.socket, autostart=False, name=name) as session:
         dataset = PathDataset(session.proxy(pipe), settings.dataset_root)
         loader = _loader(settings, dataset, functools.partial(dalid.DataLoader, session))
-        yield lambda: iter(loader)
+        yield DalidEpochs(session, loader)
 
 
 # --- the registry ------------------------------------------------------------------------------
+
+
+def _same(settings: Settings) -> Settings:
+    return settings
 
 
 @dataclass(frozen=True)
@@ -200,6 +240,8 @@ class Contender:
     run: Callable[[Settings], contextlib.AbstractContextManager[EpochFactory]]
     needs_daemon: bool = False
     daemon_args: tuple[str, ...] = ()  # options of ``dalid serve`` beyond the bench's own
+    # The run's settings as this contender uses them (the QA configuration's, say).
+    configure: Callable[[Settings], Settings] = _same
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -240,5 +282,37 @@ CONTENDERS: dict[str, Contender] = {
             needs_daemon=True,
             daemon_args=("--share-pipelines", "no"),
         ),
+        Contender(
+            "dalid-staged",
+            "dalid (staged)",
+            "as dalid, with its GPU outputs staged through shared memory as where CUDA IPC "
+            "cannot work (dalid serve --gpu-outputs staged): what the fallback costs",
+            dalid_client,
+            needs_daemon=True,
+            daemon_args=("--gpu-outputs", "staged"),
+        ),
+        Contender(
+            "dali-qa",
+            "DALI in-process, QA configuration",
+            "DALI in-process in DALI's QA decoder configuration (hw_decoder_bench -p rn50: "
+            "batch 408, 70 threads, hw_decoder_load 0.12)",
+            dali_inprocess,
+            configure=Settings.for_qa,
+        ),
+        Contender(
+            "dalid-qa",
+            "dalid, QA configuration",
+            "the QA configuration through dalid: the job's own pipeline in the daemon keeps "
+            "its batch and threads (dalid serve --share-pipelines no)",
+            dalid_client,
+            needs_daemon=True,
+            daemon_args=("--share-pipelines", "no"),
+            configure=Settings.for_qa,
+        ),
     )
 }
+
+QA_KINDS = ("dali-qa", "dalid-qa")
+GPU_KINDS = ("dalid-staged", *QA_KINDS)
+"""Contenders of the GPU profile, which the CPU profile runs in quick mode only (their code
+runs, scaled down; their figures mean nothing on the CPU)."""

@@ -2,8 +2,8 @@
 
 The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
 and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
-Trainers read the daemon's pipelines from its status (:func:`pipeline_status`) as their timed
-window ends.
+Trainers read the daemon's pipelines and jobs from its status (:func:`status_reading`) as their
+timed window ends.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def _answers(socket: Path) -> bool:
         context.term()
 
 
-def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dict[str, Any]]:
+def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
-    them) from the daemon on ``socket``; a status request needs no hello."""
+    them) and, of each job, its id, slabs and output path, from the daemon on ``socket``; a
+    status request needs no hello."""
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
     try:
@@ -77,7 +78,11 @@ def pipeline_status(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> list[dic
         report = transport.recv(sock).message
         if not isinstance(report, StatusReport):
             raise DaemonFailed(f"the daemon answered a status request with {report!r}")
-        return [dataclasses.asdict(pipeline) for pipeline in report.pipelines]
+        jobs = [
+            {"job_id": job.job_id, "slabs": job.slabs, "output_path": job.output_path}
+            for job in report.jobs
+        ]
+        return {"pipelines": [dataclasses.asdict(p) for p in report.pipelines], "jobs": jobs}
     finally:
         sock.close(linger=0)
         context.term()

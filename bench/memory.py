@@ -6,7 +6,9 @@ shared-memory slabs, so a sum of RSS overstates. The sampler therefore also read
 (proportional set size, ``/proc/<pid>/smaps_rollup``), which divides each shared page among
 the processes that map it, so that PSS adds up across processes. Beside them: the daemon's
 high-water mark (``VmHWM``), the bytes its ``/dev/shm`` segments hold, and, with
-a GPU, the GPU memory in use (``nvidia-smi``, over the reading before the run).
+a GPU, the GPU memory in use (``nvidia-smi``, over the reading before the run) and each process's
+share of it (``nvidia-smi --query-compute-apps``): the trainers with their workers, and the
+daemon.
 """
 
 from __future__ import annotations
@@ -80,6 +82,46 @@ def gpu_used_mib() -> float | None:
         return None
 
 
+def gpu_process_mib() -> dict[int, float] | None:
+    """GPU memory each process uses (``nvidia-smi --query-compute-apps``), by pid; None without
+    nvidia-smi or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_compute_apps(out.stdout)
+
+
+def parse_compute_apps(text: str) -> dict[int, float]:
+    """``pid, MiB`` lines of ``nvidia-smi --query-compute-apps=pid,used_memory`` (csv, no
+    header, no units), summed per pid (a process on several GPUs); "[N/A]" lines are left out."""
+    found: dict[int, float] = {}
+    for line in text.splitlines():
+        pid, _, used = (part.strip() for part in line.partition(","))
+        try:
+            found[int(pid)] = found.get(int(pid), 0.0) + float(used)
+        except ValueError:
+            continue
+    return found
+
+
+def _gpu_shares(
+    processes: dict[int, float] | None, trainer_pids: Sequence[int], daemon_pid: int
+) -> tuple[float | None, float | None, float | None]:
+    """GPU MiB of the trainers with their workers, of the daemon, and of both; None where
+    nvidia-smi names none of them (no GPU, or another pid namespace than ours)."""
+    if not processes or not any(pid in processes for pid in (*trainer_pids, daemon_pid)):
+        return None, None, None
+    trainers = sum(processes.get(pid, 0.0) for pid in trainer_pids)
+    daemon = processes.get(daemon_pid, 0.0) if daemon_pid else None
+    return trainers, daemon, trainers + (daemon or 0.0)
+
+
 @dataclass(frozen=True)
 class MemorySample:
     """One reading of every process of a run, in MiB; None where it cannot be read."""
@@ -94,6 +136,10 @@ class MemorySample:
     daemon_shm_mb: float | None
     gpu_mb: float | None  # over the reading before the run started
     all_pss_mb: float | None  # trainers, workers and daemon: PSS adds up across processes
+    # Per process (nvidia-smi --query-compute-apps): the trainers and their workers, the daemon.
+    trainers_gpu_mb: float | None = None
+    daemon_gpu_mb: float | None = None
+    all_gpu_mb: float | None = None
 
     @classmethod
     def take(
@@ -108,6 +154,8 @@ class MemorySample:
         daemon_pss = daemon[1] if daemon else 0.0
         missing = trainers_pss is None or daemon_pss is None
         gpu = gpu_used_mib() if gpu_baseline is not None else None
+        processes = gpu_process_mib() if gpu_baseline is not None else None
+        trainers_gpu, daemon_gpu, all_gpu = _gpu_shares(processes, pids, daemon_pid)
         return cls(
             t_ns=time.monotonic_ns(),
             processes=len(live),
@@ -119,6 +167,9 @@ class MemorySample:
             daemon_shm_mb=shm_mib(daemon_pid) if daemon_pid else None,
             gpu_mb=None if gpu is None or gpu_baseline is None else gpu - gpu_baseline,
             all_pss_mb=None if missing else (trainers_pss or 0.0) + (daemon_pss or 0.0),
+            trainers_gpu_mb=trainers_gpu,
+            daemon_gpu_mb=daemon_gpu,
+            all_gpu_mb=all_gpu,
         )
 
 
@@ -174,7 +225,7 @@ class MemorySampler:
 
 FIELDS = (
     "trainers_rss_mb", "trainers_pss_mb", "daemon_rss_mb", "daemon_pss_mb", "daemon_shm_mb",
-    "gpu_mb", "all_pss_mb",
+    "gpu_mb", "all_pss_mb", "trainers_gpu_mb", "daemon_gpu_mb", "all_gpu_mb",
 )  # fmt: skip
 # The figures memory_metrics returns: each field's median in the window and its peak.
 METRICS = (*FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daemon_peak_rss_mb")
@@ -193,8 +244,9 @@ def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[s
         inside = [min(samples, key=lambda s: abs(s["t_ns"] - middle))]
     metrics: dict[str, Any] = {"samples": len(samples), "window_samples": len(inside)}
     for name in FIELDS:
-        steady = [s[name] for s in inside if s[name] is not None]
-        every = [s[name] for s in samples if s[name] is not None]
+        # .get: samples of runs recorded before a field existed lack it.
+        steady = [s[name] for s in inside if s.get(name) is not None]
+        every = [s[name] for s in samples if s.get(name) is not None]
         metrics[name] = statistics.median(steady) if steady else None
         metrics[name.replace("_mb", "_peak_mb")] = max(every) if every else None
     hwm = [s["daemon_hwm_mb"] for s in samples if s["daemon_hwm_mb"] is not None]

@@ -5,6 +5,12 @@ The DALI contenders differ only in how file bytes enter the pipeline: DALI's own
 or file paths fed through ``fn.external_source`` and read with ``fn.io.file.read``, which is
 what the proxy APIs need (as in DALI's proxy documentation). On a machine with a GPU the
 decoder is ``mixed`` and the rest runs on the GPU.
+
+Two augmentations (``Settings.pipeline``): ``rrc`` decodes whole images, then crops at random,
+flips and normalizes into float32 CHW; ``train``, the GPU profile's, is an ImageNet-style
+training pipeline as DALI's ResNet-50 examples and its QA decoder benchmark (hw_decoder_bench
+``-p rn50``) have it: the decoder decodes a random crop, which is resized, flipped and
+normalized into float16 NCHW.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ def _options(batch_size: int, num_threads: int, gpu: bool, **more: Any) -> dict[
     }
 
 
-def _augment(jpegs: Any, gpu: bool) -> Any:
+def _augment(jpegs: Any, gpu: bool, pipeline: str, hw_decoder_load: float | None) -> Any:
+    if pipeline == "train":
+        return _train(jpegs, gpu, hw_decoder_load)
     images = fn.decoders.image(
         jpegs, device="mixed" if gpu else "cpu", output_type=types.DALIImageType.RGB
     )
@@ -47,35 +55,79 @@ def _augment(jpegs: Any, gpu: bool) -> Any:
     )
 
 
-def reader_pipeline(root: str, batch_size: int, num_threads: int, gpu: bool, seed: int) -> Any:
+def _train(jpegs: Any, gpu: bool, hw_decoder_load: float | None) -> Any:
+    decoder: dict[str, Any] = {}
+    if gpu and hw_decoder_load is not None:
+        decoder["hw_decoder_load"] = hw_decoder_load
+    images = fn.decoders.image_random_crop(
+        jpegs,
+        device="mixed" if gpu else "cpu",
+        output_type=types.DALIImageType.RGB,
+        random_area=list(AREA),
+        random_aspect_ratio=list(RATIO),
+        **decoder,
+    )
+    images = fn.resize(images, resize_x=CROP, resize_y=CROP)
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.DALIDataType.FLOAT16,
+        output_layout="CHW",
+        crop=(CROP, CROP),
+        mean=list(MEAN),
+        std=list(STD),
+        mirror=fn.random.coin_flip(probability=0.5),
+    )
+
+
+def reader_pipeline(
+    root: str,
+    batch_size: int,
+    num_threads: int,
+    gpu: bool,
+    seed: int,
+    *,
+    pipeline: str = "rrc",
+    hw_decoder_load: float | None = None,
+) -> Any:
     """DALI's file reader over an ImageFolder; outputs ``images`` and ``labels``."""
 
     @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
     def pipe() -> Any:
         jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
-        return _augment(jpegs, gpu), labels
+        return _augment(jpegs, gpu, pipeline, hw_decoder_load), labels
 
     return pipe()
 
 
-def path_pipeline(batch_size: int, num_threads: int, gpu: bool, seed: int) -> Any:
+def path_pipeline(
+    batch_size: int,
+    num_threads: int,
+    gpu: bool,
+    seed: int,
+    *,
+    pipeline: str = "rrc",
+    hw_decoder_load: float | None = None,
+) -> Any:
     """File paths in (int8 arrays through ``external_source``), augmented images out."""
 
     @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
     def pipe() -> Any:
         paths = fn.external_source(name=PATH_INPUT, no_copy=True)
-        return _augment(fn.io.file.read(paths), gpu)  # type: ignore[attr-defined]
+        jpegs = fn.io.file.read(paths)  # type: ignore[attr-defined]
+        return _augment(jpegs, gpu, pipeline, hw_decoder_load)
 
     return pipe()
 
 
-def tiny_pipeline(batch_size: int) -> Any:
-    """An empty CPU pipeline: its one output is its input, so a run measures pure overhead."""
+def tiny_pipeline(batch_size: int, gpu: bool = False) -> Any:
+    """An empty pipeline: its one output is its input (copied to the GPU with ``gpu``), so a
+    run measures pure overhead: of the transport, and of delivering a GPU output."""
 
     # prefetch_queue_depth=1 so that the in-process baseline can use pipe.run(data=...).
-    @pipeline_def(**_options(batch_size, 1, False, prefetch_queue_depth=1))
+    @pipeline_def(**_options(batch_size, 1, gpu, prefetch_queue_depth=1))
     def pipe() -> Any:
-        return fn.external_source(name=TINY_INPUT, no_copy=True)
+        data = fn.external_source(name=TINY_INPUT, no_copy=True)
+        return data.gpu() if gpu else data
 
     return pipe()
 

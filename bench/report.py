@@ -17,7 +17,7 @@ from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
 from .table import NONE, fmt, gpu_names, spread_text
-from .targets import P50_TARGET_US, P99_TARGET_US, met_text
+from .targets import ECHO_P50_TARGET, ECHO_P99_TARGET, met_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -52,7 +52,7 @@ def _setup(report: dict[str, Any]) -> list[str]:
         f"{settings['batch_size']}, {settings['epochs']} epochs per run of which "
         f"{settings['warmup_epochs']} warm-up, {settings['workers']} DataLoader workers, "
         f"{settings['threads']} DALI threads per pipeline, {settings['repeats']} repeats, "
-        f"pipelines on the {'GPU' if settings['gpu'] else 'CPU'}.",
+        f"pipelines on the {'GPU' if settings['gpu'] else 'CPU'}" + _pipeline_text(settings) + ".",
         f"- Other processes on the machine used {report['foreign_cores']:.2f} CPU cores on "
         "average while this ran (0: the benchmark had the machine to itself)."
         + (DISTURBED if report["foreign_cores"] > BUSY_CORES else "")
@@ -65,9 +65,26 @@ def _setup(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _pipeline_text(settings: dict[str, Any]) -> str:
+    """The profile's augmentation and QA configuration, where they are not the CPU profile's."""
+    text = ""
+    if settings.get("pipeline") == "train":
+        text += (
+            ", the ImageNet-style training pipeline (decoder with random crop, resize, flip, "
+            "normalize to float16 NCHW)"
+        )
+    if settings.get("profile", "cpu") != "cpu" or settings.get("quick"):
+        text += (
+            f"; QA configuration: batch {settings.get('qa_batch_size')}, "
+            f"{settings.get('qa_threads')} threads, hw_decoder_load "
+            f"{settings.get('qa_hw_decoder_load')}"
+        )
+    return text
+
+
 # How a target's figure shows, by its unit: digits, scale and suffix.
 _UNITS = {"ratio": (1, 100.0, "%"), "times": (2, 1.0, "x"), "index": (3, 1.0, ""),
-          "us": (0, 1.0, " µs")}  # fmt: skip
+          "us": (0, 1.0, " µs"), "rate": (0, 1.0, " samples/s"), "count": (0, 1.0, "")}  # fmt: skip
 
 
 def targets_table(summary: dict[str, Any]) -> list[str]:
@@ -129,6 +146,37 @@ def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
     ]
 
 
+def _handles(rows: list[dict[str, Any]]) -> list[str]:
+    """Slabs and batch events each dalid contender's trainers opened per epoch (bench.handles),
+    from its first repeat that counted them."""
+    counted = [row for row in rows if row.get("handles_per_run")]
+    if not counted:
+        return []
+    lines = [
+        "| contender | slab handles opened, each epoch | slabs of the pools | batch events "
+        "opened, each epoch | output path |",
+        "|---|---|--:|---|---|",
+    ]
+    for row in counted:
+        run = row["handles_per_run"][0]
+        slabs = NONE if run["slabs"] is None else str(run["slabs"])
+        lines.append(
+            f"| {row['label']} | {', '.join(map(str, run['opens_per_epoch']))} | {slabs} | "
+            f"{', '.join(map(str, run['events_per_epoch']))} | "
+            f"{', '.join(run['output_paths']) or NONE} |"
+        )
+    return [
+        *lines,
+        "",
+        "Each slab of a job's output pool is mapped once by its trainer (a GPU slab: one "
+        "cudaIpcOpenMemHandle), each of the daemon's batch events opened once: after the "
+        "pools have filled, an epoch opens none. Counted by every trainer at the end of each "
+        "epoch, summed over the run's jobs; slabs: the jobs' pools as their timed windows "
+        "ended (`dalid status`).",
+        "",
+    ]
+
+
 def _ratio_matrix(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     ids = [row["id"] for row in rows if row["samples_per_s"]["n"]]
     if len(ids) < 2:
@@ -168,6 +216,7 @@ def markdown(report: dict[str, Any]) -> str:
         _setup(report),
         targets_table(summary),
         _contenders(summary, _main_rows(report)),
+        _handles(_main_rows(report)),
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),
         _transport(summary),
@@ -222,11 +271,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for offset, key in ((-width / 2, "p50_us"), (width / 2, "p99_us")):
         values = [probes[name][key]["median"] for name in names]
         ax.bar([i + offset for i in px], values, width, label=key[:3])
-    for goal, style in ((P50_TARGET_US, "--"), (P99_TARGET_US, ":")):
-        ax.axhline(goal, color="grey", linestyle=style, linewidth=1)
+    if "zmq_echo" in probes:
+        # The round-trip targets: a tiny batch within 2x (p50) and 3x (p99) of the echo.
+        echo = probes["zmq_echo"]
+        for quantile, goal, style in (("p50_us", ECHO_P50_TARGET, "--"),
+                                      ("p99_us", ECHO_P99_TARGET, ":")):  # fmt: skip
+            ax.axhline(goal * echo[quantile]["median"], color="grey", linestyle=style, linewidth=1)
     ax.set_yscale("log")
     ax.set_xticks(px, [name.replace("_", "\n", 1) for name in names], fontsize=8)
-    ax.set_title("empty-pipeline round trip (µs, log scale; targets dashed/dotted)")
+    ax.set_title("empty-pipeline round trip (µs, log; 2x/3x the echo dashed/dotted)")
     ax.legend()
 
     fig.tight_layout()

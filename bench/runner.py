@@ -163,6 +163,8 @@ def _run_trainers(
 def run_once(kind: str, jobs: int, repeat: int, settings: Settings, workdir: Path) -> Outcome:
     """Runs ``kind`` as ``jobs`` concurrent trainers; errors are kept in the outcome."""
     outcome = Outcome(kind, jobs, repeat)
+    if kind != "transport":
+        settings = CONTENDERS[kind].configure(settings)
     started = time.monotonic()
     load = LoadMeter.start()
     outcome.gpu_baseline_mb = gpu_used_mib() if settings.gpu else None

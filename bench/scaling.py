@@ -45,12 +45,13 @@ def parse_job_counts(text: str) -> tuple[int, ...]:
 
 
 def add_scaling_runs(
-    runs: Iterable[tuple[str, int]], job_counts: Iterable[int]
+    runs: Iterable[tuple[str, int]], job_counts: Iterable[int], kinds: Sequence[str] = SCALED
 ) -> list[tuple[str, int]]:
-    """``runs`` followed by a run of each of ``SCALED`` per job count, none twice."""
+    """``runs`` followed by a run of each of ``kinds`` (of ``SCALED``) per job count, none
+    twice."""
     planned = list(runs)
     for jobs in job_counts:
-        for kind in SCALED:
+        for kind in kinds:
             if (kind, jobs) not in planned:
                 planned.append((kind, jobs))
     return planned

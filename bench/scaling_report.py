@@ -92,8 +92,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
         "| jobs | contender | trainers PSS MiB (peak) | trainers RSS sum MiB "
         "| daemon RSS MiB (peak) | daemon PSS MiB | daemon /dev/shm MiB (peak) "
-        "| all processes PSS MiB (peak) |" + (" GPU MiB (peak) |" if gpu else ""),
-        "|--:|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if gpu else ""),
+        "| all processes PSS MiB (peak) |"
+        + (" GPU MiB (peak) | GPU MiB, all processes (peak) | GPU MiB, daemon |" if gpu else ""),
+        "|--:|---|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if gpu else ""),
     ]
     for row in rows:
         daemon = CONTENDERS[row["kind"]].needs_daemon
@@ -106,7 +107,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
             _memory(row, "all_pss_mb", "all_pss_peak_mb"),
         ]
         if gpu:
-            cells.append(_memory(row, "gpu_mb", "gpu_peak_mb"))
+            cells += [
+                _memory(row, "gpu_mb", "gpu_peak_mb"),
+                _memory(row, "all_gpu_mb", "all_gpu_peak_mb"),
+                _memory(row, "daemon_gpu_mb") if daemon else "",
+            ]
         lines.append(
             f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | " + " | ".join(cells) + " |"
         )
@@ -122,7 +127,13 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "RSS counts pages workers share with their trainer once per process. The daemon's peak "
         "RSS is its high-water mark (VmHWM). /dev/shm: pages its output slabs hold, which the "
         "daemon's and the trainers' PSS include too."
-        + (" GPU: memory in use over the reading before the run (nvidia-smi)." if gpu else ""),
+        + (
+            " GPU: memory in use over the reading before the run (nvidia-smi); all processes: "
+            "what nvidia-smi charges each of the run's processes (--query-compute-apps), the "
+            "trainers, their workers and the daemon added up; daemon: its own share."
+            if gpu
+            else ""
+        ),
         "",
         *_pipelines(rows),
     ]

@@ -14,6 +14,7 @@ from typing import Any
 
 from .contenders import CONTENDERS
 from .fill import run_pipelines
+from .handles import run_handles
 from .measure import LoopResult
 from .memory import METRICS as MEMORY_METRICS
 from .memory import memory_metrics
@@ -38,6 +39,8 @@ PROBES = {
     "dali_b1": "DALI in-process pipe.run, 1 tiny sample",
     "dalid_b32": "dalid: submit -> ready, 32 tiny samples",
     "dali_b32": "DALI in-process pipe.run, 32 tiny samples",
+    "dalid_gpu_b1": "dalid: submit -> ready, 1 tiny sample as a GPU output, read on the host",
+    "dali_gpu_b1": "DALI in-process pipe.run, 1 tiny sample as a GPU output, read on the host",
 }
 
 
@@ -98,6 +101,9 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     # The daemon's pipelines as the jobs' timed windows ended (dalid only).
     daemon = CONTENDERS[outcome.kind].needs_daemon
     pipelines = run_pipelines(outcome.results) if daemon else None
+    # Whole epochs: every loop has the same batches per epoch (bench.measure).
+    epochs = len((outcome.results[0].get("handles") or {}).get("slabs_opened") or [1])
+    warmup_epochs = loops[0].warmup_batches * epochs // max(1, len(loops[0].stamps_ns))
     return {
         "samples_per_s": rate,
         "rate_window": method,
@@ -116,6 +122,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
         "pipelines": pipelines,
+        "handles": run_handles(outcome.results, warmup_epochs),
     }
 
 
@@ -123,8 +130,9 @@ def _transport_metrics(outcome: Outcome) -> dict[str, dict[str, float]]:
     return {probe: quantiles(times) for probe, times in outcome.results[0]["transport"].items()}
 
 
-def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    """Rows per contender, the transport table, the ratio matrix and the targets."""
+def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
+    """Rows per contender, the transport table, the ratio matrix and the targets (those of a
+    GPU where ``gpu``)."""
     by_row: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
     for outcome in outcomes:
         by_row[(outcome.kind, outcome.jobs)].append(outcome)
@@ -164,6 +172,9 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 "fairness": m["fairness"],
                 "all_pss_mb": m["memory"].get("all_pss_mb"),
                 "daemon_peak_rss_mb": m["memory"].get("daemon_peak_rss_mb"),
+                "cpu_ms_per_sample": m["cpu_ms_per_sample"]["total"],
+                "all_gpu_mb": m["memory"].get("all_gpu_mb"),
+                **_handle_values(m["handles"]),
             }
             for run, m in zip(good, metrics, strict=True)
         }
@@ -200,6 +211,11 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                     for run, m in zip(good, metrics, strict=True)
                     if m["pipelines"] is not None
                 ],
+                "handles_per_run": [
+                    {"repeat": run.repeat, **m["handles"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["handles"] is not None
+                ],
                 "errors": errors,
             }
         )
@@ -208,7 +224,18 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "rows": rows,
         "ratios": _ratios(rates),
         "transport": transport,
-        "targets": all_targets(values, transport, labels),
+        "targets": all_targets(values, transport, labels, gpu=gpu),
+    }
+
+
+def _handle_values(handles: dict[str, Any] | None) -> dict[str, float | None]:
+    """The handle figures the targets read (bench.handles), None where not counted."""
+    if handles is None:
+        return {"handle_opens": None, "handle_timed_opens": None, "slabs": None}
+    return {
+        "handle_opens": handles["opens"],
+        "handle_timed_opens": handles["timed_opens"],
+        "slabs": handles["slabs"],
     }
 
 

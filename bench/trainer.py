@@ -3,7 +3,8 @@
 It sets up one contender (or the transport probes), writes a byte to ``READY_FD``, waits for a
 line on stdin (the orchestrator starts concurrent trainers together that way), runs, and
 writes its result, or the error that stopped it, as JSON to ``RESULT_PATH``. A dalid trainer
-also reads the daemon's pipelines as its timed window ends, while its job is still there.
+also reads the daemon's pipelines and jobs as its timed window ends, while its job is still
+there, and counts the slabs and events its session opened by the end of each epoch.
 """
 
 from __future__ import annotations
@@ -47,24 +48,27 @@ def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
     contender = CONTENDERS[kind]
     with contender.run(settings) as epochs:
         go_ns = _ready_then_wait(ready_fd)
-        result = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        result: dict[str, Any] = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        handles = getattr(epochs, "handles", None)
+        if handles is not None:
+            result["handles"] = handles()
         if contender.needs_daemon:
             result["pipelines"] = _daemon_pipelines(settings)
         return result
 
 
 def _daemon_pipelines(settings: Settings) -> dict[str, Any]:
-    """The daemon's pipelines now (see :mod:`bench.fill`), or why they could not be read: a
-    run's throughput does not depend on them."""
+    """The daemon's pipelines and jobs now (see :mod:`bench.fill`), or why they could not be
+    read: a run's throughput does not depend on them."""
     import zmq
 
     from dalid.protocol import ProtocolError
 
-    from .daemon import DaemonFailed, pipeline_status
+    from .daemon import DaemonFailed, status_reading
 
     t_ns = time.monotonic_ns()
     try:
-        return {"t_ns": t_ns, "pipelines": pipeline_status(Path(settings.socket))}
+        return {"t_ns": t_ns, **status_reading(Path(settings.socket))}
     except (DaemonFailed, ProtocolError, zmq.ZMQError, OSError) as error:
         return {"t_ns": t_ns, "error": f"{type(error).__name__}: {error}"}
 

@@ -13,6 +13,9 @@ Each probe is timed call by call with ``perf_counter_ns``:
   collate), ``dalid_b1_ready`` the rest (waiting for the batch, mapping its output).
 - ``dali_b1`` / ``dali_b32``: the same empty pipeline run in-process with ``pipe.run``; what
   DALI itself costs per batch, so that ``dalid - dali`` is what the transport adds.
+- On a GPU, ``dalid_gpu_b1`` / ``dali_gpu_b1``: one tiny sample copied to the GPU by the
+  pipeline, through dalid (a CUDA IPC slab, the batch's event) and in-process, read back on the
+  host: what delivering a GPU output adds per batch.
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ def _dali_step(pipe: Any, batch: int) -> Callable[[], object]:
 
     def step() -> object:
         (output,) = pipe.run(**{TINY_INPUT: samples})
+        if type(output).__name__ == "TensorListGPU":
+            output = output.as_cpu()  # read on the host, as the dalid step reads its tensor
         return int(np.asarray(output.at(0))[0])
 
     return step
@@ -175,15 +180,28 @@ def transport_probes(settings: Settings) -> Iterator[Callable[[], dict[str, list
                 name="bench transport",
             ) as session,
         ):
-            # Always CPU: the probe measures messaging, not where an empty pipeline runs.
+            # CPU pipelines: these probes measure messaging, not where an empty pipeline runs;
+            # on a GPU, the gpu ones measure the delivery of a GPU output besides.
             proxies = {b: session.proxy(tiny_pipeline(b)) for b in (1, 32)}
             pipes = {b: tiny_pipeline(b) for b in (1, 32)}
+            if settings.gpu:
+                proxies[-1] = session.proxy(tiny_pipeline(1, gpu=True))
+                pipes[-1] = tiny_pipeline(1, gpu=True)
             for pipe in pipes.values():
                 pipe.build()
 
             def measure() -> dict[str, list[float]]:
                 dalid_b1 = _DalidStep(session, proxies[1], 1)
+                gpu = (
+                    {
+                        "dalid_gpu_b1": _time(_DalidStep(session, proxies[-1], 1), n),
+                        "dali_gpu_b1": _time(_dali_step(pipes[-1], 1), n),
+                    }
+                    if settings.gpu
+                    else {}
+                )
                 return {
+                    **gpu,
                     "os_echo": _time(os_echo, n),
                     "zmq_echo": _time(zmq_echo, n),
                     "ping": _time(ping, n),

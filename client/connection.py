@@ -144,6 +144,9 @@ class Connection:
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
             process_context(), zmq.DEALER, endpoint(target), bind=False
         )
+        # One poller for the connection's life: Socket.poll would make one per wait.
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
         try:
             hello = Hello(
                 protocol_version=PROTOCOL_VERSION,
@@ -238,7 +241,7 @@ class Connection:
             wait = 0.05 if idle is not None else 0.5
             if deadline is not None:
                 wait = min(wait, deadline - now)
-            if not sock.poll(int(wait * 1000) + 1):
+            if not self._poller.poll(int(wait * 1000) + 1):
                 now = time.monotonic()
                 silent = now - last_heard
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:

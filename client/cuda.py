@@ -23,9 +23,11 @@ the backend's bookkeeping stay together as the one place the client touches CUDA
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,29 +72,59 @@ class Device(Protocol):
 
     def tensor(self, region: Any) -> torch.Tensor: ...
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor: ...
 
 
 class TorchDevice:
     """:class:`Device` on CUDA device ``index`` of this process: memory handles through CuPy
-    (torch has no public call for a foreign cudaIpcMemHandle), streams and events through torch.
+    (torch has no public call for a foreign cudaIpcMemHandle), streams, events and the uploads of
+    staged outputs (``cuda_staged.py``) through torch.
     """
 
     def __init__(self, index: int) -> None:
-        import cupy
-
         self.index = index
         self.torch_device = torch.device("cuda", index)
-        self._cupy_device = cupy.cuda.Device(index)
-        self._runtime = cupy.cuda.runtime
+
+    @contextlib.contextmanager
+    def _runtime(self) -> Iterator[Any]:
+        """CuPy's runtime, with this device current meanwhile. CuPy is imported here: only IPC
+        memory needs it, so a trainer that gets staged outputs does without it."""
+        import cupy
+
+        with cupy.cuda.Device(self.index):
+            yield cupy.cuda.runtime
 
     def open_memory(self, handle: bytes) -> int:
-        with self._cupy_device:
-            return int(self._runtime.ipcOpenMemHandle(handle))
+        with self._runtime() as runtime:
+            return int(runtime.ipcOpenMemHandle(handle))
 
     def close_memory(self, ptr: int) -> None:
-        with self._cupy_device:
-            self._runtime.ipcCloseMemHandle(ptr)
+        with self._runtime() as runtime:
+            runtime.ipcCloseMemHandle(ptr)
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        """``nbytes`` of device memory at ``ptr``, copied to the host (waits for the copy)."""
+        buffer = ctypes.create_string_buffer(nbytes)
+        with self._runtime() as runtime:
+            runtime.memcpy(ctypes.addressof(buffer), ptr, nbytes, runtime.memcpyDeviceToHost)
+        return buffer.raw
+
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
+        """A copy of the CPU tensor ``host`` on this device, ordered on ``stream`` (default:
+        the current stream), without a host wait where ``host`` is page-locked."""
+        with torch.cuda.stream(stream if stream is not None else self.current_stream()):
+            return host.to(self.torch_device, non_blocking=True)
+
+    def pin(self, ptr: int, size: int) -> bool:
+        """Page-locks host memory (``cudaHostRegister``); whether it could."""
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.index):
+            return int(cudart.cudaHostRegister(ptr, size, 0)) == 0
+
+    def unpin(self, ptr: int) -> None:
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.index):
+            cudart.cudaHostUnregister(ptr)
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.torch_device)
@@ -127,10 +159,6 @@ class TorchDevice:
         # torch keeps `region` alive for as long as any tensor shares this storage.
         return torch.as_tensor(region, device=self.torch_device)
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of a host tensor on this device, ordered on the current stream."""
-        return tensor.to(self.torch_device)
-
 
 def pick_device(daemon_uuid: str, uuids: Sequence[str], current: int) -> int:
     """The index among this process's devices (``uuids``) of the daemon's GPU: the current
@@ -164,6 +192,28 @@ def local_device(daemon_uuid: str) -> int:
     except GpuUnavailable as error:
         raise DeviceMismatch(f"cannot tell which GPU this process uses: {error}") from None
     return pick_device(daemon_uuid, uuids, torch.cuda.current_device())
+
+
+class TorchDevices:
+    """This process's CUDA devices as the GPU output backends open them, through torch. The one
+    instance is :data:`DEVICES`, which the backends look up when they open a device, so that
+    tests can put a simulated GPU in its place."""
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def local(self, daemon_uuid: str) -> int:
+        """The index of the daemon's GPU here (see :func:`local_device`)."""
+        return local_device(daemon_uuid)
+
+    def current(self) -> int:
+        return torch.cuda.current_device()
+
+    def open(self, index: int) -> TorchDevice:
+        return TorchDevice(index)
+
+
+DEVICES = TorchDevices()
 
 
 class _Region:
@@ -259,8 +309,9 @@ class CudaOutputs:
         """The backend for the outputs of the daemon on GPU ``device_uuid``, on that GPU as this
         process numbers it. Raises :class:`DeviceMismatch` now where torch has CUDA and cannot
         see that GPU; where torch has no CUDA, when the first GPU output arrives."""
-        index = local_device(device_uuid) if torch.cuda.is_available() else None
-        return cls(lambda: TorchDevice(local_device(device_uuid) if index is None else index))
+        devices = DEVICES
+        index = devices.local(device_uuid) if devices.available() else None
+        return cls(lambda: devices.open(devices.local(device_uuid) if index is None else index))
 
     @property
     def device(self) -> Device:

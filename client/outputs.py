@@ -6,25 +6,33 @@ daemon when its last tensor is collected. How a slab is mapped, when a tensor ma
 what a release must carry differ by memory, so each kind has its backend:
 
 - shared memory (``device="cpu"`` descriptors): :class:`~dalid.client.shm.SharedMemoryOutputs`;
-- CUDA IPC (``device="cuda"``, from a daemon on a GPU): :class:`~dalid.client.cuda.CudaOutputs`.
+- CUDA IPC (``device="cuda"``, from a daemon on a GPU): :class:`~dalid.client.cuda.CudaOutputs`;
+- GPU outputs staged in shared memory (``device="staged"``, from a daemon on a GPU whose memory
+  this process cannot open): :class:`~dalid.client.cuda_staged.StagedOutputs`.
 
 :class:`Outputs` holds the backends of one daemon and hands each descriptor to the backend of
-its device. Note [Output buffer lifetime] in ``dalid.server.pool`` and Note [GPU output
-lifetime] in ``dalid.server.cuda`` are the contracts the backends keep.
+its device; which GPU backend a job gets, the handshake with a GPU daemon decides
+(:func:`~dalid.client.cuda_staged.output_path`). Note [Output buffer lifetime] in
+``dalid.server.pool``, Note [GPU output lifetime] in ``dalid.server.cuda`` and Note [Staged GPU
+outputs] in ``dalid.server.cuda_staged`` are the contracts the backends keep.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions, Welcome
+from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
 
 from .cuda import CudaOutputs
+from .cuda_staged import StagedOutputs, output_path
 from .errors import DeviceMismatch
 from .shm import SharedMemoryOutputs
+
+if TYPE_CHECKING:
+    from .link import Link
 
 
 class OutputBackend(Protocol):
@@ -84,12 +92,19 @@ class Outputs:
         self._backends = dict(backends)
 
     @classmethod
-    def for_daemon(cls, welcome: Welcome) -> Outputs:
-        """Shared memory for every daemon, and CUDA IPC for one on a GPU (its welcome names the
-        GPU). Raises :class:`DeviceMismatch` when this process cannot use that GPU."""
+    def for_daemon(cls, link: Link) -> Outputs:
+        """Shared memory for every daemon; for one on a GPU (its welcome names the GPU), CUDA IPC
+        or, where this process cannot open the daemon's memory, staged GPU outputs, as the
+        handshake on ``link`` decides. Raises :class:`DeviceMismatch` when this process cannot
+        use the daemon's GPU outputs."""
+        welcome = link.welcome
         backends: dict[str, OutputBackend] = {"cpu": SharedMemoryOutputs()}
         if welcome.device_uuid:
-            backends["cuda"] = CudaOutputs.for_daemon(welcome.device_uuid)
+            path = output_path(link)
+            if path.path == "staged":
+                backends["staged"] = StagedOutputs.for_daemon(welcome.device_uuid, path.reason)
+            else:
+                backends["cuda"] = CudaOutputs.for_daemon(welcome.device_uuid)
         return cls(backends)
 
     def tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:

@@ -159,7 +159,7 @@ class Generation:
         results: dict[int, BatchReady | BatchFailed] = {}
         link = dial(on_push=functools.partial(_keep_result, results), **options)
         try:
-            outputs = Outputs.for_daemon(link.welcome)
+            outputs = Outputs.for_daemon(link)
         except BaseException:
             link.close()
             raise

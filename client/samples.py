@@ -18,6 +18,9 @@ from dalid.protocol import DTYPES
 
 from .errors import InputError
 
+# The allowed dtypes as numpy dtypes: a set lookup, where ``dtype.name`` is a Python property.
+_NATIVE_DTYPES = frozenset(np.dtype(name) for name in DTYPES)
+
 ACCEPTED = (
     "a numpy array, a CPU torch tensor, an object numpy reads as an array (a PIL image, "
     "anything with __array_interface__ or __array__), bytes or a number"
@@ -27,7 +30,7 @@ ACCEPTED = (
 def as_sample(value: Any, input_name: str) -> np.ndarray:
     """``value`` as a C-contiguous numpy array, without a copy where its layout allows."""
     array = _as_array(value, input_name)
-    if array.dtype.name not in DTYPES:
+    if array.dtype not in _NATIVE_DTYPES and array.dtype.name not in DTYPES:
         raise InputError(
             f"input {input_name!r}: dtype {array.dtype} is not supported; use one of "
             f"{sorted(DTYPES)}"

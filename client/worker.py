@@ -70,11 +70,14 @@ class Proxy:
         names = ", ".join(self._target.input_names)
         return f"<dalid Proxy pipeline={self._target.pipeline_id} inputs=({names})>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The samples by input name, as the signature binds them."""
+        names = self._target.input_names
+        if len(args) == 1 and not kwargs and len(names) == 1:
+            return {names[0]: args[0]}  # the usual call, bound without inspect
         try:
-            bound = self.__signature__.bind(*args, **kwargs)
+            return self.__signature__.bind(*args, **kwargs).arguments
         except TypeError as error:
-            names = self._target.input_names
             if args and len(names) > 1:
                 example = ", ".join(f"{name}=..." for name in names)
                 raise InputError(
@@ -84,6 +87,9 @@ class Proxy:
             raise InputError(
                 f"the pipeline takes {self.__signature__} (its external_source names): {error}"
             ) from None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self._arguments(args, kwargs)
         run = self._current_run()
         if run.batch_size >= self._target.max_batch_size:
             run.drop_abandoned()  # Note [Abandoned samples] in refs.py
@@ -94,7 +100,7 @@ class Proxy:
                 "max_batch_size: make the DataLoader's batch_size at most that"
             )
         # Check every input before adding any, so a refused call leaves the batch as it was.
-        arrays = {name: as_sample(bound.arguments[name], name) for name in self._target.input_names}
+        arrays = {name: as_sample(arguments[name], name) for name in self._target.input_names}
         for name, array in arrays.items():
             samples = run.call_args.get(name)
             if samples and samples[0].dtype != array.dtype:

@@ -19,6 +19,12 @@ type, every frame index and the message's own ``__post_init__`` checks, and rais
 :class:`ProtocolError` with the error code to answer with. It never trusts a size it has not
 checked: the header's length and its containers are bounded before they are unpacked.
 
+Each message class gets its encoder and its fast decoder compiled once from its annotations
+(:func:`_plan`): a message on the hot path costs a few dictionary lookups per field, not a walk
+over its type hints. The fast decoder accepts only values of exactly the annotated types; for
+anything else it hands the body to the checking decoder (``_decode_dataclass``), which accepts
+the same messages and, for the rest, names the field that is wrong.
+
 Forward compatibility (SPEC.md, "Versions"): a body field the receiver does not know, at any
 depth, is ignored, and so is a frame that no field it knows references; a field it knows but
 is not sent takes its default. So a field added with a default that older peers may ignore
@@ -31,7 +37,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +66,7 @@ def encode(message: Message, request_id: int | None = None) -> list[Any]:
     Buffers are returned as given (no copy): send them with ``copy=False``.
     """
     frames: list[Any] = [b""]
-    body = _encode_dataclass(message, frames)
+    body = _plan(type(message)).encode(message, frames)
     header = {"v": PROTOCOL_VERSION, "op": message.OP, "rid": request_id, "body": body}
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
@@ -102,17 +108,30 @@ def decode(frames: Sequence[Any]) -> Envelope:
         raise ProtocolError(
             ErrorCode.MALFORMED_MESSAGE, f"{op}: 'body' must be a map", request_id, op
         )
+    try:
+        message = _plan(cls).decode(body, frames, [False] * len(frames))
+    except Exception:
+        message = None
+    if message is None:
+        message = _checked_decode(cls, body, frames, request_id, op)
+    # Frames that only fields of a later version reference are not ours to read: dropped.
+    assert isinstance(message, Message)
+    return Envelope(message, request_id)
+
+
+def _checked_decode(
+    cls: type, body: dict[str, Any], frames: Sequence[Any], request_id: Any, op: str
+) -> Any:
+    """The checking decoder: what the fast one refused, decoded again value by value, so
+    that a malformed message is refused naming the value that is wrong."""
     used = [False] * len(frames)
     try:
-        message = _decode_dataclass(cls, body, frames, used, op)
+        return _decode_dataclass(cls, body, frames, used, op)
     except ProtocolError as error:
         error.request_id, error.op = request_id, op
         raise
     except (ValueError, TypeError) as error:
         raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"{op}: {error}", request_id, op) from None
-    # Frames that only fields of a later version reference are not ours to read: dropped.
-    assert isinstance(message, Message)
-    return Envelope(message, request_id)
 
 
 def _unpack_header(raw: memoryview) -> dict[str, Any]:
@@ -261,3 +280,175 @@ def _field_hints(cls: type) -> dict[str, Any]:
         hints = {field.name: resolved[field.name] for field in dataclasses.fields(cls)}
         _HINTS[cls] = hints
     return hints
+
+
+# --- Compiled per message class -----------------------------------------------------------------
+
+Encoder = Callable[[Any, list[Any]], Any]
+# decoder(value, frames, used) -> the field's value; raises on anything not exactly as annotated.
+Decoder = Callable[[Any, Sequence[Any], list[bool]], Any]
+
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+class _Refused(Exception):
+    """A value the fast decoder does not take as it is; the checking decoder looks at it."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A dataclass's encoder and fast decoder, made once from its annotations."""
+
+    cls: type
+    encoders: tuple[tuple[str, Encoder], ...]
+    decoders: tuple[tuple[str, Decoder], ...]
+    required: frozenset[str]
+
+    def encode(self, value: Any, frames: list[Any]) -> dict[str, Any]:
+        return {name: encoder(getattr(value, name), frames) for name, encoder in self.encoders}
+
+    def decode(self, body: Any, frames: Sequence[Any], used: list[bool]) -> Any:
+        if type(body) is not dict:
+            raise _Refused
+        values = {}
+        for name, decoder in self.decoders:
+            if name in body:
+                values[name] = decoder(body[name], frames, used)
+            elif name in self.required:
+                raise _Refused
+        return self.cls(**values)
+
+
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = _field_hints(cls)
+        fields = dataclasses.fields(cls)
+        plan = _Plan(
+            cls,
+            tuple((name, _encoder(hint)) for name, hint in hints.items()),
+            tuple((name, _decoder(hint)) for name, hint in hints.items()),
+            frozenset(
+                field.name
+                for field in fields
+                if field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING
+            ),
+        )
+        _PLANS[cls] = plan
+    return plan
+
+
+def _encoder(hint: Any) -> Encoder:
+    """How to encode a value annotated ``hint``; a value of another type than expected takes
+    the generic path (``_encode_value``), so encoding never depends on the plan being right."""
+    if hint is memoryview:
+
+        def frame(value: Any, frames: list[Any]) -> int:
+            frames.append(value)
+            return len(frames) - 1
+
+        return frame
+    inner = _strip_optional(hint)
+    if inner in _PLAIN:
+        return lambda value, frames: (
+            value if type(value) in _PLAIN else _encode_value(value, hint, frames)
+        )
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        return lambda value, frames: (
+            value.value if type(value) is inner else _encode_value(value, hint, frames)
+        )
+    if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+        return lambda value, frames: (
+            _plan(inner).encode(value, frames)
+            if type(value) is inner
+            else _encode_value(value, hint, frames)
+        )
+    args = typing.get_args(inner)
+    if typing.get_origin(inner) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _encoder(args[0])
+        return lambda value, frames: (
+            [item(v, frames) for v in value]
+            if type(value) is tuple
+            else _encode_value(value, hint, frames)
+        )
+    return lambda value, frames: _encode_value(value, hint, frames)
+
+
+def _decoder(hint: Any) -> Decoder:
+    """How to decode a value annotated ``hint``: exactly what ``_decode_value`` accepts of
+    well-formed input, or narrower (it raises for the rest)."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        inner = _decoder(_strip_optional(hint))
+        if type(None) not in typing.get_args(hint):
+            return inner
+        return lambda value, frames, used: None if value is None else inner(value, frames, used)
+    if hint is memoryview:
+
+        def frame(value: Any, frames: Sequence[Any], used: list[bool]) -> memoryview:
+            if type(value) is not int or not 0 < value < len(frames) or used[value]:
+                raise _Refused
+            used[value] = True
+            return memoryview(frames[value]).cast("B")
+
+        return frame
+    if hint in (bool, int, str):
+
+        def plain(value: Any, frames: Sequence[Any], used: list[bool]) -> Any:
+            if type(value) is not hint:
+                raise _Refused
+            return value
+
+        return plain
+    if hint is float:
+
+        def number(value: Any, frames: Sequence[Any], used: list[bool]) -> float:
+            if type(value) is not float and type(value) is not int:
+                raise _Refused
+            return float(value)
+
+        return number
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return lambda value, frames, used: hint(value)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return lambda value, frames, used: _plan(hint).decode(value, frames, used)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis and args[0] in (bool, int, str):
+            kind = args[0]
+
+            def plain_items(value: Any, frames: Sequence[Any], used: list[bool]) -> tuple[Any, ...]:
+                if type(value) is not list and type(value) is not tuple:
+                    raise _Refused
+                for v in value:
+                    if type(v) is not kind:
+                        raise _Refused
+                return tuple(value)
+
+            return plain_items
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _decoder(args[0])
+
+            def items(value: Any, frames: Sequence[Any], used: list[bool]) -> tuple[Any, ...]:
+                if type(value) is not list and type(value) is not tuple:
+                    raise _Refused
+                return tuple([item(v, frames, used) for v in value])
+
+            return items
+        each = [_decoder(arg) for arg in args]
+
+        def fixed(value: Any, frames: Sequence[Any], used: list[bool]) -> tuple[Any, ...]:
+            if (type(value) is not list and type(value) is not tuple) or len(value) != len(each):
+                raise _Refused
+            return tuple([d(v, frames, used) for d, v in zip(each, value, strict=True)])
+
+        return fixed
+
+    def unknown(value: Any, frames: Sequence[Any], used: list[bool]) -> Any:
+        raise _Refused
+
+    return unknown

@@ -60,8 +60,11 @@ MAX_EARLIER_JOBS = 256
 MAX_WEIGHT = 1000.0
 # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes; they travel as hex strings.
 CUDA_IPC_HANDLE_BYTES = 64
-# Where an output lies: host shared memory, or device memory of the daemon's GPU.
-OUTPUT_DEVICES = frozenset({"cpu", "cuda"})
+# Where an output lies: host shared memory, device memory of the daemon's GPU, or (a GPU output
+# staged for a trainer that cannot open the daemon's memory) host shared memory it uploads.
+OUTPUT_DEVICES = frozenset({"cpu", "cuda", "staged"})
+# How a job's GPU outputs reach its trainer (``OutputPath.path``).
+OUTPUT_PATHS = frozenset({"cuda_ipc", "staged"})
 
 # Numpy dtype names allowed for sample data and outputs (the types DALI can feed and produce),
 # with their sizes in bytes.
@@ -236,6 +239,46 @@ class Welcome(Message):
     # The inode of the daemon's pid namespace: a client in the same namespace watches
     # ``daemon_pid`` to notice at once that the daemon died (0: unknown).
     pid_namespace: int = 0
+    # A GPU daemon's probe of CUDA IPC: hex of the cudaIpcMemHandle of a small buffer of its GPU
+    # that holds these same 64 bytes. A trainer tells in ``ipc_probe_result`` whether it could
+    # open it and read them back ("" from a CPU daemon, and from a GPU daemon whose GPU cannot
+    # export CUDA IPC memory: its trainers answer that they could not).
+    ipc_probe: str = ""
+
+    def __post_init__(self) -> None:
+        _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
+
+
+@dataclass(frozen=True)
+class IpcProbeResult(Message):
+    """A trainer's answer to ``Welcome.ipc_probe`` (sent to every GPU daemon), before anything
+    else on its connection: whether it opened the probe handle and read its bytes back, and if
+    not, why not."""
+
+    OP: ClassVar[str] = "ipc_probe_result"
+    opened: bool
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check(len(self.reason) <= 4 * MAX_NAME_LENGTH, "ipc_probe_result.reason is too long")
+
+
+@dataclass(frozen=True)
+class OutputPath(Message):
+    """Reply to :class:`IpcProbeResult`: how the job's GPU outputs reach the trainer.
+
+    ``cuda_ipc``: in device memory of the daemon's GPU, opened through CUDA IPC (descriptors of
+    device ``cuda``). ``staged``: copied by the daemon into shared memory, which the trainer
+    uploads to its own device (descriptors of device ``staged``); ``reason`` says why.
+    """
+
+    OP: ClassVar[str] = "output_path"
+    path: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.path in OUTPUT_PATHS, f"unknown output path {self.path!r}")
+        _check(len(self.reason) <= 4 * MAX_NAME_LENGTH, "output_path.reason is too long")
 
 
 @dataclass(frozen=True)
@@ -426,9 +469,12 @@ class InputBatch:
         _check(len(self.shapes) == len(self.samples), f"input {self.name!r}: shapes != samples")
         itemsize = ITEMSIZES[self.dtype]
         for index, (shape, sample) in enumerate(zip(self.shapes, self.samples, strict=True)):
-            _check_shape(shape, f"a sample of input {self.name!r}")
             # Each frame holds exactly its sample: the receiver views it in place by its shape.
+            # (Checked once per sample; the messages are made only for a sample that fails.)
             expected = math.prod(shape) * itemsize
+            if len(shape) <= MAX_NDIM and min(shape, default=0) >= 0 and sample.nbytes == expected:
+                continue
+            _check_shape(shape, f"a sample of input {self.name!r}")
             _check(
                 sample.nbytes == expected,
                 f"input {self.name!r} sample {index}: shape {shape} of {self.dtype} needs "
@@ -482,6 +528,8 @@ class OutputDescriptor:
     ``device`` "cpu": the slab is a shared-memory segment named ``slab``. ``device`` "cuda": it is
     device memory of the daemon's GPU, opened through ``ipc_handle`` (hex of a cudaIpcMemHandle,
     the same for every region of the slab); ``slab`` names it for the trainer's cache.
+    ``device`` "staged": a GPU output the daemon copied into the shared-memory segment ``slab``,
+    for the trainer to upload to its GPU (``OutputPath`` "staged").
     ``strides`` are in bytes; empty means C-contiguous.
     """
 
@@ -507,7 +555,7 @@ class OutputDescriptor:
         if self.device == "cuda" and self.slab:
             _check_handle(self.ipc_handle, "a GPU output's ipc_handle")
         else:
-            _check(not self.ipc_handle, "a CPU output has no ipc_handle")
+            _check(not self.ipc_handle, f"an output on {self.device!r} has no ipc_handle")
         if self.strides:
             _check(len(self.strides) == len(self.shape), "strides and shape differ in length")
             _check(all(stride >= 0 for stride in self.strides), "strides must not be negative")
@@ -668,6 +716,9 @@ class JobStatus:
     connected_seconds: float
     # Batches delivered as private copies, their job's output memory being all held.
     batches_copied: int = 0
+    # How its outputs reach the trainer: "shm" (CPU outputs only), "cuda_ipc" or "staged" for
+    # GPU outputs (see OutputPath).
+    output_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -763,6 +814,8 @@ class Error(Message):
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Hello,
     Welcome,
+    IpcProbeResult,
+    OutputPath,
     Goodbye,
     Ping,
     Pong,
@@ -802,12 +855,14 @@ __all__ = [
     "Goodbye",
     "Hello",
     "InputBatch",
+    "IpcProbeResult",
     "JobStatus",
     "Limits",
     "Message",
     "Ok",
     "OnError",
     "OutputDescriptor",
+    "OutputPath",
     "Ping",
     "PipelineRegistered",
     "PipelineStatus",

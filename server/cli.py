@@ -190,6 +190,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
             run_batches=settings["run_batches"],
             threads=settings["threads"] or usable_cores(),
         ),
+        gpu_outputs=settings["gpu_outputs"],
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
         max_connections=settings["max_connections"],

@@ -107,6 +107,14 @@ def parse_device_list(text: str) -> str:
     return text
 
 
+def parse_gpu_outputs(text: str) -> str:
+    """auto, ipc or staged (see ``staged.GPU_OUTPUT_MODES``)."""
+    mode = text.strip().lower()
+    if mode not in ("auto", "ipc", "staged"):
+        raise ValueError(f"expected auto, ipc or staged, got {text!r}")
+    return mode
+
+
 def parse_log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in logging.getLevelNamesMapping():
@@ -281,6 +289,15 @@ OPTIONS: tuple[Option, ...] = (
         "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
         "N",
         default_text="the CPU cores the daemon may use",
+    ),
+    Option(
+        "gpu_outputs",
+        parse_gpu_outputs,
+        "auto",
+        "how GPU outputs reach a trainer: 'auto' by CUDA IPC where the trainer can open the "
+        "daemon's memory, else staged through shared memory (a copy each way); 'ipc' by CUDA IPC "
+        "only, refusing a trainer that cannot; 'staged' always staged",
+        "auto|ipc|staged",
     ),
     Option(
         "max_image_pixels",

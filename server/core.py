@@ -19,7 +19,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -30,6 +30,7 @@ from dalid.protocol import (
     ErrorCode,
     Goodbye,
     Hello,
+    IpcProbeResult,
     Message,
     Ok,
     Ping,
@@ -66,6 +67,9 @@ from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
 
+if TYPE_CHECKING:
+    from .cuda_staged import OutputPaths
+
 log = logging.getLogger("dalid.server")
 
 Push = Callable[[bytes, Message, int | None], None]
@@ -87,6 +91,7 @@ class DaemonCore:
     (:mod:`dalid.server.credentials`): a job lives as long as that process does, whatever pid
     the client claims; without them (no socket, or a process in a pid namespace the daemon
     cannot see) a job lives as long as its connection.
+    ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class DaemonCore:
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
         credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
+        paths: OutputPaths | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -111,6 +117,7 @@ class DaemonCore:
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
         self._outputs = outputs
+        self.paths = paths
         self._push = push
         self._credentials = credentials
         self.quotas = quotas
@@ -136,6 +143,7 @@ class DaemonCore:
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
+            IpcProbeResult: self._on_ipc_probe_result,
             Goodbye: self._on_goodbye,
             Ping: self._on_ping,
             Shutdown: self._on_shutdown,
@@ -275,6 +283,8 @@ class DaemonCore:
             self.close_job(job, daemon_stopping=True)
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
+        if self.paths is not None:
+            self.paths.close()
 
     def job_for(self, identity: bytes) -> Job | None:
         return self.registry.job_for(identity)
@@ -329,6 +339,7 @@ class DaemonCore:
             limits=job.limits,
             device_uuid=self.device_uuid,
             pid_namespace=self._pid_namespace,
+            ipc_probe=self.paths.probe if self.paths is not None else "",
         )
 
     def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:
@@ -390,6 +401,19 @@ class DaemonCore:
             else "",
         )
         return job
+
+    def _on_ipc_probe_result(
+        self, identity: bytes, result: IpcProbeResult, _request_id: int | None
+    ) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer answers the IPC probe")
+        if self.paths is None:
+            raise RequestRefused(
+                ErrorCode.MALFORMED_MESSAGE, "this daemon has no GPU outputs and sent no probe"
+            )
+        # Staged outputs are host memory: they count against the daemon's --memory-limit.
+        return self.paths.choose(peer.job, result, self.output_memory["cpu"])
 
     def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
         peer = self.peers[identity]

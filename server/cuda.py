@@ -51,7 +51,8 @@ import numpy as np
 
 from dalid.protocol import Limits
 
-from .cuda_api import CupyApi, DeviceApi
+from . import cuda_api
+from .cuda_api import DeviceApi
 from .outputs import (
     JobOutputs,
     OutputsFactory,
@@ -129,7 +130,7 @@ class CudaBackend:
         self, device_id: int, api: DeviceApi | None = None, ring_size: int = EVENT_RING
     ) -> None:
         self.device_id = device_id
-        self._api: DeviceApi = api if api is not None else CupyApi(device_id)
+        self._api: DeviceApi = api if api is not None else cuda_api.CupyApi(device_id)
         self._lock = threading.Lock()
         self.stream = self._api.create_stream()
         self._ring_size = ring_size
@@ -196,6 +197,11 @@ class CudaBackend:
         """Slabs the pool has let go of that the trainer still maps."""
         with self._lock:
             return sum(1 for slab in self._slabs.values() if slab.closed)
+
+    @property
+    def api(self) -> DeviceApi:
+        """The CUDA calls it makes (staged outputs share its device, stream and calls)."""
+        return self._api
 
     # --- the stream ---------------------------------------------------------------------------
 
@@ -298,12 +304,15 @@ class CudaStore:
     and released after the trainer's fences (Note [GPU output lifetime])."""
 
     device = "cuda"
+    takes = "cuda"
     peer_ordered = True
 
     def __init__(
         self, name_prefix: str, limits: Limits, ids: Iterator[int], backend: CudaBackend
     ) -> None:
         self.backend = backend
+        # What another store of the job's GPU outputs needs to take this one's place.
+        self.name_prefix, self.limits, self.ids = name_prefix, limits, ids
         self.pool = RegionPool(
             backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
         )
@@ -420,6 +429,6 @@ def device_streams(device_id: int, api: DeviceApi | None = None) -> StreamFactor
     """Streams of GPU ``device_id`` for shared pipelines (``api``: CuPy's calls by default)."""
 
     def stream() -> PipelineStream:
-        return PipelineStream(api if api is not None else CupyApi(device_id))
+        return PipelineStream(api if api is not None else cuda_api.CupyApi(device_id))
 
     return stream

@@ -1,9 +1,11 @@
 """The CUDA calls the daemon's GPU outputs make, and their implementation through CuPy.
 
-:class:`~dalid.server.cuda.CudaBackend` makes every call through a :class:`DeviceApi`;
-:class:`CupyApi` makes them on a device, and unit tests pass a fake one, so the bookkeeping of
-Note [GPU output lifetime] runs without a GPU. CuPy is imported only when a :class:`CupyApi` is
-made, so a CPU daemon never needs CUDA.
+:class:`~dalid.server.cuda.CudaBackend` (and the staged outputs of ``cuda_staged.py``) make
+every call through a :class:`DeviceApi`; :class:`CupyApi` makes them on a device, and unit tests
+pass a fake one, so the bookkeeping of Note [GPU output lifetime] runs without a GPU. CuPy is
+imported only when a :class:`CupyApi` is made, so a CPU daemon never needs CUDA. The daemon
+makes its ``CupyApi`` through this module's attribute (``cuda_api.CupyApi``), which a simulated
+GPU in the tests replaces.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class DeviceApi(Protocol):
     def copy(self, ptr: int, source: Any, stream: int) -> None: ...
 
     def copy_range(self, ptr: int, source: int, nbytes: int, stream: int) -> None: ...
+
+    def copy_to_host(self, ptr: int, source: int, nbytes: int, stream: int) -> None: ...
+
+    def write(self, ptr: int, data: bytes) -> None: ...
+
+    def register_host(self, ptr: int, size: int) -> None: ...
+
+    def unregister_host(self, ptr: int) -> None: ...
 
 
 class CupyApi:
@@ -124,3 +134,26 @@ class CupyApi:
             self._runtime.memcpyAsync(
                 ptr, source, nbytes, self._runtime.memcpyDeviceToDevice, stream
             )
+
+    def copy_to_host(self, ptr: int, source: int, nbytes: int, stream: int) -> None:
+        """Copies ``nbytes`` of device memory at ``source`` to host memory at ``ptr`` (page-locked
+        for the copy to be asynchronous), on ``stream``."""
+        with self._device:
+            self._runtime.memcpyAsync(ptr, source, nbytes, self._runtime.memcpyDeviceToHost, stream)
+
+    def write(self, ptr: int, data: bytes) -> None:
+        """Copies ``data`` to device memory at ``ptr``, waiting for the copy."""
+        buffer = ctypes.create_string_buffer(data, len(data))
+        with self._device:
+            self._runtime.memcpy(
+                ptr, ctypes.addressof(buffer), len(data), self._runtime.memcpyHostToDevice
+            )
+
+    def register_host(self, ptr: int, size: int) -> None:
+        """Page-locks host memory (``cudaHostRegister``), a mapping of shared memory included."""
+        with self._device:
+            self._runtime.hostRegister(ptr, size, 0)
+
+    def unregister_host(self, ptr: int) -> None:
+        with self._device:
+            self._runtime.hostUnregister(ptr)

@@ -84,6 +84,7 @@ EXIT_UNSAFE_PATH = 5
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+_POLLIN = int(zmq.POLLIN)
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
@@ -102,6 +103,8 @@ class DaemonConfig:
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
     sharing: Sharing = SHARING
+    # How GPU outputs reach trainers (staged.GPU_OUTPUT_MODES).
+    gpu_outputs: str = "auto"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_connections: int = IntakeLimits.max_connections
@@ -247,16 +250,22 @@ class Daemon:
         device_uuid = ""
         outputs: OutputsFactory = host_outputs()
         streams: StreamFactory = no_streams
+        paths = None
         if config.device != "cpu":
             device_id = int(config.device)
             device_uuid = gpu_uuid(device_id)
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
             from .cuda import device_outputs, device_streams
+            from .cuda_staged import OutputPaths
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)
-            log.info("GPU %d is %s", device_id, device_uuid)
+            try:
+                paths = OutputPaths(device_id, config.gpu_outputs)
+            except Exception as error:
+                raise GpuUnavailable(f"its CUDA IPC probe could not be made: {error}") from None
+            log.info("GPU %d is %s; GPU outputs: %s", device_id, device_uuid, config.gpu_outputs)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
@@ -277,6 +286,7 @@ class Daemon:
             sharing=config.sharing,
             streams=streams,
             credentials=intake.credentials,
+            paths=paths,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
@@ -464,22 +474,25 @@ class Daemon:
         deadline = time.monotonic() + TURN_SECONDS
         for _ in range(TURN_MESSAGES):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = transport.recv_frames(self._socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._receive(frames)
             if time.monotonic() >= deadline:
                 return
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
+                return  # drained (asked, rather than failing a receive with zmq.Again)
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None
         identity = frames[0].bytes
         fd = None
-        if len(frames) > 1:
-            # A descriptor is reused as soon as it is closed. ZeroMQ reports the close to the
-            # monitor before it accepts the connection that reuses the descriptor, so handling
-            # the reports that are in now keeps an old peer's close from being taken for this
-            # sender's.
+        if len(frames) > 1 and not self._intake.knows(identity):
+            # A peer's first message: its connection's descriptor. A descriptor is reused as
+            # soon as it is closed. ZeroMQ reports the close to the monitor before it accepts
+            # the connection that reuses the descriptor, so handling the reports that are in
+            # now keeps an old peer's close from being taken for this sender's. (An identity
+            # names one connection, so its later messages need neither.)
             self._connection_events()
             fd = frames[1].get(zmq.SRCFD)
         verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))

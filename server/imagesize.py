@@ -34,7 +34,8 @@ def image_size(data: bytes | memoryview) -> Size | None:
     and that failure is handled as any corrupt sample is.
     """
     head = bytes(data[:16])
-    for signature, parse in _PARSERS:
+    # Most samples that are not images go after one lookup of their first byte.
+    for signature, parse in _PARSERS_BY_FIRST_BYTE.get(head[:1], ()):
         if head.startswith(signature):
             try:
                 return parse(data)
@@ -139,3 +140,8 @@ _PARSERS: tuple[tuple[bytes, Callable[[bytes | memoryview], Size | None]], ...] 
     (b"MM\x00*", _tiff),
     (b"RIFF", _webp),
 )
+# The same, by the first byte of their signatures.
+_PARSERS_BY_FIRST_BYTE = {
+    first: tuple(parser for parser in _PARSERS if parser[0][:1] == first)
+    for first in {signature[:1] for signature, _ in _PARSERS}
+}

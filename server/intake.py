@@ -160,6 +160,11 @@ class Intake:
 
     # --- messages -------------------------------------------------------------------------------
 
+    def knows(self, identity: bytes) -> bool:
+        """Whether ``identity`` has sent before (on a connection open or closed): its messages
+        are admitted without their descriptor."""
+        return identity in self._by_identity or identity in self._closed
+
     def admit(self, identity: bytes, fd: int | None, nbytes: int) -> Verdict | Error:
         """Whether to handle a message of ``nbytes`` from ``identity``, received on ``fd``: yes,
         drop it unread, or send this error (the connection is then cut)."""

@@ -43,7 +43,8 @@ class ReleaseRefused(ValueError):
 class OutputStore(Protocol):
     """One job's output memory of one kind, and how DALI outputs get into it.
 
-    ``device`` is what descriptors of its regions say ("cpu", "cuda"). ``stream`` is the CUDA
+    ``device`` is what descriptors of its regions say ("cpu", "cuda", "staged"); ``takes`` the
+    DALI outputs it holds ("cpu" or "cuda": DALI's CPU or GPU TensorLists). ``stream`` is the CUDA
     stream the store writes on, on which DALI may hand outputs over (None: the host).
     ``peer_ordered``: releases of its regions come with the trainer's fence, and its slabs are
     freed only once the trainer reports them unmapped (device memory; Note [GPU output
@@ -51,6 +52,7 @@ class OutputStore(Protocol):
     """
 
     device: str
+    takes: str
     pool: RegionPool
     peer_ordered: bool
 
@@ -118,6 +120,16 @@ class JobOutputs:
             if store.device == device:
                 return store
         raise KeyError(device)
+
+    def replace(self, device: str, store: OutputStore) -> OutputStore:
+        """Puts ``store`` in the place of the store of ``device`` memory, which must not have
+        made a slab yet (a trainer's handshake chose how GPU outputs reach it: ``cuda_staged.py``);
+        returns the store replaced, for the caller to close."""
+        old = self.store(device)
+        if old.pool.slab_count:
+            raise ValueError(f"the job's {device} outputs are in use already")
+        self.stores = tuple(store if s is old else s for s in self.stores)
+        return old
 
     # --- a batch ------------------------------------------------------------------------------
 
@@ -213,9 +225,9 @@ class JobOutputs:
         return tuple(name for store in self.stores for name in store.pool.take_retired())
 
     def has_room(self, sizes: Sequence[tuple[str, int]]) -> bool:
-        """Whether outputs of these (device, bytes) would fit now, without waiting."""
+        """Whether outputs of these (DALI device, bytes) would fit now, without waiting."""
         for store in self.stores:
-            wanted = [size for device, size in sizes if device == store.device]
+            wanted = [size for device, size in sizes if device == store.takes]
             if wanted and not store.pool.has_room(wanted):
                 return False
         return True
@@ -313,6 +325,13 @@ class JobOutputs:
     # --- figures --------------------------------------------------------------------------------
 
     @property
+    def path(self) -> str:
+        """How the job's GPU outputs reach the trainer, "cuda_ipc" or "staged" (``cuda_staged.py``);
+        "shm" where the job has CPU outputs only."""
+        devices = {store.device for store in self.stores}
+        return "staged" if "staged" in devices else "cuda_ipc" if "cuda" in devices else "shm"
+
+    @property
     def leased_regions(self) -> int:
         return sum(store.pool.leased_regions for store in self.stores)
 
@@ -335,7 +354,7 @@ class RunOutput:
     def __init__(self, index: int, tensors: Any) -> None:
         self.index = index
         self.tensors = tensors
-        self.samples = [tuple(int(extent) for extent in shape) for shape in tensors.shape()]
+        self.samples = [tuple(map(int, shape)) for shape in tensors.shape()]
         self.dtype = _dtype_name(tensors.dtype)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.layout = tensors.layout() or ""
@@ -394,7 +413,14 @@ def region_ids() -> Iterator[int]:
     return itertools.count(1)
 
 
-def _dtype_name(dali_dtype: Any) -> str:
-    from nvidia.dali.types import to_numpy_type
+_DTYPE_NAMES: dict[Any, str] = {}
 
-    return np.dtype(to_numpy_type(dali_dtype)).name
+
+def _dtype_name(dali_dtype: Any) -> str:
+    """The numpy name of a DALI dtype (looked up once per dtype: every run asks)."""
+    name = _DTYPE_NAMES.get(dali_dtype)
+    if name is None:
+        from nvidia.dali.types import to_numpy_type
+
+        name = _DTYPE_NAMES[dali_dtype] = np.dtype(to_numpy_type(dali_dtype)).name
+    return name

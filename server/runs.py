@@ -47,6 +47,10 @@ _BUSY_S = 1.0
 _arrivals = itertools.count()
 
 
+def _any_batch(batch: PendingBatch) -> bool:
+    return True
+
+
 @dataclass(eq=False)
 class PendingBatch:
     batch_id: int
@@ -286,11 +290,13 @@ class RunPlanner:
     ) -> PendingBatch | None:
         from_retry = bool(retry)
         self._starved = False
-        batch = retry[0] if from_retry else self._pick(lambda b: True, pop=False)
+        batch = retry[0] if from_retry else self._pick(_any_batch, pop=False)
+        if batch is None and block:
+            with self.changed:
+                self.changed.wait(_IDLE_POLL_S if self._starved else _IDLE_WAIT_S)
+            # Most often a submission woke us: take its batch now, not on the next call.
+            batch = None if self._stopping.is_set() else self._pick(_any_batch, pop=False)
         if batch is None:
-            if block:
-                with self.changed:
-                    self.changed.wait(_IDLE_POLL_S if self._starved else _IDLE_WAIT_S)
             return None
         assert batch.member is not None
         if not self._take_slot(batch.member.job_id, batch.size, block=block):
@@ -420,7 +426,7 @@ class RunPlanner:
             return
         next_job, next_cost = None, 0.0
         if retry is not None:
-            batch = retry[0] if retry else self._pick(lambda b: True, pop=False)
+            batch = retry[0] if retry else self._pick(_any_batch, pop=False)
             if batch is not None and batch.member is not None:
                 next_job, next_cost = batch.member.job_id, self._clock.cost(batch.size)
         for _ in range(min(count, len(self._slots_held))):

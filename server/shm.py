@@ -105,6 +105,7 @@ class SharedMemoryStore:
     lifetime] in ``pool.py`` says. The trainer maps a slab by its name alone."""
 
     device = "cpu"
+    takes = "cpu"
     peer_ordered = False
 
     def __init__(self, name_prefix: str, limits: Limits, ids: Iterator[int] | None = None) -> None:

@@ -90,6 +90,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         slabs=job.outputs.slab_count,
         memory_bytes=job.outputs.store("cpu").pool.limit_bytes,
         connected_seconds=now - job.connected_at,
+        output_path=job.outputs.path,
     )
 
 

@@ -68,6 +68,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
     Column("memory", "right", 3, "output memory reserved for the job"),
     Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
+    Column("outputs", "left", 12, "how its GPU outputs reach it: cuda ipc, or staged (copied)"),
 )
 
 # Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
@@ -98,6 +99,7 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.regions_held}/{size(job.bytes_held)}",
         size(job.memory_bytes),
         str(job.batches_copied),
+        job.output_path.replace("_", " "),
     )
 
 

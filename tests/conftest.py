@@ -39,7 +39,10 @@ def _dalid_daemons() -> list[int]:
     started: by a socket path in their command line, or by the runtime directory in their
     environment (a supervisor of `--devices` names no socket)."""
     out = subprocess.run(
-        ["pgrep", "-af", "dalid.server serve"], capture_output=True, text=True, check=False
+        ["pgrep", "-af", "(dalid.server|simulated_gpu) serve"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     pids = []
     for line in out.stdout.splitlines():

@@ -186,11 +186,16 @@ def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
 
 
 def start_daemon(
-    directory: Path, *args: str, name: str = "d", supervised: bool = False
+    directory: Path,
+    *args: str,
+    name: str = "d",
+    supervised: bool = False,
+    module: str = "dalid.server",
 ) -> DaemonProcess:
+    """``module``: what runs ``serve`` (tests.simulated_gpu: the daemon on a simulated GPU)."""
     socket = directory / f"{name}.sock"
     log = directory / f"{name}.log"
-    command = [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket), *args]
+    command = [sys.executable, "-m", module, "serve", "--socket", str(socket), *args]
     if not supervised:
         command.append("--no-supervisor")
     with log.open("wb") as out:

@@ -130,3 +130,48 @@ def test_the_targets_table_says_not_measured() -> None:
         "| dalid (shared), 4 jobs: samples/s / DALI in-process, 4 jobs | >= 100% | 96.6% | **no** |"
         in table
     )
+
+
+def test_one_job_targets_against_in_process_and_the_proxy() -> None:
+    values: dict[str, dict[int, dict[str, float | None]]] = {
+        "dalid": {0: {"samples_per_s": 560.0, "cpu_ms_per_sample": 3.4},
+                  1: {"samples_per_s": 540.0, "cpu_ms_per_sample": 3.6}},
+        "dali": {0: {"samples_per_s": 570.0, "cpu_ms_per_sample": 3.3},
+                 1: {"samples_per_s": 550.0, "cpu_ms_per_sample": 3.3}},
+        "dali-proxy": {0: {"samples_per_s": 580.0}, 1: {"samples_per_s": 545.0}},
+    }  # fmt: skip
+    targets = _by_name(all_targets(values, {}, LABELS))
+    inprocess = targets["dalid (shared), 1 job: samples/s / DALI in-process, 1 job"]
+    assert inprocess["goal"] == ">= 97%"
+    assert inprocess["measured"]["median"] == pytest.approx((560 / 570 + 540 / 550) / 2)
+    assert inprocess["met"] is True
+    proxy = targets["dalid (shared), 1 job: samples/s / DALI proxy, 1 job"]
+    assert proxy["measured"]["median"] == pytest.approx((560 / 580 + 540 / 545) / 2)
+    assert proxy["met"] is False and proxy["goal"] == ">= 100%"
+    cpu = targets["dalid (shared), 1 job: all processes' CPU per sample / DALI in-process, 1 job"]
+    assert cpu["measured"]["median"] == pytest.approx((3.4 / 3.3 + 3.6 / 3.3) / 2)
+    assert cpu["met"] is False and cpu["unit"] == "times"
+    on_gpu = _by_name(all_targets(values, {}, LABELS, gpu=True))
+    assert on_gpu["dalid (shared), 1 job: samples/s / DALI in-process, 1 job"]["goal"] == ">= 98%"
+
+
+def test_transport_targets_are_ratios_to_the_floors_of_the_same_run() -> None:
+    def run(b1: float, echo: float, b32: float, pipe_run: float) -> dict[str, Any]:
+        return {
+            "dalid_b1": {"p50": b1, "p99": 3 * b1},
+            "zmq_echo": {"p50": echo, "p99": echo},
+            "dalid_b32": {"p50": b32, "p99": b32},
+            "dali_b32": {"p50": pipe_run, "p99": pipe_run},
+        }
+
+    transport = {"runs": [run(400.0, 200.0, 900.0, 700.0), run(500.0, 200.0, 1200.0, 700.0)]}
+    targets = _by_name(all_targets({}, transport, LABELS))
+    p50 = targets["transport: submit -> ready, 1 tiny sample, p50 / the ZeroMQ echo, p50"]
+    assert p50["measured"]["median"] == pytest.approx(2.25)
+    assert p50["met"] is False and p50["goal"] == "<= 2.0x"
+    p99 = targets["transport: submit -> ready, 1 tiny sample, p99 / the ZeroMQ echo, p99"]
+    assert p99["met"] is False  # 6x and 7.5x
+    b32 = targets["transport: submit -> ready, 32 tiny samples, p50 / DALI's pipe.run, p50"]
+    assert b32["measured"]["median"] == pytest.approx((900 / 700 + 1200 / 700) / 2)
+    assert b32["met"] is True
+    assert all_targets({}, {"runs": []}, LABELS) == []

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# All of dalid's GPU work on a machine with a GPU, in parts of at most about 10 minutes each;
+# every part writes its log and an archive of its results to $OUT.
+#
+#   bash bench/gpu/run_on_device.sh PART...      (from the repository root)
+#
+#   setup          installs dalid (editable, no dependencies fetched) and records the machine:
+#                  nvidia-smi, versions; checks that DALI, torch with CUDA, CuPy and pyzmq import
+#   tests          the gpu-marked tests (pytest -m gpu -rA, JUnit XML), with nvidia-smi's
+#                  processes before and after them (a leaked GPU process shows there)
+#   bench-main     python -m bench --profile gpu: DALI in-process, DALI's proxy, dalid, dalid with
+#                  staged outputs, the QA configuration in-process and through dalid, transport
+#   bench-scaling  python -m bench --profile gpu --only scaling: 1, 2, 4 and 8 jobs of dalid
+#                  (shared) and of DALI in-process, with each process's GPU memory
+#
+# The machine needs torch with CUDA, CuPy, numpy and msgpack, and DALI and pyzmq in /tmp/site
+# (pip install --target /tmp/site ...): PYTHONPATH is set here. See bench/README.md.
+# Environment:
+#   OUT         where results go (default ./gpu-out)
+#   PYTHON      the interpreter (default python3)
+#   BUDGET_S    seconds the parts of one invocation may take together (default 560)
+#   REPEATS     repeats of the benchmark parts (default 1)
+#   DRY_RUN=1   on a machine without a GPU: no install, the bench in quick mode on the CPU
+#               (--profile gpu --quick --cpu), the gpu-marked tests skip; checks the plumbing
+# shellcheck disable=SC2329  # the parts' functions are called by name, part_<name>
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+ROOT="$PWD"
+OUT="${OUT:-$ROOT/gpu-out}"
+PYTHON="${PYTHON:-python3}"
+BUDGET_S="${BUDGET_S:-560}"
+REPEATS="${REPEATS:-1}"
+DRY_RUN="${DRY_RUN:-0}"
+export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + BUDGET_S))
+mkdir -p "$OUT"
+
+usage() { sed -n '2,24p' "$0"; exit 2; }
+
+# Seconds left for a step, keeping 15 s to pack its results; at least 30.
+left() {
+  local remaining=$((DEADLINE - SECONDS - 15))
+  echo $((remaining > 30 ? remaining : 30))
+}
+
+# pack NAME DIR: DIR's files as one archive, $OUT/NAME.tar.gz.
+pack() {
+  tar czf "$OUT/$1.tar.gz" -C "$2" . && echo "packed $OUT/$1.tar.gz ($(du -h "$OUT/$1.tar.gz" | cut -f1))"
+}
+
+gpu_processes() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+  else
+    echo "no nvidia-smi"
+  fi
+}
+
+part_setup() {
+  local dir="$1"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi > "$dir/nvidia-smi.txt" 2>&1
+    nvidia-smi -q > "$dir/nvidia-smi-q.txt" 2>&1
+    nvidia-smi topo -m > "$dir/nvidia-smi-topo.txt" 2>&1
+  fi
+  { uname -a; nproc; free -g; df -h /tmp /dev/shm; } > "$dir/machine.txt" 2>&1
+  if [ "$DRY_RUN" != 1 ]; then
+    "$PYTHON" -m pip install -q --no-deps --no-index --no-build-isolation -e . || return 1
+  fi
+  "$PYTHON" - <<'PY' | tee "$dir/versions.txt"
+import importlib.metadata as m
+import nvidia.dali, torch, zmq, msgpack, numpy
+import dalid.client, dalid.server
+print("dali", nvidia.dali.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      "zmq", zmq.__version__, "libzmq", zmq.zmq_version(), "numpy", numpy.__version__)
+try:
+    import cupy
+    print("cupy", cupy.__version__)
+except ImportError as error:
+    print("cupy missing:", error)
+for name in ("dalid", "nvidia-dali-cuda130", "nvidia-dali-cuda120", "pytest", "matplotlib",
+             "scikit-learn", "pillow", "rich"):
+    try:
+        print(name, m.version(name))
+    except m.PackageNotFoundError:
+        print(name, "not installed")
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+    from dalid.protocol import gpu_uuid
+    print("uuid", gpu_uuid(0))
+PY
+}
+
+part_tests() {
+  local dir="$1"
+  gpu_processes > "$dir/gpu-processes-before.txt" 2>&1
+  # The modules that hold gpu-marked tests, and of them those tests (they skip without CUDA):
+  # collecting every module would import what only CPU tests need.
+  local modules
+  mapfile -t modules < <(grep -rlE "mark\.gpu" tests --include='test_*.py' | sort)
+  echo "gpu-marked tests in: ${modules[*]}"
+  timeout --kill-after=20 "$(left)" "$PYTHON" -m pytest -m gpu "${modules[@]}" -rA \
+    -p no:cacheprovider --junitxml="$dir/gpu-tests.xml" 2>&1 | tee "$dir/pytest.log"
+  local status=${PIPESTATUS[0]}
+  sleep 2
+  gpu_processes > "$dir/gpu-processes-after.txt" 2>&1
+  ls -la /dev/shm > "$dir/dev-shm-after.txt" 2>&1
+  return "$status"
+}
+
+bench() {
+  local dir="$1"
+  shift
+  local mode=(--profile gpu --repeats "$REPEATS")
+  [ "$DRY_RUN" = 1 ] && mode=(--profile gpu --quick --cpu --repeats 1)
+  gpu_processes > "$dir/gpu-processes-before.txt" 2>&1
+  timeout --kill-after=20 "$(left)" "$PYTHON" -m bench "${mode[@]}" --no-latest \
+    --output "$dir" "$@" > "$dir/report.md" 2> >(tee "$dir/progress.log" >&2)
+  local status=$?
+  cat "$dir/report.md"
+  gpu_processes > "$dir/gpu-processes-after.txt" 2>&1
+  return "$status"
+}
+
+part_bench_main() {
+  bench "$1" --only dali,dali-proxy,dalid,dalid-staged,dali-qa,dalid-qa,transport
+}
+
+part_bench_scaling() {
+  bench "$1" --only scaling
+}
+
+[ $# -gt 0 ] || usage
+for part in "$@"; do
+  case "$part" in
+    setup | tests | bench-main | bench-scaling) ;;
+    *) echo "unknown part: $part" >&2; usage ;;
+  esac
+done
+
+failed=0
+for part in "$@"; do
+  dir="$(mktemp -d "/tmp/dalid-gpu-$part-XXXX")"
+  echo "=== $part (${BUDGET_S}s budget, $((DEADLINE - SECONDS))s left) ==="
+  started=$SECONDS
+  "part_${part//-/_}" "$dir" > >(tee "$OUT/$part.log") 2>&1
+  status=$?
+  echo "=== $part: exit $status after $((SECONDS - started))s ===" | tee -a "$OUT/$part.log"
+  pack "$part" "$dir"
+  [ "$status" = 0 ] || failed=1
+done
+exit "$failed"
