@@ -77,6 +77,7 @@ def private_runtime_dir() -> Iterator[Path]:
     path = own_directory("dalid-rt-")
     os.environ["DALID_RUNTIME_DIR"] = str(path)
     os.environ.pop("DALID_SOCKET", None)
+    leaks.start_long_lived()
     segments_before = set(_dalid_segments())
     yield path
     leaked_daemons = set(_dalid_daemons())
@@ -97,11 +98,33 @@ def private_runtime_dir() -> Iterator[Path]:
     assert not sockets, f"socket files left behind: {sockets}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_in_this_process() -> Iterator[dict[str, leaks.Leaks]]:
+    """What each test of the module made in this process (threads, descriptors, segments),
+    judged once the module's fixtures, which may own it, are gone: an autouse fixture is set up
+    before the other fixtures of its scope, and torn down after them."""
+    made: dict[str, leaks.Leaks] = {}
+    yield made
+    found = {nodeid: leaks.still_there(things) for nodeid, things in made.items()}
+    failures = [
+        f"{nodeid} left behind:\n  " + "\n  ".join(left.lines())
+        for nodeid, left in found.items()
+        if left
+    ]
+    for left in found.values():
+        left.clean_up()
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind(
-    request: pytest.FixtureRequest, private_runtime_dir: Path
+    request: pytest.FixtureRequest,
+    private_runtime_dir: Path,
+    nothing_left_in_this_process: dict[str, leaks.Leaks],
 ) -> Iterator[None]:
-    """Fails the test that leaves a process, segment, socket file, thread or descriptor behind.
+    """Fails the test that leaves a process, segment or socket file behind, and hands what it
+    made in this process to :func:`nothing_left_in_this_process`.
 
     Autouse fixtures are set up before, and torn down after, the test's other function-scoped
     fixtures; module-scoped ones (a module's daemon) are up before the first snapshot and
@@ -109,12 +132,15 @@ def nothing_left_behind(
     """
     before = leaks.take(_test_directories(request))
     yield
-    found = leaks.leaks(before, _test_directories(request), private_runtime_dir, STARTED_PIDS)
-    if found:
-        found.clean_up()
-        pytest.fail(
-            f"{request.node.nodeid} left behind:\n  " + "\n  ".join(found.lines()), pytrace=False
-        )
+    outside, inside = leaks.left_behind(
+        before, _test_directories(request), private_runtime_dir, STARTED_PIDS
+    )
+    if inside:
+        nothing_left_in_this_process[request.node.nodeid] = inside
+    if outside:
+        failure = f"{request.node.nodeid} left behind:\n  " + "\n  ".join(outside.lines())
+        outside.clean_up()
+        pytest.fail(failure, pytrace=False)
 
 
 def _test_directories(request: pytest.FixtureRequest) -> list[Path]:

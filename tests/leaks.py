@@ -1,63 +1,101 @@
-"""What a test left behind: a snapshot of this process and its children before each test and
-one after, and the difference between them, attributed to the test.
+"""What a test left behind: a snapshot before each test and one after, and the difference
+between them, named by the test.
 
 A snapshot reads ``/proc`` and ``/dev/shm`` once (no sleeps): the processes (with their parents),
 dalid's shared-memory segments (with the process that made each, from its record), the socket
-files in the directories the tests made, this process's Python threads, native threads and open
-file descriptors. What a test made and left is a leak; what it found already there is not (a
-module's shared daemon, the process's ZeroMQ context), nor is what something already there made
-during the test (a shared daemon's restarts, its segments). Known process-wide state that is
-made lazily, on first use, and lives as long as the process is listed in ``_LONG_LIVED_*``,
-each with the reason it is not a leak.
+files in the directories the tests made, and this process's Python threads, native threads and
+open file descriptors. What a test made and left is a leak; what it found already there is not
+(a module's shared daemon), nor is what something already there made during the test (a shared
+daemon's restarts, its segments).
 
-Only when something looks leaked does :func:`leaks` spend time: it collects garbage (an object
-whose finalizer closes a socket or reaps a child may only be unreachable) and waits a few
-seconds for processes whose parent is gone (a job's DataLoader workers notice a killed job by
-polling, every 5 s) before naming what is still there.
+What a test left outside this process (processes, segments other processes made, socket files)
+is judged when the test ends. What it left in this process (threads, file descriptors, segments
+this process made) may belong to a fixture wider than the test (a module's client session maps
+the slabs a test's batch needed, a connection opens when first used): that is judged once the
+module's fixtures are gone (:func:`still_there`), and still named by the test that made it.
+
+Process-wide state that a library makes on first use and keeps until the process exits is made
+once, before the first snapshot (``_LONG_LIVED_STATE``, each entry with its reason), so that it
+is there before every test: no test is blamed for it, and no test is excused a leak of the same
+kind (a ZeroMQ context of its own, say), which a pattern over names could not tell apart.
+
+Only when something looks leaked is time spent: garbage is collected (an object whose
+finalizer closes a socket or reaps a child may only be unreachable), and processes whose
+parents are gone (a killed job's DataLoader workers notice by polling, every 5 s) and threads
+told to stop are given a few seconds before what is still there is named.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import os
-import re
 import signal
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
+from typing import Any
 
+import torch
+import zmq
+
+from dalid.client import connection
 from dalid.protocol import slabs
 
 _ME = os.getpid()
 
-# Processes that Python or a library starts once, on first use, and keeps until this process
-# exits; matched on their command line.
-_LONG_LIVED_PROCESSES = [
-    # multiprocessing's resource tracker: started by the first SharedMemory or named semaphore
-    # (a DataLoader with workers makes some), it unlinks what a crashed process left and exits
-    # only when this process does.
-    re.compile(r"from multiprocessing\.resource_tracker import main"),
-    # multiprocessing's fork server, when a test asks for that start method: one per process,
-    # kept for every later Process.
-    re.compile(r"from multiprocessing\.forkserver import main"),
-]
 
-# Native threads (by the name the kernel shows, /proc/self/task/*/comm) of process-wide pools
-# that libraries start on first use and keep until the process exits. Python threads are
-# checked by their objects (threading.enumerate()) and never matched here.
-_LONG_LIVED_THREADS = [
-    # ZeroMQ's I/O and reaper threads of a context: the client's process context
-    # (dalid.client.connection.process_context) lives as long as the process, by design. A test
-    # that makes a context of its own and does not terminate it is still caught by the file
-    # descriptors the context holds (an epoll and eventfd mailboxes), which are not exempt.
-    re.compile(r"ZMQbg/.*"),
-]
+def _zmq_process_context() -> None:
+    # ZeroMQ starts a context's threads (and their epoll and eventfd descriptors) with its first
+    # socket, not with the context.
+    connection.process_context().socket(zmq.DEALER).close(linger=0)
 
-# File descriptors of process-wide state, by what they point to (readlink /proc/self/fd/N).
-_LONG_LIVED_FDS: list[re.Pattern[str]] = []
+
+def _zmq_garbage_collector() -> None:
+    # One zero-copy send makes it, as it would in a test: its thread, context and PUSH socket.
+    context: zmq.Context[Any] = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://dalid-leaks-warm-up")
+        sender.connect("inproc://dalid-leaks-warm-up")
+        sender.send(bytes(1 << 16), copy=False)
+        receiver.recv()
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
+
+
+# Process-wide state that is made on first use and kept until the process exits; each is made
+# by start_long_lived, before the first snapshot.
+_LONG_LIVED_STATE: dict[str, Callable[[], object]] = {
+    # dalid.client.connection.process_context: the client's ZeroMQ context (its I/O and reaper
+    # threads, an epoll and eventfd mailboxes) lives as long as the process, by design.
+    "dalid's ZeroMQ context of the process": _zmq_process_context,
+    # pyzmq frees a zero-copy frame once ZeroMQ is done with it through a thread with a context
+    # and a PUSH socket of its own, started by the first zero-copy send and never stopped.
+    "pyzmq's garbage collector": _zmq_garbage_collector,
+    # multiprocessing's resource tracker: a process, and a pipe to it, started by the first
+    # SharedMemory or semaphore of a process (a DataLoader with workers makes some); it unlinks
+    # what a crashed process left, and exits only when this process does.
+    "multiprocessing's resource tracker": resource_tracker.ensure_running,
+    # torch's intra-op thread pool (OpenMP): started by the first operation large enough to be
+    # split between threads, and kept for the next ones.
+    "torch's OpenMP threads": lambda: torch.ones(1 << 20).add_(1),
+    # SciPy's OpenBLAS (loaded by scikit-learn, which the tests' JPEGs come from) starts its
+    # thread pool when the library loads, and never stops it.
+    "SciPy's OpenBLAS threads": lambda: importlib.import_module("scipy.linalg"),
+}
+
+
+def start_long_lived() -> None:
+    """Makes the process-wide state of ``_LONG_LIVED_STATE``; call once, before any snapshot."""
+    for make in _LONG_LIVED_STATE.values():
+        make()
 
 
 @dataclass(frozen=True)
@@ -98,30 +136,38 @@ def take(directories: Iterable[Path]) -> Snapshot:
 
 @dataclass
 class Leaks:
-    """What a test left: each kind as the lines that name it."""
+    """What a test left, by kind (false if nothing)."""
 
     processes: list[Process] = field(default_factory=list)
     segments: dict[str, int] = field(default_factory=dict)  # name -> pid that made it
     sockets: list[Path] = field(default_factory=list)
-    threads: list[str] = field(default_factory=list)
-    fds: list[str] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)  # Python threads
+    tasks: dict[int, str] = field(default_factory=dict)  # other native threads: tid -> name
+    fds: dict[int, str] = field(default_factory=dict)  # descriptor -> what it points to
 
     def __bool__(self) -> bool:
-        return bool(self.processes or self.segments or self.sockets or self.threads or self.fds)
+        return any(vars(self).values())
 
     def lines(self) -> list[str]:
+        """One line per kind, naming each thing."""
         kinds = {
             "processes": [_describe(process) for process in self.processes],
-            "/dev/shm segments": [f"{name} (made by pid {pid})" for name, pid in self.segments.items()],
+            "/dev/shm segments": [
+                f"{name} (made by pid {pid})" for name, pid in self.segments.items()
+            ],
             "socket files": [str(path) for path in self.sockets],
-            "threads": self.threads,
-            "file descriptors": self.fds,
+            "threads": [
+                f"{thread.name!r}{' (daemon)' if thread.daemon else ''}" for thread in self.threads
+            ]
+            + [f"native {name!r} (tid {tid})" for tid, name in self.tasks.items()],
+            "file descriptors": [f"{fd} -> {target}" for fd, target in self.fds.items()],
         }
         return [f"{kind}: {', '.join(items)}" for kind, items in kinds.items() if items]
 
     def clean_up(self) -> None:
         """Kills the processes, reaps those that are this process's children, and removes the
-        segments and socket files, so that the tests after this one start clean."""
+        segments and socket files, so that the tests after this one start clean (threads and
+        descriptors are left to their owners)."""
         for process in self.processes:
             try:
                 os.kill(process.pid, signal.SIGKILL)
@@ -135,67 +181,95 @@ class Leaks:
             path.unlink(missing_ok=True)
 
 
-def leaks(
+def left_behind(
     before: Snapshot,
     directories: Iterable[Path],
     runtime_dir: Path,
     known_pids: set[int],
     grace_s: float = 10.0,
-) -> Leaks:
-    """What was made since ``before`` and is still there (false if nothing).
+) -> tuple[Leaks, Leaks]:
+    """What was made since ``before`` and is still there: what is outside this process, settled
+    (false if nothing), and what is in this process, as it is now (judge it with
+    :func:`still_there` once wider fixtures are gone).
 
     ``runtime_dir`` is the tests' $DALID_RUNTIME_DIR: a process whose parents are gone is ours
     if it has it in its environment. ``known_pids`` are processes the tests started (so a
     dead one's segments are ours, and never another test session's on the same machine).
     """
     directories = list(directories)
-    found = _compare(before, take(directories), runtime_dir, known_pids)
+    outside, inside = _compare(before, take(directories), runtime_dir, known_pids)
     # Something looks leaked: an unreachable object's finalizer may still close or reap it,
     # and a process whose parents are gone may be on its way out.
     deadline = time.monotonic() + grace_s
+    while outside:
+        gc.collect()
+        outside, inside = _compare(before, take(directories), runtime_dir, known_pids)
+        if not outside.processes or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return outside, inside
+
+
+def still_there(made: Leaks, grace_s: float = 10.0) -> Leaks:
+    """Those of ``made`` (threads, descriptors and segments of this process) that are still
+    there, after a garbage collection and, for threads, up to ``grace_s`` seconds."""
+    found = _still_there(made)
+    deadline = time.monotonic() + grace_s
     while found:
         gc.collect()
-        found = _compare(before, take(directories), runtime_dir, known_pids)
-        if not found.processes or time.monotonic() > deadline:
+        found = _still_there(made)
+        if not (found.threads or found.tasks) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     return found
 
 
+def _still_there(made: Leaks) -> Leaks:
+    tasks, fds = _tasks(), _fds()
+    return Leaks(
+        segments={
+            name: pid for name, pid in made.segments.items() if (slabs.SHM_DIR / name).exists()
+        },
+        threads=[thread for thread in made.threads if thread.is_alive()],
+        tasks={tid: name for tid, name in made.tasks.items() if tasks.get(tid) == name},
+        fds={fd: target for fd, target in made.fds.items() if fds.get(fd) == target},
+    )
+
+
 def _compare(
     before: Snapshot, after: Snapshot, runtime_dir: Path, known_pids: set[int]
-) -> Leaks:
-    found = Leaks(processes=_new_processes(before, after, runtime_dir))
+) -> tuple[Leaks, Leaks]:
+    outside = Leaks(processes=_new_processes(before, after, runtime_dir))
     # A new segment is the test's if this process made it, or a process the test left, or one
     # the tests started that is gone (one still running, a module's daemon, keeps its own).
-    leaked = {process.pid for process in found.processes}
-    found.segments = {
+    leaked = {process.pid for process in outside.processes}
+    new_segments = sorted(
+        (name, pid) for name, pid in after.segments.items() if name not in before.segments
+    )
+    outside.segments = {
         name: pid
-        for name, pid in sorted(after.segments.items())
-        if name not in before.segments
-        and (pid == _ME or pid in leaked or (pid in known_pids and pid not in after.processes))
+        for name, pid in new_segments
+        if pid in leaked or (pid in known_pids and pid != _ME and pid not in after.processes)
     }
-    found.sockets = sorted(path for path in after.sockets - before.sockets if path.exists())
-    found.threads = [
-        f"{thread.name!r}{' (daemon)' if thread.daemon else ''}"
-        for ident, thread in after.threads.items()
-        if before.threads.get(ident) is not thread and thread.is_alive()
-    ]
+    outside.sockets = sorted(path for path in after.sockets - before.sockets if path.exists())
     python_tids = {thread.native_id for thread in after.threads.values()}
-    found.threads += [
-        f"native {name!r} (tid {tid})"
-        for tid, name in after.tasks.items()
-        if tid not in before.tasks
-        and tid not in python_tids
-        and not any(pattern.fullmatch(name) for pattern in _LONG_LIVED_THREADS)
-    ]
-    found.fds = [
-        f"{fd} -> {target}"
-        for fd, target in sorted(after.fds.items())
-        if before.fds.get(fd) != target
-        and not any(pattern.fullmatch(target) for pattern in _LONG_LIVED_FDS)
-    ]
-    return found
+    inside = Leaks(
+        segments={name: pid for name, pid in new_segments if pid == _ME},
+        threads=[
+            thread
+            for ident, thread in after.threads.items()
+            if before.threads.get(ident) is not thread and thread.is_alive()
+        ],
+        tasks={
+            tid: name
+            for tid, name in after.tasks.items()
+            if tid not in before.tasks and tid not in python_tids
+        },
+        fds={
+            fd: target for fd, target in sorted(after.fds.items()) if before.fds.get(fd) != target
+        },
+    )
+    return outside, inside
 
 
 def _new_processes(before: Snapshot, after: Snapshot, runtime_dir: Path) -> list[Process]:
@@ -203,6 +277,9 @@ def _new_processes(before: Snapshot, after: Snapshot, runtime_dir: Path) -> list
     reaped, a zombie, is still there). One started by a process that was already there (a
     module's daemon under its supervisor) is that process's business."""
     old = {process.key for process in before.processes.values()}
+    # An orphan is adopted by init, or by the nearest of this process's ancestors that asked to
+    # reap its descendants' orphans (PR_SET_CHILD_SUBREAPER): either way, an ancestor of ours.
+    adopters = {0, *_ancestors(after.processes)}
     found = []
     for process in after.processes.values():
         if process.key in old or process.pid == _ME:
@@ -210,16 +287,23 @@ def _new_processes(before: Snapshot, after: Snapshot, runtime_dir: Path) -> list
         parent = after.processes.get(process.ppid)
         while parent is not None and parent.pid != _ME and parent.key not in old:
             parent = after.processes.get(parent.ppid)
-        if parent is None or parent.pid in (0, 1):
+        if parent is None or parent.pid in adopters:
             # Its parents are gone (or it was started apart, as autostart does): ours if it
-            # carries this session's runtime directory.
+            # carries this session's runtime directory, as no other session's process does.
             if not _has_runtime_dir(process.pid, runtime_dir):
                 continue
         elif parent.pid != _ME:
             continue  # started by a process that was there before the test
-        if any(pattern.search(_cmdline(process.pid)) for pattern in _LONG_LIVED_PROCESSES):
-            continue
         found.append(process)
+    return found
+
+
+def _ancestors(processes: dict[int, Process]) -> set[int]:
+    found: set[int] = set()
+    process = processes.get(_ME)
+    while process is not None and process.ppid not in found and process.ppid != 0:
+        found.add(process.ppid)
+        process = processes.get(process.ppid)
     return found
 
 
@@ -291,9 +375,9 @@ def _tasks() -> dict[int, str]:
 
 def _fds() -> dict[int, str]:
     found = {}
-    for entry in os.scandir("/proc/self/fd"):
+    for name in os.listdir("/proc/self/fd"):
         try:
-            found[int(entry.name)] = os.readlink(f"/proc/self/fd/{entry.name}")
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
-            continue  # the descriptor scandir itself had open
+            continue  # the descriptor listdir itself had open, closed since
     return found
