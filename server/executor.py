@@ -36,8 +36,9 @@ from dalid.protocol import (
 from .badsamples import recover, summary
 from .outputs import OutputFailure, RunOutput, Stream
 from .pool import PoolClosed, PoolFull
+from .run_planner import RunPlanner
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
-from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run, RunPlanner
+from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
 log = logging.getLogger("dalid.server")
