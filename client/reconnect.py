@@ -181,7 +181,7 @@ class Generation:
         welcome = self.link.welcome
         worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token)
         # GPU slabs are unmapped before the goodbye, which names those tensors still view
-        # (Note [GPU output lifetime] in dalid.server.cuda).
+        # (protocol/SPEC.md, "Outputs", rule 11).
         kept = self.outputs.unmap()
         self.link.close(kept_slabs=kept)
         self.outputs.close()
