@@ -113,7 +113,7 @@ def _op(*args: Any, **_: Any) -> str:
 def trace_daemon() -> None:
     """Stamps in the daemon process: its I/O thread and its executors."""
     from dalid.protocol import transport
-    from dalid.server import core, daemon, executor, runner, runs
+    from dalid.server import core, daemon, executor, run_planner, runner
 
     decode = daemon.decode
 
@@ -126,7 +126,7 @@ def trace_daemon() -> None:
     daemon.decode = traced_decode  # type: ignore[assignment]
     _wrap(core.DaemonCore, "handle", "d.handle", lambda self, peer, message, rid: message.OP)
     _wrap(transport, "send_to", "d.send", _op)
-    _wrap(runs.RunPlanner, "submit", "d.queue")
+    _wrap(run_planner.RunPlanner, "submit", "d.queue")
     push = daemon.Daemon.push
 
     def traced_push(self: Any, *args: Any) -> None:
@@ -134,7 +134,7 @@ def trace_daemon() -> None:
         push(self, *args)
 
     daemon.Daemon.push = traced_push  # type: ignore[method-assign]
-    next_run = runs.RunPlanner.next_run
+    next_run = run_planner.RunPlanner.next_run
 
     def traced_next_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         run = next_run(self, *args, **kwargs)
@@ -142,7 +142,7 @@ def trace_daemon() -> None:
             _stamp("x.run")
         return run
 
-    runs.RunPlanner.next_run = traced_next_run  # type: ignore[method-assign]
+    run_planner.RunPlanner.next_run = traced_next_run  # type: ignore[method-assign]
     _wrap(runner.PipelineRunner, "schedule", "x.schedule")
     _wrap(runner.PipelineRunner, "collect", "x.collect")
     _wrap(executor.PipelineExecutor, "_deliver", "x.deliver")

@@ -1,8 +1,8 @@
 """Outputs that arrive as private copies: tensors of the trainer's own, not views of the daemon's.
 
 A batch comes so when the job's output memory is all held by live tensors (a loop that keeps
-its outputs): see Note [Private copies] in ``dalid.server.copies``. Nothing is released for
-such tensors; they live as long as the trainer keeps them, as with DALI's proxy.
+its outputs): see protocol/SPEC.md, "Outputs", rule 4. Nothing is released for such tensors;
+they live as long as the trainer keeps them, as with DALI's proxy.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ trainer opens it and reads it back (:func:`probe_ipc`), tells the daemon whether
 (``ipc_probe_result``) and learns the job's output path (:func:`output_path`). Where CUDA IPC
 cannot work (a MIG instance, another PID namespace than the daemon's, a GPU this process does not
 see), the daemon stages the job's GPU outputs in shared memory, and :class:`StagedOutputs`
-uploads them to this process's GPU on its current stream. Note [Staged GPU outputs] in
-``dalid.server.cuda_staged`` is the contract; this side keeps its half:
+uploads them to this process's GPU on its current stream. protocol/SPEC.md, "Outputs", rules
+14 to 17 are the contract; this side keeps the trainer's half:
 
 - each slab is mapped once, by name, and page-locked once, so uploads from it are asynchronous;
 - a batch's outputs are uploaded on the current stream, which the tensors handed out belong to,
@@ -37,7 +37,7 @@ from dalid.protocol import (
     slabs,
 )
 
-from . import cuda
+from . import cuda_device
 from .copies import copied_tensor
 from .errors import DeviceMismatch, RequestError
 
@@ -58,8 +58,8 @@ STAGING_COST = (
 
 
 class StagingDevice(Protocol):
-    """The CUDA calls :class:`StagedOutputs` makes; :class:`~dalid.client.cuda.TorchDevice` on a
-    real GPU."""
+    """The CUDA calls :class:`StagedOutputs` makes;
+    :class:`~dalid.client.cuda_device.TorchDevice` on a real GPU."""
 
     def current_stream(self) -> Any: ...
 
@@ -93,7 +93,7 @@ def probe_ipc(device_uuid: str, handle: str) -> str:
 
 
 def _probe(device_uuid: str, handle: bytes) -> str:
-    devices = cuda.DEVICES
+    devices = cuda_device.DEVICES
     if not devices.available():
         return "torch in this process has no CUDA"
     try:
@@ -235,8 +235,8 @@ class StagedOutputs:
         return tensors
 
     def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
-        """A private copy of a staged output (Note [Private copies] in ``dalid.server.copies``)
-        put on the GPU on the current stream: the trainer's own, nothing to release."""
+        """A private copy of a staged output (protocol/SPEC.md, "Outputs", rule 4) put on the
+        GPU on the current stream: the trainer's own, nothing to release."""
         device = self.device
         return device.upload(copied_tensor(output, frame), device.current_stream())
 
@@ -344,7 +344,7 @@ class StagedOutputs:
 def upload_device(device_uuid: str) -> StagingDevice:
     """Where staged outputs go: the daemon's GPU where this process sees it, else its current
     device. Raises DeviceMismatch without CUDA."""
-    devices = cuda.DEVICES
+    devices = cuda_device.DEVICES
     if devices.available():
         try:
             return devices.open(devices.local(device_uuid))

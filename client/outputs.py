@@ -12,9 +12,9 @@ what a release must carry differ by memory, so each kind has its backend:
 
 :class:`Outputs` holds the backends of one daemon and hands each descriptor to the backend of
 its device; which GPU backend a job gets, the handshake with a GPU daemon decides
-(:func:`~dalid.client.cuda_staged.output_path`). Note [Output buffer lifetime] in
-``dalid.server.pool``, Note [GPU output lifetime] in ``dalid.server.cuda`` and Note [Staged GPU
-outputs] in ``dalid.server.cuda_staged`` are the contracts the backends keep.
+(:func:`~dalid.client.cuda_staged.output_path`). The contract the backends keep is
+protocol/SPEC.md, "Outputs": rules 1 to 6 for every kind of memory, 7 to 13 for CUDA IPC, 14
+to 17 for staged GPU outputs.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class OutputBackend(Protocol):
         ...
 
     def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
-        """A tensor of the trainer's own holding a private copy of an output (Note [Private
-        copies] in ``dalid.server.copies``): nothing to release, on this memory's device."""
+        """A tensor of the trainer's own holding a private copy of an output (protocol/SPEC.md,
+        "Outputs", rule 4): nothing to release, on this memory's device."""
         ...
 
     def retire(self, slabs: Sequence[str]) -> None:

@@ -8,9 +8,9 @@ back, and :func:`left_to_trainer`, which decides what becomes of a batch the dae
 The daemon's half is in ``dalid.server``: a new daemon welcomes a worker of an earlier job
 into the job of that job's trainer.
 
-Why one module of more than 400 lines: the two sides keep one protocol, written once as the
-note below, and each side's code reads best beside it (the trainer's is about 250 lines, a
-worker's about 130).
+Why one module of some 540 lines: the two sides keep one protocol, written once as the note
+below, and each side's code reads best beside it (the trainer's is about 300 lines, a worker's
+about 110).
 
 Note [Daemon restarts]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -181,7 +181,7 @@ class Generation:
         welcome = self.link.welcome
         worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token)
         # GPU slabs are unmapped before the goodbye, which names those tensors still view
-        # (Note [GPU output lifetime] in dalid.server.cuda).
+        # (protocol/SPEC.md, "Outputs", rule 11).
         kept = self.outputs.unmap()
         self.link.close(kept_slabs=kept)
         self.outputs.close()

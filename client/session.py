@@ -2,8 +2,9 @@
 
 The trainer's side of a batch: :meth:`Session.produce_data` finds the batch references in what
 the DataLoader yields, submits again what a restarted daemon lost (:mod:`dalid.client.reconnect`),
-schedules deferred batches, waits for each result and has the output backends wrap its regions
-as tensors (:mod:`dalid.client.outputs`); the regions of tensors that died go back to the daemon
+schedules deferred batches, waits for each result and has the output backends turn its regions
+into tensors (:mod:`dalid.client.outputs`: views of the daemon's memory, or for staged GPU
+outputs copies on this process's GPU); the regions of tensors that died go back to the daemon
 while the session waits.
 """
 
@@ -77,6 +78,10 @@ class Session:
     stream that was current when they were produced (it waits on the daemon, the host does
     not). Each region goes back to the daemon when the last tensor viewing it is
     garbage-collected; a GPU region once the work queued on that stream until then has run.
+    Where this process cannot open the daemon's GPU memory (CUDA IPC: another PID namespace, a
+    MIG instance, a GPU it does not see), GPU outputs are staged in shared memory instead and
+    arrive as copies on this process's GPU, made on the current stream; their regions go back
+    once the copies have completed. The rules both sides keep are protocol/SPEC.md, "Outputs".
 
     With ``reconnect``, a daemon that is killed or restarted does not end the job: the session
     connects to the daemon that comes back on the socket (waiting up to ``connect_timeout``),
@@ -336,7 +341,7 @@ class Session:
             return outputs.tensors(result)
         except FileNotFoundError as error:
             # Only a daemon that died, its memory removed by its successor, loses a slab it has
-            # just named (Note [Output buffer lifetime], point 6).
+            # just named (protocol/SPEC.md, "Outputs", rule 6).
             raise self._daemon.link.gone_error(
                 f"its output memory {error.filename} was removed"
             ) from None

@@ -1,9 +1,9 @@
 """The shared-memory output backend: map each slab once, view regions as CPU torch tensors.
 
-See Note [Output buffer lifetime] in ``dalid.server.pool`` for the whole contract. This side
-keeps its half: a region is released only after the last tensor viewing it is gone, and a
-mapping is closed only once no tensor views it, and only by this process (Note [Slab mappings
-across fork] in ``dalid.protocol.slabs``).
+The contract is protocol/SPEC.md, "Outputs", rules 1 to 6. This side keeps the trainer's half:
+a region is released only after the last tensor viewing it is gone, and a mapping is closed
+only once no tensor views it, and only by this process (Note [Slab mappings across fork] in
+``dalid.protocol.slabs``).
 """
 
 from __future__ import annotations

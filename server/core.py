@@ -2,17 +2,20 @@
 
 :class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
 returns the reply; results that executors produce later leave through ``push``. The process
-wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it. What the
+wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it. The core
+handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
+shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
 handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
 flight (``admission.py``), its output memory (``outputs.py``), the fair share between jobs
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
-(``reload.py``). It is one module of some 450 lines because it holds one short handler per
-request of the protocol: a reader finds any message's handling here, in one table.
+(``reload.py``).
+
+Why one module of some 460 lines: it holds the one table of every request and the handlers of
+a job's life from its hello to its end, which read best in one place.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
@@ -23,9 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
-    BatchAccepted,
-    BatchFailed,
-    BatchReady,
     Error,
     ErrorCode,
     Goodbye,
@@ -52,18 +52,18 @@ from dalid.protocol import (
     pid_namespace,
 )
 
+from .batch_requests import BatchRequests
 from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused
-from .inputs import InputMemory, InputRefused
+from .inputs import InputMemory
 from .jobs import Job, JobRegistry, Peer
-from .outputs import OutputsFactory, ReleaseRefused, StreamFactory, no_streams
-from .pipelines import SHARING, PipelineBuilder, Sharing, check_batch, executor_for
+from .outputs import OutputsFactory, StreamFactory, no_streams
+from .pipelines import SHARING, PipelineBuilder, Sharing
 from .quotas import QuotaRefused, Quotas, grant
 from .reload import LiveRepository
 from .repository import PipelineRepository
 from .reservations import OutputMemory
-from .runs import PendingBatch
 from .scheduler import FairScheduler
 from .status import status_report
 
@@ -140,6 +140,8 @@ class DaemonCore:
             sharing=sharing,
             streams=streams,
         )
+        # A job's pipelines and batches: registrations, submissions, releases, results.
+        self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
@@ -148,11 +150,11 @@ class DaemonCore:
             Ping: self._on_ping,
             Shutdown: self._on_shutdown,
             StatusRequest: self._on_status,
-            RegisterPipeline: self._on_register_pipeline,
-            RegisterNamedPipeline: self._on_register_pipeline,
-            SubmitBatch: self._on_submit_batch,
-            ScheduleBatch: self._on_schedule_batch,
-            ReleaseRegions: self._on_release_regions,
+            RegisterPipeline: self.batches.on_register_pipeline,
+            RegisterNamedPipeline: self.batches.on_register_pipeline,
+            SubmitBatch: self.batches.on_submit_batch,
+            ScheduleBatch: self.batches.on_schedule_batch,
+            ReleaseRegions: self.batches.on_release_regions,
             TrainerProgress: self._on_trainer_progress,
             ReloadRepository: self._on_reload_repository,
         }
@@ -451,120 +453,6 @@ class DaemonCore:
         log.info("shutdown requested")
         self.stop_requested = True
         return Ok()
-
-    def _on_register_pipeline(
-        self,
-        identity: bytes,
-        request: RegisterPipeline | RegisterNamedPipeline,
-        request_id: int | None,
-    ) -> Message | None:
-        peer = self.peers[identity]
-        if peer.role is not Role.TRAINER:
-            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
-        live = sum(1 for member in peer.job.pipelines.values() if not member.failed)
-        if live >= self.quotas.max_pipelines:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"job {peer.job.job_id} already has {live} pipelines, the limit of one job (dalid "
-                f"serve --max-pipelines {self.quotas.max_pipelines}): a job registers each "
-                "pipeline once",
-            )
-        peer.job.check_earlier_ids(request)
-        self.pipelines.start(
-            peer.job, request, request_id, functools.partial(self._batch_answered, peer.job)
-        )
-        return None  # answered once the pipeline is built
-
-    def _on_submit_batch(
-        self, identity: bytes, request: SubmitBatch, request_id: int | None
-    ) -> Message | None:
-        peer = self.peers[identity]
-        job = peer.job
-        if peer.earlier_token:
-            request = job.pipeline_in_this_job(peer.earlier_token, request)
-        member = executor_for(job, request.pipeline_id)
-        check_batch(member, request)
-        if request.deferred and len(job.deferred) >= self.quotas.max_waiting_batches:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"job {job.job_id} already has {len(job.deferred)} deferred batches: schedule "
-                "them before sending more",
-            )
-        batch = PendingBatch(job.next_batch_id, request, member)
-        nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
-        try:
-            # Counted until the batch is freed, whichever way it goes (inputs.py).
-            self.inputs.take(job.job_id, nbytes, holder=batch)
-        except InputRefused as refusal:
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        job.next_batch_id += 1
-        if request.deferred:
-            # A deferred batch takes no turn until the trainer schedules it, and a limit here
-            # could hold back the very batch the trainer waits for.
-            job.deferred[batch.batch_id] = batch
-            return BatchAccepted(batch.batch_id)
-        assert member.executor is not None
-        if job.admission.submit(batch, member.executor, identity, request_id):
-            return BatchAccepted(batch.batch_id)
-        return None  # backpressure: answered once an earlier batch of the job is answered
-
-    def _batch_answered(
-        self, job: Job, batch: PendingBatch, result: BatchReady | BatchFailed
-    ) -> None:
-        """Delivers a batch's result and lets the job's next waiting batch in.
-
-        Runs in the executor's thread.
-        """
-        if isinstance(result, BatchFailed):
-            job.batches_failed += 1
-        else:
-            if result.copies:
-                job.batches_copied += 1
-                if job.batches_copied == 1:
-                    log.warning(
-                        "job %d: its trainer holds all %d MiB of its output memory (it keeps "
-                        "its outputs), so batches that find no room come as private copies, "
-                        "which is slower; to avoid it, keep copies of kept outputs "
-                        "(tensor.clone()) or connect with a larger memory_bytes",
-                        job.job_id,
-                        job.limits.pool_bytes >> 20,
-                    )
-            # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
-            skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
-            job.meter.add(batch.request.batch_size - skipped)
-        self._push(job.trainer, result, None)
-        admitted = job.admission.answered(batch)
-        if admitted is not None:
-            self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)
-
-    def _on_schedule_batch(
-        self, identity: bytes, request: ScheduleBatch, _request_id: int | None
-    ) -> Message:
-        job = self.peers[identity].job
-        batch = job.deferred.pop(request.batch_id, None)
-        if batch is None:
-            raise RequestRefused(
-                ErrorCode.UNKNOWN_BATCH, f"batch {request.batch_id} is not waiting to be scheduled"
-            )
-        member = executor_for(job, batch.request.pipeline_id)
-        assert member.executor is not None
-        member.executor.submit(batch)
-        return Ok()
-
-    def _on_release_regions(
-        self, identity: bytes, request: ReleaseRegions, _request_id: int | None
-    ) -> Message | None:
-        job = self.peers[identity].job
-        try:
-            unknown = job.outputs.release(request.region_ids, request.event, request.closed_slabs)
-        except ReleaseRefused as refusal:
-            raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, f"{request.OP}: {refusal}") from None
-        if unknown:
-            raise RequestRefused(
-                ErrorCode.UNKNOWN_REGION,
-                f"regions {unknown[:8]} are not leased to job {job.job_id}",
-            )
-        return None
 
 
 def job_label(name: str, pid: int) -> str:

@@ -6,6 +6,9 @@ stores of ``outputs.py``): its :class:`~dalid.server.pool.RegionPool` carves out
 outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
 real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
+Why one module of some 440 lines: the note below and the code that keeps it (slabs, the job's
+stream, its event ring and the peer's fences) read best together.
+
 Note [GPU output lifetime]
 --------------------------
 GPU regions follow Note [Output buffer lifetime] in ``pool.py``; the contract both sides keep is

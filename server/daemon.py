@@ -15,13 +15,18 @@ daemon keeps serving the others, answers a new hello at once and stops when told
 
 SIGHUP loads the pipeline repository again, as ``dalid reload`` does (the loop starts the
 reload; the log tells what it loaded).
+
+What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
+GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.socket_claim`.
+
+Why one module of some 490 lines: it is the one owner of the socket, its monitor and its
+queues, from bind to close, and its loop; split further, those would pass between modules.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -47,12 +52,10 @@ from dalid.protocol import (
     device_label,
     endpoint,
     gpu_uuid,
-    process_running,
     slabs,
     transport,
-    uuid_socket_path,
 )
-from dalid.protocol.ownership import UnsafePath, check_owned_directory
+from dalid.protocol.ownership import UnsafePath
 
 from .core import DaemonCore
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
@@ -72,6 +75,7 @@ from .pipelines import SHARING, Sharing
 from .quotas import Quotas
 from .repository import PipelineRepository
 from .shm import host_outputs
+from .socket_claim import AlreadyRunning, SocketClaim
 
 log = logging.getLogger("dalid.server")
 
@@ -123,10 +127,6 @@ def automatic_concurrency() -> int:
     return max(4, os.cpu_count() or 1)
 
 
-class AlreadyRunning(RuntimeError):
-    """Another live daemon holds the socket."""
-
-
 class Daemon:
     """Serves one device until SIGTERM, SIGINT, a shutdown request or the idle timeout."""
 
@@ -144,9 +144,9 @@ class Daemon:
         self._monitor: zmq.Socket[Any] | None = None
         # Every open connection, what it may do and who is behind it.
         self._intake: Intake | None = None
-        self._lock_fd: int | None = None
+        # The socket's path: its lock file, the socket file and the GPU UUID link.
+        self._claim = SocketClaim(config.socket)
         self._metrics: Any = None
-        self._uuid_link: Path | None = None
         self.core: DaemonCore | None = None
         # The latest status, for the metrics endpoint's thread (replaced whole, never changed).
         self.snapshot: StatusReport | None = None
@@ -178,7 +178,7 @@ class Daemon:
     def serve(self) -> int:
         """Runs the daemon in the calling (main) thread; returns the exit status."""
         try:
-            self._acquire_socket()
+            self._claim.acquire()
         except AlreadyRunning as error:
             log.error("%s", error)
             self.close()
@@ -212,38 +212,6 @@ class Daemon:
             self.close()
         log.info("dalid daemon pid %d stopped", os.getpid())
         return 0
-
-    def _acquire_socket(self) -> None:
-        """Takes the socket's lock file; a live daemon holding it means we must not start."""
-        path = self.config.socket
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Another user who could write there could plant links or take the socket's name.
-        check_owned_directory(path.parent, "socket directory")
-        lock_path = path.with_name(path.name + ".lock")
-        while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise AlreadyRunning(
-                    f"a dalid daemon (pid {owner}) already serves {endpoint(path)}; stop it with "
-                    f"`dalid stop --socket {path}` or choose another --socket"
-                ) from None
-            # A daemon that stops removes the lock file while it holds the lock (close()): a
-            # lock taken on a file no longer at the path locks nothing; open the new one.
-            if _same_file(fd, lock_path):
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
-        # We hold the lock, so a socket file here was left by a daemon that died.
-        if path.exists() or path.is_symlink():
-            log.info("removing stale socket %s", path)
-            path.unlink()
-        _remove_stale_segments()
 
     def _start(self) -> None:
         config = self.config
@@ -313,34 +281,13 @@ class Daemon:
             )
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, self._metrics.port)
         if device_uuid:
-            self._link_by_uuid(device_uuid)
-
-    def _link_by_uuid(self, device_uuid: str) -> None:
-        """``<socket dir>/<GPU UUID>.sock``, a link to the socket: a trainer finds the daemon
-        of the GPU it was given by the GPU's UUID, whatever ordinal it has there."""
-        link = uuid_socket_path(self.config.socket.parent, device_uuid)
-        try:
-            if link.is_symlink():
-                link.unlink()  # a daemon of this GPU that died; we serve it now
-            link.symlink_to(self.config.socket.name)
-        except OSError as error:
-            log.warning("cannot link %s to the socket: %s", link, error)
-            return
-        self._uuid_link = link
+            self._claim.link_by_uuid(device_uuid)
 
     def abandon(self) -> None:
         """Removes what a stop would, for a process about to exit without one (its loop is
         stuck, see :mod:`.lifeline`); from any thread. The socket file, its lock file and the
         GPU UUID link go only while this daemon holds the lock, and the shared memory it made."""
-        if self._lock_fd is not None:
-            if self._uuid_link is not None:
-                with contextlib.suppress(OSError):
-                    if os.readlink(self._uuid_link) == self.config.socket.name:
-                        self._uuid_link.unlink()
-            self.config.socket.unlink(missing_ok=True)
-            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
-            if _same_file(self._lock_fd, lock_path):
-                lock_path.unlink(missing_ok=True)
+        self._claim.abandon()
         for path, record in slabs.user_segments():
             if record.pid == os.getpid():
                 path.unlink(missing_ok=True)
@@ -364,20 +311,7 @@ class Daemon:
         if self._context is not None:
             self._context.term()
             self._context = None
-        if self._uuid_link is not None:
-            with contextlib.suppress(OSError):
-                if os.readlink(self._uuid_link) == self.config.socket.name:
-                    self._uuid_link.unlink()
-            self._uuid_link = None
-        if self._lock_fd is not None:
-            self.config.socket.unlink(missing_ok=True)
-            # Removed while still held, so that a clean stop leaves nothing in the runtime
-            # directory; a daemon starting meanwhile sees the file gone (_acquire_socket).
-            lock_path = self.config.socket.with_name(self.config.socket.name + ".lock")
-            if _same_file(self._lock_fd, lock_path):
-                lock_path.unlink(missing_ok=True)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._claim.close()
         if self._wake_fd >= 0:
             os.close(self._wake_fd)
             self._wake_fd = -1
@@ -559,22 +493,3 @@ class Daemon:
             if error.errno != zmq.EHOSTUNREACH:
                 raise
             self.core.trainer_unreachable(identity)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` names the file open as ``fd``."""
-    try:
-        named = path.stat()
-    except FileNotFoundError:
-        return False
-    opened = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
-
-
-def _remove_stale_segments() -> None:
-    """Unlinks shared-memory slabs left by daemons of this user that died without cleaning up."""
-    for path, record in slabs.user_segments():
-        if process_running(record.pid):
-            continue
-        path.unlink(missing_ok=True)
-        log.info("removed stale shared memory %s (%s)", path.name, record.label)

@@ -14,6 +14,9 @@ A run that fails kills the DALI pipeline: the executor rebuilds it and runs the 
 mixed run again one by one, so that a bad sample of one job never fails or skips another job's
 samples; a batch that fails alone is answered by its job's on_error policy
 (``badsamples.py``), and that job's next batches run alone for a while.
+
+Why one module of some 460 lines: it is one class, the loop of one thread and the recovery of
+its failed runs, which share that thread's state.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from dalid.protocol import (
 from .badsamples import recover, summary
 from .outputs import OutputFailure, RunOutput, Stream
 from .pool import PoolClosed, PoolFull
+from .run_planner import RunPlanner
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
-from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run, RunPlanner
+from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
 log = logging.getLogger("dalid.server")

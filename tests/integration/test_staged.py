@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dalid.client as dalid
-from dalid.client import cuda as client_cuda
+from dalid.client import cuda_device
 from dalid.client import cuda_staged as staged
 from dalid.client.errors import DeviceMismatch
 
@@ -72,7 +72,7 @@ def auto_daemon() -> Iterator[DaemonProcess]:
 def trainer_gpu(monkeypatch: pytest.MonkeyPatch) -> SimulatedDevices:
     """This process's GPUs: the simulated daemon's, CUDA IPC working (tests change that)."""
     devices = SimulatedDevices()
-    monkeypatch.setattr(client_cuda, "DEVICES", devices)
+    monkeypatch.setattr(cuda_device, "DEVICES", devices)
     monkeypatch.setattr(staged, "_probed", {})
     return devices
 
@@ -158,7 +158,7 @@ def test_a_trainer_that_cannot_open_the_daemons_memory_gets_its_outputs_staged(
     trainer: SimulatedDevices,
     reason: str,
 ) -> None:
-    monkeypatch.setattr(client_cuda, "DEVICES", trainer)
+    monkeypatch.setattr(cuda_device, "DEVICES", trainer)
     monkeypatch.setattr(staged, "_probed", {})
     with caplog.at_level(logging.WARNING, logger="dalid.client"):
         assert _check_batches(auto_daemon, LENGTH) == "staged"
@@ -187,9 +187,9 @@ def test_dalid_status_shows_each_jobs_output_path(
     auto_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(staged, "_probed", {})
-    monkeypatch.setattr(client_cuda, "DEVICES", SimulatedDevices())
+    monkeypatch.setattr(cuda_device, "DEVICES", SimulatedDevices())
     with _session(auto_daemon, "direct"):
-        monkeypatch.setattr(client_cuda, "DEVICES", SimulatedDevices(ipc=False))
+        monkeypatch.setattr(cuda_device, "DEVICES", SimulatedDevices(ipc=False))
         monkeypatch.setattr(staged, "_probed", {})
         with _session(auto_daemon, "copied"):
             command = ["status", "--socket", str(auto_daemon.socket), "--once"]

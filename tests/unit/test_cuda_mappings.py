@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.cuda import MAX_FENCES, CudaOutputs, pick_device
+from dalid.client.cuda import MAX_FENCES, CudaOutputs
+from dalid.client.cuda_device import pick_device
 from dalid.client.errors import DeviceMismatch
 from dalid.client.outputs import Outputs
 from dalid.client.shm import SharedMemoryOutputs

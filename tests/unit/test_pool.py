@@ -741,7 +741,7 @@ def test_a_fixed_reservation_is_refused_when_the_daemon_has_not_that_much_left()
 
 
 def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> None:
-    # A shared pipeline takes a job's batch only where its outputs have room (runs.py).
+    # A shared pipeline takes a job's batch only where its outputs have room (run_planner.py).
     memory = OutputMemory(limit=4 * PAGE)
     pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
     pool.grow_within(memory.growing(3 * PAGE))

@@ -1,4 +1,4 @@
-"""RunPlanner (server/runs.py): which batches of the jobs that share a pipeline form its next
+"""RunPlanner (server/run_planner.py): which batches of the jobs that share a pipeline form its next
 run, with the real fair scheduler; the same path in a daemon is in
 tests/integration/test_shared_pipelines.py."""
 
@@ -12,7 +12,8 @@ import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
 from dalid.server.outputs import JobOutputs
-from dalid.server.runs import Member, PendingBatch, RunPlanner
+from dalid.server.run_planner import RunPlanner
+from dalid.server.runs import Member, PendingBatch
 from dalid.server.scheduler import FairScheduler, ServiceClock
 
 BATCH = 4

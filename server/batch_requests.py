@@ -1,0 +1,176 @@
+"""The daemon's handlers of a job's pipelines and batches: a pipeline's registration, a batch's
+submission and scheduling, the release of its output regions, and the delivery of its result.
+
+:class:`BatchRequests` holds them for the daemon core (``core.py``), whose table dispatches
+these requests here once the connection has said hello. What they act on lives in modules of
+its own: jobs and peers (``jobs.py``), a job's batches in flight (``admission.py``), the batch
+inputs held (``inputs.py``), its output memory (``outputs.py``) and the pipelines' executors
+(``pipelines.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from dalid.protocol import (
+    BatchAccepted,
+    BatchFailed,
+    BatchReady,
+    ErrorCode,
+    Message,
+    Ok,
+    RegisterNamedPipeline,
+    RegisterPipeline,
+    ReleaseRegions,
+    Role,
+    ScheduleBatch,
+    SubmitBatch,
+)
+
+from .errors import RequestRefused
+from .inputs import InputMemory, InputRefused
+from .jobs import Job, JobRegistry, Peer
+from .outputs import ReleaseRefused
+from .pipelines import PipelineBuilder, Push, check_batch, executor_for
+from .quotas import Quotas
+from .runs import PendingBatch
+
+log = logging.getLogger("dalid.server")
+
+
+class BatchRequests:
+    """Handles the requests of a job's pipelines and batches, for a connection that is in a
+    job (the core checks that). ``push(peer, message)`` must be thread-safe."""
+
+    def __init__(
+        self,
+        registry: JobRegistry,
+        quotas: Quotas,
+        pipelines: PipelineBuilder,
+        inputs: InputMemory,
+        push: Push,
+    ) -> None:
+        self.registry = registry
+        self.quotas = quotas
+        self.pipelines = pipelines
+        self.inputs = inputs
+        self._push = push
+
+    @property
+    def peers(self) -> dict[bytes, Peer]:
+        return self.registry.peers
+
+    def on_register_pipeline(
+        self,
+        identity: bytes,
+        request: RegisterPipeline | RegisterNamedPipeline,
+        request_id: int | None,
+    ) -> Message | None:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer registers pipelines")
+        live = sum(1 for member in peer.job.pipelines.values() if not member.failed)
+        if live >= self.quotas.max_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {peer.job.job_id} already has {live} pipelines, the limit of one job (dalid "
+                f"serve --max-pipelines {self.quotas.max_pipelines}): a job registers each "
+                "pipeline once",
+            )
+        peer.job.check_earlier_ids(request)
+        self.pipelines.start(
+            peer.job, request, request_id, functools.partial(self._batch_answered, peer.job)
+        )
+        return None  # answered once the pipeline is built
+
+    def on_submit_batch(
+        self, identity: bytes, request: SubmitBatch, request_id: int | None
+    ) -> Message | None:
+        peer = self.peers[identity]
+        job = peer.job
+        if peer.earlier_token:
+            request = job.pipeline_in_this_job(peer.earlier_token, request)
+        member = executor_for(job, request.pipeline_id)
+        check_batch(member, request)
+        if request.deferred and len(job.deferred) >= self.quotas.max_waiting_batches:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"job {job.job_id} already has {len(job.deferred)} deferred batches: schedule "
+                "them before sending more",
+            )
+        batch = PendingBatch(job.next_batch_id, request, member)
+        nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
+        try:
+            # Counted until the batch is freed, whichever way it goes (inputs.py).
+            self.inputs.take(job.job_id, nbytes, holder=batch)
+        except InputRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+        job.next_batch_id += 1
+        if request.deferred:
+            # A deferred batch takes no turn until the trainer schedules it, and a limit here
+            # could hold back the very batch the trainer waits for.
+            job.deferred[batch.batch_id] = batch
+            return BatchAccepted(batch.batch_id)
+        assert member.executor is not None
+        if job.admission.submit(batch, member.executor, identity, request_id):
+            return BatchAccepted(batch.batch_id)
+        return None  # backpressure: answered once an earlier batch of the job is answered
+
+    def _batch_answered(
+        self, job: Job, batch: PendingBatch, result: BatchReady | BatchFailed
+    ) -> None:
+        """Delivers a batch's result and lets the job's next waiting batch in.
+
+        Runs in the executor's thread.
+        """
+        if isinstance(result, BatchFailed):
+            job.batches_failed += 1
+        else:
+            if result.copies:
+                job.batches_copied += 1
+                if job.batches_copied == 1:
+                    log.warning(
+                        "job %d: its trainer holds all %d MiB of its output memory (it keeps "
+                        "its outputs), so batches that find no room come as private copies, "
+                        "which is slower; to avoid it, keep copies of kept outputs "
+                        "(tensor.clone()) or connect with a larger memory_bytes",
+                        job.job_id,
+                        job.limits.pool_bytes >> 20,
+                    )
+            # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
+            skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
+            job.meter.add(batch.request.batch_size - skipped)
+        self._push(job.trainer, result, None)
+        admitted = job.admission.answered(batch)
+        if admitted is not None:
+            self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)
+
+    def on_schedule_batch(
+        self, identity: bytes, request: ScheduleBatch, _request_id: int | None
+    ) -> Message:
+        job = self.peers[identity].job
+        batch = job.deferred.pop(request.batch_id, None)
+        if batch is None:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_BATCH, f"batch {request.batch_id} is not waiting to be scheduled"
+            )
+        member = executor_for(job, batch.request.pipeline_id)
+        assert member.executor is not None
+        member.executor.submit(batch)
+        return Ok()
+
+    def on_release_regions(
+        self, identity: bytes, request: ReleaseRegions, _request_id: int | None
+    ) -> Message | None:
+        job = self.peers[identity].job
+        try:
+            unknown = job.outputs.release(request.region_ids, request.event, request.closed_slabs)
+        except ReleaseRefused as refusal:
+            raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, f"{request.OP}: {refusal}") from None
+        if unknown:
+            raise RequestRefused(
+                ErrorCode.UNKNOWN_REGION,
+                f"regions {unknown[:8]} are not leased to job {job.job_id}",
+            )
+        return None
