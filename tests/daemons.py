@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import zmq
+
+from dalid.protocol import StatusReport
 
 # Directories this test session made for sockets: a daemon whose command line names one of
 # them is ours to check for leaks (and never one that another session started).
@@ -70,7 +71,7 @@ class DaemonProcess:
         """The shared-memory segments of this daemon, of any of its children, past or present."""
         return set(self._segment_labels())
 
-    def status(self) -> Any:
+    def status(self) -> StatusReport:
         """The daemon's StatusReport, asked for as ``dalid status`` does."""
         return daemon_status(self.socket)
 
@@ -167,9 +168,9 @@ def wait_until_answering(
     raise AssertionError(f"daemon did not answer on {socket} within {timeout} s")
 
 
-def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
+def daemon_status(socket: Path, timeout: float = 10.0) -> StatusReport:
     """One StatusReport from the daemon on ``socket`` (a status request needs no hello)."""
-    from dalid.protocol import StatusReport, StatusRequest, endpoint, transport
+    from dalid.protocol import StatusRequest, endpoint, transport
 
     context = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)

@@ -48,7 +48,9 @@ def segment() -> Iterator[str]:
     (slabs.SHM_DIR / name).unlink(missing_ok=True)
 
 
-def test_a_child_that_frees_and_closes_inherited_mappings_keeps_its_own_memory(segment) -> None:
+def test_a_child_that_frees_and_closes_inherited_mappings_keeps_its_own_memory(
+    segment: str,
+) -> None:
     mappings = SharedMemoryOutputs()
     tensors = mappings.wrap([OutputDescriptor(1, segment, SIZE, 0, 16, "uint8", (16,))])
     holder = [mappings]
