@@ -109,10 +109,8 @@ def torch_pil(settings: Settings) -> Iterator[EpochFactory]:
 
 @contextlib.contextmanager
 def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
-    from nvidia.dali.plugin.pytorch import (
-        DALIGenericIterator,
-        LastBatchPolicy,
-    )
+    from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
     from .pipelines import reader_pipeline
 

@@ -112,10 +112,10 @@ def _op(*args: Any, **_: Any) -> str:
 
 def trace_daemon() -> None:
     """Stamps in the daemon process: its I/O thread and its executors."""
-    from dalid.protocol import transport
+    from dalid.protocol import Message, transport
     from dalid.server import core, daemon, executor, run_planner, runner
 
-    decode = daemon.decode
+    decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
 
     def traced_decode(frames: Any) -> Any:
         _stamp("d.decode>")
@@ -123,15 +123,17 @@ def trace_daemon() -> None:
         _stamp(f"d.decode<:{envelope.message.OP}")
         return envelope
 
-    daemon.decode = traced_decode  # type: ignore[assignment]
+    daemon.decode = traced_decode  # type: ignore[attr-defined]
     _wrap(core.DaemonCore, "handle", "d.handle", lambda self, peer, message, rid: message.OP)
     _wrap(transport, "send_to", "d.send", _op)
     _wrap(run_planner.RunPlanner, "submit", "d.queue")
     push = daemon.Daemon.push
 
-    def traced_push(self: Any, *args: Any) -> None:
+    def traced_push(
+        self: daemon.Daemon, identity: bytes, message: Message, request_id: int | None = None
+    ) -> None:
         _stamp("d.push")
-        push(self, *args)
+        push(self, identity, message, request_id)
 
     daemon.Daemon.push = traced_push  # type: ignore[method-assign]
     next_run = run_planner.RunPlanner.next_run

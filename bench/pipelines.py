@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.pipeline import pipeline_def
 
 from .config import AREA, CROP, MEAN, RATIO, STD
 
@@ -67,9 +68,9 @@ def _train(jpegs: Any, gpu: bool, hw_decoder_load: float | None) -> Any:
         random_aspect_ratio=list(RATIO),
         **decoder,
     )
-    images = fn.resize(images, resize_x=CROP, resize_y=CROP)
+    # The ignore: DALI's stub types resize's result as a union that crop_mirror_normalize refuses.
     return fn.crop_mirror_normalize(
-        images,
+        fn.resize(images, resize_x=CROP, resize_y=CROP),  # type: ignore[arg-type]
         dtype=types.DALIDataType.FLOAT16,
         output_layout="CHW",
         crop=(CROP, CROP),

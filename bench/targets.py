@@ -82,6 +82,14 @@ def paired_ratio(values: Values, row: str, base: str, name: str) -> dict[str, fl
     return spread(ratios)
 
 
+def at_least(goal: float) -> Callable[[float], bool]:
+    return lambda measured: measured >= goal
+
+
+def at_most(goal: float) -> Callable[[float], bool]:
+    return lambda measured: measured <= goal
+
+
 def target(
     name: str, goal: str, measured: dict[str, float], unit: str, met: Callable[[float], bool]
 ) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def one_job_targets(
                     f">= {goal:.0%}",
                     ratio,
                     "ratio",
-                    lambda r, goal=goal: r >= goal,
+                    at_least(goal),
                 )
             )
     cpu = paired_ratio(values, "dalid", "dali", "cpu_ms_per_sample")
@@ -204,7 +212,7 @@ def transport_targets(transport: Mapping[str, Any]) -> list[dict[str, Any]]:
                     f"<= {goal:.1f}x",
                     measured,
                     "times",
-                    lambda r, goal=goal: r <= goal,
+                    at_most(goal),
                 )
             )
     return found
@@ -219,11 +227,9 @@ def handle_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, 
         return []
     name = f"{labels['dalid']}, 1 job"
     per_slab = spread(
-        (run["handle_opens"] or 0.0) / run["slabs"] for run in counted if run.get("slabs")
+        (run["handle_opens"] or 0.0) / slabs for run in counted if (slabs := run.get("slabs"))
     )
-    timed = spread(
-        run["handle_timed_opens"] for run in counted if run.get("handle_timed_opens") is not None
-    )
+    timed = spread(opens for run in counted if (opens := run.get("handle_timed_opens")) is not None)
     return [
         target(
             f"{name}: slab handles opened / slabs of its pool (each opened once)",

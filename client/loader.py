@@ -67,7 +67,7 @@ class _ProducingIterator:
         return len(self._inner)  # type: ignore[arg-type]
 
 
-class DataLoader(torchdata.DataLoader):
+class DataLoader(torchdata.DataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
     Works with any ``num_workers``, including 0, and with persistent workers. Bad samples that

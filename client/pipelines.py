@@ -47,7 +47,7 @@ def output_count(pipeline: Any) -> int:
 
 def check_pipeline(pipeline: Any) -> None:
     """Raises :class:`InputError` unless ``pipeline`` is a DALI pipeline."""
-    from nvidia.dali import Pipeline
+    from nvidia.dali.pipeline import Pipeline
 
     if not isinstance(pipeline, Pipeline):
         raise InputError(f"expected an NVIDIA DALI pipeline, got {type(pipeline).__name__}")

@@ -279,7 +279,10 @@ class Reconnector:
                     raise DaemonUnavailable(
                         f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
                     ) from error
-                log.warning("%s: reconnecting", error)
+                # The text, not the exception: a record kept after this call (a buffering
+                # handler, pytest's caplog) would keep the traceback's frames alive, and with
+                # them the outputs this call goes on to deliver and their daemon's regions.
+                log.warning("%s: reconnecting", str(error))
                 gone = True
         raise AssertionError("unreachable")
 

@@ -51,7 +51,8 @@ def _as_array(value: Any, input_name: str) -> np.ndarray:
                 "(tensor.cpu()) before it is sent to the daemon"
             )
         try:
-            return value.detach().numpy()
+            array: np.ndarray = value.detach().numpy()
+            return array
         except TypeError as error:  # bfloat16 and other types numpy does not have
             raise InputError(
                 f"input {input_name!r}: a torch tensor of {value.dtype} cannot be sent ({error}); "

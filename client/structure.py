@@ -46,7 +46,8 @@ def _children(obj: Any) -> Iterable[Any]:
     if isinstance(obj, dict):
         return obj.values()
     if _is_plain_object(obj):
-        return vars(obj).values()
+        attributes: dict[str, Any] = vars(obj)
+        return attributes.values()
     return ()
 
 

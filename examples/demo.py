@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.dataset import make_imagefolder
 from dalid.protocol import endpoint
@@ -41,7 +42,7 @@ def start_daemon(socket: Path, log: Path) -> subprocess.Popen[bytes]:
     return daemon
 
 
-def relay(job: subprocess.Popen[str], summaries: list[dict]) -> None:
+def relay(job: subprocess.Popen[str], summaries: list[dict[str, Any]]) -> None:
     assert job.stdout is not None
     for line in job.stdout:
         if line.startswith("SUMMARY "):
@@ -68,7 +69,7 @@ def main() -> int:
     socket = workdir / "cpu.sock"
     daemon = start_daemon(socket, workdir / "daemon.log")
     print(f"daemon: pid {daemon.pid} on {endpoint(socket)}")
-    summaries: list[dict] = []
+    summaries: list[dict[str, Any]] = []
     started = time.perf_counter()
     try:
         jobs = [

@@ -28,7 +28,7 @@ def path_sample(path: str) -> np.ndarray:
     return np.frombuffer(path.encode(), dtype=np.int8)
 
 
-class ImageFolder(Dataset):
+class ImageFolder(Dataset[tuple[Any, Any]]):
     """``root/<class>/<file>`` samples; ``transform`` receives the path as an int8 array."""
 
     def __init__(

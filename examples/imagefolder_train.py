@@ -17,7 +17,9 @@ import sys
 from collections.abc import Sequence
 
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import Pipeline, pipeline_def
 
 import dalid.client as dalid
 from examples.imagefolder import ImageFolder, add_data_arguments, classifier, dataset_root
@@ -28,16 +30,18 @@ STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 @pipeline_def
-def train_pipeline():
+def train_pipeline() -> DataNode:
     """RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize, in DALI."""
+    # The ignores: DALI's stubs lack fn.io, and type resize's result as a union.
     paths = fn.external_source(name="paths", no_copy=True)
     images = fn.decoders.image_random_crop(
-        fn.io.file.read(paths), output_type=types.RGB, random_area=[0.08, 1.0]
+        fn.io.file.read(paths),  # type: ignore[attr-defined]
+        output_type=types.DALIImageType.RGB,
+        random_area=[0.08, 1.0],
     )
-    images = fn.resize(images, size=[SIZE, SIZE])
     return fn.crop_mirror_normalize(
-        images,
-        dtype=types.FLOAT,
+        fn.resize(images, size=[SIZE, SIZE]),  # type: ignore[arg-type]
+        dtype=types.DALIDataType.FLOAT,
         output_layout="CHW",
         mean=MEAN,
         std=STD,
@@ -55,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
 
     with dataset_root(args) as root, dalid.connect(socket=args.socket) as session:
+        pipeline: dalid.RepositoryPipeline | Pipeline
         if args.named:
             pipeline = dalid.named_pipeline(
                 "train", batch_size=args.batch_size, num_threads=2, size=SIZE

@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import pipeline_def
 from torch.utils.data import Dataset
 
 import dalid.client as dalid
@@ -26,19 +29,21 @@ SIZE = 64
 
 
 @pipeline_def
-def rotate_and_crop():
+def rotate_and_crop() -> tuple[DataNode, DataNode]:
     """Inputs: ``paths`` (a file path), ``angles`` (degrees) and ``crops`` ((height, width))."""
+    # The ignores: DALI's stubs lack fn.io, and type resize's result as a union.
     paths = fn.external_source(name="paths", no_copy=True)
     angles = fn.external_source(name="angles", no_copy=True)
     crops = fn.external_source(name="crops", no_copy=True)
-    images = fn.decoders.image(fn.io.file.read(paths), output_type=types.RGB)
+    jpegs = fn.io.file.read(paths)  # type: ignore[attr-defined]
+    images = fn.decoders.image(jpegs, output_type=types.DALIImageType.RGB)
     images = fn.rotate(images, angle=angles, fill_value=0)
     images = fn.crop(images, crop=crops, out_of_bounds_policy="pad")
     # Every sample of a batch has one shape: the crops, whatever their size, are resized.
-    return fn.resize(images, size=[SIZE, SIZE]), crops
+    return fn.resize(images, size=[SIZE, SIZE]), crops  # type: ignore[return-value]
 
 
-class AugmentedImages(Dataset):
+class AugmentedImages(Dataset[tuple[Any, Any, int, int]]):
     """Draws an angle and a crop size per sample and hands all three inputs to the proxy."""
 
     def __init__(self, folder: ImageFolder, proxy: dalid.Proxy, seed: int = 0) -> None:
@@ -56,7 +61,7 @@ class AugmentedImages(Dataset):
         crop = rng.integers(96, 256, size=2).astype(np.float32)
         return angle, crop
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, Any, int, int]:
         path, label = self.folder.samples[index]
         angle, crop = self.parameters(index)
         image, crop_used = self.proxy(paths=path_sample(path), angles=angle, crops=crop)

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import pipeline_def
 
 import dalid.client as dalid
 from examples.imagefolder import ImageFolder, classifier
@@ -27,17 +29,18 @@ CROP = 160
 
 
 @pipeline_def
-def training_pipeline(decoder_device: str = "cpu"):
+def training_pipeline(decoder_device: str = "cpu") -> DataNode:
     """Decode, random-resized-crop, flip and normalize, as an ImageNet training loader does."""
+    # The ignores: DALI's stubs lack fn.io, and type resize's result as a union.
     paths = fn.external_source(name="paths", no_copy=True)
-    jpegs = fn.io.file.read(paths)
+    jpegs = fn.io.file.read(paths)  # type: ignore[attr-defined]
     images = fn.decoders.image_random_crop(
-        jpegs, device=decoder_device, output_type=types.RGB, random_area=[0.25, 1.0]
+        jpegs, device=decoder_device, output_type=types.DALIImageType.RGB, random_area=[0.25, 1.0]
     )
     images = fn.resize(images, size=[CROP, CROP])
     return fn.crop_mirror_normalize(
-        images,
-        dtype=types.FLOAT,
+        images,  # type: ignore[arg-type]
+        dtype=types.DALIDataType.FLOAT,
         output_layout="CHW",
         mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
         std=[0.229 * 255, 0.224 * 255, 0.225 * 255],

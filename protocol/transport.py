@@ -43,7 +43,7 @@ def make_socket(
     what it means to and may queue its own backlog). ZeroMQ drops a connection that starts a
     frame of more than ``max_frame_bytes``, before it allocates it.
     """
-    sock = context.socket(kind)
+    sock: zmq.Socket[Any] = context.socket(kind)
     try:
         if heartbeat_ms is not None:
             sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])

@@ -158,7 +158,7 @@ class PipelineRunner:
         return cls(spec, device_id, pipeline, run_batches=run_batches, num_threads=num_threads)
 
     def _build(self, pipeline: Any = None) -> None:
-        from nvidia.dali import Pipeline
+        from nvidia.dali.pipeline import Pipeline
 
         kwargs: dict[str, Any] = {
             "batch_size": self.run_size,
@@ -248,8 +248,8 @@ class PipelineRunner:
 
 def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
     """The external_source names (in definition order) and output count of a pipeline."""
-    from nvidia.dali import Pipeline
     from nvidia.dali.external_source import ExternalSource
+    from nvidia.dali.pipeline import Pipeline
 
     if not isinstance(pipeline, Pipeline):
         raise PipelineBuildError(

@@ -83,8 +83,9 @@ class RestartPolicy:
     jitter: float = 0.25
 
     def delay(self, fast_crashes: int, rng: random.Random | None = None) -> float:
-        ceiling = min(self.max_delay_s, self.first_delay_s * 2 ** max(0, fast_crashes - 1))
-        return ceiling * (1.0 - self.jitter * (rng or random).random())
+        ceiling = min(self.max_delay_s, self.first_delay_s * 2.0 ** max(0, fast_crashes - 1))
+        draw = rng.random() if rng is not None else random.random()
+        return ceiling * (1.0 - self.jitter * draw)
 
 
 class State(Enum):

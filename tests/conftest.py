@@ -1,7 +1,9 @@
 """Shared fixtures: a real daemon subprocess per test module, and checks that nothing leaks.
 
 Every test session runs with a private runtime directory ($DALID_RUNTIME_DIR), so autostarted
-daemons and default sockets never touch the user's own.
+daemons and default sockets never touch the user's own. Every test is checked for what it left
+behind (:mod:`tests.leaks`): processes, dalid's /dev/shm segments, socket files, threads and
+file descriptors; the session is checked once more at its end, for what module fixtures left.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import pytest
 
 from dalid.protocol import slabs
 
-from .daemons import OWN_DIRECTORIES, DaemonProcess, own_directory, start_daemon
+from . import leaks
+from .daemons import (
+    OWN_DIRECTORIES,
+    STARTED_PIDS,
+    DaemonProcess,
+    own_directory,
+    start_daemon,
+)
 
 
 def _dalid_segments() -> dict[str, int]:
@@ -68,6 +77,7 @@ def private_runtime_dir() -> Iterator[Path]:
     path = own_directory("dalid-rt-")
     os.environ["DALID_RUNTIME_DIR"] = str(path)
     os.environ.pop("DALID_SOCKET", None)
+    leaks.start_long_lived()
     segments_before = set(_dalid_segments())
     yield path
     leaked_daemons = set(_dalid_daemons())
@@ -86,6 +96,60 @@ def private_runtime_dir() -> Iterator[Path]:
     assert not leaked_daemons, f"daemon processes left running: {sorted(leaked_daemons)}"
     assert not leaked_segments, f"/dev/shm segments left behind: {sorted(leaked_segments)}"
     assert not sockets, f"socket files left behind: {sockets}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_in_this_process() -> Iterator[dict[str, leaks.Leaks]]:
+    """What each test of the module made in this process (threads, descriptors, segments),
+    judged once the module's fixtures, which may own it, are gone: an autouse fixture is set up
+    before the other fixtures of its scope, and torn down after them."""
+    made: dict[str, leaks.Leaks] = {}
+    yield made
+    found = {nodeid: leaks.still_there(things) for nodeid, things in made.items()}
+    failures = [
+        f"{nodeid} left behind:\n  " + "\n  ".join(left.lines())
+        for nodeid, left in found.items()
+        if left
+    ]
+    for left in found.values():
+        left.clean_up()
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(
+    request: pytest.FixtureRequest,
+    private_runtime_dir: Path,
+    nothing_left_in_this_process: dict[str, leaks.Leaks],
+) -> Iterator[None]:
+    """Fails the test that leaves a process, segment or socket file behind, and hands what it
+    made in this process to :func:`nothing_left_in_this_process`.
+
+    Autouse fixtures are set up before, and torn down after, the test's other function-scoped
+    fixtures; module-scoped ones (a module's daemon) are up before the first snapshot and
+    stopped after the last, so they are never counted.
+    """
+    before = leaks.take(_test_directories(request))
+    yield
+    outside, inside = leaks.left_behind(
+        before, _test_directories(request), private_runtime_dir, STARTED_PIDS
+    )
+    if inside:
+        nothing_left_in_this_process[request.node.nodeid] = inside
+    if outside:
+        failure = f"{request.node.nodeid} left behind:\n  " + "\n  ".join(outside.lines())
+        outside.clean_up()
+        pytest.fail(failure, pytrace=False)
+
+
+def _test_directories(request: pytest.FixtureRequest) -> list[Path]:
+    """The directories whose socket files count: those the tests made, and the test's tmp_path."""
+    directories = [Path(directory) for directory in OWN_DIRECTORIES]
+    tmp_path = request.node.funcargs.get("tmp_path")
+    if isinstance(tmp_path, Path):
+        directories.append(tmp_path)
+    return [directory for directory in directories if directory.exists()]
 
 
 @pytest.fixture

@@ -15,13 +15,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import zmq
+
+from dalid.protocol import StatusReport
 
 # Directories this test session made for sockets: a daemon whose command line names one of
 # them is ours to check for leaks (and never one that another session started).
 OWN_DIRECTORIES: list[str] = []
+# Processes that tests started through this module (daemons, their supervisors, jobs): a
+# segment whose maker is one of them, and gone, was left by a test of this session.
+STARTED_PIDS: set[int] = set()
 
 
 def own_directory(prefix: str = "dlt-") -> Path:
@@ -55,6 +59,7 @@ class DaemonProcess:
             if pid is not None:
                 if pid not in self.daemon_pids:
                     self.daemon_pids.append(pid)
+                    STARTED_PIDS.add(pid)
                 return pid
             time.sleep(0.05)
         raise AssertionError(f"no daemon answered on {self.socket} within {timeout} s")
@@ -66,7 +71,7 @@ class DaemonProcess:
         """The shared-memory segments of this daemon, of any of its children, past or present."""
         return set(self._segment_labels())
 
-    def status(self) -> Any:
+    def status(self) -> StatusReport:
         """The daemon's StatusReport, asked for as ``dalid status`` does."""
         return daemon_status(self.socket)
 
@@ -163,9 +168,9 @@ def wait_until_answering(
     raise AssertionError(f"daemon did not answer on {socket} within {timeout} s")
 
 
-def daemon_status(socket: Path, timeout: float = 10.0) -> Any:
+def daemon_status(socket: Path, timeout: float = 10.0) -> StatusReport:
     """One StatusReport from the daemon on ``socket`` (a status request needs no hello)."""
-    from dalid.protocol import StatusReport, StatusRequest, endpoint, transport
+    from dalid.protocol import StatusRequest, endpoint, transport
 
     context = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
@@ -196,6 +201,7 @@ def start_daemon(
         command.append("--no-supervisor")
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    STARTED_PIDS.add(process.pid)
     daemon = DaemonProcess(socket, process, log, supervised)
     try:
         wait_until_answering(socket, process)
@@ -222,13 +228,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def start_job(module: str, socket: Path, *args: str) -> subprocess.Popen[str]:
     """A job script of tests/integration (``trainer_job``, ``load_job``, ...) as its own
     process, talking to the daemon on ``socket``; its stdout and stderr in one text pipe."""
-    return subprocess.Popen(
+    job = subprocess.Popen(
         [sys.executable, "-m", f"tests.integration.{module}", "--socket", str(socket), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    STARTED_PIDS.add(job.pid)
+    return job
 
 
 def kill_leftovers(jobs: Iterable[subprocess.Popen[str]]) -> None:

@@ -164,7 +164,7 @@ def _simulate_daemon() -> None:
     from dalid.server.runner import PipelineRunner
 
     dalid.server.cuda_api.CupyApi = SimulatedApi  # type: ignore[misc,assignment]
-    dalid.server.daemon.gpu_uuid = lambda ordinal: SIMULATED_UUID  # type: ignore[assignment]
+    dalid.server.daemon.gpu_uuid = lambda ordinal: SIMULATED_UUID  # type: ignore[attr-defined]
     build, collect = PipelineRunner.__init__, PipelineRunner.collect
 
     def cpu_build(self: PipelineRunner, spec: Any, _device: Any, *args: Any, **kw: Any) -> None:
@@ -174,7 +174,7 @@ def _simulate_daemon() -> None:
         first, *others = collect(self, None)
         return (TensorListGPU(first), *others)
 
-    PipelineRunner.__init__ = cpu_build  # type: ignore[method-assign]
+    PipelineRunner.__init__ = cpu_build  # type: ignore[method-assign,assignment]
     PipelineRunner.collect = gpu_first  # type: ignore[method-assign]
 
 

@@ -6,23 +6,27 @@ carry: only the daemon's repository can serve it.
 """
 
 import numpy as np
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import pipeline_def
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
 @pipeline_def(batch_size=64, num_threads=4)
-def train(size: int = 224, noise: float = 0.05):
+def train(size: int = 224, noise: float = 0.05) -> DataNode:
     """Random-resized crop, flip, normalize, then Gaussian noise of ``noise`` (in std units)."""
+    # The ignores: DALI's stubs lack fn.io, and type resize's result as a union.
     paths = fn.external_source(name="paths", no_copy=True)
     images = fn.decoders.image_random_crop(
-        fn.io.file.read(paths), output_type=types.RGB, random_area=[0.08, 1.0]
+        fn.io.file.read(paths),  # type: ignore[attr-defined]
+        output_type=types.DALIImageType.RGB,
+        random_area=[0.08, 1.0],
     )
-    images = fn.resize(images, size=[size, size])
     images = fn.crop_mirror_normalize(
-        images,
-        dtype=types.FLOAT,
+        fn.resize(images, size=[size, size]),  # type: ignore[arg-type]
+        dtype=types.DALIDataType.FLOAT,
         output_layout="CHW",
         mean=MEAN,
         std=STD,

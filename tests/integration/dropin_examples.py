@@ -5,18 +5,29 @@ with DALI's ``nvidia.dali.plugin.pytorch.experimental.proxy`` and with ``dalid.c
 the only difference between the two runs is which module the import line names. The bodies
 follow the documentation line for line; the free names of the documentation (``jpeg``,
 ``batch_size``) are arguments, and each example returns what it consumed so tests can check it.
+The documentation's lines that DALI's stubs type wrongly (``fn.io``, which they lack, constants
+of ``types`` made at import, ``resize`` typed as returning a union) carry a ``type: ignore``.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import Pipeline
+
+from ..dali_typing import pipeline_def
+
+# (data, target) batches, as the examples consume them.
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # ------------------------------------------------------------------------------------------------
 # A small JPEG image folder and an ImageFolder-like dataset (torchvision's wheel does not
@@ -42,7 +53,7 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 8, seed: in
     return root
 
 
-class ImageFolder(torch.utils.data.Dataset):
+class ImageFolder(torch.utils.data.Dataset[tuple[Any, Any]]):
     """The part of ``torchvision.datasets.ImageFolder`` the examples use.
 
     Classes are the sorted sub-folders; samples are ``(path, class_index)`` in sorted order;
@@ -50,7 +61,13 @@ class ImageFolder(torch.utils.data.Dataset):
     torchvision's: the file opened with PIL and converted to RGB.
     """
 
-    def __init__(self, root: Any, transform: Any = None, target_transform: Any = None, loader=None):
+    def __init__(
+        self,
+        root: Any,
+        transform: Any = None,
+        target_transform: Any = None,
+        loader: Callable[[str], Any] | None = None,
+    ) -> None:
         self.root = os.fspath(root)
         self.transform = transform
         self.target_transform = target_transform
@@ -87,7 +104,7 @@ def pil_loader(path: str) -> Any:
         return image.convert("RGB")
 
 
-def read_filepath(path):
+def read_filepath(path: str) -> np.ndarray:
     return np.frombuffer(path.encode(), dtype=np.int8)
 
 
@@ -96,27 +113,27 @@ def read_filepath(path):
 
 
 @pipeline_def
-def rn50_train_pipe(decoder_device="mixed"):
+def rn50_train_pipe(decoder_device: str = "mixed") -> DataNode:
     # The documentation's pipeline; ``decoder_device`` is "mixed" there, "cpu" for CPU runs.
     rng = fn.random.coin_flip(probability=0.5)
     filepaths = fn.external_source(name="images", no_copy=True)
-    jpegs = fn.io.file.read(filepaths)
+    jpegs = fn.io.file.read(filepaths)  # type: ignore[attr-defined]
     images = fn.decoders.image_random_crop(
         jpegs,
         device=decoder_device,
-        output_type=types.RGB,
+        output_type=types.RGB,  # type: ignore[attr-defined]
         random_aspect_ratio=[0.75, 4.0 / 3.0],
         random_area=[0.08, 1.0],
     )
-    images = fn.resize(
+    images = fn.resize(  # type: ignore[assignment]
         images,
         size=[224, 224],
-        interp_type=types.INTERP_LINEAR,
+        interp_type=types.INTERP_LINEAR,  # type: ignore[attr-defined]
         antialias=False,
     )
     output = fn.crop_mirror_normalize(
         images,
-        dtype=types.FLOAT,
+        dtype=types.FLOAT,  # type: ignore[attr-defined]
         output_layout="CHW",
         crop=(224, 224),
         mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
@@ -126,9 +143,17 @@ def rn50_train_pipe(decoder_device="mixed"):
     return output  # noqa: RET504 (as documented)
 
 
-def example_1(dali_proxy, jpeg, *, batch_size, device_id=0, decoder_device="mixed", nworkers=8):
+def example_1(
+    dali_proxy: ModuleType,
+    jpeg: Path,
+    *,
+    batch_size: int,
+    device_id: int | None = 0,
+    decoder_device: str = "mixed",
+    nworkers: int = 8,
+) -> Batches:
     """Example 1; the documentation's values are ``device_id=0``, "mixed" and 8 workers."""
-    consumed = []
+    consumed: Batches = []
     pipe = rn50_train_pipe(
         batch_size=16,
         num_threads=3,
@@ -162,13 +187,15 @@ def example_1(dali_proxy, jpeg, *, batch_size, device_id=0, decoder_device="mixe
 
 
 @pipeline_def
-def my_pipe():
+def my_pipe() -> tuple[DataNode, DataNode]:
     a = fn.external_source(name="a", no_copy=True)
     b = fn.external_source(name="b", no_copy=True)
     return a + b, a - b
 
 
-def example_2(dali_proxy, batch_size):
+def example_2(
+    dali_proxy: ModuleType, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Example 2. The documentation calls ``my_pipe(device='cpu', ...)``, which DALI's own
     ``pipeline_def`` rejects ("Please double-check the `device` argument") before any proxy is
     involved, so ``device='cpu'`` is left out: the pipeline is a CPU one through
@@ -193,9 +220,17 @@ def example_2(dali_proxy, batch_size):
 # Example 3 - Full integration with PyTorch but using the original PyTorch DataLoader
 
 
-def example_3(dali_proxy, jpeg, *, batch_size, nworkers, device_id=0, decoder_device="mixed"):
+def example_3(
+    dali_proxy: ModuleType,
+    jpeg: Path,
+    *,
+    batch_size: int,
+    nworkers: int,
+    device_id: int | None = 0,
+    decoder_device: str = "mixed",
+) -> Batches:
     """Example 3, with the pipeline of Example 1 (the documentation's ``rn50_train_pipe(...)``)."""
-    consumed = []
+    consumed: Batches = []
     pipe = rn50_train_pipe(
         batch_size=16,
         num_threads=3,
@@ -226,14 +261,14 @@ def example_3(dali_proxy, jpeg, *, batch_size, nworkers, device_id=0, decoder_de
 
 
 @pipeline_def(batch_size=8, num_threads=2, device_id=None, seed=5)
-def eval_pipe():
+def eval_pipe() -> DataNode:
     filepaths = fn.external_source(name="images", no_copy=True)
-    jpegs = fn.io.file.read(filepaths)
-    images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-    images = fn.resize(images, resize_shorter=72, interp_type=types.INTERP_LINEAR)
+    jpegs = fn.io.file.read(filepaths)  # type: ignore[attr-defined]
+    images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)  # type: ignore[attr-defined]
+    images = fn.resize(images, resize_shorter=72, interp_type=types.INTERP_LINEAR)  # type: ignore[assignment,attr-defined]
     return fn.crop_mirror_normalize(
         images,
-        dtype=types.FLOAT,
+        dtype=types.FLOAT,  # type: ignore[attr-defined]
         output_layout="CHW",
         crop=(64, 64),
         mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
@@ -241,20 +276,28 @@ def eval_pipe():
     )
 
 
-def run_image_folder(dali_proxy, pipe, jpeg, *, batch_size, num_workers, deterministic=False):
+def run_image_folder(
+    dali_proxy: ModuleType,
+    pipe: Pipeline,
+    jpeg: Path | str,
+    *,
+    batch_size: int,
+    num_workers: int,
+    deterministic: bool = False,
+) -> Batches:
     """``(data, target)`` batches of ``jpeg`` through ``pipe``, as Examples 1 and 3 run them.
 
     With workers it uses the module's own DataLoader (Example 1); without, torch's DataLoader
     and ``produce_data`` (Example 3), since DALI's proxy DataLoader needs worker processes.
     """
-    consumed = []
+    consumed: Batches = []
     with dali_proxy.DALIServer(pipe, deterministic=deterministic) as dali_server:
         dataset = ImageFolder(jpeg, transform=dali_server.proxy, loader=read_filepath)
         if num_workers:
             loader = dali_proxy.DataLoader(
                 dali_server, dataset, batch_size=batch_size, num_workers=num_workers
             )
-            batches = iter(loader)
+            batches: Iterator[Any] = iter(loader)
         else:
             loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
             batches = (dali_server.produce_data(batch) for batch in loader)
@@ -269,22 +312,24 @@ def run_image_folder(dali_proxy, pipe, jpeg, *, batch_size, num_workers, determi
 
 
 @pipeline_def
-def my_dali_pipeline(size=224):
+def my_dali_pipeline(size: int = 224) -> DataNode:
     # "DALI Proxy in a Nutshell": the images come decoded, from ImageFolder's default loader.
     images = fn.external_source(name="images", no_copy=True)
-    images = fn.resize(images, size=[size, size])
+    images = fn.resize(images, size=[size, size])  # type: ignore[assignment]
     return fn.crop_mirror_normalize(
         images,
-        dtype=types.FLOAT,
+        dtype=types.FLOAT,  # type: ignore[attr-defined]
         output_layout="CHW",
         mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
         std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
     )
 
 
-def nutshell(dali_proxy, root, *, batch_size=8, num_workers=2):
+def nutshell(
+    dali_proxy: ModuleType, root: Path, *, batch_size: int = 8, num_workers: int = 2
+) -> Batches:
     """ "DALI Proxy in a Nutshell": ImageFolder with its default (PIL) loader."""
-    consumed = []
+    consumed: Batches = []
     pipe = my_dali_pipeline(batch_size=batch_size, num_threads=3, device_id=None, size=96)
     with dali_proxy.DALIServer(pipe) as dali_server:
         dataset = ImageFolder(root, transform=dali_server.proxy)
@@ -297,13 +342,15 @@ def nutshell(dali_proxy, root, *, batch_size=8, num_workers=2):
 
 
 @pipeline_def
-def example_pipeline2(device="cpu"):
+def example_pipeline2(device: str = "cpu") -> tuple[DataNode, DataNode]:
     a = fn.external_source(name="a", no_copy=True)
     b = fn.external_source(name="b", no_copy=True)
     return a + b, b - a
 
 
-def two_inputs(dali_proxy, *, batch_size=10, seed=3):
+def two_inputs(
+    dali_proxy: ModuleType, *, batch_size: int = 10, seed: int = 3
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[torch.Tensor]]:
     """Sections 2 and 3: two inputs by keyword (``proxy(b=b, a=a)``), collated and produced.
 
     Section 2 also shows ``proxy(a, b)``; DALI's proxy takes several inputs by keyword only
@@ -312,7 +359,8 @@ def two_inputs(dali_proxy, *, batch_size=10, seed=3):
     with dali_proxy.DALIServer(
         example_pipeline2(batch_size=batch_size, num_threads=3, device_id=None)
     ) as dali_server:
-        inputs, outs = [], []
+        inputs: list[tuple[np.ndarray, np.ndarray]] = []
+        outs: Any = []
         for _ in range(batch_size):
             a = np.array(rng.random((3, 3)), dtype=np.float32)
             b = np.array(rng.random((3, 3)), dtype=np.float32)
@@ -324,7 +372,7 @@ def two_inputs(dali_proxy, *, batch_size=10, seed=3):
         return inputs, [tensor.clone() for tensor in outs]
 
 
-def positional_two_inputs(dali_proxy):
+def positional_two_inputs(dali_proxy: ModuleType) -> Exception | None:
     """Section 2's ``proxy(a, b)``: what it raises, or None."""
     with dali_proxy.DALIServer(
         example_pipeline2(batch_size=2, num_threads=1, device_id=None)
@@ -340,32 +388,36 @@ def positional_two_inputs(dali_proxy):
 class Meta:
     """A custom object in a sample: produce_data replaces references in its attributes."""
 
-    def __init__(self, image, label):
+    def __init__(self, image: Any, label: Any) -> None:
         self.image = image
         self.label = label
 
 
-class NestedDataset(torch.utils.data.Dataset):
+class NestedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Section 4's CustomDataset, returning the processed sample inside nested structures."""
 
-    def __init__(self, transform_fn, data):
+    def __init__(
+        self, transform_fn: Callable[[np.ndarray], Any], data: list[tuple[str, int]]
+    ) -> None:
         self.data = data
         self.transform_fn = transform_fn
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, idx):
+    def __getitem__(self, idx: int) -> dict[str, Any]:
         filename, label = self.data[idx]
         image = self.transform_fn(read_filepath(filename))
         return {"sample": (image, [label, {"again": image}]), "label": label}
 
 
-def files_and_labels(root):
+def files_and_labels(root: Path) -> list[tuple[str, int]]:
     return [(path, label) for path, label in ImageFolder(root).samples]
 
 
-def nested_structures(dali_proxy, root, *, batch_size=5):
+def nested_structures(
+    dali_proxy: ModuleType, root: Path, *, batch_size: int = 5
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Section 4 and produce_data on nested structures: a dict of tuples of lists of dicts, a
     named tuple and an object's attributes, each holding batch references."""
     pipe = eval_pipe()
@@ -389,7 +441,9 @@ def nested_structures(dali_proxy, root, *, batch_size=5):
         return consumed
 
 
-def explicit_threads(dali_proxy, root, *, batch_size=8, num_workers=2):
+def explicit_threads(
+    dali_proxy: ModuleType, root: Path, *, batch_size: int = 8, num_workers: int = 2
+) -> Batches:
     """The server started with ``start_thread()`` and stopped with ``stop_thread()``."""
     dali_server = dali_proxy.DALIServer(eval_pipe())
     dali_server.start_thread()
@@ -403,20 +457,22 @@ def explicit_threads(dali_proxy, root, *, batch_size=8, num_workers=2):
         dali_server.stop_thread()
 
 
-class ListCollateLoader(torch.utils.data.DataLoader):
+class ListCollateLoader(torch.utils.data.DataLoader[tuple[Any, int]]):
     """A custom DataLoader: batches as lists of [images, labels, dataset indices]."""
 
-    def __init__(self, dataset, **kwargs):
+    def __init__(self, dataset: torch.utils.data.Dataset[tuple[Any, int]], **kwargs: Any) -> None:
         super().__init__(dataset, collate_fn=self.collate, **kwargs)
 
     @staticmethod
-    def collate(samples):
+    def collate(samples: list[tuple[Any, int]]) -> list[Any]:
         images, labels = zip(*samples, strict=True)
         collated = torch.utils.data.default_collate(list(images))
         return [collated, torch.tensor(labels), len(samples)]
 
 
-def custom_loader(dali_proxy, root, *, batch_size=8, num_workers=2):
+def custom_loader(
+    dali_proxy: ModuleType, root: Path, *, batch_size: int = 8, num_workers: int = 2
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """Section 5: a custom DataLoader, with ``produce_data`` called explicitly."""
     with dali_proxy.DALIServer(eval_pipe()) as dali_server:
         dataset = ImageFolder(root, transform=dali_server.proxy, loader=read_filepath)

@@ -49,7 +49,7 @@ CUT = "closes this connection"
 
 
 def _socket(context: zmq.Context[Any], path: str) -> zmq.Socket[Any]:
-    sock = context.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)  # never blocks: everything queues on this side
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{path}")

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import Pipeline
+
+from ..dali_typing import pipeline_def
 
 BATCH = 8
 
@@ -17,34 +23,34 @@ warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1234)
-def two_output_pipeline():
+def two_output_pipeline() -> tuple[DataNode, DataNode]:
     """One input, two outputs, deterministic operators only."""
     data = fn.external_source(name="data", no_copy=True)
-    scaled = fn.cast(data, dtype=types.FLOAT) * 0.5 + 1.0
+    scaled = fn.cast(data, dtype=types.DALIDataType.FLOAT) * 0.5 + 1.0
     return scaled, data + 7
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1234)
-def two_input_pipeline():
+def two_input_pipeline() -> tuple[DataNode, DataNode]:
     a = fn.external_source(name="a", no_copy=True)
     b = fn.external_source(name="b", no_copy=True)
     return a + b, a - b
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=99)
-def random_pipeline():
+def random_pipeline() -> DataNode:
     """Output depends on the order batches run in: the pipeline's RNG advances per run."""
     data = fn.external_source(name="data", no_copy=True)
     noise = fn.random.uniform(range=(0.0, 1.0), shape=[3])
-    return fn.cast(data, dtype=types.FLOAT) + noise
+    return fn.cast(data, dtype=types.DALIDataType.FLOAT) + noise
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=0, seed=1234)
-def gpu_pipeline():
+def gpu_pipeline() -> tuple[DataNode, DataNode]:
     """The two outputs of ``two_output_pipeline``, the first computed on and delivered from the
     GPU, the second on the CPU: a pipeline with outputs on both devices."""
     data = fn.external_source(name="data", no_copy=True)
-    scaled = fn.cast(data.gpu(), dtype=types.FLOAT) * 0.5 + 1.0
+    scaled = fn.cast(data.gpu(), dtype=types.DALIDataType.FLOAT) * 0.5 + 1.0
     return scaled, data + 7
 
 
@@ -53,10 +59,16 @@ def sample(index: int, offset: int = 0) -> np.ndarray:
     return np.arange(12, dtype=np.int32).reshape(4, 3) + 100 * (index + offset)
 
 
-class ProxyDataset(torch.utils.data.Dataset):
+class ProxyDataset(torch.utils.data.Dataset[tuple[Any, int]]):
     """Returns ``(proxy(sample), index)``, as a transform-style dataset does."""
 
-    def __init__(self, proxy, length: int, offset: int = 0, keyword: str | None = None) -> None:
+    def __init__(
+        self,
+        proxy: Callable[..., Any],
+        length: int,
+        offset: int = 0,
+        keyword: str | None = None,
+    ) -> None:
         self.proxy = proxy
         self.length = length
         self.offset = offset
@@ -65,27 +77,29 @@ class ProxyDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         data = sample(index, self.offset)
         out = self.proxy(**{self.keyword: data}) if self.keyword else self.proxy(data)
         return out, index
 
 
-class TwoInputDataset(torch.utils.data.Dataset):
-    def __init__(self, proxy, length: int) -> None:
+class TwoInputDataset(torch.utils.data.Dataset[tuple[Any, int]]):
+    def __init__(self, proxy: Callable[..., Any], length: int) -> None:
         self.proxy = proxy
         self.length = length
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         a = sample(index)
         b = np.full((4, 3), index, dtype=np.int32)
         return self.proxy(a=a, b=b), index
 
 
-def run_in_process(pipeline, batches: list[dict[str, list[np.ndarray]]]) -> list[list[np.ndarray]]:
+def run_in_process(
+    pipeline: Pipeline, batches: list[dict[str, list[np.ndarray]]]
+) -> list[list[np.ndarray]]:
     """The same pipeline run in this process on the same batches: the reference outputs."""
     pipeline.build()
     results = []

@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def
+from nvidia.dali import fn
+from nvidia.dali.data_node import DataNode
+from nvidia.dali.pipeline import Pipeline
 
 import dalid.client as dalid
 
+from ..dali_typing import pipeline_def
 from . import helpers  # noqa: F401  (its warning filter)
 
 SIDE = 96
 
 
-def heavy_pipeline(batch: int, window: int = 15):
+def heavy_pipeline(batch: int, window: int = 15) -> Pipeline:
     @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5)
-    def blur():
+    def blur() -> tuple[DataNode, DataNode]:
         data = fn.external_source(name="data", no_copy=True, layout="HWC")
         return fn.gaussian_blur(data, window_size=window, sigma=window / 5), data
 
@@ -39,7 +43,7 @@ def image(index: int) -> np.ndarray:
     return np.full((SIDE, SIDE, 3), index % 251, dtype=np.uint8)
 
 
-class Images(torch.utils.data.Dataset):
+class Images(torch.utils.data.Dataset[tuple[Any, int]]):
     def __init__(self, proxy: dalid.Proxy, length: int) -> None:
         self.proxy = proxy
         self.length = length
@@ -47,7 +51,7 @@ class Images(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         return self.proxy(image(index)), index
 
 

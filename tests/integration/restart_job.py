@@ -21,13 +21,14 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 import dalid.client as dalid
 
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 
-def check(scaled, shifted, indices) -> None:
+def check(scaled: torch.Tensor, shifted: torch.Tensor, indices: torch.Tensor) -> None:
     for row, index in enumerate(indices.tolist()):
         expected = sample(index)
         np.testing.assert_array_equal(shifted[row].numpy(), expected + 7)

@@ -23,11 +23,11 @@ from dalid.server.supervisor import ChildSpec, Supervisor
 
 
 def _stuck_loop(self: Daemon) -> None:
-    slab = SharedMemorySlab("dalid-stuck-j1-1", PAGE)  # what a job's outputs would hold
+    # What a job's outputs would hold, held until the process is killed.
+    _slab = SharedMemorySlab("dalid-stuck-j1-1", PAGE)
     print("the loop is stuck", flush=True)
     while True:  # a stop request (SIGTERM) is never looked at
         time.sleep(0.1)
-    slab.close()
 
 
 def main() -> int:

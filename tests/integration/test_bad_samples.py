@@ -8,17 +8,23 @@ from __future__ import annotations
 import functools
 import io
 import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 from PIL import Image
 
 import dalid.client as dalid
 from dalid.client import proxy as dali_proxy
 from dalid.protocol import ErrorCode
 
+from ..daemons import DaemonProcess
+from ..dali_typing import pipeline_def
 from .helpers import run_in_process
 
 BATCH = 8
@@ -26,10 +32,10 @@ SIDE = 32
 
 
 @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=7)
-def decode_pipeline():
+def decode_pipeline() -> DataNode:
     jpegs = fn.external_source(name="jpegs", no_copy=True)
-    images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-    return fn.resize(images, resize_x=SIDE, resize_y=SIDE)
+    images = fn.decoders.image(jpegs, device="cpu", output_type=types.DALIImageType.RGB)
+    return fn.resize(images, resize_x=SIDE, resize_y=SIDE)  # type: ignore[return-value]
 
 
 @functools.cache
@@ -76,7 +82,7 @@ LENGTH = 32
 
 def sample_bytes(index: int) -> bytes:
     kind = BAD.get(index) or DECODES_FINE.get(index)
-    return {
+    makers: dict[str | None, Callable[[], bytes]] = {
         None: lambda: encode(index),
         "truncated": lambda: encode(index)[: len(encode(index)) // 2],
         "random": lambda: np.random.default_rng(index).integers(0, 256, 3000, np.uint8).tobytes(),
@@ -88,24 +94,31 @@ def sample_bytes(index: int) -> bytes:
         "png": lambda: encode(index, "PNG"),
         "bmp": lambda: encode(index, "BMP"),
         "gray": lambda: encode(index, "JPEG", "L"),
-    }[kind]()
+    }
+    return makers[kind]()
+
+
+def _known(index: int | None) -> int:
+    """A report's index, which a DataLoader's reports always have."""
+    assert index is not None
+    return index
 
 
 def as_array(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, np.uint8)
 
 
-class ImageDataset(torch.utils.data.Dataset):
+class ImageDataset(torch.utils.data.Dataset[tuple[Any, int, str]]):
     """(images, label, name) per sample; the label is the dataset index times 10."""
 
-    def __init__(self, proxy, indices: list[int]) -> None:
+    def __init__(self, proxy: dalid.Proxy, indices: list[int]) -> None:
         self.proxy = proxy
         self.indices = indices
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[Any, int, str]:
         index = self.indices[i]
         return self.proxy(as_array(sample_bytes(index))), index * 10, f"img{index}"
 
@@ -121,12 +134,12 @@ def batches_of(indices: list[int]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def session(daemon):
+def session(daemon: DaemonProcess) -> Iterator[dalid.Session]:
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         yield session
 
 
-def test_cmyk_progressive_png_bmp_and_gray_decode_as_in_process(session):
+def test_cmyk_progressive_png_bmp_and_gray_decode_as_in_process(session: dalid.Session) -> None:
     proxy = session.proxy(decode_pipeline())
     loader = dalid.DataLoader(session, ImageDataset(proxy, list(range(8))), batch_size=BATCH)
     ((images, labels, _),) = list(loader)
@@ -136,7 +149,9 @@ def test_cmyk_progressive_png_bmp_and_gray_decode_as_in_process(session):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_raise_names_positions_dataset_indices_and_dali_message(session, num_workers):
+def test_raise_names_positions_dataset_indices_and_dali_message(
+    session: dalid.Session, num_workers: int
+) -> None:
     proxy = session.proxy(decode_pipeline())
     indices = list(range(LENGTH))
     loader = dalid.DataLoader(
@@ -178,7 +193,7 @@ def test_raise_names_positions_dataset_indices_and_dali_message(session, num_wor
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_skip_drops_bad_samples_with_their_labels(session, num_workers):
+def test_skip_drops_bad_samples_with_their_labels(session: dalid.Session, num_workers: int) -> None:
     proxy = session.proxy(decode_pipeline(), on_error="skip")
     loader = dalid.DataLoader(
         session, ImageDataset(proxy, list(range(LENGTH))), batch_size=BATCH, num_workers=num_workers
@@ -204,14 +219,16 @@ def test_skip_drops_bad_samples_with_their_labels(session, num_workers):
     )
 
 
-def test_replace_fills_bad_positions_with_good_samples_and_their_labels(session):
+def test_replace_fills_bad_positions_with_good_samples_and_their_labels(
+    session: dalid.Session,
+) -> None:
     proxy = session.proxy(decode_pipeline(), on_error="replace")
     indices = list(range(8, 24))
     loader = dalid.DataLoader(session, ImageDataset(proxy, indices), batch_size=BATCH)
     produced = list(loader)
     reports = loader.bad_samples
     # The loader's indices are the dataset's: ImageDataset maps them onto `indices`.
-    assert [indices[r.dataset_index] for r in reports] == sorted(BAD)
+    assert [indices[_known(r.dataset_index)] for r in reports] == sorted(BAD)
     # In each batch the n-th bad sample takes the n-th good one's place.
     assert [(r.position, r.replaced_by) for r in reports] == [
         (1, 0),
@@ -223,15 +240,15 @@ def test_replace_fills_bad_positions_with_good_samples_and_their_labels(session)
     for batch_indices, (images, labels, names) in zip(batches_of(indices), produced, strict=True):
         rows = list(batch_indices)
         for report in reports:
-            if indices[report.dataset_index] in batch_indices:
-                rows[report.position] = batch_indices[report.replaced_by]
+            if indices[_known(report.dataset_index)] in batch_indices:
+                rows[report.position] = batch_indices[_known(report.replaced_by)]
         np.testing.assert_array_equal(images.numpy(), expected(rows))
         assert labels.tolist() == [10 * index for index in rows]
         assert list(names) == [f"img{index}" for index in rows]
 
 
 @pytest.mark.parametrize("policy", ["skip", "replace"])
-def test_a_batch_of_only_bad_samples_fails_clearly(session, policy):
+def test_a_batch_of_only_bad_samples_fails_clearly(session: dalid.Session, policy: str) -> None:
     proxy = session.proxy(decode_pipeline(), on_error=policy)
     loader = dalid.DataLoader(session, ImageDataset(proxy, [9, 12, 15, 16]), batch_size=4)
     with pytest.raises(dalid.BatchError, match="every sample of the batch is bad") as raised:
@@ -240,7 +257,7 @@ def test_a_batch_of_only_bad_samples_fails_clearly(session, policy):
     assert raised.value.dataset_indices == [0, 1, 2, 3]
 
 
-def test_another_job_sees_nothing_of_it(daemon, session):
+def test_another_job_sees_nothing_of_it(daemon: DaemonProcess, session: dalid.Session) -> None:
     with dalid.connect(socket=daemon.socket, autostart=False) as other:
         good_proxy = other.proxy(decode_pipeline())
         bad_proxy = session.proxy(decode_pipeline())
@@ -253,7 +270,7 @@ def test_another_job_sees_nothing_of_it(daemon, session):
         np.testing.assert_array_equal(images.numpy(), expected(list(range(24, 32))))
 
 
-def test_dropin_server_takes_on_error(daemon):
+def test_dropin_server_takes_on_error(daemon: DaemonProcess) -> None:
     with dali_proxy.DALIServer(
         decode_pipeline(), on_error="skip", socket=daemon.socket, autostart=False
     ) as server:
@@ -270,12 +287,12 @@ def test_dropin_server_takes_on_error(daemon):
         assert [r.dataset_index for r in loader.bad_samples] == [1, 4, 7]
 
 
-def test_unknown_policy_is_refused_in_the_caller(session):
+def test_unknown_policy_is_refused_in_the_caller(session: dalid.Session) -> None:
     with pytest.raises(dalid.InputError, match="on_error must be one of"):
         session.proxy(decode_pipeline(), on_error="ignore")
 
 
-def test_max_image_pixels_flag(short_tmp):
+def test_max_image_pixels_flag(short_tmp: Path) -> None:
     from ..daemons import start_daemon
 
     daemon = start_daemon(short_tmp, "--max-image-pixels", "3000")
@@ -298,7 +315,7 @@ def test_max_image_pixels_flag(short_tmp):
         assert daemon.stop() == 0, daemon.log_text()
 
 
-def test_skip_in_deterministic_mode(session):
+def test_skip_in_deterministic_mode(session: dalid.Session) -> None:
     proxy = session.proxy(decode_pipeline(), deterministic=True, on_error="skip")
     indices = list(range(8, 24))
     loader = dalid.DataLoader(session, ImageDataset(proxy, indices), batch_size=BATCH)
@@ -306,20 +323,22 @@ def test_skip_in_deterministic_mode(session):
         good = [index for index in batch_indices if index not in BAD]
         np.testing.assert_array_equal(images.numpy(), expected(good))
         assert labels.tolist() == [10 * index for index in good]
-    assert [indices[r.dataset_index] for r in loader.bad_samples] == sorted(BAD)
+    assert [indices[_known(r.dataset_index)] for r in loader.bad_samples] == sorted(BAD)
 
 
 class FlakyDataset(ImageDataset):
     """Raises for index 0, as a dataset with a missing file does (before any proxy call of its
     batch: samples already given to the proxy would stay in its unfinished batch)."""
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[Any, int, str]:
         if i == 0:
             raise FileNotFoundError("img0")
         return super().__getitem__(i)
 
 
-def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(session):
+def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(
+    session: dalid.Session,
+) -> None:
     proxy = session.proxy(decode_pipeline())
     loader = dalid.DataLoader(session, FlakyDataset(proxy, list(range(16))), batch_size=BATCH)
     iterator = iter(loader)
@@ -330,7 +349,7 @@ def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(ses
     assert raised.value.dataset_indices == [9, 12, 15]
 
 
-def test_skip_with_the_legacy_executor(session):
+def test_skip_with_the_legacy_executor(session: dalid.Session) -> None:
     pipeline = decode_pipeline(exec_dynamic=False, prefetch_queue_depth=2)
     proxy = session.proxy(pipeline, on_error="skip")
     indices = list(range(8, 32))

@@ -34,7 +34,7 @@ LIAR = (sys.executable, "-m", "tests.integration.liar")
 
 
 @pytest.mark.parametrize("claim", [0, 1], ids=["pid-0", "pid-of-init"])
-def test_a_job_ends_with_its_trainers_process_whatever_pid_it_claims(claim):
+def test_a_job_ends_with_its_trainers_process_whatever_pid_it_claims(claim: int) -> None:
     directory = own_directory()
     daemon = start_daemon(directory)
     liar = subprocess.Popen(
@@ -103,7 +103,7 @@ NOBODY = 65534
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="runs a client as another user: needs root")
-def test_a_process_of_another_user_is_refused_even_where_the_socket_lets_it_in():
+def test_a_process_of_another_user_is_refused_even_where_the_socket_lets_it_in() -> None:
     python = _interpreter_for(NOBODY)
     if python is None:
         pytest.skip("no Python that another user may run")
@@ -151,7 +151,7 @@ def _raw_request(socket: Path, frames: list[bytes]) -> Any:
         context.term()
 
 
-def test_an_infinite_progress_figure_is_refused_on_the_wire(short_tmp):
+def test_an_infinite_progress_figure_is_refused_on_the_wire(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(daemon.socket), bind=False)
@@ -178,7 +178,7 @@ def test_an_infinite_progress_figure_is_refused_on_the_wire(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_one_process_holds_at_most_its_share_of_the_jobs(short_tmp):
+def test_one_process_holds_at_most_its_share_of_the_jobs(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, "--max-jobs-per-process", "3", "--max-jobs", "5")
     context: zmq.Context[Any] = zmq.Context()
     socks: list[zmq.Socket[Any]] = []

@@ -13,7 +13,7 @@ from ..daemons import DaemonProcess, own_directory, wait_until_answering
 from .test_repository import REPOSITORY
 
 
-def test_a_daemon_started_from_a_toml_file_honours_it():
+def test_a_daemon_started_from_a_toml_file_honours_it() -> None:
     directory = own_directory()
     socket = directory / "configured.sock"
     config = directory / "dalid.toml"

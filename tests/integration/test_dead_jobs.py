@@ -40,7 +40,7 @@ def _freed(daemon: DaemonProcess, job_id: int) -> bool:
     return job_id not in jobs and not daemon.job_segments(job_id)
 
 
-def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tmp):
+def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -76,7 +76,7 @@ def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tm
     assert not daemon.segments()
 
 
-def test_a_frozen_trainer_is_dropped_by_the_heartbeat(short_tmp):
+def test_a_frozen_trainer_is_dropped_by_the_heartbeat(short_tmp: Path) -> None:
     # A stopped process is alive to the kernel, and its socket stays open: only the heartbeat,
     # which nobody answers, tells the daemon. The same holds for a trainer in another pid
     # namespace or on a host that vanished.
@@ -101,7 +101,7 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in text.split()]
 
 
-def test_a_killed_worker_ends_its_job_and_no_other(short_tmp):
+def test_a_killed_worker_ends_its_job_and_no_other(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -130,7 +130,7 @@ def test_a_killed_worker_ends_its_job_and_no_other(short_tmp):
     assert not daemon.segments()
 
 
-def test_fifty_connect_and_kill_cycles_leave_the_daemon_at_its_baseline(short_tmp):
+def test_fifty_connect_and_kill_cycles_leave_the_daemon_at_its_baseline(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     try:
 
@@ -164,7 +164,7 @@ def _ping_and_close_until(socket: Path, stop: threading.Event) -> None:
         context.term()
 
 
-def test_connections_closing_while_jobs_connect_take_no_job_with_them(short_tmp):
+def test_connections_closing_while_jobs_connect_take_no_job_with_them(short_tmp: Path) -> None:
     # A closed connection's descriptor is reused at once by the next one to open (each
     # DataLoader worker that ends closes one): its close must never end the new peer's job.
     daemon = start_daemon(short_tmp)

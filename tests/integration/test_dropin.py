@@ -17,14 +17,19 @@ import inspect
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from nvidia.dali.data_node import DataNode
 
 from dalid.client import proxy as dalid_proxy
 
-from ..daemons import start_daemon
+from ..daemons import DaemonProcess, start_daemon
 from . import dropin_examples as examples
 from .helpers import (
     BATCH,
@@ -44,7 +49,7 @@ CLASSES = 3
 IMAGES = CLASSES * IMAGES_PER_CLASS
 
 
-def dalis_own_proxy(monkeypatch):
+def dalis_own_proxy(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """DALI's original proxy module, usable on a CPU-only torch until the test ends."""
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda *args, **kwargs: None)
@@ -52,21 +57,21 @@ def dalis_own_proxy(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def jpeg(tmp_path_factory):
+def jpeg(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An image folder of 3 classes with 8 small JPEGs each, of varied sizes."""
     root = tmp_path_factory.mktemp("dropin") / "jpeg"
     return examples.make_image_folder(root, classes=CLASSES, per_class=IMAGES_PER_CLASS)
 
 
 @pytest.fixture
-def dali_proxy(daemon, monkeypatch):
+def dali_proxy(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """``dalid.client.proxy``, finding the test daemon as a user's code would: by environment."""
     monkeypatch.setenv("DALID_SOCKET", str(daemon.socket))
     return dalid_proxy
 
 
 @pytest.fixture
-def gpu_daemon(short_tmp, monkeypatch):
+def gpu_daemon(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
     """A daemon for GPU 0, found through ``$DALID_SOCKET``; skips without CUDA."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU and a CUDA build of torch")
@@ -81,7 +86,9 @@ def gpu_daemon(short_tmp, monkeypatch):
         assert not running.socket.exists(), "daemon left its socket file"
 
 
-def check_rn50_batches(consumed, batch_size, expected_device=None):
+def check_rn50_batches(
+    consumed: examples.Batches, batch_size: int, expected_device: str | None = None
+) -> None:
     """Example 1/3 output: full batches of normalized 3x224x224 images, labels in order."""
     assert len(consumed) == IMAGES // batch_size
     for data, _ in consumed:
@@ -100,14 +107,14 @@ def check_rn50_batches(consumed, batch_size, expected_device=None):
 # --- 1. The documentation examples, with only the import changed ---------------------------------
 
 
-def test_example_1_cpu(dali_proxy, jpeg):
+def test_example_1_cpu(dali_proxy: ModuleType, jpeg: Path) -> None:
     consumed = examples.example_1(
         dali_proxy, jpeg, batch_size=8, device_id=None, decoder_device="cpu"
     )
     check_rn50_batches(consumed, batch_size=8, expected_device="cpu")
 
 
-def test_example_2_verbatim(dali_proxy):
+def test_example_2_verbatim(dali_proxy: ModuleType) -> None:
     a, b, a_plus_b, a_minus_b = examples.example_2(dali_proxy, batch_size=6)
     assert a.shape == b.shape == a_plus_b.shape == a_minus_b.shape == (6, 3, 3)
     assert a_plus_b.dtype == a_minus_b.dtype == torch.float32
@@ -116,7 +123,7 @@ def test_example_2_verbatim(dali_proxy):
 
 
 @pytest.mark.parametrize("nworkers", [0, 2])
-def test_example_3_cpu(dali_proxy, jpeg, nworkers):
+def test_example_3_cpu(dali_proxy: ModuleType, jpeg: Path, nworkers: int) -> None:
     consumed = examples.example_3(
         dali_proxy, jpeg, batch_size=8, nworkers=nworkers, device_id=None, decoder_device="cpu"
     )
@@ -124,13 +131,13 @@ def test_example_3_cpu(dali_proxy, jpeg, nworkers):
 
 
 @pytest.mark.gpu
-def test_example_1_gpu(gpu_daemon, jpeg):
+def test_example_1_gpu(gpu_daemon: DaemonProcess, jpeg: Path) -> None:
     consumed = examples.example_1(dalid_proxy, jpeg, batch_size=8)
     check_rn50_batches(consumed, batch_size=8)
 
 
 @pytest.mark.gpu
-def test_example_3_gpu(gpu_daemon, jpeg):
+def test_example_3_gpu(gpu_daemon: DaemonProcess, jpeg: Path) -> None:
     consumed = examples.example_3(dalid_proxy, jpeg, batch_size=8, nworkers=2)
     check_rn50_batches(consumed, batch_size=8)
 
@@ -139,7 +146,9 @@ def test_example_3_gpu(gpu_daemon, jpeg):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_same_outputs_as_dalis_own_proxy(dali_proxy, jpeg, monkeypatch, num_workers):
+def test_same_outputs_as_dalis_own_proxy(
+    dali_proxy: ModuleType, jpeg: Path, monkeypatch: pytest.MonkeyPatch, num_workers: int
+) -> None:
     # Batches of 5 over 24 images: four full batches and a partial one.
     ours = examples.run_image_folder(
         dali_proxy, examples.eval_pipe(), jpeg, batch_size=5, num_workers=num_workers
@@ -160,8 +169,8 @@ def test_same_outputs_as_dalis_own_proxy(dali_proxy, jpeg, monkeypatch, num_work
 # --- 3. Deterministic mode with a random operator ------------------------------------------------
 
 
-def test_deterministic_mode_repeats_and_equals_in_process_run(dali_proxy):
-    def epoch():
+def test_deterministic_mode_repeats_and_equals_in_process_run(dali_proxy: ModuleType) -> None:
+    def epoch() -> list[torch.Tensor]:
         with dali_proxy.DALIServer(random_pipeline(), deterministic=True) as server:
             loader = dali_proxy.DataLoader(
                 server, ProxyDataset(server.proxy, 24), batch_size=BATCH, num_workers=2
@@ -187,7 +196,7 @@ def test_deterministic_mode_repeats_and_equals_in_process_run(dali_proxy):
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["consumed", "in-flight"])
-def test_leaving_the_scope_is_prompt(dali_proxy, in_flight):
+def test_leaving_the_scope_is_prompt(dali_proxy: ModuleType, in_flight: bool) -> None:
     with dali_proxy.DALIServer(two_output_pipeline()) as server:
         loader = dali_proxy.DataLoader(
             server, ProxyDataset(server.proxy, 48), batch_size=BATCH, num_workers=2
@@ -209,7 +218,7 @@ def test_leaving_the_scope_is_prompt(dali_proxy, in_flight):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_plain_torch_dataloader_yields_batch_refs(dali_proxy, num_workers):
+def test_plain_torch_dataloader_yields_batch_refs(dali_proxy: ModuleType, num_workers: int) -> None:
     with dali_proxy.DALIServer(two_output_pipeline()) as server:
         dataset = ProxyDataset(server.proxy, 20)
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=num_workers)
@@ -230,7 +239,7 @@ def test_plain_torch_dataloader_yields_batch_refs(dali_proxy, num_workers):
     assert seen == list(range(20))
 
 
-def test_collate_rule_is_registered_on_import():
+def test_collate_rule_is_registered_on_import() -> None:
     # A fresh interpreter: importing the drop-in alone (not DALI's module) registers the rule.
     code = (
         "import sys\n"
@@ -245,12 +254,14 @@ def test_collate_rule_is_registered_on_import():
     assert done.returncode == 0, done.stderr
 
 
-def _parameters(callable_):
+def _parameters(callable_: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
     """A signature's parameters without annotations: (name, kind, default) each."""
     return [(p.name, p.kind, p.default) for p in inspect.signature(callable_).parameters.values()]
 
 
-def test_names_and_signatures_match_dalis(dali_proxy, monkeypatch):
+def test_names_and_signatures_match_dalis(
+    dali_proxy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original = dalis_own_proxy(monkeypatch)
     for name in [*original.__all__, "DALIOutputSampleRef", "DALIOutputBatchRef"]:
         assert hasattr(dali_proxy, name), name
@@ -294,7 +305,7 @@ def test_names_and_signatures_match_dalis(dali_proxy, monkeypatch):
                     proxy(np.zeros(3, np.int32), np.zeros(3, np.int32))
 
 
-def test_run_refs_carry_dalis_attributes(dali_proxy):
+def test_run_refs_carry_dalis_attributes(dali_proxy: ModuleType) -> None:
     with dali_proxy.DALIServer(two_input_pipeline()) as server:
         (total, _), _ = TwoInputDataset(server.proxy, 1)[0]
         run = total.pipe_run_ref
@@ -310,7 +321,7 @@ def test_run_refs_carry_dalis_attributes(dali_proxy):
 # --- 6. Explicit start/stop and argument errors --------------------------------------------------
 
 
-def _one_epoch(dali_proxy, server, length=12):
+def _one_epoch(dali_proxy: ModuleType, server: Any, length: int = 12) -> None:
     loader = dali_proxy.DataLoader(server, ProxyDataset(server.proxy, length), batch_size=BATCH)
     seen = []
     for (_, shifted), indices in loader:
@@ -320,7 +331,7 @@ def _one_epoch(dali_proxy, server, length=12):
     assert seen == list(range(length))
 
 
-def test_start_and_stop_thread_explicitly(dali_proxy):
+def test_start_and_stop_thread_explicitly(dali_proxy: ModuleType) -> None:
     server = dali_proxy.DALIServer(two_output_pipeline())
     server.stop_thread()  # never started: nothing to do, as in DALI
     server.start_thread()
@@ -336,7 +347,7 @@ def test_start_and_stop_thread_explicitly(dali_proxy):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_proxy_taken_before_a_restart_still_works(dali_proxy, num_workers):
+def test_proxy_taken_before_a_restart_still_works(dali_proxy: ModuleType, num_workers: int) -> None:
     server = dali_proxy.DALIServer(two_output_pipeline())
     dataset = ProxyDataset(server.proxy, 12)  # built once, used in every epoch
     for _ in range(2):
@@ -348,7 +359,7 @@ def test_proxy_taken_before_a_restart_still_works(dali_proxy, num_workers):
             assert sorted(seen) == list(range(12))
 
 
-def _server_module(which, monkeypatch):
+def _server_module(which: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return dalid_proxy if which == "dalid" else dalis_own_proxy(monkeypatch)
 
 
@@ -367,7 +378,7 @@ BOTH_MODULES = [
 
 
 @pytest.mark.parametrize("which", BOTH_MODULES)
-def test_not_a_pipeline_is_a_type_error(which, monkeypatch):
+def test_not_a_pipeline_is_a_type_error(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     module = _server_module(which, monkeypatch)
     with pytest.raises(TypeError):
         module.DALIServer("not a pipeline")
@@ -377,11 +388,15 @@ def test_not_a_pipeline_is_a_type_error(which, monkeypatch):
 
 
 @pytest.mark.parametrize("which", BOTH_MODULES)
-def test_pipeline_without_external_source_is_a_runtime_error(which, monkeypatch):
-    from nvidia.dali import fn, pipeline_def
+def test_pipeline_without_external_source_is_a_runtime_error(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nvidia.dali import fn
+
+    from ..dali_typing import pipeline_def
 
     @pipeline_def(batch_size=2, num_threads=1, device_id=None)
-    def no_inputs():
+    def no_inputs() -> DataNode:
         return fn.random.uniform(range=(0.0, 1.0), shape=[2])
 
     module = _server_module(which, monkeypatch)
@@ -390,7 +405,9 @@ def test_pipeline_without_external_source_is_a_runtime_error(which, monkeypatch)
     gc.collect()
 
 
-def test_daliserver_takes_connects_job_options(dali_proxy, daemon):
+def test_daliserver_takes_connects_job_options(
+    dali_proxy: ModuleType, daemon: DaemonProcess
+) -> None:
     options = {"name": "eval", "weight": 2.5, "memory_bytes": 96 << 20, "max_inflight_batches": 3}
     with dali_proxy.DALIServer(two_output_pipeline(), **options) as server:
         _one_epoch(dali_proxy, server)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
 
-from ..daemons import start_daemon
+from ..daemons import DaemonProcess, start_daemon
 from .helpers import (
     BATCH,
     ProxyDataset,
@@ -25,13 +30,13 @@ LENGTH = 37  # 4 full batches of 8 and a partial one of 5
 
 
 @pytest.fixture(scope="module")
-def session(daemon):
+def session(daemon: DaemonProcess) -> Iterator[dalid.Session]:
     with dalid.connect(socket=daemon.socket, autostart=False, name="e2e") as session:
         yield session
 
 
 @pytest.mark.parametrize("num_workers", [0, 2, 4])
-def test_outputs_equal_in_process_run(session, num_workers):
+def test_outputs_equal_in_process_run(session: dalid.Session, num_workers: int) -> None:
     proxy = session.proxy(two_output_pipeline())
     loader = dalid.DataLoader(
         session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=num_workers
@@ -50,7 +55,7 @@ def test_outputs_equal_in_process_run(session, num_workers):
     assert seen == list(range(LENGTH))
 
 
-def test_several_inputs_are_keyword_arguments(session):
+def test_several_inputs_are_keyword_arguments(session: dalid.Session) -> None:
     proxy = session.proxy(two_input_pipeline())
     loader = dalid.DataLoader(session, TwoInputDataset(proxy, 20), batch_size=BATCH, num_workers=2)
     count = 0
@@ -63,11 +68,13 @@ def test_several_inputs_are_keyword_arguments(session):
     assert count == 20
 
 
-def test_single_output_pipeline_gives_one_tensor(session):
-    from nvidia.dali import fn, pipeline_def
+def test_single_output_pipeline_gives_one_tensor(session: dalid.Session) -> None:
+    from nvidia.dali import fn
+
+    from ..dali_typing import pipeline_def
 
     @pipeline_def(batch_size=4, num_threads=1, device_id=None)
-    def negate():
+    def negate() -> DataNode:
         return -fn.external_source(name="x")
 
     proxy = session.proxy(negate())
@@ -77,7 +84,7 @@ def test_single_output_pipeline_gives_one_tensor(session):
     np.testing.assert_array_equal(batches[1][0][1].numpy(), -sample(5))
 
 
-def test_outputs_view_shared_memory_without_copy(session):
+def test_outputs_view_shared_memory_without_copy(session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
     (scaled, _), _ = next(iter(loader))
@@ -91,7 +98,9 @@ def test_outputs_view_shared_memory_without_copy(session):
     assert any(start <= address < end for start, end in mapped)
 
 
-def test_regions_return_to_the_daemon_and_slabs_are_mapped_once(daemon, short_tmp):
+def test_regions_return_to_the_daemon_and_slabs_are_mapped_once(
+    daemon: DaemonProcess, short_tmp: Path
+) -> None:
     # Each batch leases two 256-byte regions; a pool of two 4 KiB slabs holds 16 batches, so
     # 50 batches only get through if regions come back when their tensors are collected.
     small = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K", name="small")
@@ -111,7 +120,7 @@ def test_regions_return_to_the_daemon_and_slabs_are_mapped_once(daemon, short_tm
         assert small.stop() == 0
 
 
-def test_spawned_workers_open_their_own_connections(session):
+def test_spawned_workers_open_their_own_connections(session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     loader = dalid.DataLoader(
         session,
@@ -127,7 +136,7 @@ def test_spawned_workers_open_their_own_connections(session):
     assert sorted(indices_seen) == list(range(20))
 
 
-def test_persistent_workers_across_epochs(session):
+def test_persistent_workers_across_epochs(session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     loader = dalid.DataLoader(
         session, ProxyDataset(proxy, 20), batch_size=BATCH, num_workers=2, persistent_workers=True
@@ -144,11 +153,11 @@ class LabelFailsAfterTheProxy(ProxyDataset):
     """Its ``__getitem__`` raises for the indices in ``missing`` after its proxy call took the
     sample, as a dataset does when an image loads but its label file is missing."""
 
-    def __init__(self, proxy, length: int, missing: set[int]) -> None:
+    def __init__(self, proxy: dalid.Proxy, length: int, missing: set[int]) -> None:
         super().__init__(proxy, length)
         self.missing = missing
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         out, _ = super().__getitem__(index)
         if index in self.missing:
             raise FileNotFoundError(f"no label for sample {index}")
@@ -156,7 +165,9 @@ class LabelFailsAfterTheProxy(ProxyDataset):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_sample_that_raised_after_the_proxy_call_leaves_later_batches_right(session, num_workers):
+def test_a_sample_that_raised_after_the_proxy_call_leaves_later_batches_right(
+    session: dalid.Session, num_workers: int
+) -> None:
     proxy = session.proxy(two_output_pipeline())
     dataset = LabelFailsAfterTheProxy(proxy, 40, missing={3, 17})
     loader = dalid.DataLoader(
@@ -185,7 +196,7 @@ def test_a_sample_that_raised_after_the_proxy_call_leaves_later_batches_right(se
         assert delivered == [index for index in range(40) if index // BATCH not in (0, 2)]
 
 
-def _random_epoch(session, num_workers):
+def _random_epoch(session: dalid.Session, num_workers: int) -> list[np.ndarray]:
     proxy = session.proxy(random_pipeline(), deterministic=True)
     loader = dalid.DataLoader(
         session, ProxyDataset(proxy, 24), batch_size=BATCH, num_workers=num_workers
@@ -193,7 +204,7 @@ def _random_epoch(session, num_workers):
     return [out.numpy().copy() for out, _ in loader]
 
 
-def test_deterministic_mode_repeats_run_to_run(session):
+def test_deterministic_mode_repeats_run_to_run(session: dalid.Session) -> None:
     first = _random_epoch(session, num_workers=2)
     second = _random_epoch(session, num_workers=2)
     reference = run_in_process(
@@ -205,7 +216,7 @@ def test_deterministic_mode_repeats_run_to_run(session):
         np.testing.assert_array_equal(a, expected[0])
 
 
-def test_produce_data_on_a_custom_structure(session):
+def test_produce_data_on_a_custom_structure(session: dalid.Session) -> None:
     from collections import namedtuple
 
     proxy = session.proxy(two_output_pipeline())
@@ -214,7 +225,7 @@ def test_produce_data_on_a_custom_structure(session):
     Pair = namedtuple("Pair", "outputs labels")
 
     class Holder:
-        def __init__(self, value):
+        def __init__(self, value: Any) -> None:
             self.value = value
 
     structure = {"pair": Pair(batch[0], batch[1]), "holder": Holder(batch[0][1]), "list": [batch]}
@@ -231,8 +242,10 @@ def _mapped_slabs() -> set[str]:
         return {line.split("/dev/shm/")[1].split()[0] for line in maps if "/dev/shm/dalid-" in line}
 
 
-def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp):
-    from nvidia.dali import fn, pipeline_def
+def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp: Path) -> None:
+    from nvidia.dali import fn
+
+    from ..dali_typing import pipeline_def
 
     # Room for 24 KiB of slabs of 8 KiB: a 20 KB output needs the first slab freed first.
     daemon = start_daemon(short_tmp, "--pool-bytes", "24K", "--slab-bytes", "8K", name="evict")
@@ -240,12 +253,12 @@ def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp):
         with dalid.connect(socket=daemon.socket, autostart=False) as session:
 
             @pipeline_def(batch_size=1, num_threads=1, device_id=None)
-            def identity():
+            def identity() -> DataNode:
                 return fn.copy(fn.external_source(name="x"))
 
             proxy = session.proxy(identity())
 
-            def run(size):
+            def run(size: int) -> Any:
                 batch = torch.utils.data.default_collate([proxy(np.ones(size, np.uint8))])
                 return session.produce_data(batch)
 
@@ -260,7 +273,7 @@ def test_slabs_the_daemon_frees_are_unmapped_by_the_trainer(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_a_dropped_session_ends_its_job(daemon):
+def test_a_dropped_session_ends_its_job(daemon: DaemonProcess) -> None:
     import gc
     import weakref
 

@@ -2,39 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from nvidia.dali import fn, pipeline_def
+from nvidia.dali import fn
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
-from dalid.protocol import PROTOCOL_VERSION, ErrorCode, Ping, Pong, endpoint, transport
+from dalid.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Ping,
+    Pong,
+    decode,
+    encode,
+    endpoint,
+    transport,
+)
 
+from ..daemons import DaemonProcess
+from ..dali_typing import pipeline_def
 from .helpers import BATCH, ProxyDataset, sample, two_input_pipeline, two_output_pipeline
 
 
 @pytest.fixture(scope="module")
-def session(daemon):
+def session(daemon: DaemonProcess) -> Iterator[dalid.Session]:
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         yield session
 
 
-def test_not_a_pipeline(session):
+def test_not_a_pipeline(session: dalid.Session) -> None:
     with pytest.raises(dalid.InputError, match="expected an NVIDIA DALI pipeline"):
         session.proxy(lambda x: x)
 
 
-def test_pipeline_without_external_source(session):
+def test_pipeline_without_external_source(session: dalid.Session) -> None:
     @pipeline_def(batch_size=2, num_threads=1, device_id=None)
-    def constant():
+    def constant() -> DataNode:
         return fn.random.uniform(range=(0, 1), shape=[2])
 
     with pytest.raises(dalid.InputError, match="no external_source"):
         session.proxy(constant())
 
 
-def test_misnamed_and_missing_inputs(session):
+def test_misnamed_and_missing_inputs(session: dalid.Session) -> None:
     one = session.proxy(two_output_pipeline())
     with pytest.raises(dalid.InputError, match=r"\(data\)"):
         one(images=sample(0))
@@ -45,7 +61,7 @@ def test_misnamed_and_missing_inputs(session):
         two(a=sample(0))
 
 
-def test_no_daemon_listening_names_socket_and_command(short_tmp):
+def test_no_daemon_listening_names_socket_and_command(short_tmp: Path) -> None:
     missing = short_tmp / "nobody.sock"
     with pytest.raises(dalid.DaemonUnavailable) as raised:
         dalid.connect(socket=missing, autostart=False)
@@ -53,9 +69,9 @@ def test_no_daemon_listening_names_socket_and_command(short_tmp):
     assert str(missing) in message and "dalid serve" in message
 
 
-def test_gpu_pipeline_on_cpu_daemon(session):
+def test_gpu_pipeline_on_cpu_daemon(session: dalid.Session) -> None:
     @pipeline_def(batch_size=2, num_threads=1, device_id=None)
-    def mixed_decode():
+    def mixed_decode() -> DataNode:
         return fn.decoders.image(fn.external_source(name="jpegs"), device="mixed")
 
     with pytest.raises(dalid.PipelineError, match="dalid serve --device N") as raised:
@@ -63,14 +79,14 @@ def test_gpu_pipeline_on_cpu_daemon(session):
     assert raised.value.code is ErrorCode.DEVICE_MISMATCH
 
 
-def test_batch_error_names_batch_and_pipeline_recovers(session):
+def test_batch_error_names_batch_and_pipeline_recovers(session: dalid.Session) -> None:
     @pipeline_def(batch_size=4, num_threads=1, device_id=None)
-    def identity():
+    def identity() -> DataNode:
         return fn.external_source(name="x") * 1
 
     proxy = session.proxy(identity())
 
-    def batch_of(shape):
+    def batch_of(shape: tuple[int, ...]) -> Any:
         refs = [proxy(np.zeros(shape, np.int32)) for _ in range(2)]
         return torch_collate(refs)
 
@@ -85,13 +101,13 @@ def test_batch_error_names_batch_and_pipeline_recovers(session):
     assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
 
 
-def torch_collate(refs):
+def torch_collate(refs: list[Any]) -> Any:
     import torch
 
     return torch.utils.data.default_collate(refs)
 
 
-def test_refs_of_another_session_are_refused(daemon, session):
+def test_refs_of_another_session_are_refused(daemon: DaemonProcess, session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     batch = torch_collate([proxy(sample(0))])
     with (
@@ -102,9 +118,9 @@ def test_refs_of_another_session_are_refused(daemon, session):
     session.produce_data(batch)
 
 
-def test_non_uniform_outputs_fail_with_a_clear_error(session):
+def test_non_uniform_outputs_fail_with_a_clear_error(session: dalid.Session) -> None:
     @pipeline_def(batch_size=4, num_threads=1, device_id=None)
-    def identity():
+    def identity() -> DataNode:
         return fn.external_source(name="x") + 0
 
     proxy = session.proxy(identity())
@@ -114,8 +130,8 @@ def test_non_uniform_outputs_fail_with_a_clear_error(session):
     assert raised.value.code is ErrorCode.INVALID_OUTPUT
 
 
-def _raw_request(socket, frames, timeout_ms=5000):
-    context = zmq.Context()
+def _raw_request(socket: Path, frames: Sequence[Any], timeout_ms: int = 5000) -> list[bytes]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
     try:
         sock.send_multipart(frames)
@@ -126,13 +142,13 @@ def _raw_request(socket, frames, timeout_ms=5000):
         context.term()
 
 
-def _error_of(reply):
-    header = msgpack.unpackb(reply[0])
+def _error_of(reply: list[bytes]) -> dict[str, Any]:
+    header: dict[str, Any] = msgpack.unpackb(reply[0])
     assert header["op"] == "error", header
     return header
 
 
-def _header(op, rid, body):
+def _header(op: str, rid: int, body: object) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, "body": body})
 
 
@@ -147,15 +163,17 @@ def _header(op, rid, body):
         ([_header("ping", 7, ["not", "a", "map"])], "malformed_message"),
     ],
 )
-def test_malformed_messages_get_error_replies(daemon, frames, code):
+def test_malformed_messages_get_error_replies(
+    daemon: DaemonProcess, frames: list[bytes], code: str
+) -> None:
     header = _error_of(_raw_request(daemon.socket, frames))
     assert header["body"]["code"] == code
     # The daemon is still there and answers.
-    reply = _raw_request(daemon.socket, transport.encode(Ping(), 9))
-    assert isinstance(transport.decode(reply).message, Pong)
+    reply = _raw_request(daemon.socket, encode(Ping(), 9))
+    assert isinstance(decode(reply).message, Pong)
 
 
-def test_other_protocol_version_is_refused_naming_both(daemon):
+def test_other_protocol_version_is_refused_naming_both(daemon: DaemonProcess) -> None:
     frames = [msgpack.packb({"v": 99, "op": "hello", "rid": 1, "body": {}})]
     header = _error_of(_raw_request(daemon.socket, frames))
     body = header["body"]
@@ -164,14 +182,14 @@ def test_other_protocol_version_is_refused_naming_both(daemon):
     assert header["rid"] == 1
 
 
-def test_client_raises_protocol_mismatch_from_another_daemon(short_tmp):
+def test_client_raises_protocol_mismatch_from_another_daemon(short_tmp: Path) -> None:
     """A stand-in daemon of a future version answers every hello with its own version."""
     path = short_tmp / "future.sock"
     context = zmq.Context()
     router = transport.make_socket(context, zmq.ROUTER, endpoint(path), bind=True)
     import threading
 
-    def answer_once():
+    def answer_once() -> None:
         if router.poll(10000):
             identity, header, *_ = router.recv_multipart()
             rid = msgpack.unpackb(header)["rid"]
@@ -189,7 +207,7 @@ def test_client_raises_protocol_mismatch_from_another_daemon(short_tmp):
         context.term()
 
 
-def test_batch_larger_than_pipeline_max_is_refused_in_the_caller(session):
+def test_batch_larger_than_pipeline_max_is_refused_in_the_caller(session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     held = [proxy(sample(index)) for index in range(BATCH)]  # as a DataLoader holds them
     with pytest.raises(dalid.InputError, match="max_batch_size"):
@@ -197,7 +215,7 @@ def test_batch_larger_than_pipeline_max_is_refused_in_the_caller(session):
     assert len(held) == BATCH
 
 
-def test_dataset_returning_str_gets_a_hint(session):
+def test_dataset_returning_str_gets_a_hint(session: dalid.Session) -> None:
     proxy = session.proxy(two_output_pipeline())
     loader = dalid.DataLoader(session, ProxyDataset(proxy, 2), batch_size=2)
     loader.dataset.__class__ = _StrDataset
@@ -206,5 +224,5 @@ def test_dataset_returning_str_gets_a_hint(session):
 
 
 class _StrDataset(ProxyDataset):
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         return self.proxy("/some/path.jpg"), index

@@ -6,26 +6,27 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench.dataset import make_imagefolder
 
-from ..daemons import own_directory, start_daemon
+from ..daemons import DaemonProcess, own_directory, start_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def images():
+def images() -> Iterator[Path]:
     directory = own_directory("dalid-ex-")
     dataset = make_imagefolder(directory / "images", num_images=24, num_classes=3, seed=1)
     yield dataset.root
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run(module: str, daemon, images: Path, *args: str) -> str:
+def _run(module: str, daemon: DaemonProcess, images: Path, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", module, "--data", str(images), "--socket", str(daemon.socket),
          "--batch-size", "8", "--workers", "2", *args],
@@ -36,13 +37,13 @@ def _run(module: str, daemon, images: Path, *args: str) -> str:
 
 
 @pytest.mark.slow
-def test_imagefolder_training(daemon, images):
+def test_imagefolder_training(daemon: DaemonProcess, images: Path) -> None:
     out = _run("examples.imagefolder_train", daemon, images)
     assert "trained on 24 images in 3 classes" in out
 
 
 @pytest.mark.slow
-def test_imagefolder_training_with_the_repository_pipeline(images):
+def test_imagefolder_training_with_the_repository_pipeline(images: Path) -> None:
     directory = own_directory()
     daemon = start_daemon(directory, "--pipelines", str(ROOT / "examples" / "pipelines"))
     try:
@@ -57,14 +58,14 @@ def test_imagefolder_training_with_the_repository_pipeline(images):
 
 
 @pytest.mark.slow
-def test_lightning_datamodule(daemon, images):
+def test_lightning_datamodule(daemon: DaemonProcess, images: Path) -> None:
     pytest.importorskip("lightning")
     out = _run("examples.lightning_datamodule", daemon, images)
     assert "trained on 24 images with Lightning" in out
 
 
 @pytest.mark.slow
-def test_multi_input_pipeline(daemon, images):
+def test_multi_input_pipeline(daemon: DaemonProcess, images: Path) -> None:
     out = _run("examples.multi_input", daemon, images)
     assert "24 samples rotated and cropped, each with its own parameters" in out
     assert out.count("rotated") >= 3
@@ -78,7 +79,9 @@ def readme_block(heading: str) -> str:
     return after[start : after.index("```\n", start)]
 
 
-def test_the_readmes_using_it_code_runs_as_pasted(daemon, images, tmp_path):
+def test_the_readmes_using_it_code_runs_as_pasted(
+    daemon: DaemonProcess, images: Path, tmp_path: Path
+) -> None:
     script = tmp_path / "train.py"
     script.write_text(readme_block("## Using it"))
     result = subprocess.run(

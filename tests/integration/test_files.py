@@ -9,24 +9,33 @@ never the test's, so a relative path read from the daemon's own directory would 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
 from dalid.client import proxy as dalid_proxy
 
+from ..daemons import DaemonProcess
+from ..dali_typing import pipeline_def
 from . import dropin_examples as examples
 from .test_dropin import dalis_own_proxy
 
 
 @pipeline_def(batch_size=4, num_threads=2, device_id=None)
-def read_pipeline():
+def read_pipeline() -> DataNode:
     paths = fn.external_source(name="paths", no_copy=True)
-    images = fn.decoders.image(fn.io.file.read(paths), device="cpu", output_type=types.RGB)
-    return fn.resize(images, resize_x=32, resize_y=32)
+    # DALI's stubs lack fn.io, and type resize's result as a union.
+    images = fn.decoders.image(
+        fn.io.file.read(paths),  # type: ignore[attr-defined]
+        device="cpu",
+        output_type=types.DALIImageType.RGB,
+    )
+    return fn.resize(images, resize_x=32, resize_y=32)  # type: ignore[return-value]
 
 
 def path_sample(path: str) -> np.ndarray:
@@ -34,7 +43,7 @@ def path_sample(path: str) -> np.ndarray:
 
 
 @pytest.fixture
-def in_images(tmp_path, monkeypatch):
+def in_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The test's working directory holds ``images/class_k/img_i.jpg``; nothing else does."""
     examples.make_image_folder(tmp_path / "images", classes=2, per_class=4)
     monkeypatch.chdir(tmp_path)
@@ -42,8 +51,8 @@ def in_images(tmp_path, monkeypatch):
 
 
 def test_relative_paths_are_read_from_the_trainers_directory_as_with_dalis_proxy(
-    daemon, in_images, monkeypatch
-):
+    daemon: DaemonProcess, in_images: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DALID_SOCKET", str(daemon.socket))
     assert os.getcwd() != str(daemon.socket.parent)
     for workers in (0, 2):
@@ -63,7 +72,9 @@ def test_relative_paths_are_read_from_the_trainers_directory_as_with_dalis_proxy
             assert torch.equal(data, expected)
 
 
-def test_a_missing_file_is_a_bad_sample_that_says_so(daemon, in_images):
+def test_a_missing_file_is_a_bad_sample_that_says_so(
+    daemon: DaemonProcess, in_images: Path
+) -> None:
     paths = ["images/class_0/img_0.jpg", "images/class_0/nope.jpg", "images/class_1/img_1.jpg"]
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         raising = session.proxy(read_pipeline())
@@ -81,7 +92,9 @@ def test_a_missing_file_is_a_bad_sample_that_says_so(daemon, in_images):
         assert report.position == 1 and "in the trainer either" in report.message
 
 
-def test_a_file_the_daemon_cannot_see_fails_saying_what_to_mount(daemon, in_images):
+def test_a_file_the_daemon_cannot_see_fails_saying_what_to_mount(
+    daemon: DaemonProcess, in_images: Path
+) -> None:
     # A path that names a file in this process only: its own descriptor 987, which the
     # daemon, another process, does not have (as it would not have another container's files).
     with open(in_images / "images/class_0/img_0.jpg", "rb") as image:

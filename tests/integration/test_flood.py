@@ -196,7 +196,9 @@ def flood_daemon(directory: Path, *args: str) -> DaemonProcess:
 
 
 @pytest.mark.parametrize("mode", ["batches", "batches-reading"])
-def test_a_batch_flood_neither_grows_the_daemon_nor_holds_up_others(flood_dir, mode):
+def test_a_batch_flood_neither_grows_the_daemon_nor_holds_up_others(
+    flood_dir: Path, mode: str
+) -> None:
     daemon = flood_daemon(flood_dir)
     steady = flooder = None
     stopped_in = None
@@ -227,7 +229,7 @@ def test_a_batch_flood_neither_grows_the_daemon_nor_holds_up_others(flood_dir, m
     assert not daemon.segments()
 
 
-def test_the_memory_a_flooder_took_goes_back_when_it_leaves(flood_dir):
+def test_the_memory_a_flooder_took_goes_back_when_it_leaves(flood_dir: Path) -> None:
     daemon = flood_daemon(flood_dir)
     flooder = None
     try:
@@ -253,7 +255,9 @@ def test_the_memory_a_flooder_took_goes_back_when_it_leaves(flood_dir):
         assert daemon.stop() == 0
 
 
-def test_two_thousand_random_frames_leave_the_daemon_answering_and_stoppable(flood_dir):
+def test_two_thousand_random_frames_leave_the_daemon_answering_and_stoppable(
+    flood_dir: Path,
+) -> None:
     daemon = start_daemon(flood_dir)
     flooder = None
     try:
@@ -276,7 +280,7 @@ def test_two_thousand_random_frames_leave_the_daemon_answering_and_stoppable(flo
     assert "internal error" not in log
 
 
-def test_a_peer_that_never_reads_is_cut(flood_dir):
+def test_a_peer_that_never_reads_is_cut(flood_dir: Path) -> None:
     daemon = start_daemon(flood_dir)
     flooder = None
     try:
@@ -291,7 +295,7 @@ def test_a_peer_that_never_reads_is_cut(flood_dir):
         assert daemon.stop() == 0
 
 
-def test_an_oversized_message_is_refused_and_its_connection_cut(flood_dir):
+def test_an_oversized_message_is_refused_and_its_connection_cut(flood_dir: Path) -> None:
     # Messages up to half of --input-memory: 32 MiB; the flooder sends 40 samples of 1 MiB.
     daemon = start_daemon(flood_dir, "--input-memory", "64M")
     flooder = start_flooder(daemon.socket, "oversized", "--sample-bytes", str(MiB))
@@ -305,7 +309,7 @@ def test_an_oversized_message_is_refused_and_its_connection_cut(flood_dir):
         assert daemon.stop() == 0
 
 
-def test_connections_past_the_limit_are_closed(flood_dir):
+def test_connections_past_the_limit_are_closed(flood_dir: Path) -> None:
     daemon = start_daemon(flood_dir, "--max-connections", "8")
     flooder = start_flooder(daemon.socket, "connections", "--count", "12")
     try:

@@ -8,6 +8,7 @@ every run failed in its first round.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ ROUNDS = 16  # at one failure in four, as first seen, 16 rounds miss it about on
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_workers_of_two_jobs_in_one_trainer_never_unmap_its_slabs(short_tmp):
+def test_workers_of_two_jobs_in_one_trainer_never_unmap_its_slabs(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     job = start_job("fork_job", daemon.socket, "--rounds", str(ROUNDS))
     try:

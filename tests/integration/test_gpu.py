@@ -18,10 +18,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
 
@@ -82,7 +84,9 @@ def _reference(length: int, offset: int = 0) -> list[list[np.ndarray]]:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_outputs_equal_in_process_run_without_host_sync(gpu_daemon, num_workers):
+def test_outputs_equal_in_process_run_without_host_sync(
+    gpu_daemon: DaemonProcess, num_workers: int
+) -> None:
     reference = _reference(LENGTH)
     expected = [torch.as_tensor(batch[0], device="cuda") for batch in reference]
     side = torch.cuda.Stream()
@@ -114,15 +118,20 @@ def test_outputs_equal_in_process_run_without_host_sync(gpu_daemon, num_workers)
         assert session.events_opened <= 32  # the daemon's ring, each event opened once
 
 
-def test_decoded_images_equal_in_process_run(gpu_daemon):
-    from nvidia.dali import fn, pipeline_def, types
+def test_decoded_images_equal_in_process_run(gpu_daemon: DaemonProcess) -> None:
+    from nvidia.dali import fn, types
+
+    from ..dali_typing import pipeline_def
 
     @pipeline_def(batch_size=4, num_threads=2, device_id=0, seed=7)
-    def decode():
+    def decode() -> DataNode:
         jpegs = fn.external_source(name="jpegs", no_copy=True)
-        images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
-        images = fn.resize(images, size=[64, 80])
-        return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW")
+        images = fn.decoders.image(jpegs, device="mixed", output_type=types.DALIImageType.RGB)
+        return fn.crop_mirror_normalize(
+            fn.resize(images, size=[64, 80]),  # type: ignore[arg-type]  # DALI's stub: a union
+            dtype=types.DALIDataType.FLOAT,
+            output_layout="CHW",
+        )
 
     files = _jpegs(8)
     reference = run_in_process(
@@ -136,7 +145,9 @@ def test_decoded_images_equal_in_process_run(gpu_daemon):
             torch.testing.assert_close(images.cpu(), torch.from_numpy(want[0]))
 
 
-def test_held_tensors_keep_their_values_while_regions_around_them_are_reused(small_daemon):
+def test_held_tensors_keep_their_values_while_regions_around_them_are_reused(
+    small_daemon: DaemonProcess,
+) -> None:
     # Each batch leases a 512-byte GPU region and a 512-byte CPU one; the 8 KiB pools hold 16
     # batches. 240 batches get through only if regions come back, while the trainer holds up to
     # 12 batches at a time and drops them in random order.
@@ -164,7 +175,9 @@ def test_held_tensors_keep_their_values_while_regions_around_them_are_reused(sma
         assert session.events_opened <= 32
 
 
-def test_the_daemon_reuses_a_region_only_after_the_trainers_stream_used_it(small_daemon):
+def test_the_daemon_reuses_a_region_only_after_the_trainers_stream_used_it(
+    small_daemon: DaemonProcess,
+) -> None:
     # The trainer's stream reads each batch long after the host dropped it; the daemon gets the
     # region back at once and copies later batches into it. Without the release fence those
     # copies would land before the delayed reads.
@@ -184,7 +197,7 @@ def test_the_daemon_reuses_a_region_only_after_the_trainers_stream_used_it(small
         np.testing.assert_array_equal(copy[0].cpu().numpy(), sample(first) * 0.5 + 1.0)
 
 
-def test_a_closed_session_keeps_the_tensors_it_handed_out(gpu_daemon):
+def test_a_closed_session_keeps_the_tensors_it_handed_out(gpu_daemon: DaemonProcess) -> None:
     with _session(gpu_daemon) as session:
         proxy = session.proxy(gpu_pipeline())
         loader = dalid.DataLoader(session, ProxyDataset(proxy, 2 * BATCH), batch_size=BATCH)
@@ -208,7 +221,7 @@ def _job(socket: Path, *args: str, env: dict[str, str] | None = None) -> subproc
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_at_once(gpu_daemon):
+def test_two_trainer_processes_at_once(gpu_daemon: DaemonProcess) -> None:
     jobs = [_job(gpu_daemon.socket, "--offset", str(offset)) for offset in (0, 1000)]
     try:
         for job in jobs:
@@ -219,7 +232,7 @@ def test_two_trainer_processes_at_once(gpu_daemon):
         kill_leftovers(jobs)
 
 
-def test_a_trainer_without_the_gpu_is_told_why(gpu_daemon):
+def test_a_trainer_without_the_gpu_is_told_why(gpu_daemon: DaemonProcess) -> None:
     job = _job(gpu_daemon.socket, "--workers", "0", env={"CUDA_VISIBLE_DEVICES": ""})
     out, _ = job.communicate(timeout=120)
     assert job.returncode == 3, out
@@ -227,7 +240,9 @@ def test_a_trainer_without_the_gpu_is_told_why(gpu_daemon):
 
 
 @pytest.mark.slow
-def test_a_killed_trainers_gpu_memory_is_freed_and_the_daemon_goes_on(gpu_daemon):
+def test_a_killed_trainers_gpu_memory_is_freed_and_the_daemon_goes_on(
+    gpu_daemon: DaemonProcess,
+) -> None:
     job = _job(gpu_daemon.socket, "--hold")
     try:
         assert job.stdout is not None
@@ -270,19 +285,19 @@ def _jpegs(count: int) -> list[np.ndarray]:
     return files
 
 
-class _Files(torch.utils.data.Dataset):
-    def __init__(self, proxy, files: list[np.ndarray]) -> None:
+class _Files(torch.utils.data.Dataset[Any]):
+    def __init__(self, proxy: dalid.Proxy, files: list[np.ndarray]) -> None:
         self.proxy = proxy
         self.files = files
 
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> Any:
         return self.proxy(self.files[index])
 
 
-def test_the_daemon_answers_on_a_link_named_by_its_gpu_uuid():
+def test_the_daemon_answers_on_a_link_named_by_its_gpu_uuid() -> None:
     daemon, directory = _start()
     try:
         with _session(daemon) as session:

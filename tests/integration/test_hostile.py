@@ -34,6 +34,7 @@ from dalid.protocol import (
     ScheduleBatch,
     Shutdown,
     SubmitBatch,
+    encode,
     endpoint,
     transport,
 )
@@ -58,7 +59,7 @@ def check_outputs(session: dalid.Session) -> None:
     assert indices.tolist() == list(range(BATCH))
 
 
-def test_runtime_dir_socket_and_segments_are_private_even_with_umask_0():
+def test_runtime_dir_socket_and_segments_are_private_even_with_umask_0() -> None:
     directory = own_directory()
     runtime = directory / "runtime"  # made by the daemon
     socket = runtime / "cpu.sock"
@@ -129,7 +130,7 @@ def trainer_hello(name: str = "raw") -> Hello:
     return Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, name=name)
 
 
-def test_a_job_cannot_release_another_jobs_regions(daemon):
+def test_a_job_cannot_release_another_jobs_regions(daemon: DaemonProcess) -> None:
     context: zmq.Context[Any] = zmq.Context()
     intruder = RawPeer(context, daemon.socket)
     try:
@@ -156,7 +157,7 @@ def test_a_job_cannot_release_another_jobs_regions(daemon):
         context.term()
 
 
-def test_a_region_released_twice_is_refused_the_second_time(daemon):
+def test_a_region_released_twice_is_refused_the_second_time(daemon: DaemonProcess) -> None:
     context: zmq.Context[Any] = zmq.Context()
     peer = RawPeer(context, daemon.socket)
     try:
@@ -245,7 +246,7 @@ def _mutate(data: st.DataObject, frames: list[bytes]) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True, strict_types=False), *frames[1:]]
 
 
-def test_fuzzing_the_running_daemon_leaves_it_serving():
+def test_fuzzing_the_running_daemon_leaves_it_serving() -> None:
     directory = own_directory()
     daemon = start_daemon(directory)
     context: zmq.Context[Any] = zmq.Context()
@@ -259,7 +260,7 @@ def test_fuzzing_the_running_daemon_leaves_it_serving():
         )
         assert isinstance(registered, PipelineRegistered)
         valid = [
-            [bytes(frame) for frame in transport.encode(message, 7)]
+            [bytes(frame) for frame in encode(message, 7)]
             for message in _valid_messages(serialized, registered.pipeline_id)
         ]
 

@@ -9,6 +9,8 @@ private copies, said once in the daemon's log and counted in ``dalid status``.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +22,7 @@ from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 LENGTH = 20 * BATCH
 
 
-def test_keeping_every_output_of_two_epochs(short_tmp):
+def test_keeping_every_output_of_two_epochs(short_tmp: Path) -> None:
     # 8 KiB of output memory: room for 8 of the 40 batches of two epochs.
     daemon = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K")
     try:
@@ -29,7 +31,7 @@ def test_keeping_every_output_of_two_epochs(short_tmp):
             loader = dalid.DataLoader(
                 session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=2
             )
-            kept = []
+            kept: list[Any] = []
             for _ in range(2):
                 kept.extend(loader)
             assert len(kept) == 40

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +39,7 @@ def _wait_running(job: subprocess.Popen[str]) -> None:
         raise AssertionError(f"the job did not start: {line}{job.communicate()[0]}")
 
 
-def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp):
+def test_four_jobs_of_four_workers_each_get_their_own_data(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -75,7 +77,7 @@ def _while_busy(
     return before, after, backlog
 
 
-def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
+def test_busy_jobs_share_the_daemon_by_weight(short_tmp: Path) -> None:
     # One batch at a time, so the daemon's order decides everything.
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []
@@ -110,7 +112,7 @@ def test_busy_jobs_share_the_daemon_by_weight(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp):
+def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -138,7 +140,7 @@ def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_tmp):
+def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -178,7 +180,7 @@ def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_
         assert daemon.stop() == 0
 
 
-def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
+def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp: Path) -> None:
     daemon = start_daemon(
         short_tmp,
         "--max-jobs",
@@ -192,7 +194,7 @@ def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
     )
     sessions: list[dalid.Session] = []
 
-    def connect(**asks) -> dalid.Session:
+    def connect(**asks: Any) -> dalid.Session:
         session = dalid.connect(socket=daemon.socket, autostart=False, **asks)
         sessions.append(session)
         return session
@@ -224,22 +226,22 @@ def test_jobs_over_the_daemon_limits_are_refused_at_connect(short_tmp):
         assert daemon.stop() == 0
 
 
-class BigSamples(torch.utils.data.Dataset):
+class BigSamples(torch.utils.data.Dataset[tuple[Any, int]]):
     """Samples of 1 MiB: a batch of 8 has 8 MiB in each of the two outputs."""
 
-    def __init__(self, proxy) -> None:
+    def __init__(self, proxy: dalid.Proxy) -> None:
         self.proxy = proxy
 
     def __len__(self) -> int:
         return BATCH
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         return self.proxy(np.full((256, 1024), index, np.int32)), index
 
 
 def test_a_job_reserves_what_its_outputs_take_and_is_told_when_the_daemon_has_not_that_much(
-    short_tmp,
-):
+    short_tmp: Path,
+) -> None:
     daemon = start_daemon(short_tmp, "--memory-limit", "12M", "--slab-bytes", "1M")
     small = dalid.connect(socket=daemon.socket, autostart=False, name="small")
     big = dalid.connect(socket=daemon.socket, autostart=False, name="big")
@@ -268,7 +270,7 @@ def test_a_job_reserves_what_its_outputs_take_and_is_told_when_the_daemon_has_no
         assert daemon.stop() == 0
 
 
-def test_sixty_four_small_jobs_fit_on_the_defaults(short_tmp):
+def test_sixty_four_small_jobs_fit_on_the_defaults(short_tmp: Path) -> None:
     # The defaults: --max-jobs 64, --memory-limit the size of /dev/shm, 8 jobs per process.
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
@@ -311,7 +313,7 @@ def _wait_ready(job: subprocess.Popen[str]) -> None:
         raise AssertionError(f"the jobs did not start: {line}{job.communicate()[0]}")
 
 
-def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):
+def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     session = dalid.connect(socket=daemon.socket, autostart=False, max_inflight_batches=1)
     samples: list[tuple[int, int]] = []
@@ -348,7 +350,7 @@ def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp):
     assert max(waiting for _, waiting in samples) >= 1, "the workers' batches never had to wait"
 
 
-def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp):
+def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     session = dalid.connect(socket=daemon.socket, autostart=False, name="resnet-7", weight=2)
     try:
@@ -391,7 +393,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_metrics_endpoint_serves_the_status_figures(short_tmp):
+def test_metrics_endpoint_serves_the_status_figures(short_tmp: Path) -> None:
     port = _free_port()
     daemon = start_daemon(short_tmp, "--metrics-port", str(port))
     session = dalid.connect(socket=daemon.socket, autostart=False, name="metrics-job")
@@ -402,7 +404,8 @@ def test_metrics_endpoint_serves_the_status_figures(short_tmp):
 
         def scrape() -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-                return reply.read().decode()
+                body: bytes = reply.read()
+                return body.decode()
 
         labels = 'device="cpu",job="1",name="metrics-job"'
         # The endpoint serves a snapshot that the daemon refreshes every second.

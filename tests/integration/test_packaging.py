@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_a_wheel_install_imports_every_package(tmp_path):
+def test_a_wheel_install_imports_every_package(tmp_path: Path) -> None:
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path / "dist"), str(ROOT)],

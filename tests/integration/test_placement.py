@@ -3,6 +3,8 @@ device, visible-device lists, GPU UUID links), else the CPU daemon; explicit cho
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import dalid.client as dalid
@@ -15,21 +17,21 @@ GPU_VARIABLES = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
 
 
 @pytest.fixture
-def environ(monkeypatch):
+def environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in GPU_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
-def test_no_rank_and_no_cuda_is_the_cpu_daemon(tmp_path):
+def test_no_rank_and_no_cuda_is_the_cpu_daemon(tmp_path: Path) -> None:
     assert default_daemon({}, tmp_path) == ("cpu", None)
 
 
-def test_local_rank_is_the_gpu(tmp_path):
+def test_local_rank_is_the_gpu(tmp_path: Path) -> None:
     assert default_daemon({"LOCAL_RANK": "2"}, tmp_path) == (2, None)
 
 
-def test_visible_ordinals_map_the_rank_to_the_daemons_numbering(tmp_path):
+def test_visible_ordinals_map_the_rank_to_the_daemons_numbering(tmp_path: Path) -> None:
     environ = {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
     assert default_daemon(environ, tmp_path) == (5, None)
     # CUDA reads CUDA_VISIBLE_DEVICES, so it wins over the container runtime's list.
@@ -38,7 +40,7 @@ def test_visible_ordinals_map_the_rank_to_the_daemons_numbering(tmp_path):
     assert default_daemon({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "all"}, tmp_path) == (1, None)
 
 
-def test_a_visible_uuid_finds_the_daemon_link_of_that_gpu(tmp_path):
+def test_a_visible_uuid_finds_the_daemon_link_of_that_gpu(tmp_path: Path) -> None:
     environ = {"LOCAL_RANK": "1", "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"}
     assert default_daemon(environ, tmp_path) == (1, None)  # no such daemon: the ordinal
     (tmp_path / "gpu3.sock").touch()
@@ -46,12 +48,14 @@ def test_a_visible_uuid_finds_the_daemon_link_of_that_gpu(tmp_path):
     assert default_daemon(environ, tmp_path) == (1, tmp_path / "GPU-bbbb.sock")
 
 
-def test_a_bad_local_rank_is_an_input_error(tmp_path):
+def test_a_bad_local_rank_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(dalid.InputError, match="LOCAL_RANK"):
         default_daemon({"LOCAL_RANK": "first"}, tmp_path)
 
 
-def test_torch_current_device_when_cuda_is_initialised(tmp_path, monkeypatch):
+def test_torch_current_device_when_cuda_is_initialised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # This machine may have no GPU: torch's answers are replaced, the choice above them is real.
     import torch
 
@@ -61,7 +65,9 @@ def test_torch_current_device_when_cuda_is_initialised(tmp_path, monkeypatch):
     assert default_daemon({"LOCAL_RANK": "1"}, tmp_path) == (1, None)  # LOCAL_RANK first
 
 
-def test_connect_without_a_device_uses_the_cpu_daemon_of_the_runtime_dir(environ):
+def test_connect_without_a_device_uses_the_cpu_daemon_of_the_runtime_dir(
+    environ: pytest.MonkeyPatch,
+) -> None:
     daemon = start_daemon(runtime_dir(), name="cpu")
     try:
         with dalid.connect(autostart=False) as session:
@@ -83,7 +89,7 @@ def test_connect_without_a_device_uses_the_cpu_daemon_of_the_runtime_dir(environ
         assert daemon.stop() == 0
 
 
-def test_connect_through_a_gpu_uuid_link(environ):
+def test_connect_through_a_gpu_uuid_link(environ: pytest.MonkeyPatch) -> None:
     # A CPU daemon stands in for a GPU daemon's socket; the link is what a GPU daemon makes.
     daemon = start_daemon(runtime_dir(), name="uuid-target")
     link = runtime_dir() / "GPU-00000000-1111-2222-3333-444444444444.sock"

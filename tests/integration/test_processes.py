@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 
 @pytest.mark.slow
-def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
+def test_two_jobs_at_once_each_get_their_own_data(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     jobs = [
         start_job("trainer_job", daemon.socket, "--offset", str(offset)) for offset in (0, 1000)
@@ -37,7 +38,7 @@ def test_two_jobs_at_once_each_get_their_own_data(short_tmp):
 
 
 @pytest.mark.slow
-def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
+def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     jobs: list[subprocess.Popen[str]] = []
     try:
@@ -66,7 +67,7 @@ def test_killed_trainer_is_reclaimed_while_another_job_runs(short_tmp):
     assert not daemon.segments()
 
 
-def test_sigterm_stops_cleanly_while_a_job_holds_tensors(short_tmp):
+def test_sigterm_stops_cleanly_while_a_job_holds_tensors(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     session = dalid.connect(socket=daemon.socket, autostart=False)
     try:
@@ -83,7 +84,7 @@ def test_sigterm_stops_cleanly_while_a_job_holds_tensors(short_tmp):
         session.close()
 
 
-def test_a_second_daemon_on_the_same_socket_is_refused(short_tmp):
+def test_a_second_daemon_on_the_same_socket_is_refused(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     try:
         second = subprocess.run(
@@ -99,7 +100,7 @@ def test_a_second_daemon_on_the_same_socket_is_refused(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp):
+def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp: Path) -> None:
     first = start_daemon(short_tmp)
     os.kill(first.pid, signal.SIGKILL)
     first.process.wait()
@@ -117,7 +118,7 @@ def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp):
         assert second.stop() == 0
 
 
-def test_client_notices_a_killed_daemon(short_tmp, monkeypatch):
+def test_client_notices_a_killed_daemon(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dalid.client import connection
 
     monkeypatch.setattr(connection, "PING_AFTER_S", 0.2)
@@ -137,7 +138,9 @@ def test_client_notices_a_killed_daemon(short_tmp, monkeypatch):
             session.produce_data(batch)
 
 
-def test_autostart_then_dalid_stop(private_runtime_dir, capfd):
+def test_autostart_then_dalid_stop(
+    private_runtime_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = socket_path("cpu")
     assert path.parent == private_runtime_dir
     with dalid.connect(device="cpu") as session:
@@ -167,7 +170,9 @@ def test_autostart_then_dalid_stop(private_runtime_dir, capfd):
     log.unlink()
 
 
-def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_one(short_tmp):
+def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_one(
+    short_tmp: Path,
+) -> None:
     runtime = short_tmp / "runtime"
     serve = [sys.executable, "-m", "dalid.server", "serve", "--runtime-dir", str(runtime)]
     daemon = subprocess.Popen([*serve, "--no-supervisor"], stderr=subprocess.PIPE, text=True)
@@ -202,7 +207,7 @@ def _dalid(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_version():
+def test_version() -> None:
     from importlib import metadata
 
     from dalid.protocol import PROTOCOL_VERSION
@@ -222,7 +227,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_idle_timeout_ends_an_unused_daemon(short_tmp):
+def test_idle_timeout_ends_an_unused_daemon(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, "--idle-timeout", "1")
     with dalid.connect(socket=daemon.socket, autostart=False):
         time.sleep(1.5)
@@ -232,7 +237,7 @@ def test_idle_timeout_ends_an_unused_daemon(short_tmp):
     assert not daemon.socket.exists()
 
 
-def test_wait_until_answering_is_used(short_tmp):
+def test_wait_until_answering_is_used(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     try:
         wait_until_answering(daemon.socket, daemon.process)

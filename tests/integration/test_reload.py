@@ -70,7 +70,7 @@ def _stop(daemon: DaemonProcess, directory: Path) -> None:
     assert not segments, f"daemon left shared memory: {segments}"
 
 
-def test_dalid_reload_serves_new_definitions_while_running_pipelines_keep_theirs():
+def test_dalid_reload_serves_new_definitions_while_running_pipelines_keep_theirs() -> None:
     directory = own_directory()
     repository = directory / "pipelines"
     repository.mkdir()
@@ -122,7 +122,7 @@ def test_dalid_reload_serves_new_definitions_while_running_pipelines_keep_theirs
         _stop(daemon, directory)
 
 
-def test_dalid_reload_of_a_daemon_without_a_repository_fails_and_says_why():
+def test_dalid_reload_of_a_daemon_without_a_repository_fails_and_says_why() -> None:
     directory = own_directory()
     daemon = start_daemon(directory)
     try:
@@ -134,7 +134,7 @@ def test_dalid_reload_of_a_daemon_without_a_repository_fails_and_says_why():
 
 
 @pytest.mark.parametrize("supervised", [False, True], ids=["daemon", "supervisor"])
-def test_sighup_reloads_the_repository(supervised):
+def test_sighup_reloads_the_repository(supervised: bool) -> None:
     directory = own_directory()
     repository = directory / "pipelines"
     repository.mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +12,14 @@ import torch
 
 import dalid.client as dalid
 
-from ..daemons import own_directory, start_daemon
+from ..daemons import DaemonProcess, own_directory, start_daemon
 from .helpers import BATCH, ProxyDataset, sample
 
 REPOSITORY = Path(__file__).with_name("repository")
 
 
 @pytest.fixture(scope="module")
-def repository_daemon():
+def repository_daemon() -> Iterator[DaemonProcess]:
     directory = own_directory()
     running = start_daemon(directory, "--pipelines", str(REPOSITORY))
     try:
@@ -31,12 +32,14 @@ def repository_daemon():
 
 
 @pytest.fixture
-def session(repository_daemon):
+def session(repository_daemon: DaemonProcess) -> Iterator[dalid.Session]:
     with dalid.connect(socket=repository_daemon.socket, autostart=False) as session:
         yield session
 
 
-def test_a_python_operator_pipeline_runs_by_name_with_its_parameters(session):
+def test_a_python_operator_pipeline_runs_by_name_with_its_parameters(
+    session: dalid.Session,
+) -> None:
     proxy = session.proxy(dalid.named_pipeline("scaled", batch_size=BATCH, factor=3))
     loader = dalid.DataLoader(session, ProxyDataset(proxy, 20), batch_size=BATCH, num_workers=2)
     seen = []
@@ -48,7 +51,7 @@ def test_a_python_operator_pipeline_runs_by_name_with_its_parameters(session):
     assert sorted(seen) == list(range(20))
 
 
-def test_the_daemon_tells_the_client_the_inputs_and_batch_size(session):
+def test_the_daemon_tells_the_client_the_inputs_and_batch_size(session: dalid.Session) -> None:
     proxy = session.proxy(dalid.named_pipeline("rotated", batch_size=4, fill=255.0))
     assert proxy.target.input_names == ("images", "angles")
     assert proxy.target.max_batch_size == 4
@@ -66,12 +69,14 @@ def test_the_daemon_tells_the_client_the_inputs_and_batch_size(session):
     assert out[1, 3, 5, 0] == 200 and out[1, 3, 0, 0] == 0
 
 
-def test_a_name_alone_uses_the_definition_defaults(session):
+def test_a_name_alone_uses_the_definition_defaults(session: dalid.Session) -> None:
     proxy = session.proxy("scaled")
     assert proxy.target.max_batch_size == 8 and proxy.target.num_outputs == 2
 
 
-def test_an_unknown_name_lists_the_pipelines_and_the_files_that_failed(session):
+def test_an_unknown_name_lists_the_pipelines_and_the_files_that_failed(
+    session: dalid.Session,
+) -> None:
     with pytest.raises(dalid.PipelineError) as raised:
         session.proxy(dalid.named_pipeline("resnet_train", batch_size=4))
     message = str(raised.value)
@@ -80,19 +85,21 @@ def test_an_unknown_name_lists_the_pipelines_and_the_files_that_failed(session):
     assert "broken.py: RuntimeError: this file is broken on purpose" in message
 
 
-def test_a_definition_that_raises_is_a_pipeline_error_with_its_message(session):
+def test_a_definition_that_raises_is_a_pipeline_error_with_its_message(
+    session: dalid.Session,
+) -> None:
     with pytest.raises(dalid.PipelineError, match="mode must be 'fast' or 'exact'"):
         session.proxy(dalid.named_pipeline("strict", mode="slow"))
     # The session is still good.
     assert session.proxy(dalid.named_pipeline("strict", mode="exact")).target.num_outputs == 1
 
 
-def test_an_unknown_parameter_is_a_pipeline_error(session):
+def test_an_unknown_parameter_is_a_pipeline_error(session: dalid.Session) -> None:
     with pytest.raises(dalid.PipelineError, match="colour"):
         session.proxy(dalid.named_pipeline("scaled", colour="red"))
 
 
-def test_arguments_are_checked_before_anything_is_sent(session):
+def test_arguments_are_checked_before_anything_is_sent(session: dalid.Session) -> None:
     with pytest.raises(dalid.InputError, match="JSON"):
         session.proxy(dalid.named_pipeline("scaled", factor=object()))
     with pytest.raises(dalid.InputError, match="device_id"):
@@ -101,7 +108,7 @@ def test_arguments_are_checked_before_anything_is_sent(session):
         session.proxy(dalid.named_pipeline("scaled", batch_size=0))
 
 
-def test_a_daemon_without_a_repository_says_how_to_give_it_one(daemon):
+def test_a_daemon_without_a_repository_says_how_to_give_it_one(daemon: DaemonProcess) -> None:
     with (
         dalid.connect(socket=daemon.socket, autostart=False) as session,
         pytest.raises(dalid.PipelineError, match="--pipelines DIR"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,12 +56,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _batch(proxy, number: int):
+def _batch(proxy: dalid.Proxy, number: int) -> Any:
     refs = [proxy(sample(BATCH * number + row)) for row in range(BATCH)]
     return torch.utils.data.default_collate(refs)
 
 
-def _check(outputs, number: int) -> None:
+def _check(outputs: Any, number: int) -> None:
     scaled, shifted = outputs
     for row in range(BATCH):
         expected = sample(BATCH * number + row)
@@ -68,7 +70,9 @@ def _check(outputs, number: int) -> None:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_batches_of_a_killed_daemon_are_submitted_again(short_tmp, deterministic, caplog):
+def test_batches_of_a_killed_daemon_are_submitted_again(
+    short_tmp: Path, deterministic: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     first = start_daemon(short_tmp)
     session = dalid.connect(socket=first.socket, autostart=False, reconnect=True)
     second = None
@@ -104,17 +108,23 @@ def test_batches_of_a_killed_daemon_are_submitted_again(short_tmp, deterministic
             assert second.stop() == 0
 
 
-def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp, monkeypatch):
+def _answers(socket: Path) -> bool:
+    return ping_pid(socket) is not None
+
+
+def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
     to it, and its hello names the abandoned job, still open there until the daemon notices
     that its connection closed. The claim is refused (job_claimed) until then."""
     from dalid.client import launcher
     from dalid.protocol import ErrorCode
 
-    refusals = []
+    refusals: list[Any] = []
     connect = launcher.autostart_connect
 
-    def connect_after_a_refusal(*args, **kwargs):
+    def connect_after_a_refusal(*args: Any, **kwargs: Any) -> Any:
         if not refusals:
             refusals.append(kwargs["earlier_jobs"])
             raise dalid.RequestError(ErrorCode.JOB_CLAIMED, "earlier job 1 is a live job")
@@ -134,7 +144,7 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(short_tmp,
         assert daemon.stop() == 0
 
 
-def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
+def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp: Path) -> None:
     from dalid.client import proxy as dali_proxy
 
     first = start_daemon(short_tmp)
@@ -158,13 +168,14 @@ def test_dali_server_with_reconnect_carries_on_across_a_daemon_kill(short_tmp):
                     second = start_daemon(short_tmp)
             assert seen == list(range(4 * BATCH))
             assert server.session.reconnects == 1
+            assert second is not None
             assert server.session.daemon_pid == second.pid
     finally:
         if second is not None:
             assert second.stop() == 0
 
 
-def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
+def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         # Deterministic: the batch waits in the daemon until produce_data asks for it, so its
@@ -180,7 +191,7 @@ def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp):
 
 
 @pytest.fixture
-def unwatched_daemon_pid(monkeypatch):
+def unwatched_daemon_pid(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process in another pid namespace than the daemon, as far as the client can tell:
     the daemon's pid cannot be watched, and only pings tell whether it lives."""
     from dalid.client import connection
@@ -190,8 +201,8 @@ def unwatched_daemon_pid(monkeypatch):
 
 
 def test_a_killed_daemon_whose_pid_cannot_be_watched_is_noticed_by_ping(
-    short_tmp, unwatched_daemon_pid
-):
+    short_tmp: Path, unwatched_daemon_pid: None
+) -> None:
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         batch = _batch(session.proxy(two_output_pipeline()), 0)
@@ -203,8 +214,8 @@ def test_a_killed_daemon_whose_pid_cannot_be_watched_is_noticed_by_ping(
 
 
 def test_a_restarted_daemon_whose_pid_cannot_be_watched_is_noticed_by_its_pong(
-    short_tmp, unwatched_daemon_pid
-):
+    short_tmp: Path, unwatched_daemon_pid: None
+) -> None:
     first = start_daemon(short_tmp)
     with dalid.connect(socket=first.socket, autostart=False) as session:
         batch = _batch(session.proxy(two_output_pipeline()), 0)
@@ -220,7 +231,9 @@ def test_a_restarted_daemon_whose_pid_cannot_be_watched_is_noticed_by_its_pong(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp, workers):
+def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(
+    short_tmp: Path, workers: int
+) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     first = daemon.daemon_pid()
     job = _job(daemon.socket, "--reconnect", "--workers", str(workers), "--length", str(LENGTH))
@@ -240,7 +253,9 @@ def test_a_job_with_reconnect_finishes_its_epoch_across_a_daemon_kill(short_tmp,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, deterministic):
+def test_running_workers_rejoin_the_job_after_a_daemon_kill(
+    short_tmp: Path, deterministic: bool
+) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     first = daemon.daemon_pid()
     job = _job(
@@ -278,7 +293,7 @@ def test_running_workers_rejoin_the_job_after_a_daemon_kill(short_tmp, determini
 
 
 @pytest.mark.slow
-def test_a_job_without_reconnect_fails_naming_the_socket(short_tmp):
+def test_a_job_without_reconnect_fails_naming_the_socket(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     job = _job(daemon.socket, "--length", str(LENGTH))
     try:
@@ -297,7 +312,7 @@ def test_a_job_without_reconnect_fails_naming_the_socket(short_tmp):
     assert not daemon.segments()
 
 
-def test_supervisor_restarts_a_killed_daemon(short_tmp):
+def test_supervisor_restarts_a_killed_daemon(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     try:
         first = daemon.daemon_pid()
@@ -317,7 +332,7 @@ def test_supervisor_restarts_a_killed_daemon(short_tmp):
         assert daemon.stop() == 0
 
 
-def test_sigterm_to_the_supervisor_stops_everything(short_tmp):
+def test_sigterm_to_the_supervisor_stops_everything(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     child = daemon.daemon_pid()
     session = dalid.connect(socket=daemon.socket, autostart=False)
@@ -335,7 +350,7 @@ def test_sigterm_to_the_supervisor_stops_everything(short_tmp):
         session.close()
 
 
-def test_two_daemons_under_one_supervisor(short_tmp):
+def test_two_daemons_under_one_supervisor(short_tmp: Path) -> None:
     """The supervisor of several devices, with two CPU daemons on their own sockets."""
     sockets = [short_tmp / "a.sock", short_tmp / "b.sock"]
     log = short_tmp / "supervisor.log"
@@ -348,7 +363,7 @@ def test_two_daemons_under_one_supervisor(short_tmp):
         )
     try:
         for path in sockets:
-            wait_for(lambda p=path: ping_pid(p) is not None, 60.0, f"a daemon on {path}")
+            wait_for(functools.partial(_answers, path), 60.0, f"a daemon on {path}")
         a, b = (ping_pid(path) for path in sockets)
         assert a is not None and b is not None and a != b
         os.kill(a, signal.SIGKILL)
@@ -364,7 +379,7 @@ def test_two_daemons_under_one_supervisor(short_tmp):
             supervisor.wait()
 
 
-def test_serve_devices_cpu_supervises_a_daemon_on_the_default_socket(short_tmp):
+def test_serve_devices_cpu_supervises_a_daemon_on_the_default_socket(short_tmp: Path) -> None:
     log = short_tmp / "serve.log"
     with log.open("wb") as out:
         supervisor = subprocess.Popen(

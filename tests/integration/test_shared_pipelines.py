@@ -13,14 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Container, Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
-from dalid.protocol import StatusReport
+from dalid.protocol import PipelineStatus, StatusReport
 
 from ..daemons import (
     DaemonProcess,
@@ -30,6 +34,7 @@ from ..daemons import (
     start_job,
     wait_for,
 )
+from ..dali_typing import pipeline_def
 from .helpers import BATCH as HELPER_BATCH
 from .helpers import ProxyDataset, run_in_process, two_output_pipeline
 from .helpers import sample as helper_sample
@@ -41,26 +46,28 @@ STATUS = (sys.executable, "-m", "dalid.server", "status", "--json")
 
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=11)
-def scaling():
+def scaling() -> tuple[DataNode, DataNode]:
     """Per-sample, no random operator: a job's outputs are the same in any run. The blur makes
     a run take long enough for the next batches of every job to queue up meanwhile."""
     data = fn.external_source(name="data", no_copy=True)
-    blurred = fn.gaussian_blur(fn.cast(data, dtype=types.FLOAT), window_size=31, sigma=6.0)
+    blurred = fn.gaussian_blur(
+        fn.cast(data, dtype=types.DALIDataType.FLOAT), window_size=31, sigma=6.0
+    )
     return blurred * 0.5 + 1.0, data + 7
 
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=11)
-def permuting():
+def permuting() -> DataNode:
     """Looks across the batch: never shared."""
     data = fn.external_source(name="data", no_copy=True)
     return fn.permute_batch(data, indices=fn.batch_permutation())
 
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=3)
-def decoding():
+def decoding() -> DataNode:
     jpegs = fn.external_source(name="jpegs", no_copy=True)
-    images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-    return fn.resize(images, resize_x=SIDE, resize_y=SIDE)
+    images = fn.decoders.image(jpegs, device="cpu", output_type=types.DALIImageType.RGB)
+    return fn.resize(images, resize_x=SIDE, resize_y=SIDE)  # type: ignore[return-value]
 
 
 def data(job: int, index: int) -> np.ndarray:
@@ -70,7 +77,7 @@ def data(job: int, index: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def daemon_one_run():
+def daemon_one_run() -> Iterator[DaemonProcess]:
     directory = own_directory()
     running = start_daemon(directory, "--concurrency", "1")
     try:
@@ -83,10 +90,10 @@ def daemon_one_run():
     assert not segments
 
 
-def _submit(proxies: list[dalid.Proxy], batches: int) -> list[list]:
+def _submit(proxies: list[dalid.Proxy], batches: int) -> list[list[Any]]:
     """Submits ``batches`` batches of each job's samples through its proxy, as a DataLoader's
     collation does, the jobs' batches in turn; their references, by job."""
-    refs: list[list] = [[] for _ in proxies]
+    refs: list[list[Any]] = [[] for _ in proxies]
     for number in range(batches):
         for job, proxy in enumerate(proxies):
             samples = [proxy(data(job, number * BATCH + i)) for i in range(BATCH)]
@@ -99,13 +106,15 @@ def _expected(job: int, number: int) -> list[np.ndarray]:
     return run_in_process(scaling(), [{"data": batch}])[0]
 
 
-def _pipelines(daemon: DaemonProcess, name: str) -> list:
+def _pipelines(daemon: DaemonProcess, name: str) -> list[PipelineStatus]:
     report: StatusReport = daemon.status()
     return [pipeline for pipeline in report.pipelines if pipeline.name == name]
 
 
 @pytest.mark.parametrize("jobs", [2, 4])
-def test_jobs_with_the_same_pipeline_share_one_and_get_their_own_outputs(daemon_one_run, jobs):
+def test_jobs_with_the_same_pipeline_share_one_and_get_their_own_outputs(
+    daemon_one_run: DaemonProcess, jobs: int
+) -> None:
     sessions = [
         dalid.connect(socket=daemon_one_run.socket, autostart=False, name=f"job{j}")
         for j in range(jobs)
@@ -131,7 +140,7 @@ def test_jobs_with_the_same_pipeline_share_one_and_get_their_own_outputs(daemon_
     wait_for(lambda: not _pipelines(daemon_one_run, "scaling"), 10, "the pipeline to go")
 
 
-def test_status_json_shows_which_jobs_share_a_pipeline(daemon_one_run):
+def test_status_json_shows_which_jobs_share_a_pipeline(daemon_one_run: DaemonProcess) -> None:
     with (
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as first,
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as second,
@@ -149,7 +158,9 @@ def test_status_json_shows_which_jobs_share_a_pipeline(daemon_one_run):
         assert sorted(pipeline["jobs"]) == sorted([first.job_id, second.job_id])
 
 
-def test_a_pipeline_that_looks_across_the_batch_is_not_shared(daemon_one_run):
+def test_a_pipeline_that_looks_across_the_batch_is_not_shared(
+    daemon_one_run: DaemonProcess,
+) -> None:
     with (
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as first,
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as second,
@@ -163,7 +174,7 @@ def test_a_pipeline_that_looks_across_the_batch_is_not_shared(daemon_one_run):
             assert "BatchPermutation" in pipeline.private_reason
 
 
-def test_a_deterministic_pipeline_is_not_shared(daemon_one_run):
+def test_a_deterministic_pipeline_is_not_shared(daemon_one_run: DaemonProcess) -> None:
     with (
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as first,
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as second,
@@ -176,7 +187,9 @@ def test_a_deterministic_pipeline_is_not_shared(daemon_one_run):
         assert private.jobs == (first.job_id,) and "deterministic" in private.private_reason
 
 
-def test_a_bad_sample_of_one_job_costs_another_job_nothing_in_a_shared_run(daemon_one_run):
+def test_a_bad_sample_of_one_job_costs_another_job_nothing_in_a_shared_run(
+    daemon_one_run: DaemonProcess,
+) -> None:
     with (
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as bad_job,
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as good_job,
@@ -184,7 +197,7 @@ def test_a_bad_sample_of_one_job_costs_another_job_nothing_in_a_shared_run(daemo
         bad_proxy = bad_job.proxy(decoding(), on_error="skip")
         good_proxy = good_job.proxy(decoding())
 
-        def batch(proxy, indices, broken=()):
+        def batch(proxy: dalid.Proxy, indices: list[int], broken: Container[int] = ()) -> Any:
             samples = []
             for index in indices:
                 jpeg = encode(index)
@@ -211,13 +224,15 @@ def test_a_bad_sample_of_one_job_costs_another_job_nothing_in_a_shared_run(daemo
         assert pipeline.shared and len(pipeline.jobs) == 2
 
 
-def test_a_job_killed_while_its_samples_share_runs_leaves_the_other_job_whole(short_tmp):
+def test_a_job_killed_while_its_samples_share_runs_leaves_the_other_job_whole(
+    short_tmp: Path,
+) -> None:
     daemon = start_daemon(short_tmp, "--concurrency", "1")
     jobs: list[subprocess.Popen[str]] = []
     try:
         # Two jobs of the same heavy pipeline, both keeping the daemon busy.
         for name in ("victim", "survivor"):
-            args = ("--name", name, "--workers", "2", "--window", "31")
+            args: tuple[str, ...] = ("--name", name, "--workers", "2", "--window", "31")
             if name == "survivor":
                 args += ("--batches", "60")
             jobs.append(start_job("load_job", daemon.socket, *args))
@@ -242,7 +257,9 @@ def test_a_job_killed_while_its_samples_share_runs_leaves_the_other_job_whole(sh
     assert not daemon.segments()
 
 
-def test_a_job_that_keeps_its_outputs_holds_up_no_other_job_of_its_pipeline(short_tmp):
+def test_a_job_that_keeps_its_outputs_holds_up_no_other_job_of_its_pipeline(
+    short_tmp: Path,
+) -> None:
     # 8 KiB of output memory a job: the keeper holds it all after a few batches.
     daemon = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K")
     try:

@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import dalid.client as dalid
 
-from ..daemons import kill_leftovers, start_daemon
+from ..daemons import DaemonProcess, kill_leftovers, start_daemon
 from .helpers import sample, two_output_pipeline
 from .test_restarts import _job
 
@@ -38,7 +39,9 @@ NOT_SAID = (
     [("dalid stop", False), ("dalid stop", True), ("SIGTERM", True)],
     ids=["dalid-stop", "dalid-stop-reconnect", "sigterm-reconnect"],
 )
-def test_a_job_is_told_that_its_daemon_was_stopped(short_tmp, how, reconnect):
+def test_a_job_is_told_that_its_daemon_was_stopped(
+    short_tmp: Path, how: str, reconnect: bool
+) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     job = _job(daemon.socket, "--pause-at", "3", *(["--reconnect"] if reconnect else []))
     try:
@@ -83,7 +86,9 @@ def test_a_job_is_told_that_its_daemon_was_stopped(short_tmp, how, reconnect):
     assert not daemon.socket.with_name(daemon.socket.name + ".lock").exists()
 
 
-def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(daemon):
+def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(
+    daemon: DaemonProcess,
+) -> None:
     from dalid.client.connection import Connection
     from dalid.protocol import Role
 

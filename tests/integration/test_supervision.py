@@ -83,7 +83,7 @@ def doubled():
 """
 
 
-def test_a_crash_looping_daemon_is_restarted_and_reported(short_tmp, tmp_path):
+def test_a_crash_looping_daemon_is_restarted_and_reported(short_tmp: Path, tmp_path: Path) -> None:
     repository = tmp_path / "pipelines"
     repository.mkdir(mode=0o755)
     count, release = tmp_path / "count", tmp_path / "release"
@@ -126,7 +126,7 @@ def test_a_crash_looping_daemon_is_restarted_and_reported(short_tmp, tmp_path):
         _end(supervisor)
 
 
-def test_a_killed_supervisor_takes_its_daemon_with_it(short_tmp):
+def test_a_killed_supervisor_takes_its_daemon_with_it(short_tmp: Path) -> None:
     daemon = start_daemon(short_tmp, supervised=True)
     child = daemon.daemon_pid()
     try:
@@ -147,7 +147,7 @@ def test_a_killed_supervisor_takes_its_daemon_with_it(short_tmp):
     assert start_daemon(short_tmp).stop() == 0
 
 
-def test_a_stuck_daemon_exits_when_its_supervisor_is_killed(short_tmp):
+def test_a_stuck_daemon_exits_when_its_supervisor_is_killed(short_tmp: Path) -> None:
     """A daemon whose loop never sees a stop (as one stuck receiving a flood): SIGTERM from
     PR_SET_PDEATHSIG alone would leave it running, holding the socket."""
     socket, log = short_tmp / "d.sock", short_tmp / "stuck.log"
@@ -179,8 +179,8 @@ def test_a_stuck_daemon_exits_when_its_supervisor_is_killed(short_tmp):
 
 
 def test_a_daemon_stuck_loading_its_repository_exits_when_its_supervisor_is_killed(
-    short_tmp, tmp_path
-):
+    short_tmp: Path, tmp_path: Path
+) -> None:
     repository = tmp_path / "pipelines"
     repository.mkdir(mode=0o755)
     (repository / "hangs.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")

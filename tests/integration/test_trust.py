@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 
 @needs_root
-def test_a_job_token_never_reaches_a_listener_of_another_user(short_tmp):
+def test_a_job_token_never_reaches_a_listener_of_another_user(short_tmp: Path) -> None:
     """A trainer's proxy pointed at a socket another user listens on (what a runtime
     directory link re-pointed after the start would do): its DataLoader workers refuse to
     connect, and the impostor receives nothing, job token least of all."""
@@ -56,7 +57,7 @@ def test_a_job_token_never_reaches_a_listener_of_another_user(short_tmp):
 
 
 @needs_root
-def test_dalid_status_and_stop_ask_only_the_users_daemon(short_tmp):
+def test_dalid_status_and_stop_ask_only_the_users_daemon(short_tmp: Path) -> None:
     impostor = Impostor(short_tmp / "d.sock")
     try:
         for command in ("status", "stop", "ping"):
@@ -75,8 +76,8 @@ def test_dalid_status_and_stop_ask_only_the_users_daemon(short_tmp):
 
 
 def test_a_runtime_directory_planted_as_a_link_stops_the_trainer_before_it_connects(
-    tmp_path, monkeypatch
-):
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The issue's attack at its start: another user links the default runtime directory's
     name, in a shared sticky directory, to a private directory of the victim's, where the
     victim's daemon really runs; the trainer refuses the runtime directory outright."""
@@ -101,7 +102,7 @@ def test_a_runtime_directory_planted_as_a_link_stops_the_trainer_before_it_conne
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
-def test_a_daemon_will_not_listen_where_others_can_write(short_tmp, mode):
+def test_a_daemon_will_not_listen_where_others_can_write(short_tmp: Path, mode: int) -> None:
     open_dir = short_tmp / "open"
     open_dir.mkdir()
     open_dir.chmod(mode)
@@ -120,7 +121,7 @@ def test_a_daemon_will_not_listen_where_others_can_write(short_tmp, mode):
         assert not socket.exists() and not socket.with_name("d.sock.lock").exists()
 
 
-def test_the_uuid_link_of_a_daemon_serves_its_workers(short_tmp):
+def test_the_uuid_link_of_a_daemon_serves_its_workers(short_tmp: Path) -> None:
     """The one link a client follows: a GPU daemon's own ``<GPU UUID>.sock`` beside its socket
     (made here by hand for a CPU daemon, as the GPU daemon makes it)."""
     daemon = start_daemon(short_tmp, name="gpu0")
@@ -155,12 +156,14 @@ def {name}():
 """
 
 
-def _pipeline_file(path, mark, name, mode):
+def _pipeline_file(path: Path, mark: Path, name: str, mode: int) -> None:
     path.write_text(MARKING_PIPELINE.format(mark=str(mark), name=name))
     path.chmod(mode)
 
 
-def test_a_daemon_does_not_run_a_repository_others_can_write(short_tmp, tmp_path):
+def test_a_daemon_does_not_run_a_repository_others_can_write(
+    short_tmp: Path, tmp_path: Path
+) -> None:
     """The issue's case: a 0666 file in a 0777 directory ran with the daemon's rights."""
     repository = tmp_path / "pipelines"
     repository.mkdir()
@@ -180,7 +183,9 @@ def test_a_daemon_does_not_run_a_repository_others_can_write(short_tmp, tmp_path
         assert not (short_tmp / "d.sock").exists()
 
 
-def test_a_file_others_can_write_is_refused_at_start_and_at_reload(short_tmp, tmp_path):
+def test_a_file_others_can_write_is_refused_at_start_and_at_reload(
+    short_tmp: Path, tmp_path: Path
+) -> None:
     repository = tmp_path / "pipelines"
     repository.mkdir(mode=0o755)
     marks = tmp_path / "marks"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,10 +24,13 @@ from dalid.protocol import (
     StatusReport,
     StatusRequest,
     Welcome,
+    decode,
     encode,
     endpoint,
     transport,
 )
+
+from ..daemons import DaemonProcess
 
 
 def _with_future_fields(frames: list[Any]) -> list[Any]:
@@ -61,14 +65,16 @@ def _exchange(socket_path: Any, frames: list[Any]) -> Any:
         context.term()
 
 
-def test_a_newer_client_is_welcomed_by_this_daemon(daemon):
+def test_a_newer_client_is_welcomed_by_this_daemon(daemon: DaemonProcess) -> None:
     hello = Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, name="from a later release")
     welcome = _exchange(daemon.socket, _with_future_fields(encode(hello, 1)))
     assert isinstance(welcome, Welcome)
     assert isinstance(_exchange(daemon.socket, _with_future_fields(encode(Ping(), 2))), Pong)
 
 
-def test_an_older_client_without_later_fields_is_welcomed_with_defaults(daemon):
+def test_an_older_client_without_later_fields_is_welcomed_with_defaults(
+    daemon: DaemonProcess,
+) -> None:
     hello = Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, name="from an earlier release")
     frames = _without(encode(hello, 1), "earlier_jobs", "weight", "memory_bytes", "name")
     welcome = _exchange(daemon.socket, frames)
@@ -93,7 +99,7 @@ class _StandInDaemon:
             if not self._router.poll(50):
                 continue
             peer, *frames = self._router.recv_multipart()
-            envelope = transport.decode(frames)
+            envelope = decode(frames)
             answer = self._reply(envelope)
             if answer is not None:
                 self._router.send_multipart([peer, *answer])
@@ -121,7 +127,7 @@ def _welcome(**fields: Any) -> Welcome:
 
 
 @pytest.mark.parametrize("release", ["newer", "older"])
-def test_this_client_connects_to_a_daemon_of_another_release(short_tmp, release):
+def test_this_client_connects_to_a_daemon_of_another_release(short_tmp: Path, release: str) -> None:
     def reply(envelope: Any) -> list[Any] | None:
         message, rid = envelope.message, envelope.request_id
         if isinstance(message, Hello):
@@ -147,6 +153,6 @@ def test_this_client_connects_to_a_daemon_of_another_release(short_tmp, release)
         daemon.close()
 
 
-def test_a_newer_clients_status_request_is_answered(daemon):
+def test_a_newer_clients_status_request_is_answered(daemon: DaemonProcess) -> None:
     report = _exchange(daemon.socket, _with_future_fields(encode(StatusRequest(), 3)))
     assert isinstance(report, StatusReport)

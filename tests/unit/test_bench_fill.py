@@ -9,7 +9,7 @@ import pytest
 from bench.fill import merge_readings, pipeline_figures, run_pipelines
 
 
-def _pipeline(number: int, jobs: list[int], runs: int, samples: int, **more: Any) -> dict:
+def _pipeline(number: int, jobs: list[int], runs: int, samples: int, **more: Any) -> dict[str, Any]:
     shared = more.pop("shared", True)
     run_size = more.pop("run_size", 128 if shared else 32)
     return {
@@ -70,7 +70,7 @@ def test_a_pipeline_that_never_ran_has_no_fill() -> None:
 
 
 def test_a_runs_pipelines_come_from_its_trainers_results() -> None:
-    results = [
+    results: list[dict[str, Any]] = [
         {"loop": {}, "pipelines": {"t_ns": 1, "pipelines": [_pipeline(1, [1, 2], 2, 256)]}},
         {"loop": {}, "pipelines": {"t_ns": 2, "error": "ZMQError: gone"}},
         {"loop": {}},  # a contender without a daemon reads none

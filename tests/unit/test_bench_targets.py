@@ -13,7 +13,9 @@ from bench.targets import all_targets, paired_ratio, row_id, row_kind, sharing_t
 LABELS = {kind: contender.label for kind, contender in CONTENDERS.items()}
 
 
-def _run(rate: float, pss: float | None = None, peak: float | None = None, fair: float = 1.0):
+def _run(
+    rate: float, pss: float | None = None, peak: float | None = None, fair: float = 1.0
+) -> dict[str, float | None]:
     return {"samples_per_s": rate, "fairness": fair, "all_pss_mb": pss,
             "daemon_peak_rss_mb": peak}  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from dalid.server.config import (
 from dalid.server.daemon import DaemonConfig
 
 
-def _serve(*argv: str, environ: dict[str, str] | None = None) -> dict:
+def _serve(*argv: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(["serve", *argv])
     return resolve(vars(args), environ=environ or {})
 
@@ -32,13 +33,13 @@ def _toml(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_defaults_without_flags_environment_or_file():
+def test_defaults_without_flags_environment_or_file() -> None:
     settings = _serve()
     assert settings == {option.name: option.default for option in OPTIONS}
     assert settings["pool_bytes"] == 1 << 30 and settings["idle_timeout"] is None
 
 
-def test_the_table_defaults_agree_with_the_daemon_config():
+def test_the_table_defaults_agree_with_the_daemon_config() -> None:
     config = DaemonConfig(device="cpu", socket=Path("/x"))
     for name in ("idle_timeout", "pipelines", "metrics_port", "metrics_host"):
         assert OPTIONS_BY_NAME[name].default == getattr(config, name), name
@@ -54,12 +55,12 @@ def test_the_table_defaults_agree_with_the_daemon_config():
         assert OPTIONS_BY_NAME[name].default == getattr(quotas, name), name
 
 
-def test_the_socket_and_runtime_dir_variables_are_the_clients():
+def test_the_socket_and_runtime_dir_variables_are_the_clients() -> None:
     assert OPTIONS_BY_NAME["socket"].env == SOCKET_ENV
     assert OPTIONS_BY_NAME["runtime_dir"].env == RUNTIME_DIR_ENV
 
 
-def test_flag_beats_environment_beats_file_beats_default(tmp_path):
+def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
     config = _toml(tmp_path, 'pool_bytes = "1G"\nslab_bytes = "8M"\nmax_batch_size = 64\n')
     environ = {CONFIG_ENV: str(config), "DALID_POOL_BYTES": "3G", "DALID_SLAB_BYTES": "16M"}
     settings = _serve("--pool-bytes", "512M", environ=environ)
@@ -69,7 +70,7 @@ def test_flag_beats_environment_beats_file_beats_default(tmp_path):
     assert settings["log_level"] == "INFO"  # default
 
 
-def test_config_flag_beats_the_config_variable(tmp_path):
+def test_config_flag_beats_the_config_variable(tmp_path: Path) -> None:
     chosen = _toml(tmp_path, "max_batch_size = 12\n")
     other = tmp_path / "other.toml"
     other.write_text("max_batch_size = 99\n")
@@ -77,7 +78,7 @@ def test_config_flag_beats_the_config_variable(tmp_path):
     assert settings["max_batch_size"] == 12
 
 
-def test_file_values_may_be_numbers_or_strings(tmp_path):
+def test_file_values_may_be_numbers_or_strings(tmp_path: Path) -> None:
     config = _toml(
         tmp_path,
         'device = 1\npool_bytes = 1048576\nidle_timeout = 2.5\nlog_level = "debug"\n'
@@ -92,11 +93,11 @@ def test_file_values_may_be_numbers_or_strings(tmp_path):
     assert settings["socket"] == Path("/run/dalid/gpu1.sock")
 
 
-def test_an_empty_variable_counts_as_unset():
+def test_an_empty_variable_counts_as_unset() -> None:
     assert _serve(environ={"DALID_DEVICE": ""})["device"] == "cpu"
 
 
-def test_unknown_key_names_the_key_and_file_and_suggests(tmp_path):
+def test_unknown_key_names_the_key_and_file_and_suggests(tmp_path: Path) -> None:
     config = _toml(tmp_path, 'pool-bytes = "1G"\n')
     with pytest.raises(ConfigError) as raised:
         read_toml(config)
@@ -117,31 +118,31 @@ def test_unknown_key_names_the_key_and_file_and_suggests(tmp_path):
         ("pool_bytes = ", "is not valid TOML"),
     ],
 )
-def test_bad_file_values_name_the_file_and_key(tmp_path, text, expected):
+def test_bad_file_values_name_the_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
     config = _toml(tmp_path, text + "\n")
     with pytest.raises(ConfigError, match=expected) as raised:
         _serve("--config", str(config))
     assert str(config) in str(raised.value)
 
 
-def test_a_missing_file_is_an_error(tmp_path):
+def test_a_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         _serve(environ={CONFIG_ENV: str(tmp_path / "nope.toml")})
 
 
-def test_bad_environment_value_names_the_variable():
+def test_bad_environment_value_names_the_variable() -> None:
     with pytest.raises(ConfigError, match=r"\$DALID_SLAB_BYTES: not a size"):
         _serve(environ={"DALID_SLAB_BYTES": "big"})
 
 
-def test_bad_flag_is_a_usage_error(capsys):
+def test_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as raised:
         build_parser().parse_args(["serve", "--pool-bytes", "big"])
     assert raised.value.code == 2
     assert "--pool-bytes" in capsys.readouterr().err
 
 
-def test_ping_and_stop_find_the_daemon_with_the_daemons_own_file(tmp_path):
+def test_ping_and_stop_find_the_daemon_with_the_daemons_own_file(tmp_path: Path) -> None:
     config = _toml(tmp_path, 'device = 3\nsocket = "/run/d.sock"\npool_bytes = "1G"\n')
     args = build_parser().parse_args(["ping", "--config", str(config)])
     locating = [option for option in OPTIONS if option.locates_daemon]
@@ -152,7 +153,7 @@ def test_ping_and_stop_find_the_daemon_with_the_daemons_own_file(tmp_path):
         resolve(vars(args), environ={}, options=locating)
 
 
-def test_help_names_every_flag_variable_and_default():
+def test_help_names_every_flag_variable_and_default() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "dalid.server", "serve", "--help"],
         capture_output=True,
@@ -167,7 +168,7 @@ def test_help_names_every_flag_variable_and_default():
     assert "default 1G" in text and "default INFO" in text and "default never" in text
 
 
-def test_a_bad_config_file_stops_serve_with_a_message(tmp_path):
+def test_a_bad_config_file_stops_serve_with_a_message(tmp_path: Path) -> None:
     config = _toml(tmp_path, "max_batch = 4\n")
     result = subprocess.run(
         [sys.executable, "-m", "dalid.server", "serve", "--config", str(config)],
@@ -180,7 +181,7 @@ def test_a_bad_config_file_stops_serve_with_a_message(tmp_path):
     assert "unknown key 'max_batch'" in result.stderr and "max_batch_size" in result.stderr
 
 
-def test_a_supervised_child_gets_every_option_the_supervisor_resolved(tmp_path):
+def test_a_supervised_child_gets_every_option_the_supervisor_resolved(tmp_path: Path) -> None:
     from dalid.server.cli import PER_CHILD, _child_options
 
     config = _toml(tmp_path, 'memory_limit = "3G"\nmax_jobs = 5\n')

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import queue
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from nvidia.dali import fn, pipeline_def
+from nvidia.dali import fn
+from nvidia.dali.data_node import DataNode
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -35,32 +37,39 @@ from dalid.server.credentials import PeerCredentials
 from dalid.server.quotas import Quotas
 from dalid.server.shm import host_outputs
 
+from ..dali_typing import pipeline_def
+
 TRAINER = b"trainer"
 WORKER = b"worker"
 
 
 @pipeline_def(batch_size=4, num_threads=1, device_id=None)
-def doubling():
+def doubling() -> DataNode:
     return fn.external_source(name="x") * 2
 
 
+class PushingCore(DaemonCore):
+    """A CPU core whose messages to peers (``push``) land in ``pushed``."""
+
+    def __init__(self, quotas: Quotas) -> None:
+        self.pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
+        super().__init__(
+            "cpu",
+            host_outputs(),
+            lambda peer, message, rid: self.pushed.put((peer, message, rid)),
+            quotas,
+            instance=f"unittest-{uuid.uuid4().hex[:8]}",
+        )
+
+
 @pytest.fixture
-def core():
-    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
-    quotas = Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16)
-    daemon = DaemonCore(
-        "cpu",
-        host_outputs(),
-        lambda peer, message, rid: pushed.put((peer, message, rid)),
-        quotas,
-        instance=f"unittest-{uuid.uuid4().hex[:8]}",
-    )
-    daemon.pushed = pushed  # type: ignore[attr-defined]
+def core() -> Iterator[PushingCore]:
+    daemon = PushingCore(Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16))
     yield daemon
     daemon.close()
 
 
-def _hello(core: DaemonCore) -> Welcome:
+def _hello(core: PushingCore) -> Welcome:
     import os
 
     reply = core.handle(TRAINER, Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER), 1)
@@ -68,11 +77,11 @@ def _hello(core: DaemonCore) -> Welcome:
     return reply
 
 
-def _register(core: DaemonCore) -> int:
+def _register(core: PushingCore) -> int:
     pipe = doubling()
     request = RegisterPipeline(memoryview(pipe.serialize()), ("x",), 1, 4, 1, 2)
     assert core.handle(TRAINER, request, 2) is None  # built in the executor's thread
-    peer, reply, rid = core.pushed.get(timeout=30)  # type: ignore[attr-defined]
+    peer, reply, rid = core.pushed.get(timeout=30)
     assert (peer, rid) == (TRAINER, 2)
     assert isinstance(reply, PipelineRegistered)
     return reply.pipeline_id
@@ -83,31 +92,34 @@ def _batch(pipeline_id: int, *samples: np.ndarray) -> SubmitBatch:
         pipeline_id,
         (
             InputBatch(
-                "x", "int32", tuple(s.shape for s in samples), tuple(map(memoryview, samples))
+                "x",
+                "int32",
+                tuple(s.shape for s in samples),
+                tuple(sample.data for sample in samples),
             ),
         ),
     )
 
 
-def test_requests_before_hello_are_refused(core):
+def test_requests_before_hello_are_refused(core: PushingCore) -> None:
     reply = core.handle(TRAINER, ReleaseRegions((1,)), 1)
     assert isinstance(reply, Error) and reply.code is ErrorCode.NOT_WELCOMED
 
 
-def test_notifications_from_a_connection_in_no_job_are_ignored(core):
+def test_notifications_from_a_connection_in_no_job_are_ignored(core: PushingCore) -> None:
     # A release or progress report from a job that ended, or that another daemon welcomed:
     # no error goes back to a peer that awaits none (it would only log it).
     assert core.handle(TRAINER, ReleaseRegions((1,)), None) is None
     assert core.handle(TRAINER, TrainerProgress(1.0, 3), None) is None
 
 
-def test_a_job_is_named_once_in_the_log():
+def test_a_job_is_named_once_in_the_log() -> None:
     assert job_label("resnet", 12) == "resnet, pid 12"
     assert job_label("pid 12", 12) == "pid 12"
     assert job_label("", 12) == "pid 12"
 
 
-def test_a_batch_runs_and_its_regions_are_leased_until_released(core):
+def test_a_batch_runs_and_its_regions_are_leased_until_released(core: PushingCore) -> None:
     _hello(core)
     pipeline_id = _register(core)
     samples = [np.full((2, 3), i, np.int32) for i in range(3)]
@@ -126,7 +138,7 @@ def test_a_batch_runs_and_its_regions_are_leased_until_released(core):
     assert isinstance(again, Error) and again.code is ErrorCode.UNKNOWN_REGION
 
 
-def test_bad_batches_are_refused_before_they_are_queued(core):
+def test_bad_batches_are_refused_before_they_are_queued(core: PushingCore) -> None:
     _hello(core)
     pipeline_id = _register(core)
     sample = np.zeros((2, 3), np.int32)
@@ -135,15 +147,13 @@ def test_bad_batches_are_refused_before_they_are_queued(core):
     too_big = core.handle(TRAINER, _batch(pipeline_id, *[sample] * 5), 4)
     assert isinstance(too_big, Error) and "max_batch_size" in too_big.message
     with pytest.raises(ValueError, match="needs 32 bytes, its frame has 24"):
-        InputBatch("x", "int32", ((2, 4),), (memoryview(sample),))  # refused before it is sent
-    wrong_name = SubmitBatch(
-        pipeline_id, (InputBatch("y", "int32", ((2, 3),), (memoryview(sample),)),)
-    )
+        InputBatch("x", "int32", ((2, 4),), (sample.data,))  # refused before it is sent
+    wrong_name = SubmitBatch(pipeline_id, (InputBatch("y", "int32", ((2, 3),), (sample.data,)),))
     reply = core.handle(TRAINER, wrong_name, 6)
     assert isinstance(reply, Error) and "takes ['x']" in reply.message
 
 
-def test_a_worker_needs_the_job_token(core):
+def test_a_worker_needs_the_job_token(core: PushingCore) -> None:
     import os
 
     welcome = _hello(core)
@@ -160,7 +170,7 @@ def test_a_worker_needs_the_job_token(core):
     assert isinstance(core.handle(WORKER, right, 2), Welcome)
 
 
-def test_goodbye_frees_the_job(core):
+def test_goodbye_frees_the_job(core: PushingCore) -> None:
     from dalid.protocol import Goodbye
 
     _hello(core)
@@ -193,17 +203,19 @@ def _worker_hello(core: DaemonCore, identity: bytes, job_id: int, token: str) ->
     return core.handle(identity, hello, 1)
 
 
-def _register_again(core: DaemonCore, *earlier: EarlierPipeline) -> int:
+def _register_again(core: PushingCore, *earlier: EarlierPipeline) -> int:
     request = RegisterPipeline(
         memoryview(doubling().serialize()), ("x",), 1, 4, 1, 2, earlier_ids=earlier
     )
     assert core.handle(TRAINER, request, 2) is None
-    _, reply, _ = core.pushed.get(timeout=30)  # type: ignore[attr-defined]
+    _, reply, _ = core.pushed.get(timeout=30)
     assert isinstance(reply, PipelineRegistered)
     return reply.pipeline_id
 
 
-def test_a_worker_of_an_earlier_job_joins_the_new_job_and_submits_under_the_earlier_id(core):
+def test_a_worker_of_an_earlier_job_joins_the_new_job_and_submits_under_the_earlier_id(
+    core: PushingCore,
+) -> None:
     welcome = _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     assert isinstance(welcome, Welcome) and welcome.job_token != OLD_TOKEN
     pipeline_id = _register_again(core, EarlierPipeline(OLD_TOKEN, 42))
@@ -223,7 +235,7 @@ def test_a_worker_of_an_earlier_job_joins_the_new_job_and_submits_under_the_earl
     assert isinstance(unknown, Error) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
 
 
-def test_an_earlier_job_still_needs_its_token(core):
+def test_an_earlier_job_still_needs_its_token(core: PushingCore) -> None:
     _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     for job_id, token in [(7, "not-the-token"), (7, OLD_TOKEN[:-1]), (8, OLD_TOKEN), (7, "é")]:
         reply = _worker_hello(core, WORKER, job_id, token)
@@ -231,7 +243,7 @@ def test_an_earlier_job_still_needs_its_token(core):
     assert WORKER not in core.peers
 
 
-def test_a_worker_before_the_pipeline_is_registered_again_is_told_so(core):
+def test_a_worker_before_the_pipeline_is_registered_again_is_told_so(core: PushingCore) -> None:
     _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     assert isinstance(_worker_hello(core, WORKER, 7, OLD_TOKEN), Welcome)
     reply = core.handle(WORKER, _batch(42, np.zeros((1,), np.int32)), 2)
@@ -239,7 +251,7 @@ def test_a_worker_before_the_pipeline_is_registered_again_is_told_so(core):
     assert "not registered again pipeline 42" in reply.message
 
 
-def test_a_claim_on_an_identity_that_names_a_job_here_is_refused(core):
+def test_a_claim_on_an_identity_that_names_a_job_here_is_refused(core: PushingCore) -> None:
     live = _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     assert isinstance(live, Welcome)
     for earlier, named in [
@@ -259,7 +271,7 @@ def test_a_claim_on_an_identity_that_names_a_job_here_is_refused(core):
     assert isinstance(joined, Welcome) and joined.job_id == other.job_id != live.job_id
 
 
-def test_a_registration_names_only_earlier_jobs_its_hello_claimed(core):
+def test_a_registration_names_only_earlier_jobs_its_hello_claimed(core: PushingCore) -> None:
     _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     request = RegisterPipeline(
         memoryview(doubling().serialize()),
@@ -275,7 +287,7 @@ def test_a_registration_names_only_earlier_jobs_its_hello_claimed(core):
     assert not core.jobs[1].pipelines
 
 
-def test_earlier_jobs_go_when_the_job_ends(core):
+def test_earlier_jobs_go_when_the_job_ends(core: PushingCore) -> None:
     from dalid.protocol import Goodbye
 
     _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
@@ -289,7 +301,7 @@ def test_earlier_jobs_go_when_the_job_ends(core):
     assert isinstance(_trainer_hello(core, b"next trainer", EarlierJob(7, OLD_TOKEN)), Welcome)
 
 
-def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core):
+def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core: PushingCore) -> None:
     first = _hello(core)
     pipeline_id = _register(core)
     core.handle(TRAINER, _batch(pipeline_id, np.zeros((1,), np.int32)), 3)
@@ -368,7 +380,7 @@ def test_a_job_registers_at_most_its_limit_of_pipelines() -> None:
         core.close()
 
 
-def test_batches_over_the_jobs_share_of_input_memory_are_refused(core):
+def test_batches_over_the_jobs_share_of_input_memory_are_refused(core: PushingCore) -> None:
     _hello(core)
     pipeline_id = _register(core)
     share = core.inputs.job_limit
@@ -380,15 +392,9 @@ def test_batches_over_the_jobs_share_of_input_memory_are_refused(core):
 
 
 def test_deferred_batches_are_bounded_too() -> None:
-    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
-    core = DaemonCore(
-        "cpu",
-        host_outputs(),
-        lambda peer, message, rid: pushed.put((peer, message, rid)),
-        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, max_waiting_batches=2),
-        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+    core = PushingCore(
+        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, max_waiting_batches=2)
     )
-    core.pushed = pushed  # type: ignore[attr-defined]
     try:
         _hello(core)
         pipeline_id = _register(core)

@@ -99,7 +99,8 @@ class FakeDevice:
         event.complete = False  # the stream has not reached it yet
 
     def fence_handle(self, event: Any) -> bytes:
-        return event.name.encode().ljust(64, b"\0")
+        name: str = event.name
+        return name.encode().ljust(64, b"\0")
 
     def marker(self, stream: Any) -> Any:
         marker = FakeEvent(f"marker{len(self.markers)}", complete=False)
@@ -116,6 +117,9 @@ class FakeDevice:
 
     def tensor(self, region: Any) -> torch.Tensor:
         return torch.from_numpy(np.asarray(_HostView(region)))
+
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
+        return host.clone()  # "on the device": a copy
 
     def write(self, handle: str, offset: int, data: np.ndarray) -> None:
         buffer = self.buffers[self.handles[bytes.fromhex(handle)]]

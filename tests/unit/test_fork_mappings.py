@@ -3,6 +3,7 @@ mappings across fork] in ``dalid.protocol.slabs``), with real segments and a rea
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 import os
@@ -34,6 +35,23 @@ def _in_child(body) -> int:  # type: ignore[no-untyped-def]
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+# mmap(2) flags of Linux (MAP_FIXED_NOREPLACE since 4.17: refuses a range where anything is).
+_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def _own_memory_at(address: int, size: int) -> np.ndarray:
+    """``size`` bytes of new anonymous memory at exactly ``address``, which must be free."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    got = libc.mmap(address, size, _PROT_READ_WRITE, flags, -1, 0)
+    assert got == address, f"no memory at {address:#x}: {os.strerror(ctypes.get_errno())}"
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
+
+
 @pytest.fixture
 def segment() -> Iterator[str]:
     """A slab segment as the daemon leaves it (not mapped in this process): 16 bytes of 7."""
@@ -48,17 +66,19 @@ def segment() -> Iterator[str]:
     (slabs.SHM_DIR / name).unlink(missing_ok=True)
 
 
-def test_a_child_that_frees_and_closes_inherited_mappings_keeps_its_own_memory(segment) -> None:
+def test_a_child_that_frees_and_closes_inherited_mappings_keeps_its_own_memory(
+    segment: str,
+) -> None:
     mappings = SharedMemoryOutputs()
     tensors = mappings.wrap([OutputDescriptor(1, segment, SIZE, 0, 16, "uint8", (16,))])
     holder = [mappings]
     where = tensors[0].data_ptr()
 
     def child() -> None:
-        # The kernel puts the child's own mapping of that size where the trainer's was: the
-        # child did not inherit that one (MADV_DONTFORK).
-        own = np.frombuffer(mmap.mmap(-1, SIZE), dtype=np.uint8)
-        assert own.ctypes.data == where, "the child's memory is elsewhere: nothing to show"
+        # The child's own memory where the trainer's mapping was, as a worker's allocations
+        # come to be: the range is free in the child, which did not inherit that mapping
+        # (MADV_DONTFORK). Placed there on purpose, not left to where the kernel puts it.
+        own = _own_memory_at(where, SIZE)
         # What a worker may do with what it inherited: free it, close it, collect it.
         tensors.clear()
         holder[0].close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,14 +41,14 @@ def encoded(fmt: str, mode: str = "RGB", size: tuple[int, int] = SIZE, **options
         ("TIFF", "RGB", {"compression": "tiff_lzw"}),
     ],
 )
-def test_sizes_of_files_written_by_pillow(fmt, mode, options):
+def test_sizes_of_files_written_by_pillow(fmt: str, mode: str, options: dict[str, Any]) -> None:
     data = encoded(fmt, mode, **options)
     assert image_size(data) == SIZE
     assert image_size(memoryview(data)) == SIZE
     assert Image.open(io.BytesIO(data)).size == SIZE
 
 
-def test_big_endian_tiff():
+def test_big_endian_tiff() -> None:
     tiff = b"MM\x00*" + struct.pack(">I", 8) + struct.pack(">H", 2)
     tiff += struct.pack(">HHI4s", 257, 4, 1, struct.pack(">I", 23))
     tiff += struct.pack(">HHI4s", 256, 3, 1, struct.pack(">HH", 37, 0))
@@ -56,7 +57,7 @@ def test_big_endian_tiff():
 
 @pytest.mark.skipif(not features.check("webp"), reason="Pillow built without WebP")
 @pytest.mark.parametrize("options", [{"lossless": False}, {"lossless": True}])
-def test_webp(options):
+def test_webp(options: dict[str, Any]) -> None:
     assert image_size(encoded("WEBP", **options)) == SIZE
     assert image_size(encoded("WEBP", "RGBA", **options)) == SIZE
 
@@ -67,14 +68,14 @@ def with_jpeg_size(data: bytes, width: int, height: int) -> bytes:
     return data[: at + 5] + struct.pack(">HH", height, width) + data[at + 9 :]
 
 
-def test_a_tiny_jpeg_declaring_30000_squared():
+def test_a_tiny_jpeg_declaring_30000_squared() -> None:
     bomb = with_jpeg_size(encoded("JPEG", size=(8, 8)), 30000, 30000)
     assert len(bomb) < 1024
     assert image_size(bomb) == (30000, 30000)
     assert pixels((30000, 30000)) > DEFAULT_MAX_IMAGE_PIXELS
 
 
-def test_hand_made_headers():
+def test_hand_made_headers() -> None:
     png = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", 70000, 2)
     assert image_size(png) == (70000, 2)
     gif = b"GIF89a" + struct.pack("<HH", 65535, 65535)
@@ -91,7 +92,7 @@ def test_hand_made_headers():
     assert image_size(tiff) == (40000, 30000)
 
 
-def test_jpeg_with_fill_bytes_and_restart_markers_before_the_frame():
+def test_jpeg_with_fill_bytes_and_restart_markers_before_the_frame() -> None:
     data = encoded("JPEG")
     # Fill bytes may precede any marker.
     padded = data[:2] + b"\xff\xff\xff" + data[2:]
@@ -117,11 +118,11 @@ def test_jpeg_with_fill_bytes_and_restart_markers_before_the_frame():
         b"RIFF\x00\x00\x00\x00WAVEfmt ",  # a RIFF that is not WebP
     ],
 )
-def test_what_is_not_a_whole_header_gives_none(data):
+def test_what_is_not_a_whole_header_gives_none(data: bytes) -> None:
     assert image_size(data) is None
 
 
-def test_truncated_real_files_never_raise():
+def test_truncated_real_files_never_raise() -> None:
     for fmt in ("JPEG", "PNG", "GIF", "BMP", "TIFF"):
         data = encoded(fmt, "L" if fmt == "GIF" else "RGB")
         for cut in range(len(data[:400])):

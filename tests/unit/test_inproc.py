@@ -63,7 +63,7 @@ def served() -> Iterator[tuple[InprocDaemon, Recorder]]:
 
 
 def _submit(sample: np.ndarray) -> SubmitBatch:
-    batch = InputBatch("x", "float32", (sample.shape,), (memoryview(sample),))
+    batch = InputBatch("x", "float32", (sample.shape,), (sample.data,))
     return SubmitBatch(1, (batch,))
 
 

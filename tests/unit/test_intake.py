@@ -49,7 +49,9 @@ def is_cut(theirs: socket.socket) -> bool:
 REFUSED = Error(ErrorCode.NOT_WELCOMED, "send hello first")
 
 
-def test_refusals_over_the_burst_cut_the_connection_after_telling_it(pairs) -> None:
+def test_refusals_over_the_burst_cut_the_connection_after_telling_it(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     clock = Clock()
     intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=1.0), clock=clock)
     fd, theirs = connect(intake, pairs)
@@ -73,7 +75,9 @@ def test_refusals_over_the_burst_cut_the_connection_after_telling_it(pairs) -> N
     assert intake.open_connections == 0
 
 
-def test_refusals_at_a_sustainable_rate_are_never_cut(pairs) -> None:
+def test_refusals_at_a_sustainable_rate_are_never_cut(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     clock = Clock()
     intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=2.0), clock=clock)
     fd, theirs = connect(intake, pairs)
@@ -84,7 +88,9 @@ def test_refusals_at_a_sustainable_rate_are_never_cut(pairs) -> None:
     assert not is_cut(theirs)
 
 
-def test_another_users_process_is_told_and_cut(pairs) -> None:
+def test_another_users_process_is_told_and_cut(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     clock = Clock()
     intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
     fd, theirs = connect(intake, pairs)
@@ -97,7 +103,9 @@ def test_another_users_process_is_told_and_cut(pairs) -> None:
     assert is_cut(theirs)
 
 
-def test_another_users_process_that_says_nothing_is_cut_too(pairs) -> None:
+def test_another_users_process_that_says_nothing_is_cut_too(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     clock = Clock()
     intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
     _, theirs = connect(intake, pairs)
@@ -107,7 +115,9 @@ def test_another_users_process_that_says_nothing_is_cut_too(pairs) -> None:
     assert is_cut(theirs)
 
 
-def test_a_message_over_the_limit_is_refused_and_its_connection_cut(pairs) -> None:
+def test_a_message_over_the_limit_is_refused_and_its_connection_cut(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     clock = Clock()
     intake = Intake(IntakeLimits(max_message_bytes=1000), clock=clock)
     fd, theirs = connect(intake, pairs)
@@ -119,7 +129,9 @@ def test_a_message_over_the_limit_is_refused_and_its_connection_cut(pairs) -> No
     assert is_cut(theirs)
 
 
-def test_connections_past_the_limit_are_cut_at_once(pairs) -> None:
+def test_connections_past_the_limit_are_cut_at_once(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     intake = Intake(IntakeLimits(max_connections=2))
     kept = [connect(intake, pairs)[1] for _ in range(2)]
     _, third = connect(intake, pairs)
@@ -127,7 +139,9 @@ def test_connections_past_the_limit_are_cut_at_once(pairs) -> None:
     assert not any(is_cut(theirs) for theirs in kept)
 
 
-def test_a_peer_that_reads_nothing_is_cut_at_once(pairs) -> None:
+def test_a_peer_that_reads_nothing_is_cut_at_once(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     intake = Intake(IntakeLimits())
     fd, theirs = connect(intake, pairs)
     intake.admit(b"a", fd, 10)
@@ -136,7 +150,9 @@ def test_a_peer_that_reads_nothing_is_cut_at_once(pairs) -> None:
     intake.unreachable(b"a")  # once is enough
 
 
-def test_a_late_message_of_a_closed_connection_is_dropped(pairs) -> None:
+def test_a_late_message_of_a_closed_connection_is_dropped(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     intake = Intake(IntakeLimits())
     fd, _ = connect(intake, pairs)
     intake.admit(b"a", fd, 10)
@@ -145,7 +161,9 @@ def test_a_late_message_of_a_closed_connection_is_dropped(pairs) -> None:
     assert intake.credentials(b"a") is None
 
 
-def test_a_descriptor_reused_unreported_is_a_new_connection(pairs) -> None:
+def test_a_descriptor_reused_unreported_is_a_new_connection(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
     intake = Intake(IntakeLimits())
     fd, _ = connect(intake, pairs)
     intake.admit(b"a", fd, 10)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from nvidia.dali import fn, pipeline_def
+from nvidia.dali import fn
 
 import dalid.client as dalid
 from dalid.client import proxy as dalid_proxy
 from dalid.client.errors import InputError
 from dalid.client.options import check_job_options
+
+from ..dali_typing import pipeline_def
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,8 @@ def test_cpu_outputs_are_copied_into_shared_memory_and_described(prefix: str) ->
         assert [d.dtype for d in descriptors] == ["uint8", "int64"]
         assert descriptors[0].layout == "HW"
         assert all(d.ipc_handle == "" for d in descriptors)
-        for descriptor, array in zip(descriptors, (images, labels), strict=True):
+        arrays: tuple[np.ndarray, ...] = (images, labels)
+        for descriptor, array in zip(descriptors, arrays, strict=True):
             assert _bytes(descriptor.slab, descriptor.offset, descriptor.nbytes) == array.tobytes()
         assert outputs.leased_regions == 2
         ids = [d.region_id for d in descriptors]

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
+from nvidia.dali.data_node import DataNode
 
 from dalid.client.paths import path_inputs, resolve_paths
 from dalid.server import runner
 from dalid.server.paths import FilesUnseen, check_paths, first_missing
+
+from ..dali_typing import pipeline_def
 
 
 def _path(text: str, dtype: type = np.int8) -> np.ndarray:
@@ -18,24 +22,28 @@ def _path(text: str, dtype: type = np.int8) -> np.ndarray:
 
 
 @pipeline_def(batch_size=2, num_threads=1, device_id=None)
-def _two_kinds():
+def _two_kinds() -> tuple[DataNode, DataNode, DataNode]:
     paths = fn.external_source(name="paths", no_copy=True)
     other = fn.external_source(name="labels")
     more = fn.external_source(name="more_paths")
-    images = fn.decoders.image(fn.io.file.read(paths), output_type=types.RGB)
-    return images, other, fn.io.file.read(more)
+    # DALI's stubs lack fn.io.
+    images = fn.decoders.image(
+        fn.io.file.read(paths),  # type: ignore[attr-defined]
+        output_type=types.DALIImageType.RGB,
+    )
+    return images, other, fn.io.file.read(more)  # type: ignore[attr-defined]
 
 
-def test_inputs_that_feed_the_file_reader_are_paths_on_both_sides():
+def test_inputs_that_feed_the_file_reader_are_paths_on_both_sides() -> None:
     pipe = _two_kinds()
     pipe._build_graph()
     assert path_inputs(pipe) == ("paths", "more_paths")
     assert runner.path_inputs(pipe) == ("paths", "more_paths")
 
 
-def test_relative_paths_are_made_absolute_from_the_given_directory(tmp_path: Path):
+def test_relative_paths_are_made_absolute_from_the_given_directory(tmp_path: Path) -> None:
     (tmp_path / "a.jpg").write_bytes(b"x")
-    samples = {
+    samples: dict[str, list[Any]] = {
         "paths": [_path("a.jpg"), _path(str(tmp_path / "a.jpg"), np.uint8), _path("gone.jpg")],
         "labels": [np.int32(1), np.int32(2), np.int32(3)],
     }
@@ -48,7 +56,7 @@ def test_relative_paths_are_made_absolute_from_the_given_directory(tmp_path: Pat
     assert samples["paths"][0].tobytes() == b"a.jpg"  # the caller's samples are left as they were
 
 
-def test_the_daemon_tells_a_missing_file_from_one_it_does_not_see(tmp_path: Path):
+def test_the_daemon_tells_a_missing_file_from_one_it_does_not_see(tmp_path: Path) -> None:
     (tmp_path / "a.jpg").write_bytes(b"x")
     arrays = {"paths": [_path(str(tmp_path / "a.jpg")), _path(str(tmp_path / "gone.jpg"))]}
     bad = check_paths(arrays, ["paths"], unreadable=[1])
@@ -62,7 +70,7 @@ def test_the_daemon_tells_a_missing_file_from_one_it_does_not_see(tmp_path: Path
     assert empty == {0: "input 'paths': '' is not a file path"}
 
 
-def test_first_missing_is_the_outermost_missing_part(tmp_path: Path):
+def test_first_missing_is_the_outermost_missing_part(tmp_path: Path) -> None:
     assert first_missing(str(tmp_path / "x" / "y")) == str(tmp_path / "x")
     assert first_missing("/") == "/"
     assert first_missing(str(tmp_path)) == str(tmp_path)  # nothing missing

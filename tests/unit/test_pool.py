@@ -30,6 +30,7 @@ from dalid.server.pool import (
     PoolTooSmall,
     Region,
     RegionPool,
+    Slab,
 )
 from dalid.server.quotas import QuotaRefused
 from dalid.server.reservations import OutputMemory
@@ -41,6 +42,16 @@ PROMPT_S = 5.0
 QUIET_S = 0.2
 
 PoolFactory = Callable[..., RegionPool]
+
+
+def _shm(slab: Slab) -> SharedMemorySlab:
+    """A slab of these pools, which are all of shared memory."""
+    assert isinstance(slab, SharedMemorySlab)
+    return slab
+
+
+def _view(region: Region) -> np.ndarray:
+    return _shm(region.slab).view(region.offset, region.nbytes)
 
 
 def _segments(prefix: str) -> list[str]:
@@ -378,7 +389,7 @@ def test_empty_slabs_are_evicted_for_a_larger_slab(make_pool: PoolFactory, prefi
     assert names == {kept.slab.name, large.slab.name}
 
     # The kept region is intact and usable.
-    view = kept.slab.view(kept.offset, kept.nbytes)
+    view = _view(kept)
     view[:] = 7
     assert int(view.sum()) == 7 * PAGE
     del view
@@ -434,7 +445,7 @@ def test_writes_through_the_view_are_visible_in_another_mapping(make_pool: PoolF
     pool = make_pool(limit_pages=4, slab_pages=2)
     _, region = pool.allocate([300, 5000])
     pattern = np.arange(region.nbytes, dtype=np.uint32).astype(np.uint8)
-    view = region.slab.view(region.offset, region.nbytes)
+    view = _view(region)
     assert view.shape == (region.nbytes,)
     assert view.ctypes.data == region.slab.address(region.offset)
     view[:] = pattern
@@ -464,7 +475,7 @@ def test_the_trainer_mapping_views_a_region_as_a_tensor(make_pool: PoolFactory) 
     expected = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     other, region = pool.allocate([64, expected.nbytes])
     assert other.slab is region.slab
-    view = region.slab.view(region.offset, region.nbytes)
+    view = _view(region)
     view[:] = expected.view(np.uint8).reshape(-1)
     del view
     descriptor = OutputDescriptor(
@@ -475,7 +486,7 @@ def test_the_trainer_mapping_views_a_region_as_a_tensor(make_pool: PoolFactory) 
         nbytes=region.nbytes,
         dtype="float32",
         shape=expected.shape,
-        device=region.slab.device,
+        device=_shm(region.slab).device,
     )
     mappings = SharedMemoryOutputs()
     try:
@@ -526,7 +537,7 @@ def test_closing_the_pool_keeps_live_views_valid_and_unlinks_names(
         trainer = mmap.mmap(fd, region.slab.size)
     finally:
         os.close(fd)
-    daemon_view = region.slab.view(0, PAGE)
+    daemon_view = _shm(region.slab).view(0, PAGE)
     daemon_view[:8] = 42
     pool.close()
     assert _segments(prefix) == []
@@ -626,7 +637,7 @@ def test_close_without_unmap_unlinks_but_keeps_memory_writable(
 ) -> None:
     pool = make_pool(limit_pages=1)
     (region,) = pool.allocate([PAGE])
-    slab = region.slab
+    slab = _shm(region.slab)
     pool.close(unmap=False)
     assert _segments(prefix) == []
     # A writer that could not be stopped still has its memory (no crash).

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import queue
 import uuid
+from pathlib import Path
 
 import pytest
 
 from dalid.protocol import (
     Error,
     ErrorCode,
+    Message,
     ReloadRepository,
     RepositoryFailure,
     RepositoryReport,
@@ -29,7 +31,7 @@ def {name}():
 """
 
 
-def test_public_pipeline_defs_of_each_file_are_served_by_name(tmp_path):
+def test_public_pipeline_defs_of_each_file_are_served_by_name(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text(
         PIPELINE.format(name="train")
         + PIPELINE.format(name="_hidden")
@@ -45,7 +47,9 @@ def test_public_pipeline_defs_of_each_file_are_served_by_name(tmp_path):
     assert not repository.failures
 
 
-def test_failures_are_kept_and_reported_with_the_names_available(tmp_path, caplog):
+def test_failures_are_kept_and_reported_with_the_names_available(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "good.py").write_text(PIPELINE.format(name="train"))
     (tmp_path / "syntax.py").write_text("def broken(:\n")
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
@@ -65,7 +69,7 @@ def test_failures_are_kept_and_reported_with_the_names_available(tmp_path, caplo
     assert "syntax.py: SyntaxError" in message and "exits.py: SystemExit: 3" in message
 
 
-def test_definition_passes_build_arguments_and_parameters(tmp_path):
+def test_definition_passes_build_arguments_and_parameters(tmp_path: Path) -> None:
     (tmp_path / "p.py").write_text(
         "from nvidia.dali import fn, pipeline_def\n"
         "@pipeline_def\n"
@@ -94,10 +98,13 @@ def {name}():
 
 def _batch_size(repository: PipelineRepository, name: str) -> int:
     """The batch size of ``name`` as the repository defines it now: tells definitions apart."""
-    return repository.definition(name, {}, {})().max_batch_size
+    size: int = repository.definition(name, {}, {})().max_batch_size
+    return size
 
 
-def test_a_reload_adds_new_files_and_reads_changed_ones_within_the_same_second(tmp_path):
+def test_a_reload_adds_new_files_and_reads_changed_ones_within_the_same_second(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "a.py").write_text(SIZED.format(size=2, name="train"))
     first = PipelineRepository.load(tmp_path)
     # Same size, and most likely the same modification second: a cached bytecode would pass.
@@ -112,7 +119,9 @@ def test_a_reload_adds_new_files_and_reads_changed_ones_within_the_same_second(t
     assert second.changes_from(first) == "added val"
 
 
-def test_a_file_that_fails_again_keeps_its_last_good_definitions(tmp_path, caplog):
+def test_a_file_that_fails_again_keeps_its_last_good_definitions(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "a.py").write_text(SIZED.format(size=2, name="train") + "\nLEVEL = 1\n")
     (tmp_path / "other.py").write_text(SIZED.format(size=4, name="val"))
     first = PipelineRepository.load(tmp_path)
@@ -137,7 +146,7 @@ def test_a_file_that_fails_again_keeps_its_last_good_definitions(tmp_path, caplo
     assert not fourth.failures and not fourth.kept
 
 
-def test_a_removed_file_takes_its_names_with_it(tmp_path):
+def test_a_removed_file_takes_its_names_with_it(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text(SIZED.format(size=2, name="train"))
     (tmp_path / "b.py").write_text(SIZED.format(size=2, name="val"))
     first = PipelineRepository.load(tmp_path)
@@ -149,7 +158,9 @@ def test_a_removed_file_takes_its_names_with_it(tmp_path):
     assert second.changes_from(first) == "removed val"
 
 
-def test_a_kept_definition_gives_way_to_a_file_that_now_loads_the_name_first(tmp_path):
+def test_a_kept_definition_gives_way_to_a_file_that_now_loads_the_name_first(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "b.py").write_text(SIZED.format(size=2, name="train"))
     first = PipelineRepository.load(tmp_path)
     (tmp_path / "b.py").write_text("raise RuntimeError('broken')\n")
@@ -161,7 +172,7 @@ def test_a_kept_definition_gives_way_to_a_file_that_now_loads_the_name_first(tmp
     assert "b.py" not in second.kept
 
 
-def test_a_reload_imports_a_changed_sibling_afresh(tmp_path):
+def test_a_reload_imports_a_changed_sibling_afresh(tmp_path: Path) -> None:
     (tmp_path / "constants.py").write_text("SIZE = 2\n")
     (tmp_path / "a.py").write_text(
         "from constants import SIZE\n" + SIZED.format(size="SIZE", name="train")
@@ -172,7 +183,7 @@ def test_a_reload_imports_a_changed_sibling_afresh(tmp_path):
     assert _batch_size(first, "train") == 2 and _batch_size(second, "train") == 9
 
 
-def test_nothing_to_reload_leaves_the_repository_as_it_is(tmp_path):
+def test_nothing_to_reload_leaves_the_repository_as_it_is(tmp_path: Path) -> None:
     with pytest.raises(RepositoryUnavailable, match="--pipelines DIR"):
         PipelineRepository().reload()
     directory = tmp_path / "pipelines"
@@ -189,12 +200,16 @@ def test_nothing_to_reload_leaves_the_repository_as_it_is(tmp_path):
 # --- Reloading through the daemon's core ---------------------------------------------------------
 
 
+# What the core sends to its peers: (peer, message, request id).
+Pushed = queue.Queue[tuple[bytes, Message, int | None]]
+
+
 @pytest.fixture
-def pushed():
+def pushed() -> Pushed:
     return queue.Queue()
 
 
-def _core(pushed: queue.Queue, repository: PipelineRepository | None) -> DaemonCore:
+def _core(pushed: Pushed, repository: PipelineRepository | None) -> DaemonCore:
     return DaemonCore(
         "cpu",
         host_outputs(),
@@ -205,7 +220,9 @@ def _core(pushed: queue.Queue, repository: PipelineRepository | None) -> DaemonC
     )
 
 
-def test_a_reload_request_needs_no_hello_and_is_answered_with_what_loaded(tmp_path, pushed):
+def test_a_reload_request_needs_no_hello_and_is_answered_with_what_loaded(
+    tmp_path: Path, pushed: Pushed
+) -> None:
     (tmp_path / "a.py").write_text(SIZED.format(size=2, name="train"))
     core = _core(pushed, PipelineRepository.load(tmp_path))
     try:
@@ -226,7 +243,7 @@ def test_a_reload_request_needs_no_hello_and_is_answered_with_what_loaded(tmp_pa
         core.close()
 
 
-def test_a_daemon_without_a_repository_refuses_a_reload(pushed):
+def test_a_daemon_without_a_repository_refuses_a_reload(pushed: Pushed) -> None:
     core = _core(pushed, None)
     try:
         assert core.handle(b"cli", ReloadRepository(), 3) is None

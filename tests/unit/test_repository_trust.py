@@ -52,7 +52,9 @@ def _ran(marks: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o646, 0o664, 0o620])
-def test_a_file_others_can_write_is_refused_and_never_runs(repository, marks, mode):
+def test_a_file_others_can_write_is_refused_and_never_runs(
+    repository: Path, marks: Path, mode: int
+) -> None:
     _write(repository, marks, "good.py", "train")
     bad = _write(repository, marks, "open.py", "val", mode)
     loaded = PipelineRepository.load(repository)
@@ -66,7 +68,9 @@ def test_a_file_others_can_write_is_refused_and_never_runs(repository, marks, mo
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757, 0o1777])
-def test_a_directory_others_can_write_is_refused_whole(repository, marks, mode):
+def test_a_directory_others_can_write_is_refused_whole(
+    repository: Path, marks: Path, mode: int
+) -> None:
     # The case: a 0666 file in a 0777 directory ran with the daemon's rights.
     _write(repository, marks, "a.py", "train", 0o666)
     repository.chmod(mode)
@@ -75,7 +79,9 @@ def test_a_directory_others_can_write_is_refused_whole(repository, marks, mode):
     assert _ran(marks) == []
 
 
-def test_a_directory_on_the_way_that_others_can_write_is_refused(tmp_path, marks):
+def test_a_directory_on_the_way_that_others_can_write_is_refused(
+    tmp_path: Path, marks: Path
+) -> None:
     # Anyone could rename the repository away and put another in its place.
     parent = tmp_path / "open"
     parent.mkdir()
@@ -88,7 +94,7 @@ def test_a_directory_on_the_way_that_others_can_write_is_refused(tmp_path, marks
     assert _ran(marks) == []
 
 
-def test_a_sibling_package_others_can_write_is_refused_whole(repository, marks):
+def test_a_sibling_package_others_can_write_is_refused_whole(repository: Path, marks: Path) -> None:
     package = repository / "helpers"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -108,7 +114,9 @@ def test_a_sibling_package_others_can_write_is_refused_whole(repository, marks):
     assert sorted(PipelineRepository.load(repository).entries) == ["train"]
 
 
-def test_a_link_to_a_file_others_can_write_is_refused(repository, marks, tmp_path):
+def test_a_link_to_a_file_others_can_write_is_refused(
+    repository: Path, marks: Path, tmp_path: Path
+) -> None:
     elsewhere = _write(tmp_path, marks, "elsewhere.py", "val", 0o666)
     (repository / "linked.py").symlink_to(elsewhere)
     loaded = PipelineRepository.load(repository)
@@ -119,7 +127,7 @@ def test_a_link_to_a_file_others_can_write_is_refused(repository, marks, tmp_pat
 
 
 @needs_root
-def test_a_file_of_another_user_is_refused(repository, marks):
+def test_a_file_of_another_user_is_refused(repository: Path, marks: Path) -> None:
     theirs = _write(repository, marks, "theirs.py", "val")
     os.chown(theirs, OTHER_UID, OTHER_UID)
     loaded = PipelineRepository.load(repository)
@@ -129,7 +137,7 @@ def test_a_file_of_another_user_is_refused(repository, marks):
 
 
 @needs_root
-def test_a_directory_of_another_user_is_refused(repository, marks):
+def test_a_directory_of_another_user_is_refused(repository: Path, marks: Path) -> None:
     _write(repository, marks, "a.py", "train")
     os.chown(repository, OTHER_UID, OTHER_UID)
     with pytest.raises(UnsafePath, match=f"belongs to uid {OTHER_UID}"):
@@ -137,7 +145,9 @@ def test_a_directory_of_another_user_is_refused(repository, marks):
     assert _ran(marks) == []
 
 
-def test_a_reload_of_a_repository_made_writable_keeps_the_one_in_use(repository, marks):
+def test_a_reload_of_a_repository_made_writable_keeps_the_one_in_use(
+    repository: Path, marks: Path
+) -> None:
     _write(repository, marks, "a.py", "train")
     first = PipelineRepository.load(repository)
     (marks / "ran-train").unlink()

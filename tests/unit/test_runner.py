@@ -6,10 +6,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline
 from dalid.server.runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
+
+from ..dali_typing import pipeline_def
 
 BATCH = 4
 SEED = 1234
@@ -17,10 +19,10 @@ SEED = 1234
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=SEED, prefetch_queue_depth=2)
 def _random_pipeline() -> Any:
-    x = fn.external_source(name="x", dtype=types.FLOAT, ndim=2)
-    y = fn.external_source(name="y", dtype=types.INT32, ndim=1)
+    x = fn.external_source(name="x", dtype=types.DALIDataType.FLOAT, ndim=2)
+    y = fn.external_source(name="y", dtype=types.DALIDataType.INT32, ndim=1)
     noise = fn.random.uniform(range=[0.0, 1.0], shape=[3])
-    return x * 2.0 + noise, fn.cast(y, dtype=types.INT64) + 1
+    return x * 2.0 + noise, fn.cast(y, dtype=types.DALIDataType.INT64) + 1
 
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=SEED, prefetch_queue_depth=2)
@@ -30,7 +32,7 @@ def _any_ndim_pipeline() -> Any:
 
 @pipeline_def(batch_size=2, num_threads=1, device_id=None)
 def _decoder_pipeline() -> Any:
-    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+    encoded = fn.external_source(name="encoded", dtype=types.DALIDataType.UINT8, ndim=1)
     return fn.decoders.image(encoded, device="mixed")
 
 
@@ -57,11 +59,11 @@ def _spec(
 
 
 def _batches() -> list[dict[str, list[np.ndarray]]]:
-    first = {
+    first: dict[str, list[np.ndarray]] = {
         "x": [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(BATCH)],
         "y": [np.arange(i + 1, dtype=np.int32) for i in range(BATCH)],
     }
-    second = {  # a partial batch
+    second: dict[str, list[np.ndarray]] = {  # a partial batch
         "x": [np.full((2, 3), -i, dtype=np.float32) for i in range(BATCH - 1)],
         "y": [np.array([7 * i], dtype=np.int32) for i in range(BATCH - 1)],
     }

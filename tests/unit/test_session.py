@@ -19,11 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from nvidia.dali import fn, pipeline_def
+from nvidia.dali import fn
 
 from dalid.client import DaemonUnavailable, Session
 from dalid.client.worker import Proxy
 from tests.inproc import ServedCore
+
+from ..dali_typing import pipeline_def
 
 BATCH = 2
 

@@ -49,6 +49,7 @@ def listening(private: Path) -> Iterator[Path]:
     server.listen(4)
     yield path
     server.close()
+    path.unlink()
 
 
 # --- The runtime directory ----------------------------------------------------------------------
@@ -162,6 +163,7 @@ def test_no_socket_and_a_dead_socket_are_not_unsafe(private: Path) -> None:
     dead.close()  # the file stays, with no listener: a killed daemon's
     with pytest.raises(ConnectionRefusedError):
         verified_socket(private / "dead.sock")
+    (private / "dead.sock").unlink()
 
 
 def test_a_socket_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
@@ -177,6 +179,7 @@ def test_a_socket_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> 
                 verified_socket(open_dir / "d.sock")
     finally:
         server.close()
+        (open_dir / "d.sock").unlink(missing_ok=True)
 
 
 @needs_root

@@ -67,9 +67,10 @@ class FakeDevice:
     def current_stream(self) -> Any:
         return self.stream
 
-    def upload(self, host: torch.Tensor, stream: Any) -> torch.Tensor:
+    def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
         copy = host.clone()
-        self.uploads.append((stream.cuda_stream, copy))
+        on = stream if stream is not None else self.current_stream()
+        self.uploads.append((on.cuda_stream, copy))
         return copy
 
     def marker(self, stream: Any) -> Marker:

@@ -59,7 +59,7 @@ class Pair(NamedTuple):
 OldPair = namedtuple("OldPair", ["image", "label"])
 
 
-class PlainTuple(tuple):
+class PlainTuple(tuple[Any, ...]):
     __slots__ = ()
 
 
@@ -107,7 +107,7 @@ def test_tuple_is_rebuilt() -> None:
 
 
 @pytest.mark.parametrize("cls", [Pair, OldPair], ids=["typing.NamedTuple", "namedtuple"])
-def test_named_tuple_is_rebuilt_with_its_type(cls: type) -> None:
+def test_named_tuple_is_rebuilt_with_its_type(cls: type[Any]) -> None:
     run = _run()
     result = replace_refs(cls(image=_ref(run, 0), label=_ref(run, 1)), FakeResolver())
     assert type(result) is cls
@@ -161,7 +161,7 @@ def test_a_bare_reference_is_replaced() -> None:
 def test_shared_references_are_resolved_once() -> None:
     run = _run()
     ref = _ref(run, 0)
-    inner = [ref]
+    inner: list[Any] = [ref]  # replace_refs replaces its item in place
     pair = (ref, 1)
     batch = {"a": inner, "b": inner, "c": pair, "d": pair, "e": ref}
     resolve = FakeResolver()
@@ -280,7 +280,7 @@ def test_tensors_and_arrays_are_not_descended_into() -> None:
     assert replace_refs(batch, resolve) is batch
     assert resolve.calls == []
     assert batch["tensor"] is tensor
-    assert isinstance(tensor.stray, DALIOutputBatchRef)  # type: ignore[attr-defined]
+    assert isinstance(tensor.stray, DALIOutputBatchRef)
     assert isinstance(array[0], DALIOutputBatchRef)
 
 
@@ -331,7 +331,7 @@ def test_foreign_objects_beside_refs_are_left_untouched(foreign: Any) -> None:
     assert batch["meta"] is foreign
 
 
-def test_take_rows_follows_per_sample_fields_only():
+def test_take_rows_follows_per_sample_fields_only() -> None:
     Pair = namedtuple("Pair", "labels names")
     outputs = torch.zeros(2, 3)  # the daemon's outputs, already with the rows taken
     other = torch.arange(8).reshape(4, 2)

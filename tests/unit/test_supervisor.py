@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from dalid.server.supervisor import (
 QUICK = RestartPolicy(first_delay_s=0.01, max_delay_s=0.05, fast_crash_s=30.0, crash_loop_after=3)
 
 
-def _gpus(count: int):
+def _gpus(count: int) -> Callable[[], int]:
     return lambda: count
 
 
@@ -48,7 +49,7 @@ def _no_driver() -> int:
         ("cpu, 1", 0, ["cpu", 1]),
     ],
 )
-def test_device_lists(text, count, expected):
+def test_device_lists(text: str, count: int, expected: list[int | str]) -> None:
     assert parse_devices(text, _gpus(count)) == expected
 
 
@@ -62,12 +63,14 @@ def test_device_lists(text, count, expected):
         ("", _gpus(2), "device must be"),
     ],
 )
-def test_bad_device_lists_are_refused(text, gpu_count, message):
+def test_bad_device_lists_are_refused(
+    text: str, gpu_count: Callable[[], int], message: str
+) -> None:
     with pytest.raises(DeviceListError, match=message):
         parse_devices(text, gpu_count)
 
 
-def test_one_device_keeps_its_socket_and_the_supervisor_output(tmp_path):
+def test_one_device_keeps_its_socket_and_the_supervisor_output(tmp_path: Path) -> None:
     (spec,) = child_specs(["cpu"], str(tmp_path / "x.sock"), ["--idle-timeout", "5"])
     assert spec.log is None
     assert spec.command[-6:] == ("--device", "cpu", "--socket", str(tmp_path / "x.sock"),
@@ -75,7 +78,9 @@ def test_one_device_keeps_its_socket_and_the_supervisor_output(tmp_path):
     assert "--no-supervisor" in spec.command
 
 
-def test_several_devices_get_a_socket_and_log_each_in_the_runtime_dir(private_runtime_dir):
+def test_several_devices_get_a_socket_and_log_each_in_the_runtime_dir(
+    private_runtime_dir: Path,
+) -> None:
     specs = child_specs([0, 1, "cpu"], None, [])
     assert [spec.name for spec in specs] == ["gpu0", "gpu1", "cpu"]
     for spec in specs:
@@ -84,7 +89,9 @@ def test_several_devices_get_a_socket_and_log_each_in_the_runtime_dir(private_ru
         assert spec.log == private_runtime_dir / f"{spec.name}.sock.log"
 
 
-def test_several_devices_refuse_one_socket(private_runtime_dir, monkeypatch):
+def test_several_devices_refuse_one_socket(
+    private_runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(DeviceListError, match="a socket each"):
         child_specs([0, 1], "/tmp/one.sock", [])
     monkeypatch.setenv("DALID_SOCKET", "/tmp/one.sock")
@@ -92,12 +99,12 @@ def test_several_devices_refuse_one_socket(private_runtime_dir, monkeypatch):
         child_specs([0, 1], None, [])
 
 
-def test_restart_delay_doubles_up_to_its_limit():
+def test_restart_delay_doubles_up_to_its_limit() -> None:
     policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0, jitter=0.0)
     assert [policy.delay(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
-def test_restart_delays_have_a_random_part_and_never_pass_the_cap():
+def test_restart_delays_have_a_random_part_and_never_pass_the_cap() -> None:
     policy = RestartPolicy(first_delay_s=0.5, max_delay_s=3.0, jitter=0.25)
     rng = random.Random(7)
     for crashes, ceiling in ((1, 0.5), (3, 2.0), (9, 3.0)):
@@ -106,7 +113,7 @@ def test_restart_delays_have_a_random_part_and_never_pass_the_cap():
         assert len(set(delays)) == len(delays)  # daemons crashing together restart apart
 
 
-def test_exit_status_of_a_killed_child():
+def test_exit_status_of_a_killed_child() -> None:
     assert exit_status(-signal.SIGKILL) == 137
     assert exit_status(1) == 1
 
@@ -129,7 +136,9 @@ def _crashing(count_file: Path, crashes: int, then: str = "") -> tuple[str, ...]
     )
 
 
-def test_a_child_that_keeps_crashing_is_never_given_up(tmp_path, caplog):
+def test_a_child_that_keeps_crashing_is_never_given_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # Twice as many fast crashes in a row as the supervisor used to give up after.
     supervisor = Supervisor([ChildSpec("crash", _crashing(tmp_path / "n", 12))], QUICK)
     with caplog.at_level(logging.INFO, logger="dalid.supervisor"):
@@ -146,7 +155,9 @@ def test_a_child_that_keeps_crashing_is_never_given_up(tmp_path, caplog):
     assert "run 12: out of memory" in loops[-1] and "run 12 starting" in loops[-1]
 
 
-def test_a_crash_loop_is_reported_beside_the_socket_until_the_daemon_runs(tmp_path, capfd):
+def test_a_crash_loop_is_reported_beside_the_socket_until_the_daemon_runs(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     socket = tmp_path / "d.sock"
     report = crash_report.path_for(socket)
     # The fifth run copies the report it finds, then runs long enough to count as started.
@@ -172,7 +183,7 @@ def test_a_crash_loop_is_reported_beside_the_socket_until_the_daemon_runs(tmp_pa
     assert "run 4: out of memory" in err
 
 
-def test_a_child_killed_by_a_signal_is_restarted(tmp_path):
+def test_a_child_killed_by_a_signal_is_restarted(tmp_path: Path) -> None:
     # The first run kills itself; the second finds its mark and stops cleanly.
     mark = tmp_path / "ran"
     code = (
@@ -188,13 +199,13 @@ def test_a_child_killed_by_a_signal_is_restarted(tmp_path):
 
 
 @pytest.mark.parametrize("status", [2, 3, 4])
-def test_a_child_that_cannot_start_is_not_restarted(status):
+def test_a_child_that_cannot_start_is_not_restarted(status: int) -> None:
     supervisor = Supervisor([ChildSpec("no", _python(f"raise SystemExit({status})"))], QUICK)
     assert supervisor.run() == status
     assert len(supervisor.children[0].pids) == 1
 
 
-def test_the_supervisor_exits_once_every_child_stopped_cleanly(tmp_path: Path):
+def test_the_supervisor_exits_once_every_child_stopped_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "b.log"
     specs = [
         ChildSpec("a", _python("pass")),
@@ -206,12 +217,12 @@ def test_the_supervisor_exits_once_every_child_stopped_cleanly(tmp_path: Path):
     assert log.read_text() == "hello from b\n"
 
 
-def test_nothing_to_supervise_is_an_error():
+def test_nothing_to_supervise_is_an_error() -> None:
     with pytest.raises(ValueError, match="nothing to supervise"):
         Supervisor([])
 
 
-def test_serve_devices_all_without_a_gpu_is_a_clear_error():
+def test_serve_devices_all_without_a_gpu_is_a_clear_error() -> None:
     from dalid.protocol import gpu_count
 
     try:
@@ -228,7 +239,7 @@ def test_serve_devices_all_without_a_gpu_is_a_clear_error():
     assert "--devices cpu" in result.stderr
 
 
-def test_a_child_starts_with_sighup_ignored_until_it_handles_it(tmp_path: Path):
+def test_a_child_starts_with_sighup_ignored_until_it_handles_it(tmp_path: Path) -> None:
     # SIGHUP's default would end a daemon still starting; ignored, it waits for the handler.
     log = tmp_path / "child.log"
     code = "import signal\nprint(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)"

@@ -291,7 +291,7 @@ def test_a_refused_call_leaves_the_batch_unchanged() -> None:
 def _recording_proxy(**kwargs: Any) -> tuple[Proxy, list[DALIPipelineRunRef]]:
     proxy = Proxy(_target(**kwargs))
     submitted: list[DALIPipelineRunRef] = []
-    proxy._submit = submitted.append  # type: ignore[method-assign]
+    proxy._submit = submitted.append  # type: ignore[method-assign,assignment]
     return proxy, submitted
 
 
