@@ -1,6 +1,6 @@
 """A real daemon against a flooding client (tests/integration/flooder.py, its own process).
 
-Each test measures what the issue of a flood is about: the daemon's private memory (RssAnon;
+Each test measures what a flood threatens: the daemon's private memory (RssAnon;
 outputs live in /dev/shm under --memory-limit), the progress of a steady job beside the flood,
 how soon a new hello is welcomed, and how soon SIGTERM stops the daemon. The bounds are the
 behaviour promised in docs/security.md; the machine is a loaded 2-core one, so the throughput

@@ -78,7 +78,7 @@ def test_dalid_status_and_stop_ask_only_the_users_daemon(short_tmp: Path) -> Non
 def test_a_runtime_directory_planted_as_a_link_stops_the_trainer_before_it_connects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The issue's attack at its start: another user links the default runtime directory's
+    """The attack from its start: another user links the default runtime directory's
     name, in a shared sticky directory, to a private directory of the victim's, where the
     victim's daemon really runs; the trainer refuses the runtime directory outright."""
     shared = tmp_path / "shared"
@@ -164,7 +164,7 @@ def _pipeline_file(path: Path, mark: Path, name: str, mode: int) -> None:
 def test_a_daemon_does_not_run_a_repository_others_can_write(
     short_tmp: Path, tmp_path: Path
 ) -> None:
-    """The issue's case: a 0666 file in a 0777 directory ran with the daemon's rights."""
+    """The case that once ran: a 0666 file in a 0777 directory ran with the daemon's rights."""
     repository = tmp_path / "pipelines"
     repository.mkdir()
     repository.chmod(0o777)

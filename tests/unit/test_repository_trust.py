@@ -71,7 +71,7 @@ def test_a_file_others_can_write_is_refused_and_never_runs(
 def test_a_directory_others_can_write_is_refused_whole(
     repository: Path, marks: Path, mode: int
 ) -> None:
-    # The case: a 0666 file in a 0777 directory ran with the daemon's rights.
+    # The case that once ran: a 0666 file in a 0777 directory ran with the daemon's rights.
     _write(repository, marks, "a.py", "train", 0o666)
     repository.chmod(mode)
     with pytest.raises(UnsafePath, match=rf"pipeline repository {repository} can be written"):
