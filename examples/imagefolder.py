@@ -3,8 +3,9 @@
 ``ImageFolder`` reads the ``root/<class>/<image>`` layout as ``torchvision.datasets.ImageFolder``
 does (classes sorted, ``class_to_idx``, ``samples``, ``targets``, ``transform``), but hands the
 transform the file path instead of a decoded image: with dalid, reading and decoding happen in
-the daemon. (The torchvision wheel on PyPI is built against CUDA torch and does not load with
-the CPU build of torch, so the layout reader is written here rather than imported.)
+the daemon. (The torchvision wheel that ``pip install torchvision`` fetches is built against
+CUDA torch and does not load with the CPU build of torch, so the layout reader is written here
+rather than imported.)
 """
 
 from __future__ import annotations
