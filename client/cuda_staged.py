@@ -312,7 +312,8 @@ class StagedOutputs:
     def _unmap(self, slab: _Slab) -> None:
         if slab.bytes is None:
             return
-        here = slabs.mapped_here(slab.map)  # not in a forked child (Note [Slab mappings ...])
+        # Not in a forked child: Note [Slab mappings across fork].
+        here = slabs.mapped_here(slab.map)
         if here and slab.pinned and self._device is not None:
             self._device.unpin(slab.bytes.ctypes.data)
         slab.bytes = None
