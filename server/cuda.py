@@ -302,23 +302,12 @@ class CudaBackend:
         self._api.destroy_stream(self.stream)
 
 
-class CudaStore:
-    """A job's GPU outputs: regions of its :class:`CudaBackend`'s slabs, written on its stream
-    and released after the trainer's fences (Note [GPU output lifetime])."""
+class GpuOutputStore:
+    """What the stores of DALI's GPU outputs share, whatever memory they write into (device
+    memory here, pinned shared memory in ``cuda_staged.py``): they take GPU outputs, and copy
+    them on the job's stream, the :class:`CudaBackend`'s, after the pipeline's work."""
 
-    device = "cuda"
-    takes = "cuda"
-    peer_ordered = True
-
-    def __init__(
-        self, name_prefix: str, limits: Limits, ids: Iterator[int], backend: CudaBackend
-    ) -> None:
-        self.backend = backend
-        # What another store of the job's GPU outputs needs to take this one's place.
-        self.name_prefix, self.limits, self.ids = name_prefix, limits, ids
-        self.pool = RegionPool(
-            backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
-        )
+    backend: CudaBackend
 
     @property
     def stream(self) -> int | None:
@@ -337,6 +326,25 @@ class CudaStore:
         if source_stream != self.backend.stream:
             # A shared pipeline's outputs are ready on its own stream: ours waits for them.
             self.backend.follow(source_stream)
+
+
+class CudaStore(GpuOutputStore):
+    """A job's GPU outputs: regions of its :class:`CudaBackend`'s slabs, written on its stream
+    and released after the trainer's fences (Note [GPU output lifetime])."""
+
+    device = "cuda"
+    takes = "cuda"
+    peer_ordered = True
+
+    def __init__(
+        self, name_prefix: str, limits: Limits, ids: Iterator[int], backend: CudaBackend
+    ) -> None:
+        self.backend = backend
+        # What another store of the job's GPU outputs needs to take this one's place.
+        self.name_prefix, self.limits, self.ids = name_prefix, limits, ids
+        self.pool = RegionPool(
+            backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
+        )
 
     def write(self, region: Region, output: RunOutput, rows: range) -> None:
         dense = output.dense()

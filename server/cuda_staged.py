@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 
 from . import cuda_api
-from .cuda import CudaBackend, CudaStore
+from .cuda import CudaBackend, CudaStore, GpuOutputStore
 from .cuda_api import DeviceApi
 from .errors import RequestRefused
 from .outputs import ReleaseRefused, RunOutput
@@ -106,7 +106,7 @@ class PinnedSlabs:
         return PinnedSlab(name, size, self._backend.api, self._backend.stream)
 
 
-class StagedStore:
+class StagedStore(GpuOutputStore):
     """A job's GPU outputs staged in page-locked shared memory for a trainer that uploads them
     (Note [Staged GPU outputs]). Its :class:`CudaBackend` gives it the job's stream."""
 
@@ -131,22 +131,6 @@ class StagedStore:
         """The store to put in the place of a job's CUDA IPC ``store``, which made no slab."""
         # Its backend (the job's stream on the daemon's GPU) is this store's from now on.
         return cls(store.name_prefix, store.limits, store.ids, store.backend)
-
-    @property
-    def stream(self) -> int | None:
-        return self.backend.stream
-
-    def holds(self, output: Any) -> bool:
-        return type(output).__name__ == "TensorListGPU"
-
-    def prepare(self, others: bool, source_stream: int | None) -> None:
-        # As CudaStore.prepare: the copies queue after the pipeline's work.
-        if source_stream is None:
-            return
-        if others:
-            self.backend.synchronize(source_stream)
-        if source_stream != self.backend.stream:
-            self.backend.follow(source_stream)
 
     def write(self, region: Region, output: RunOutput, rows: range) -> None:
         api, stream = self.backend.api, self.backend.stream
