@@ -40,6 +40,7 @@ from dalid.protocol import (
 from . import cuda_device
 from .copies import copied_tensor
 from .errors import DeviceMismatch, RequestError
+from .shm import map_daemon_slab
 
 if TYPE_CHECKING:
     from .link import Link
@@ -253,20 +254,8 @@ class StagedOutputs:
         return slab
 
     def _map(self, name: str, size: int) -> _Slab:
-        # As SharedMemoryOutputs maps a slab (client/shm.py): a dalid name, this user's file.
-        if not slabs.is_slab_name(name):
-            raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
-        fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            info = os.fstat(fd)
-            if info.st_uid != os.getuid():
-                raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
-            if info.st_size < size:
-                raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
-            # DataLoader workers forked later get neither the mapping nor a way to unmap it.
-            shared = slabs.map_slab(fd, size)
-        finally:
-            os.close(fd)
+        # By the same rules as CPU outputs' slabs: a dalid name, this user's file.
+        shared = map_daemon_slab(name, size)
         array = np.frombuffer(shared, dtype=np.uint8)
         pinned = self.device.pin(array.ctypes.data, size)
         if not pinned:

@@ -23,6 +23,24 @@ from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 from .copies import copied_tensor
 
 
+def map_daemon_slab(name: str, size: int) -> mmap.mmap:
+    """Maps the daemon's shared-memory slab ``name`` of ``size`` bytes, refusing anything that is
+    not a dalid slab of this user's (the daemon runs as this user: its socket is checked)."""
+    if not slabs.is_slab_name(name):
+        raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
+    fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
+        if info.st_size < size:
+            raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
+        # DataLoader workers forked later get neither the mapping nor a way to unmap it.
+        return slabs.map_slab(fd, size)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class _Mapping:
     map: mmap.mmap
@@ -130,20 +148,7 @@ class SharedMemoryOutputs:
     def _mapping(self, name: str, size: int) -> _Mapping:
         mapping = self._mappings.get(name)
         if mapping is None:
-            if not slabs.is_slab_name(name):
-                raise ValueError(f"refusing to map {name!r}: not a dalid slab name")
-            fd = os.open(slabs.SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                info = os.fstat(fd)
-                if info.st_uid != os.getuid():
-                    # The daemon runs as this user (its socket is checked); this is not its.
-                    raise ValueError(f"refusing to map {name}: it belongs to uid {info.st_uid}")
-                if info.st_size < size:
-                    raise ValueError(f"slab {name} is smaller than the daemon says ({size})")
-                # DataLoader workers forked later get neither the mapping nor a way to unmap it.
-                shared = slabs.map_slab(fd, size)
-            finally:
-                os.close(fd)
+            shared = map_daemon_slab(name, size)
             mapping = _Mapping(shared, np.frombuffer(shared, dtype=np.uint8))
             self._mappings[name] = mapping
             self.opened += 1
