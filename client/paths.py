@@ -2,7 +2,8 @@
 
 With DALI's proxy the pipeline runs in the trainer, so ``fn.io.file.read`` opens a relative
 path from the trainer's working directory. The daemon runs elsewhere, so before a batch leaves
-this process every path sample of an input that feeds ``fn.io.file.read`` is made absolute from
+this process every path sample of an input that feeds ``fn.io.file.read`` (which inputs those
+are: ``dalid.protocol.file_inputs``, as the daemon decides it) is made absolute from
 the trainer's working directory (its directory when the proxy was made, carried to the
 DataLoader workers in the pickled proxy), and the samples whose file this process cannot read
 are named in the submission (``SubmitBatch.unreadable``). The daemon then tells a missing file
@@ -13,31 +14,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
-# The operator that reads files named by its input (fn.io.file.read).
-FILE_READER = "io__file__Read"
 # The dtypes DALI's file reader takes a path in.
 PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
-
-
-def path_inputs(pipeline: Any) -> tuple[str, ...]:
-    """The external_source names whose samples are file paths: those feeding
-    ``fn.io.file.read`` directly. (The daemon reads its repository's pipelines the same way.)"""
-    from nvidia.dali.external_source import ExternalSource
-
-    ops = pipeline._ops or ()
-    sources = {op.name for op in ops if isinstance(op._op, ExternalSource)}
-    fed = {
-        node.source.name
-        for op in ops
-        if getattr(op._op, "schema_name", "") == FILE_READER
-        for node in op.inputs
-        if node.source is not None
-    }
-    return tuple(name for name in (op.name for op in ops) if name in sources & fed)
 
 
 def resolve_paths(

@@ -12,10 +12,10 @@ import dataclasses
 from typing import Any
 
 from dalid.protocol import Device, OnError, RegisterNamedPipeline, RegisterPipeline
+from dalid.protocol.file_inputs import path_inputs
 
 from .errors import InputError
 from .named import RepositoryPipeline
-from .paths import path_inputs
 
 
 def _graph(pipeline: Any) -> Any:

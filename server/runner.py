@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dalid.protocol import ErrorCode, InputBatch, OnError, RegisterPipeline
+from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from .sharing import read_graph
@@ -282,24 +283,3 @@ def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
             ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} cannot be served: {'; '.join(problems)}"
         )
     return names, num_outputs
-
-
-# The operator that reads files named by its input; an external_source feeding it gives paths.
-FILE_READER = "io__file__Read"
-
-
-def path_inputs(pipeline: Any) -> tuple[str, ...]:
-    """The external_source names of a pipeline whose samples are file paths: those that feed
-    ``fn.io.file.read`` directly. (The client reads its pipelines the same way.)"""
-    from nvidia.dali.external_source import ExternalSource
-
-    ops = pipeline._ops or ()
-    sources = {op.name for op in ops if isinstance(op._op, ExternalSource)}
-    fed = {
-        node.source.name
-        for op in ops
-        if getattr(op._op, "schema_name", "") == FILE_READER
-        for node in op.inputs
-        if node.source is not None
-    }
-    return tuple(name for name in (op.name for op in ops) if name in sources & fed)

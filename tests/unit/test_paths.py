@@ -10,8 +10,8 @@ import pytest
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
-from dalid.client.paths import path_inputs, resolve_paths
-from dalid.server import runner
+from dalid.client.paths import resolve_paths
+from dalid.protocol.file_inputs import path_inputs
 from dalid.server.paths import FilesUnseen, check_paths, first_missing
 
 from ..dali_typing import pipeline_def
@@ -34,11 +34,10 @@ def _two_kinds() -> tuple[DataNode, DataNode, DataNode]:
     return images, other, fn.io.file.read(more)  # type: ignore[attr-defined]
 
 
-def test_inputs_that_feed_the_file_reader_are_paths_on_both_sides() -> None:
+def test_inputs_that_feed_the_file_reader_are_paths() -> None:
     pipe = _two_kinds()
     pipe._build_graph()
     assert path_inputs(pipe) == ("paths", "more_paths")
-    assert runner.path_inputs(pipe) == ("paths", "more_paths")
 
 
 def test_relative_paths_are_made_absolute_from_the_given_directory(tmp_path: Path) -> None:
