@@ -24,6 +24,7 @@ from .daemons import (
     OWN_DIRECTORIES,
     STARTED_PIDS,
     DaemonProcess,
+    alive,
     own_directory,
     start_daemon,
 )
@@ -64,14 +65,6 @@ def _own_runtime(pid: str) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="session", autouse=True)
 def private_runtime_dir() -> Iterator[Path]:
     path = own_directory("dalid-rt-")
@@ -87,7 +80,7 @@ def private_runtime_dir() -> Iterator[Path]:
     leaked_segments = {
         name
         for name, pid in _dalid_segments().items()
-        if name not in segments_before and (not _alive(pid) or pid in leaked_daemons)
+        if name not in segments_before and (not alive(pid) or pid in leaked_daemons)
     }
     for name in leaked_segments:
         (slabs.SHM_DIR / name).unlink(missing_ok=True)

@@ -7,6 +7,7 @@ supervisor, and the daemon is its child (``daemon_pid``), restarted when it cras
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -245,3 +246,12 @@ def kill_leftovers(jobs: Iterable[subprocess.Popen[str]]) -> None:
         if job.poll() is None:
             job.kill()
             job.communicate()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is still there (a zombie not yet reaped counts: tests reap their own)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -16,7 +16,14 @@ import pytest
 import dalid.client as dalid
 from dalid.protocol import socket_path
 
-from ..daemons import kill_leftovers, start_daemon, start_job, wait_for, wait_until_answering
+from ..daemons import (
+    alive,
+    kill_leftovers,
+    start_daemon,
+    start_job,
+    wait_for,
+    wait_until_answering,
+)
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 
@@ -162,7 +169,7 @@ def test_autostart_then_dalid_stop(
     )
     assert stop.returncode == 0, stop.stderr
     assert stop.stdout.startswith(f"stopped the dalid cpu daemon pid {pid} on ipc://{path}")
-    wait_for(lambda: not _alive(pid), 10.0, "the autostarted daemon to exit")
+    wait_for(lambda: not alive(pid), 10.0, "the autostarted daemon to exit")
     # Of this daemon, only the log, which says what it did, stays behind (the directory is
     # the whole test session's; the next test checks an empty one).
     left = {p.name for p in private_runtime_dir.iterdir() if p.name.startswith("cpu.sock")}
@@ -217,14 +224,6 @@ def test_version() -> None:
     assert done.stdout.strip() == (
         f"dalid {metadata.version('dalid')}, protocol version {PROTOCOL_VERSION}"
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_idle_timeout_ends_an_unused_daemon(short_tmp: Path) -> None:

@@ -19,16 +19,8 @@ from dalid.protocol import slabs
 from dalid.server import crash_report
 from dalid.server.lifeline import ORPHAN_GRACE_S
 
-from ..daemons import ROOT, descendants, ping_pid, start_daemon, wait_for
+from ..daemons import ROOT, alive, descendants, ping_pid, start_daemon, wait_for
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _children(pid: int) -> list[int]:
@@ -37,7 +29,7 @@ def _children(pid: int) -> list[int]:
 
 def _kill(pid: int) -> None:
     """Kills a daemon left behind by a test that failed (it is no longer the test's child)."""
-    if pid and _alive(pid):
+    if pid and alive(pid):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -137,7 +129,7 @@ def test_a_killed_supervisor_takes_its_daemon_with_it(short_tmp: Path) -> None:
             assert daemon.segments()
             os.kill(daemon.pid, signal.SIGKILL)
             daemon.process.wait()
-            wait_for(lambda: not _alive(child), 15, "the daemon to exit with its supervisor")
+            wait_for(lambda: not alive(child), 15, "the daemon to exit with its supervisor")
             # It stopped as on SIGTERM: nothing of it is left to block a new supervisor.
             assert not daemon.socket.exists()
             assert not daemon.segments()
@@ -165,7 +157,7 @@ def test_a_stuck_daemon_exits_when_its_supervisor_is_killed(short_tmp: Path) -> 
         os.kill(supervisor.pid, signal.SIGKILL)
         killed = time.monotonic()
         supervisor.wait()
-        wait_for(lambda: not _alive(child), ORPHAN_GRACE_S + 15, "the stuck daemon to exit")
+        wait_for(lambda: not alive(child), ORPHAN_GRACE_S + 15, "the stuck daemon to exit")
         # Not by the SIGTERM (which it ignored) but once its grace had passed. (Its log went to
         # the supervisor's pipe, gone with it.)
         assert time.monotonic() - killed >= ORPHAN_GRACE_S - 0.5
@@ -197,7 +189,7 @@ def test_a_daemon_stuck_loading_its_repository_exits_when_its_supervisor_is_kill
         os.kill(supervisor.pid, signal.SIGKILL)
         killed = time.monotonic()
         supervisor.wait()
-        wait_for(lambda: not _alive(child), ORPHAN_GRACE_S + 15, "the stuck daemon to exit")
+        wait_for(lambda: not alive(child), ORPHAN_GRACE_S + 15, "the stuck daemon to exit")
         assert time.monotonic() - killed >= ORPHAN_GRACE_S - 0.5  # its grace, not SIGTERM
     finally:
         _end(supervisor)
