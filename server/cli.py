@@ -29,6 +29,7 @@ from dalid.protocol import (
     socket_path,
 )
 
+from .allocator import limit_malloc_arenas
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
 from .daemon import Daemon, DaemonConfig, usable_cores
@@ -233,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
         if config is None:
             return _supervise(args, settings)
+        # Before the daemon makes any thread: arenas once made are kept.
+        limit_malloc_arenas(settings["malloc_arenas"])
         daemon = Daemon(config)
         # A child of `dalid serve` ends with its supervisor, stuck or not.
         watch_supervisor(daemon.request_stop, daemon.abandon)

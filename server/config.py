@@ -25,6 +25,7 @@ from typing import Any
 
 from dalid.protocol import parse_device
 
+from .allocator import DEFAULT_ARENAS
 from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 
 CONFIG_ENV = "DALID_CONFIG"
@@ -292,6 +293,14 @@ OPTIONS: tuple[Option, ...] = (
         "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
         "N",
         default_text="the CPU cores the daemon may use",
+    ),
+    Option(
+        "malloc_arenas",
+        parse_count,
+        DEFAULT_ARENAS,
+        "glibc malloc arenas of the daemon, 0 for glibc's default (one per thread, up to 8 a "
+        "core): fewer keep less freed memory of DALI's runs resident (allocator.py)",
+        "N",
     ),
     Option(
         "gpu_outputs",
