@@ -29,11 +29,11 @@ from dalid.protocol import (
     socket_path,
 )
 
-from .allocator import limit_malloc_arenas
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
 from .daemon import Daemon, DaemonConfig, usable_cores
 from .devices import DeviceListError, child_specs, parse_devices
+from .heap import limit_malloc_arenas
 from .lifeline import watch_supervisor
 from .pipelines import Sharing
 from .quotas import Quotas

@@ -25,7 +25,7 @@ from typing import Any
 
 from dalid.protocol import parse_device
 
-from .allocator import DEFAULT_ARENAS
+from .heap import DEFAULT_ARENAS
 from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
 
 CONFIG_ENV = "DALID_CONFIG"
@@ -299,7 +299,7 @@ OPTIONS: tuple[Option, ...] = (
         parse_count,
         DEFAULT_ARENAS,
         "glibc malloc arenas of the daemon, 0 for glibc's default (one per thread, up to 8 a "
-        "core): fewer keep less freed memory of DALI's runs resident (allocator.py)",
+        "core): fewer keep less freed memory of DALI's runs resident (heap.py)",
         "N",
     ),
     Option(

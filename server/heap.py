@@ -1,10 +1,23 @@
-"""Giving memory the daemon freed back to the system.
+"""The daemon's C heap: how many arenas glibc may make, and giving freed memory back.
 
 glibc's allocator keeps what a program frees for its next allocations, per thread arena, and
 raises its threshold for mapping large blocks apart once such a block is freed: after a client
 has sent many large messages, the freed frames stay in the daemon's heap. The daemon asks glibc
 to return them once a job ends (``malloc_trim``), so that memory a job's traffic took goes back
-when the job does. Elsewhere than glibc this does nothing.
+when the job does.
+
+Arenas: glibc gives each new thread that allocates an arena of its own (up to 8 per core), and
+memory freed into an arena stays there for that arena's next allocations. DALI's executor and
+thread pool allocate a run's buffers in some threads and free them in others, so each arena
+ends up holding its own high-water mark of freed buffers: the daemon's resident memory grows
+with its threads, not with what its pipelines hold. Measured on the CPU bench pipeline
+(decode, random-resized crop, normalize; 128 samples a run, 2 DALI threads): peak RSS 531 MiB
+with glibc's default, 497 with 4 arenas, 460 with 2 and 416 with 1, at the same throughput
+(small allocations go through each thread's tcache, which takes no lock). The limit
+(``mallopt(M_ARENA_MAX)``) is set before the daemon makes any thread, since arenas once made
+are kept.
+
+Elsewhere than glibc (musl has no arenas) all of this does nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +29,29 @@ import logging
 
 log = logging.getLogger("dalid.server")
 
+M_ARENA_MAX = -8  # glibc's malloc.h
+DEFAULT_ARENAS = 1
+
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    libc = _libc()
+    try:
+        trim = libc.malloc_trim if libc is not None else None
+    except AttributeError:
+        return None
+    if trim is None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
@@ -36,3 +63,22 @@ def give_back_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Caps glibc's malloc arenas at ``arenas`` (0: leave glibc's default); whether it did."""
+    if arenas <= 0:
+        return False
+    libc = _libc()
+    try:
+        mallopt = libc.mallopt if libc is not None else None
+    except AttributeError:
+        return False  # not glibc
+    if mallopt is None:
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    if mallopt(M_ARENA_MAX, arenas) != 1:
+        log.warning("could not limit malloc arenas to %d; memory use may grow with threads", arenas)
+        return False
+    return True
