@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .weights import PREFETCH, by_weight
+from .weights import PASSES, PREFETCH, by_weight
 
 # The augmentation every contender performs: decode, random resized crop to CROP x CROP with
 # torchvision's default area and aspect-ratio ranges, random horizontal flip, then normalize
@@ -75,9 +75,10 @@ class Settings:
     @property
     def job_passes(self) -> int:
         """How many times one epoch of this trainer goes over the images: among jobs of
-        different weights, as many times more as its weight is heavier than the lightest's, so
-        that at their shares the jobs end their epochs together (``bench.weights``); else 1."""
-        return by_weight(1, self.job_weight, self.weights) if self.weights else 1
+        different weights, ``weights.PASSES`` for the lightest and as many times more as its
+        weight is heavier, so that at their shares the jobs end their epochs together
+        (``bench.weights``); else 1."""
+        return by_weight(PASSES, self.job_weight, self.weights) if self.weights else 1
 
     @property
     def job_prefetch(self) -> int | None:

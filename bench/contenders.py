@@ -325,8 +325,8 @@ CONTENDERS: dict[str, Contender] = {
             WEIGHTS,
             "dalid (shared), weights 1 and 3",
             "two dalid jobs of weights 1 and 3 sharing one pipeline in the daemon (the "
-            "default), both kept busy: an epoch of the heavier goes over the images three "
-            "times, its workers keep three times the batches in flight",
+            "default), both kept busy: an epoch goes over the images twice, the heavier's six "
+            "times, whose workers keep three times the batches in flight",
             dalid_client,
             needs_daemon=True,
             configure=_weighted,

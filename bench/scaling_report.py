@@ -205,9 +205,9 @@ def weighted_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "Weights: two jobs through one dalid daemon, sharing one pipeline in it, of weights "
         + " and ".join(f"{w:g}" for w in rows[0]["weighted"]["weights"])
-        + "; both started together, the heavier iterating as many times the epochs and its "
-        "DataLoader workers keeping as many times the batches in flight, so that both keep the "
-        "daemon busy.",
+        + "; both started together, an epoch of the heavier going over the images as many "
+        "times more and its DataLoader workers keeping as many times the batches in flight, "
+        "so that both keep the daemon busy to the end.",
         "",
         "| contender | samples/s, all jobs | samples/s per job, by weight | heavy / light "
         "| off the weights' ratio | batches queued per job (median) | readings with a batch "

@@ -1,10 +1,11 @@
 """The weighted run: two jobs of weights 1 and 3 sharing one pipeline in the daemon.
 
-Both jobs start together and keep the daemon busy. An epoch of the heavier job goes over the
-images as many times as its weight is heavier (``by_weight``), so that at their shares both
-jobs end their epochs together, neither running out of work while the other still iterates;
-between epochs a DataLoader drains (no batch in flight until the next epoch's first ones), and
-drains of one job only would hand its share to the other. Its DataLoader workers keep as many
+Both jobs start together and keep the daemon busy. Between epochs a DataLoader drains (no
+batch in flight until the next epoch's first ones), and while one job drains the other gets
+the daemon's time. So an epoch of the lightest job goes over the images ``PASSES`` times, to
+make fewer epoch ends, and an epoch of the heavier job as many times more as its weight is
+heavier (``by_weight``), so that at their shares both jobs end their epochs together, neither
+running out of work while the other still iterates. Its DataLoader workers keep as many
 more batches in flight, so that it keeps batches queued in the daemon though they come back
 three times as fast. Each job's samples/s is counted over the window in which both are past
 their warm-up and neither has finished (the common window); the heavy job's rate over the
@@ -27,6 +28,7 @@ JOB_WEIGHTS = (1.0, 3.0)  # the weights of its jobs, job 0 first
 TOLERANCE = 0.10  # how far the heavy job's rate over the light job's may be from the weights'
 QUEUE_INTERVAL_S = 0.25  # how often the orchestrator reads the jobs' queues
 PREFETCH = 2  # batches in flight per DataLoader worker of the lightest job (torch's default)
+PASSES = 2  # times an epoch of the lightest job goes over the images
 
 
 def by_weight(count: int, weight: float, weights: Sequence[float]) -> int:

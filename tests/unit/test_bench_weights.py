@@ -35,10 +35,11 @@ def test_heavier_jobs_get_as_many_more_as_they_weigh() -> None:
 def test_each_trainer_gets_its_weight_its_epochs_and_its_batches_in_flight() -> None:
     settings = Settings(images=512, batch_size=32, workers=2, weights=JOB_WEIGHTS)
     light, heavy = settings.with_(job=0), settings.with_(job=1)
-    assert (light.job_weight, light.job_passes, light.job_prefetch) == (1.0, 1, 2)
-    assert (heavy.job_weight, heavy.job_passes, heavy.job_prefetch) == (3.0, 3, 6)
-    # An epoch of the heavy job is three of the light job's: at 3:1 they end together.
-    assert (light.batches_per_epoch, heavy.batches_per_epoch) == (16, 48)
+    assert (light.job_weight, light.job_passes, light.job_prefetch) == (1.0, 2, 2)
+    assert (heavy.job_weight, heavy.job_passes, heavy.job_prefetch) == (3.0, 6, 6)
+    # An epoch of the heavy job is three of the light job's: at 3:1 they end together. The
+    # light job's goes over the images twice: half as many epoch ends as one pass would make.
+    assert (light.batches_per_epoch, heavy.batches_per_epoch) == (32, 96)
     assert light.epochs == heavy.epochs == 5
     # Without weights every job weighs 1, goes over the images once, prefetches as torch does.
     plain = Settings(images=512, batch_size=32).with_(job=3)
