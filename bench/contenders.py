@@ -147,7 +147,7 @@ def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
 
 class PathDataset(Dataset[tuple[Any, int]]):
     """Yields ``(proxy(path bytes), label)``: the pipeline reads and decodes the file. With
-    ``passes``, every image ``passes`` times per epoch (the heavier jobs of the weighted run)."""
+    ``passes``, every image ``passes`` times per epoch (the jobs of the weighted run)."""
 
     def __init__(self, proxy: Any, root: str, passes: int = 1) -> None:
         folder = read_imagefolder(root)
