@@ -21,6 +21,7 @@ from .report import RESULTS_DIR, markdown, write
 from .runner import Outcome, run_once
 from .scaling import SCALED, SCALING, add_scaling_runs, parse_job_counts
 from .summary import row_label, run_metrics, summarize
+from .weights import JOB_WEIGHTS, WEIGHTS
 
 KINDS = [*CONTENDERS, "transport", SCALING]
 REDO_DISTURBED = 2  # with --wait-idle, times a run that other processes disturbed is redone
@@ -130,7 +131,8 @@ def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], S
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
     scaled = [kind for kind in SCALED if kind in settings.scaled]
-    runs = [(kind, 1) for kind in kinds if kind != SCALING]
+    # The weighted run is its jobs together; any other contender runs one job, then --jobs.
+    runs = [(kind, len(JOB_WEIGHTS) if kind == WEIGHTS else 1) for kind in kinds if kind != SCALING]
     if settings.jobs > 1:
         runs += [(kind, settings.jobs) for kind in scaled if kind in kinds]
     if SCALING not in kinds:

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .weights import PASSES, PREFETCH, by_weight
+
 # The augmentation every contender performs: decode, random resized crop to CROP x CROP with
 # torchvision's default area and aspect-ratio ranges, random horizontal flip, then normalize
 # with ImageNet's mean and std (on the 0-255 scale) into float CHW.
@@ -51,6 +53,8 @@ class Settings:
     qa_hw_decoder_load: float = 0.12
     # The contenders of the scaling runs (scaling.SCALED: all three).
     scaled: tuple[str, ...] = ("dali", "dalid", "dalid-private")
+    # The weight of each job of a run, job 0 first (the weighted run's); (): every job weighs 1.
+    weights: tuple[float, ...] = ()
     gpu: bool = False
     quick: bool = False
     # Filled in per trainer by the orchestrator.
@@ -61,7 +65,30 @@ class Settings:
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.images // self.batch_size
+        return self.images * self.job_passes // self.batch_size
+
+    @property
+    def job_weight(self) -> float:
+        """The weight this trainer's job connects with."""
+        return self.weights[self.job] if self.weights else 1.0
+
+    @property
+    def job_passes(self) -> int:
+        """How many times one epoch of this trainer goes over the images: among jobs of
+        different weights, ``weights.PASSES`` for the lightest and as many times more as its
+        weight is heavier, so that at their shares the jobs end their epochs together
+        (``bench.weights``); else 1."""
+        return by_weight(PASSES, self.job_weight, self.weights) if self.weights else 1
+
+    @property
+    def job_prefetch(self) -> int | None:
+        """Batches each DataLoader worker of this trainer keeps in flight: among jobs of
+        different weights, as many more as its weight is heavier (a job served three times as
+        fast needs three times the batches in flight to keep as many queued in the daemon);
+        None otherwise (the DataLoader's default)."""
+        if not self.weights or self.workers == 0:
+            return None
+        return by_weight(PREFETCH, self.job_weight, self.weights)
 
     @property
     def device(self) -> str:
@@ -86,7 +113,8 @@ class Settings:
     @classmethod
     def from_json(cls, text: str) -> Settings:
         data = json.loads(text)
-        tuples = {name: tuple(data[name]) for name in ("scaling_jobs", "scaled") if name in data}
+        names = ("scaling_jobs", "scaled", "weights")
+        tuples = {name: tuple(data[name]) for name in names if name in data}
         return cls(**{**data, **tuples})
 
     def describe(self) -> dict[str, Any]:

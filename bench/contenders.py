@@ -31,10 +31,13 @@ from torch.utils.data import DataLoader, Dataset
 from .config import AREA, CROP, MEAN, RATIO, STD, Settings
 from .dataset import read_imagefolder
 from .measure import EpochFactory
+from .weights import JOB_WEIGHTS, WEIGHTS
 
 
 def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -> Any:
-    """A DataLoader (``make``: torch's, DALI's or dalid's) with the shared settings."""
+    """A DataLoader (``make``: torch's, DALI's or dalid's) with the shared settings; in the
+    weighted run, each job's workers keep batches in flight by its weight."""
+    prefetch = settings.job_prefetch
     return make(
         dataset,
         batch_size=settings.batch_size,
@@ -42,6 +45,7 @@ def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -
         shuffle=True,
         drop_last=True,
         persistent_workers=settings.workers > 0,
+        **({"prefetch_factor": prefetch} if prefetch is not None else {}),
     )
 
 
@@ -142,13 +146,15 @@ def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
 
 
 class PathDataset(Dataset[tuple[Any, int]]):
-    """Yields ``(proxy(path bytes), label)``: the pipeline reads and decodes the file."""
+    """Yields ``(proxy(path bytes), label)``: the pipeline reads and decodes the file. With
+    ``passes``, every image ``passes`` times per epoch (the jobs of the weighted run)."""
 
-    def __init__(self, proxy: Any, root: str) -> None:
+    def __init__(self, proxy: Any, root: str, passes: int = 1) -> None:
         folder = read_imagefolder(root)
         self.proxy = proxy
-        self.paths = [np.frombuffer(str(path).encode(), dtype=np.int8) for path in folder.paths]
-        self.labels = list(folder.labels)
+        paths = [np.frombuffer(str(path).encode(), dtype=np.int8) for path in folder.paths]
+        self.paths = paths * passes
+        self.labels = list(folder.labels) * passes
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -217,8 +223,10 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
 
     pipe = _path_pipeline(settings)
     name = f"bench job {settings.job}"
-    with dalid.connect(settings.device, settings.socket, autostart=False, name=name) as session:
-        dataset = PathDataset(session.proxy(pipe), settings.dataset_root)
+    with dalid.connect(
+        settings.device, settings.socket, autostart=False, name=name, weight=settings.job_weight
+    ) as session:
+        dataset = PathDataset(session.proxy(pipe), settings.dataset_root, settings.job_passes)
         loader = _loader(settings, dataset, functools.partial(dalid.DataLoader, session))
         yield DalidEpochs(session, loader)
 
@@ -228,6 +236,10 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
 
 def _same(settings: Settings) -> Settings:
     return settings
+
+
+def _weighted(settings: Settings) -> Settings:
+    return settings.with_(weights=JOB_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -240,6 +252,8 @@ class Contender:
     daemon_args: tuple[str, ...] = ()  # options of ``dalid serve`` beyond the bench's own
     # The run's settings as this contender uses them (the QA configuration's, say).
     configure: Callable[[Settings], Settings] = _same
+    # Whether the orchestrator reads the jobs' queues in the daemon while they run.
+    watch_queues: bool = False
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -306,6 +320,17 @@ CONTENDERS: dict[str, Contender] = {
             needs_daemon=True,
             daemon_args=("--share-pipelines", "no"),
             configure=Settings.for_qa,
+        ),
+        Contender(
+            WEIGHTS,
+            "dalid (shared), weights 1 and 3",
+            "two dalid jobs of weights 1 and 3 sharing one pipeline in the daemon (the "
+            "default), both kept busy: an epoch goes over the images twice, the heavier's six "
+            "times, whose workers keep three times the batches in flight",
+            dalid_client,
+            needs_daemon=True,
+            configure=_weighted,
+            watch_queues=True,
         ),
     )
 }

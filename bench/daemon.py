@@ -3,7 +3,8 @@
 The bench starts a fresh daemon for every run of a dalid contender, so that its peak memory
 and CPU time belong to that run, and checks afterwards that it left no shared memory behind.
 Trainers read the daemon's pipelines and jobs from its status (:func:`status_reading`) as their
-timed window ends.
+timed window ends; the weighted run's orchestrator reads the jobs' queues while they run
+(:class:`QueueWatch`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,13 +81,52 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
         if not isinstance(report, StatusReport):
             raise DaemonFailed(f"the daemon answered a status request with {report!r}")
         jobs = [
-            {"job_id": job.job_id, "slabs": job.slabs, "output_path": job.output_path}
+            {
+                "job_id": job.job_id,
+                "slabs": job.slabs,
+                "output_path": job.output_path,
+                "weight": job.weight,
+                "queued": job.queued,
+                "running": job.running,
+                "waiting": job.waiting,
+                "samples_done": job.samples_done,
+            }
             for job in report.jobs
         ]
         return {"pipelines": [dataclasses.asdict(p) for p in report.pipelines], "jobs": jobs}
     finally:
         sock.close(linger=0)
         context.term()
+
+
+class QueueWatch:
+    """Reads the daemon's jobs (their queues, weights and samples done) on a thread every
+    ``interval_s`` from start to stop, into ``readings`` (``{"t_ns", "jobs"}``, as
+    :func:`status_reading` has them); readings that fail are left out."""
+
+    def __init__(self, socket: Path, interval_s: float) -> None:
+        self.socket = socket
+        self.interval_s = interval_s
+        self.readings: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-queues", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t_ns = time.monotonic_ns()
+            with contextlib.suppress(DaemonFailed, ProtocolError, zmq.ZMQError, OSError):
+                jobs = status_reading(self.socket, timeout=max(1.0, self.interval_s))["jobs"]
+                self.readings.append({"t_ns": t_ns, "jobs": jobs})
+            self._stop.wait(self.interval_s)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[QueueWatch]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
 
 
 def _segments(pid: int) -> list[str]:

@@ -18,6 +18,7 @@ from .runner import Outcome
 from .summary import BASELINE
 from .table import NONE, fmt, gpu_names, spread_text
 from .targets import ECHO_P50_TARGET, ECHO_P99_TARGET, met_text
+from .weights import WEIGHTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -103,12 +104,17 @@ def targets_table(summary: dict[str, Any]) -> list[str]:
 
 
 def _main_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Contenders with one job and with ``--jobs``; the other job counts are scaling runs."""
+    """Contenders with one job and with ``--jobs``; the other job counts are scaling runs, and
+    the weighted run has a table of its own."""
     counts = (1, report["settings"]["jobs"])
-    return [row for row in report["summary"]["rows"] if row["jobs"] in counts]
+    return [
+        row for row in report["summary"]["rows"] if row["jobs"] in counts and row["kind"] != WEIGHTS
+    ]
 
 
 def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
     lines = [
         "| contender | samples/s | per job | vs DALI in-process | batch interval p50 / p99 ms "
         "| trainer CPU ms/sample | all CPU ms/sample | trainer peak RSS MiB "
@@ -219,6 +225,7 @@ def markdown(report: dict[str, Any]) -> str:
         _handles(_main_rows(report)),
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),
+        scaling_report.weighted_markdown(report),
         _transport(summary),
     ]
     return "\n".join(line for section in sections for line in section).rstrip() + "\n"

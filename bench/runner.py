@@ -20,9 +20,10 @@ from typing import Any
 
 from .config import Settings
 from .contenders import CONTENDERS
-from .daemon import DaemonFailed, running_daemon
+from .daemon import DaemonFailed, QueueWatch, running_daemon
 from .machine import LoadMeter
 from .memory import MemorySampler, gpu_used_mib
+from .weights import QUEUE_INTERVAL_S
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP_TIMEOUT_S = 180.0
@@ -40,6 +41,7 @@ class Outcome:
     foreign_cores: float = 0.0  # CPU other processes on the machine used meanwhile
     results: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)  # see MemorySampler.to_dict
+    queues: list[dict[str, Any]] = field(default_factory=list)  # see QueueWatch
     gpu_baseline_mb: float | None = None  # GPU memory in use before the run started
     error: str | None = None
 
@@ -139,7 +141,15 @@ def _run_trainers(
         sampler = MemorySampler(
             [t.process.pid for t in trainers], settings.daemon_pid, outcome.gpu_baseline_mb
         )
-        with sampler.running() if kind != "transport" else contextlib.nullcontext():
+        watch = (
+            QueueWatch(Path(settings.socket), QUEUE_INTERVAL_S)
+            if kind != "transport" and CONTENDERS[kind].watch_queues
+            else None
+        )
+        with (
+            sampler.running() if kind != "transport" else contextlib.nullcontext(),
+            watch.running() if watch else contextlib.nullcontext(),
+        ):
             for trainer in trainers:
                 assert trainer.process.stdin is not None
                 trainer.process.stdin.write(b"go\n")
@@ -149,6 +159,8 @@ def _run_trainers(
                 trainer.process.wait(max(1.0, deadline - time.monotonic()))
         if sampler.samples:
             outcome.memory = sampler.to_dict()
+        if watch:
+            outcome.queues = watch.readings
         results = []
         for trainer in trainers:
             if trainer.process.returncode != 0:

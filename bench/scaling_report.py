@@ -13,6 +13,7 @@ from .contenders import CONTENDERS
 from .scaling import SCALED
 from .summary import BASELINE
 from .table import NONE, fmt, gpu_names, spread_text
+from .weights import QUEUE_INTERVAL_S
 
 
 def scaling_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -171,6 +172,66 @@ def _pipelines(rows: list[dict[str, Any]]) -> list[str]:
         "holds, the runs of all of them since they were built (warm-up included), the samples "
         "run over what those runs could hold, and the share of runs that mixed batches of two "
         "jobs or more.",
+        "",
+    ]
+
+
+def _signed(value: dict[str, float]) -> str:
+    """A spread of relative errors as signed percentages: ``+2.1% [-0.4 to +4.0%]``."""
+    if not value.get("n"):
+        return NONE
+    median = f"{value['median'] * 100:+.1f}%"
+    if value["n"] == 1:
+        return median
+    return f"{median} [{value['min'] * 100:+.1f} to {value['max'] * 100:+.1f}%]"
+
+
+def _per_job(
+    weighted: dict[str, Any], name: str, digits: int = 0, scale: float = 1.0, suffix: str = ""
+) -> str:
+    """One figure of every job of the weighted run, each after its weight: ``1: 170 / 3: 510``."""
+    return " / ".join(
+        f"{weight:g}: {spread_text(value, digits, scale)}{suffix if value['n'] else ''}"
+        for weight, value in zip(weighted["weights"], weighted[name], strict=True)
+    )
+
+
+def weighted_markdown(report: dict[str, Any]) -> list[str]:
+    """The weighted run (bench.weights): each job's samples/s over the common window, the heavy
+    job's over the light job's and its error against the weights, and the jobs' queues."""
+    rows = [row for row in report["summary"]["rows"] if row.get("weighted")]
+    if not rows:
+        return []
+    lines = [
+        "Weights: two jobs through one dalid daemon, sharing one pipeline in it, of weights "
+        + " and ".join(f"{w:g}" for w in rows[0]["weighted"]["weights"])
+        + "; both started together, an epoch of the heavier going over the images as many "
+        "times more and its DataLoader workers keeping as many times the batches in flight, "
+        "so that both keep the daemon busy to the end.",
+        "",
+        "| contender | samples/s, all jobs | samples/s per job, by weight | heavy / light "
+        "| off the weights' ratio | batches queued per job (median) | readings with a batch "
+        "queued, per job | other load, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        weighted = row["weighted"]
+        lines.append(
+            f"| {row['label']} | {spread_text(row['samples_per_s'])} | "
+            f"{_per_job(weighted, 'rates')} | {spread_text(weighted['ratio'], 2)}x | "
+            f"{_signed(weighted['error'])} | {_per_job(weighted, 'queued', 1)} | "
+            f"{_per_job(weighted, 'backlogged', 0, 100, '%')} | "
+            f"{spread_text(row['foreign_cores'], 2)} |"
+        )
+    return [
+        *lines,
+        "",
+        "Each job's samples/s over the window where both were past their warm-up and neither "
+        "had finished, medians [min-max] over repeats; the heavy job's over the light job's, "
+        "and how far that is from the ratio of the weights. Queues: the job's batches waiting "
+        "for the pipeline in the daemon's status, read every "
+        f"{QUEUE_INTERVAL_S:g} s in that window; a job with none queued was waiting on its own "
+        "trainer and workers, not on the daemon, and its share says nothing of the weights.",
         "",
     ]
 

@@ -22,6 +22,7 @@ from .runner import Outcome
 from .scaling import jain_index
 from .stats import quantiles, spread
 from .targets import all_targets, row_id
+from .weights import queue_figures, weight_ratio
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
 # The daemon's pipelines in a dalid run (bench.fill), summed up over repeats.
@@ -80,6 +81,37 @@ def window_rates(loops: Sequence[LoopResult]) -> tuple[float, list[float], str]:
     return samples / ((union_end - union_start) / 1e9), own, "union window"
 
 
+def weighted_metrics(
+    loops: Sequence[LoopResult],
+    weights: Sequence[float],
+    job_ids: Sequence[int],
+    queues: Sequence[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Jobs of different weights (bench.weights): each job's samples/s over the common window,
+    always (the jobs run as long as their weights say, so a share off the weights must not
+    fall back to the union window), the heaviest over the lightest against the weights, and
+    each job's queue in the daemon meanwhile. None when the weights are equal or the jobs had
+    no common window."""
+    if len(loops) < 2 or len(set(weights)) < 2:
+        return None
+    start = max(loop.start.t_ns for loop in loops)
+    end = min(loop.end.t_ns for loop in loops)
+    if end <= start:
+        return None
+    seconds = (end - start) / 1e9
+    rates = [_arrivals([loop], start, end) / seconds for loop in loops]
+    ratio = weight_ratio(rates, weights)
+    return {
+        "weights": list(weights),
+        "rates": rates,
+        "window_s": seconds,
+        "ratio": ratio["ratio"] if ratio else None,
+        "expected": ratio["expected"] if ratio else None,
+        "error": ratio["error"] if ratio else None,
+        "queues": queue_figures(queues, job_ids, start, end),
+    }
+
+
 def run_metrics(outcome: Outcome) -> dict[str, Any]:
     """One run's figures; the daemon's CPU and memory are read over the union of the jobs'
     windows."""
@@ -104,6 +136,8 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     # Whole epochs: every loop has the same batches per epoch (bench.measure).
     epochs = len((outcome.results[0].get("handles") or {}).get("slabs_opened") or [1])
     warmup_epochs = loops[0].warmup_batches * epochs // max(1, len(loops[0].stamps_ns))
+    weights = [float(result.get("weight", 1.0)) for result in outcome.results]
+    job_ids = [(result.get("handles") or {}).get("job_id", -1) for result in outcome.results]
     return {
         "samples_per_s": rate,
         "rate_window": method,
@@ -123,6 +157,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "foreign_cores": outcome.foreign_cores,
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
+        "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
     }
 
 
@@ -175,6 +210,8 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "cpu_ms_per_sample": m["cpu_ms_per_sample"]["total"],
                 "all_gpu_mb": m["memory"].get("all_gpu_mb"),
                 **_handle_values(m["handles"]),
+                "weight_ratio": (m["weighted"] or {}).get("ratio"),
+                "weight_expected": (m["weighted"] or {}).get("expected"),
             }
             for run, m in zip(good, metrics, strict=True)
         }
@@ -211,6 +248,12 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                     for run, m in zip(good, metrics, strict=True)
                     if m["pipelines"] is not None
                 ],
+                "weighted": _weighted_spreads([m["weighted"] for m in metrics]),
+                "weighted_per_run": [
+                    {"repeat": run.repeat, **m["weighted"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["weighted"] is not None
+                ],
                 "handles_per_run": [
                     {"repeat": run.repeat, **m["handles"]}
                     for run, m in zip(good, metrics, strict=True)
@@ -236,6 +279,30 @@ def _handle_values(handles: dict[str, Any] | None) -> dict[str, float | None]:
         "handle_opens": handles["opens"],
         "handle_timed_opens": handles["timed_opens"],
         "slabs": handles["slabs"],
+    }
+
+
+def _weighted_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The weighted figures over repeats: the ratio and its error, and per job (in the order of
+    the run's jobs) its samples/s, median queued batches and share of readings backlogged;
+    None for a run of equal weights."""
+    read = [run for run in runs if run is not None]
+    if not read:
+        return None
+    jobs = range(len(read[0]["weights"]))
+
+    def per_job(name: str) -> list[dict[str, float]]:
+        return [
+            spread(q[name] for run in read if (q := run["queues"][job]) is not None) for job in jobs
+        ]
+
+    return {
+        "weights": read[0]["weights"],
+        "ratio": spread(run["ratio"] for run in read if run["ratio"] is not None),
+        "error": spread(run["error"] for run in read if run["error"] is not None),
+        "rates": [spread(run["rates"][job] for run in read) for job in jobs],
+        "queued": per_job("queued"),
+        "backlogged": per_job("backlogged"),
     }
 
 

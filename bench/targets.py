@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .stats import spread
+from .weights import JOB_WEIGHTS, TOLERANCE, WEIGHTS, within
 
 # One job through dalid against DALI in-process (on a GPU, GPU_RATIO_TARGET) and DALI's
 # proxy, and what it costs all processes.
@@ -35,8 +36,11 @@ PSS_TARGET = 0.60  # all processes' PSS over in-process's with MEMORY_JOBS jobs,
 DAEMON_GROWTH_TARGET = 1.5  # the daemon's peak RSS with MEMORY_JOBS jobs over 1 job, at most
 FAIRNESS_JOBS = (2, 4, 8)
 FAIRNESS_TARGET = 0.99  # Jain's index at equal weights, at least
+# Two busy jobs of weights 1 and 3 sharing one pipeline (bench.weights): the heavy job's
+# samples/s over the light job's, within TOLERANCE of the ratio of their weights.
+WEIGHT_RATIO = max(JOB_WEIGHTS) / min(JOB_WEIGHTS)
 # The rows these targets need: any of them in a run brings them into its report.
-SHARING_KINDS = ("dali", "dalid", "dalid-private")
+SHARING_KINDS = ("dali", "dalid", "dalid-private", WEIGHTS)
 
 # On a GPU: DALI's QA decoder configuration through dalid, at least DALI's own QA floor on an
 # H100 in-process; 8 jobs sharing a pipeline against 8 in-process jobs, in throughput and in
@@ -144,7 +148,24 @@ def sharing_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str,
         )
         for jobs in FAIRNESS_JOBS
     ]
+    found.append(weight_target(values, labels))
     return found
+
+
+def weight_target(values: Values, labels: Mapping[str, str]) -> dict[str, Any]:
+    """Two busy jobs of weights 1 and 3 on one shared pipeline: the heavy job's samples/s over
+    the light job's, within ``TOLERANCE`` of 3 (not measured where the weighted run did not
+    run)."""
+    light, heavy = (f"{w:g}" for w in sorted(JOB_WEIGHTS))
+    low, high = WEIGHT_RATIO * (1 - TOLERANCE), WEIGHT_RATIO * (1 + TOLERANCE)
+    return target(
+        f"{labels['dalid']}, 2 jobs of weights {light} and {heavy}: samples/s of the heavy "
+        "job / of the light job",
+        f"{WEIGHT_RATIO:.1f}x ± {TOLERANCE:.0%} ({low:.2f}-{high:.2f}x)",
+        figure(values, row_id(WEIGHTS, len(JOB_WEIGHTS)), "weight_ratio"),
+        "times",
+        lambda ratio: within(ratio / WEIGHT_RATIO - 1),
+    )
 
 
 def one_job_targets(

@@ -48,7 +48,10 @@ def run(kind: str, settings: Settings, ready_fd: int) -> dict[str, Any]:
     contender = CONTENDERS[kind]
     with contender.run(settings) as epochs:
         go_ns = _ready_then_wait(ready_fd)
-        result: dict[str, Any] = {"loop": timed_loop(kind, epochs, settings, go_ns).to_dict()}
+        result: dict[str, Any] = {
+            "loop": timed_loop(kind, epochs, settings, go_ns).to_dict(),
+            "weight": settings.job_weight,
+        }
         handles = getattr(epochs, "handles", None)
         if handles is not None:
             result["handles"] = handles()
