@@ -118,6 +118,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
         )
     return [
         *lines,
+        *_added_per_job(rows),
         "",
         "Memory sampled from the start signal on, every second (less often when a sample "
         "would cost over 5% of a core); each figure is its median over the samples in the "
@@ -137,6 +138,51 @@ def markdown(report: dict[str, Any]) -> list[str]:
         ),
         "",
         *_pipelines(rows),
+    ]
+
+
+def added_per_job(rows: list[dict[str, Any]], name: str) -> dict[tuple[str, int], float]:
+    """What each job past the first added to the memory figure ``name`` (MiB), by contender
+    and job count: ``(at N jobs - at 1 job) / (N - 1)``, from the medians over repeats."""
+    one = {
+        row["kind"]: row["memory"][name]["median"]
+        for row in rows
+        if row["jobs"] == 1 and row["memory"].get(name, {}).get("n")
+    }
+    added = {}
+    for row in rows:
+        value = row["memory"].get(name, {})
+        if row["jobs"] > 1 and value.get("n") and row["kind"] in one:
+            added[row["kind"], row["jobs"]] = (value["median"] - one[row["kind"]]) / (
+                row["jobs"] - 1
+            )
+    return added
+
+
+def _added_per_job(rows: list[dict[str, Any]]) -> list[str]:
+    """The memory table's last rows: what a job added to all processes' PSS, and to the
+    daemon's peak RSS."""
+    pss = added_per_job(rows, "all_pss_mb")
+    daemon = added_per_job(rows, "daemon_peak_rss_mb")
+    if not pss:
+        return []
+    lines = [
+        "",
+        "| jobs | contender | all processes PSS MiB, each job past the first "
+        "| daemon peak RSS MiB, each job past the first |",
+        "|--:|---|--:|--:|",
+    ]
+    for (kind, jobs), value in pss.items():
+        extra = daemon.get((kind, jobs))
+        lines.append(
+            f"| {jobs} | {CONTENDERS[kind].label} | {fmt(value)} | "
+            f"{'' if extra is None else fmt(extra)} |"
+        )
+    return [
+        *lines,
+        "",
+        "Each job past the first: (the figure with N jobs - with 1 job) / (N - 1), from the "
+        "medians above; what one more training job costs in memory on this machine.",
     ]
 
 

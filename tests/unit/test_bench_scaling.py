@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from bench.contenders import CONTENDERS
 from bench.measure import LoopResult, Probe
 from bench.runner import daemon_options
 from bench.scaling import add_scaling_runs, jain_index, parse_job_counts
+from bench.scaling_report import added_per_job
 from bench.summary import window_rates
 
 
@@ -126,3 +128,22 @@ def test_jobs_that_barely_overlap_are_each_measured_over_their_own_window() -> N
     assert window == "union window"
     assert per_job == pytest.approx([10.0, 5.0])
     assert total == pytest.approx(80 / 11.5)
+
+
+def _memory_row(kind: str, jobs: int, pss: float, daemon_peak: float | None) -> dict[str, Any]:
+    memory = {"all_pss_mb": {"n": 3, "median": pss}}
+    if daemon_peak is not None:
+        memory["daemon_peak_rss_mb"] = {"n": 3, "median": daemon_peak}
+    return {"kind": kind, "jobs": jobs, "memory": memory}
+
+
+def test_memory_each_job_adds_is_the_growth_from_one_job_over_the_jobs_added() -> None:
+    rows = [
+        _memory_row("dali", 1, 400.0, None),
+        _memory_row("dalid", 1, 700.0, 500.0),
+        _memory_row("dali", 8, 3200.0, None),
+        _memory_row("dalid", 8, 2450.0, 850.0),
+        _memory_row("dalid-private", 8, 2900.0, 1270.0),  # no one-job run to compare with
+    ]
+    assert added_per_job(rows, "all_pss_mb") == {("dali", 8): 400.0, ("dalid", 8): 250.0}
+    assert added_per_job(rows, "daemon_peak_rss_mb") == {("dalid", 8): 50.0}
