@@ -9,7 +9,14 @@ import pytest
 from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline
-from dalid.server.runner import PipelineBuildError, PipelineRunner, PipelineSpec, sample_arrays
+from dalid.server.runner import (
+    DENSE_FEED_MAX_BYTES,
+    PipelineBuildError,
+    PipelineRunner,
+    PipelineSpec,
+    feedable,
+    sample_arrays,
+)
 
 from ..dali_typing import pipeline_def
 
@@ -254,3 +261,16 @@ def test_rebuild_after_a_failed_run() -> None:
         assert np.array(output.as_tensor()).shape == (1, 2, 3)
     finally:
         runner.close()
+
+
+def test_small_samples_of_one_shape_are_fed_as_one_dense_batch() -> None:
+    small = [np.full((2, 3), i, dtype=np.float32) for i in range(BATCH)]
+    dense = feedable(small)
+    assert isinstance(dense, np.ndarray) and dense.shape == (BATCH, 2, 3)
+    np.testing.assert_array_equal(dense[2], small[2])
+    ragged = [np.zeros(i + 1, dtype=np.int32) for i in range(BATCH)]
+    assert isinstance(feedable(ragged), list)
+    mixed: list[np.ndarray] = [np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)]
+    assert isinstance(feedable(mixed), list)
+    large = [np.zeros(DENSE_FEED_MAX_BYTES + 1, dtype=np.uint8) for _ in range(BATCH)]
+    assert isinstance(feedable(large), list)
