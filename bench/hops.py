@@ -47,6 +47,11 @@ HOPS = [
         "step>",
         "c.send:submit_batch>",
     ),
+    (
+        "worker: read the last batch's batch_accepted, before sending",
+        "c.settle>",
+        "c.settle<",
+    ),
     ("worker: encode and send submit_batch", "c.send:submit_batch>", "c.send:submit_batch<"),
     ("ZeroMQ: worker -> the daemon's I/O thread", "c.send:submit_batch>", "d.decode>"),
     ("daemon I/O: decode submit_batch", "d.decode>", "d.decode<:submit_batch"),
@@ -152,9 +157,10 @@ def trace_daemon() -> None:
 
 def trace_client() -> None:
     """Stamps in this process: the worker's and the trainer's side."""
-    from dalid.client import connection, session
+    from dalid.client import connection, session, submitter
 
     _wrap(connection.Connection, "_send", "c.send", lambda self, message, rid: message.OP)
+    _wrap(submitter.Submitter, "settle", "c.settle")
     recv = connection.Connection._recv
 
     def traced_recv(self: Any, sock: Any) -> Any:

@@ -35,7 +35,7 @@ PROBES = {
     "zmq_echo": "ZeroMQ floor: DEALER -> ROUTER echo process over ipc, no dalid",
     "ping": "dalid daemon: bare protocol round trip (ping -> pong)",
     "dalid_b1": "dalid: submit -> ready, 1 tiny sample",
-    "dalid_b1_submit": "... of which proxy call + collate (until the batch is accepted)",
+    "dalid_b1_submit": "... of which proxy call + collate (until the batch is sent)",
     "dalid_b1_ready": "... of which waiting for the batch and mapping its output",
     "dali_b1": "DALI in-process pipe.run, 1 tiny sample",
     "dalid_b32": "dalid: submit -> ready, 32 tiny samples",

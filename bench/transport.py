@@ -9,8 +9,9 @@ Each probe is timed call by call with ``perf_counter_ns``:
 - ``ping``: a bare protocol round trip (ping -> pong) on a socket of its own; the floor.
 - ``dalid_b1`` / ``dalid_b32``: one batch of 1 (or 32) tiny samples through the real client
   path: proxy call, collate (which submits), wait for the batch, view its output, drop it.
-  ``dalid_b1_submit`` is the part up to the daemon's acceptance of the batch (proxy calls and
-  collate), ``dalid_b1_ready`` the rest (waiting for the batch, mapping its output).
+  ``dalid_b1_submit`` is the part until the batch is sent (proxy calls and collate, which
+  reads the previous batch's acceptance first), ``dalid_b1_ready`` the rest (waiting for the
+  batch, mapping its output).
 - ``dali_b1`` / ``dali_b32``: the same empty pipeline run in-process with ``pipe.run``; what
   DALI itself costs per batch, so that ``dalid - dali`` is what the transport adds.
 - On a GPU, ``dalid_gpu_b1`` / ``dali_gpu_b1``: one tiny sample copied to the GPU by the

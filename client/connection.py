@@ -180,12 +180,22 @@ class Connection:
         self, message: Message, timeout: float | None = None, *, ping: bool = True
     ) -> Message:
         """Sends a request and returns its reply; an error reply is raised as a DalidError."""
+        return self.reply(self.send(message), message.OP, timeout, ping=ping)
+
+    def send(self, message: Message) -> int:
+        """Sends a request whose reply :meth:`reply` waits for; returns its request id."""
         request_id = next(self._request_ids)
         self._send(message, request_id)
+        return request_id
+
+    def reply(
+        self, request_id: int, op: str, timeout: float | None = None, *, ping: bool = True
+    ) -> Message:
+        """The reply to the request ``op`` sent as ``request_id``; an error reply is raised."""
         envelope = self.receive_until(lambda e: e.request_id == request_id, timeout, ping=ping)
         if envelope is None:
             raise DaemonUnavailable(
-                f"{no_daemon_message(self.path, self.device)} ({message.OP} got no reply in "
+                f"{no_daemon_message(self.path, self.device)} ({op} got no reply in "
                 f"{timeout:.0f} s)"
             )
         if isinstance(envelope.message, Error):

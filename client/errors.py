@@ -37,7 +37,8 @@ class BatchError(RequestError):
     ``bad_samples`` names the samples that fail on their own (code ``bad_samples``), by position
     in the batch as collated; ``dataset_indices`` their indices in the dataset and ``step`` the
     loader's step (as ``enumerate(loader)`` counts), where dalid's DataLoader knows them (None
-    otherwise). ``batch_id`` is the daemon's id of the batch, for its log.
+    otherwise). ``batch_id`` is the batch's id (its submitter chose it), as the daemon's log
+    names it. A batch the daemon refused after its worker had sent it fails this way too.
     """
 
     def __init__(

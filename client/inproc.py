@@ -216,13 +216,19 @@ class InprocLink:
         return self._identity is None
 
     def request(self, message: Message, timeout: float | None = None) -> Message:
+        return self.reply(self.send(message), message.OP, timeout)
+
+    def send(self, message: Message) -> int:
         request_id = next(self._request_ids)
         self._send(message, request_id)
+        return request_id
+
+    def reply(self, request_id: int, op: str, timeout: float | None = None) -> Message:
         envelope = self.receive_until(lambda e: e.request_id == request_id, timeout)
         if envelope is None:
             raise DaemonUnavailable(
                 f"the dalid daemon on {self.path} (in this process) did not answer "
-                f"{message.OP} in {timeout:.0f} s"
+                f"{op} in {timeout:.0f} s"
             )
         if isinstance(envelope.message, Error):
             if self._welcomed and envelope.message.code is ErrorCode.NOT_WELCOMED:

@@ -35,6 +35,15 @@ class Link(Protocol):
         """Sends a request and returns its reply; an error reply is raised."""
         ...
 
+    def send(self, message: Message) -> int:
+        """Sends a request without waiting for its reply; returns its request id."""
+        ...
+
+    def reply(self, request_id: int, op: str, timeout: float | None = None) -> Message:
+        """The reply to the request ``op`` that :meth:`send` sent as ``request_id``; an error
+        reply is raised. Messages received meanwhile go to ``on_push``."""
+        ...
+
     def notify(self, message: Message) -> None:
         """Sends a message that gets no reply."""
         ...

@@ -49,7 +49,10 @@ seconds otherwise, and raises DaemonUnavailable):
    batches, which name the pipeline's earlier id, on the pipeline registered again; the
    welcome's token becomes the refs' ``accepted_by``, so the trainer waits for those batches
    instead of submitting them again. Until then (daemon still down, trainer not reconnected or
-   the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1.
+   the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1;
+   or, sent before the trainer registered the pipeline again, they fail with
+   ``unknown_pipeline`` (the worker handed them on without waiting: Note [Submitting without
+   waiting] in submitter.py), and the trainer submits them again from their inputs.
    GPU outputs follow the same steps; that path has not run on a GPU.
 """
 
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -69,7 +73,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dalid.protocol import (
     MAX_EARLIER_JOBS,
-    BatchAccepted,
     BatchFailed,
     BatchReady,
     Device,
@@ -88,6 +91,7 @@ from dalid.protocol import (
 from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
 from .link import Link, dial
 from .outputs import Outputs
+from .submitter import Submitter
 from .target import ProxyTarget
 
 if TYPE_CHECKING:
@@ -152,6 +156,11 @@ class Generation:
         # Filled by the link while the session waits for another result. Neither may hold the
         # session itself, or its finalizer would never run.
         self.results = results
+        # The ids of the batches the trainer submits itself, from its link's range.
+        self._batch_ids = itertools.count(link.welcome.batch_id_base + 1)
+
+    def next_batch_id(self) -> int:
+        return next(self._batch_ids)
 
     @classmethod
     def open(cls, dial: Dial, **options: Any) -> Generation:
@@ -411,18 +420,37 @@ class Reconnector:
                 f"batch {run.batch_id} was lost with the daemon on {self.socket} and its inputs "
                 "are gone: it was delivered already, or its proxy was made by another session"
             )
-        request = self.target_of(registration).submission(
-            run.resubmission.inputs, run.deterministic
-        )
         link = self.link
+        request = self.target_of(registration).submission(
+            run.resubmission.inputs, run.deterministic, self.generation.next_batch_id()
+        )
+        # Waited for: the trainer's link has no submitter of its own to settle it later.
         reply = link.request(request)
-        assert isinstance(reply, BatchAccepted)
+        if isinstance(reply, BatchFailed):
+            self.generation.results[reply.batch_id] = reply  # raised when it is waited for
         welcome = link.welcome
         run.job_id, run.job_token = welcome.job_id, welcome.job_token
-        run.pipeline_id, run.batch_id = request.pipeline_id, reply.batch_id
+        run.pipeline_id, run.batch_id = request.pipeline_id, request.batch_id
         run.resubmission.accepted_by = welcome.job_token
         run.is_scheduled = not run.deterministic
         self.submitted_by_trainer += 1
+
+    def resubmit_refused(self, run: DALIPipelineRunRef, failed: BatchFailed) -> bool:
+        """Submits again a batch of a worker that rejoined this job before the trainer had
+        registered its pipeline again (point 4 of the note); whether it did."""
+        resubmission = run.resubmission
+        if (
+            failed.code is not ErrorCode.UNKNOWN_PIPELINE
+            or resubmission is None
+            or not resubmission.inputs
+            or run.deterministic  # a deferred batch's refusal reached its worker instead
+            # Accepted by the trainer's job for a proxy of an earlier one: a rejoined worker.
+            or resubmission.accepted_by in ("", run.job_token)
+        ):
+            return False
+        resubmission.accepted_by = ""
+        self.submit_if_lost(run)
+        return True
 
     @staticmethod
     def delivered(run: DALIPipelineRunRef) -> None:
@@ -446,14 +474,14 @@ class WorkerLinks:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._links: dict[_LinkKey, Link] = {}
+        self._links: dict[_LinkKey, Submitter] = {}
         # Jobs whose daemon was found gone, with when to try a hello again: until one is
         # welcomed, their batches are left for the trainer to submit.
         self._lost: dict[_LinkKey, float] = {}
 
-    def get(self, target: ProxyTarget) -> Link | None:
-        """This process's link to the target's job; None while a job found unreachable waits
-        for its next try (see ``lose``)."""
+    def get(self, target: ProxyTarget) -> Submitter | None:
+        """This process's link to the target's job, as the submitter of its batches; None
+        while a job found unreachable waits for its next try (see ``lose``)."""
         with self._lock:
             if self._pid != os.getpid():
                 # Inherited across fork: the parent's sockets are not ours to use or close.
@@ -461,9 +489,9 @@ class WorkerLinks:
                 self._lost = {}
                 self._pid = os.getpid()
             key = (target.socket, target.job_id, target.job_token)
-            link = self._links.get(key)
-            if link is not None and not link.closed:
-                return link
+            submitter = self._links.get(key)
+            if submitter is not None and not submitter.link.closed:
+                return submitter
             retry_at = self._lost.get(key)
             if retry_at is not None and time.monotonic() < retry_at:
                 return None
@@ -476,7 +504,7 @@ class WorkerLinks:
                 job_token=target.job_token,
                 hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
             )
-            self._links[key] = link
+            self._links[key] = submitter = Submitter(link)
             if retry_at is not None:
                 del self._lost[key]
                 log.info(
@@ -487,14 +515,14 @@ class WorkerLinks:
                     target.socket,
                     link.welcome.daemon_pid,
                 )
-            return link
+            return submitter
 
     def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
         """Closes this process's link to a job (``goodbye=False``: its daemon is gone)."""
         with self._lock:
-            link = self._links.pop((socket, job_id, job_token), None)
-            if link is not None and self._pid == os.getpid():
-                link.close(goodbye=goodbye)
+            submitter = self._links.pop((socket, job_id, job_token), None)
+            if submitter is not None and self._pid == os.getpid():
+                submitter.link.close(goodbye=goodbye)
 
     def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
         """Drops the link to a job its daemon cannot take batches for (gone, or restarted and

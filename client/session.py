@@ -313,6 +313,8 @@ class Session:
         produced: dict[int, tuple[torch.Tensor, ...]] = {}
         for run in runs:
             result = self._wait(run.batch_id)  # type: ignore[arg-type]
+            if isinstance(result, BatchFailed) and self._daemon.resubmit_refused(run, result):
+                result = self._wait(run.batch_id)  # type: ignore[arg-type]
             if isinstance(result, BatchFailed):
                 raise BatchError(
                     result.code,

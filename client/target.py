@@ -36,10 +36,12 @@ class ProxyTarget:
     path_inputs: tuple[str, ...] = ()
     working_directory: str = ""
 
-    def submission(self, samples: Mapping[str, Sequence[Any]], deferred: bool) -> SubmitBatch:
+    def submission(
+        self, samples: Mapping[str, Sequence[Any]], deferred: bool, batch_id: int = 0
+    ) -> SubmitBatch:
         """The request that submits a batch's ``samples`` (numpy arrays, by input name) to
-        this pipeline; ``deferred``: it runs only when the trainer schedules it. Relative file
-        paths are made absolute, and files this process cannot read are named."""
+        this pipeline as ``batch_id``; ``deferred``: it runs only when the trainer schedules it.
+        Relative file paths are made absolute, and files this process cannot read are named."""
         resolved, unreadable = resolve_paths(samples, self.path_inputs, self.working_directory)
         inputs = tuple(
             InputBatch(
@@ -51,4 +53,6 @@ class ProxyTarget:
             )
             for name in self.input_names
         )
-        return SubmitBatch(self.pipeline_id, inputs, deferred=deferred, unreadable=unreadable)
+        return SubmitBatch(
+            self.pipeline_id, inputs, batch_id, deferred=deferred, unreadable=unreadable
+        )

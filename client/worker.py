@@ -3,8 +3,9 @@
 DataLoader workers call the picklable :class:`Proxy` from ``Dataset.__getitem__``: a call adds
 one sample to the batch this worker is building and returns references. Collating those
 references (torch's default collate does; importing this module registers the rule) ends the
-batch and submits it to the daemon through this process's own worker connection, returning at
-once with the daemon's batch id; the trainer then turns the batch references into tensors.
+batch and submits it to the daemon through this process's own worker connection, under an id
+this process chose, returning once it is sent (Note [Submitting without waiting] in
+``submitter.py``); the trainer then turns the batch references into tensors.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from itertools import pairwise
 from typing import Any
 
 from torch.utils.data._utils.collate import default_collate_fn_map
-
-from dalid.protocol import BatchAccepted
 
 from .errors import DaemonUnavailable, InputError, RequestError
 from .link import Link
@@ -138,16 +137,19 @@ class Proxy:
         trainer unsent, with its inputs, and the trainer submits it (Note [Daemon restarts]).
         """
         target = self._target
-        request = target.submission(run.call_args, run.deterministic)
         link: Link | None = None
         accepted_by = ""
         try:
             # This process's link to the job; None while its daemon was found gone lately.
-            link = worker_links.get(target)
-            if link is not None:
-                reply = link.request(request)
-                assert isinstance(reply, BatchAccepted)
-                run.batch_id = reply.batch_id
+            submitter = worker_links.get(target)
+            if submitter is None:
+                target.submission(run.call_args, run.deterministic)  # raises what it refuses
+            else:
+                link = submitter.link
+                batch_id = submitter.next_batch_id()
+                # Returns once sent (Note [Submitting without waiting] in submitter.py).
+                submitter.submit(target.submission(run.call_args, run.deterministic, batch_id))
+                run.batch_id = batch_id
                 run.is_scheduled = not run.deterministic
                 accepted_by = link.welcome.job_token
         except (DaemonUnavailable, RequestError) as error:

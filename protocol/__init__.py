@@ -20,6 +20,7 @@ from .errors import ErrorCode, ProtocolError
 from .gpu import GpuUnavailable, format_uuid, gpu_count, gpu_uuid
 from .liveness import pid_namespace, process_running
 from .messages import (
+    BATCH_IDS_PER_CONNECTION,
     CUDA_IPC_HANDLE_BYTES,
     DTYPES,
     MAX_EARLIER_JOBS,
@@ -65,6 +66,7 @@ from .messages import (
 )
 
 __all__ = [
+    "BATCH_IDS_PER_CONNECTION",
     "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "MAX_EARLIER_JOBS",

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped only when a meaning changes: a change a peer of the previous version would misread.
 Quoted in SPEC.md, whose "Versions" section has the rule.
 
@@ -31,6 +31,10 @@ nor does a new operation that changes no existing message (a peer that lacks it 
 ``unknown_operation``: so ``reload_repository`` and ``repository_report`` came in version 4).
 A new enum value (an error code, a policy), a field older peers must not ignore, or a change
 to what a field means does need one.
+
+Version 6 has the submitter choose a batch's id (``SubmitBatch.batch_id``, from the
+connection's ``Welcome.batch_id_base``), so that a worker hands its batch on without waiting for
+the daemon: a batch refused after it was sent reaches the trainer as ``batch_failed``.
 
 Version 5 made unknown fields tolerated (version 4 refused them) and checks in ``InputBatch``
 itself that each sample's frame holds exactly its shape's bytes.
@@ -58,6 +62,8 @@ MAX_INPUTS = 64
 MAX_OUTPUTS = 64
 MAX_NDIM = 16
 MAX_BATCH_SIZE = 65536
+# Each connection's batch ids lie in a range of this many (``Welcome.batch_id_base``).
+BATCH_IDS_PER_CONNECTION = 1 << 32
 # A trainer names at most this many jobs of earlier daemons (one per restart it outlived).
 MAX_EARLIER_JOBS = 256
 # A job's share of the daemon is its weight over the sum of the weights of the busy jobs.
@@ -248,9 +254,13 @@ class Welcome(Message):
     # open it and read them back ("" from a CPU daemon, and from a GPU daemon whose GPU cannot
     # export CUDA IPC memory: its trainers answer that they could not).
     ipc_probe: str = ""
+    # This connection's batch ids: batch_id_base + 1, + 2, ..., each above the one before and
+    # below batch_id_base + BATCH_IDS_PER_CONNECTION. Unique to the connection in the daemon.
+    batch_id_base: int = 0
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
+        _check(self.batch_id_base % BATCH_IDS_PER_CONNECTION == 0, "batch_id_base out of step")
 
 
 @dataclass(frozen=True)
@@ -488,11 +498,13 @@ class InputBatch:
 
 @dataclass(frozen=True)
 class SubmitBatch(Message):
-    """A batch for a pipeline. ``deferred`` batches wait for :class:`ScheduleBatch`."""
+    """A batch for a pipeline, under an id its submitter chose (see ``Welcome.batch_id_base``).
+    ``deferred`` batches wait for :class:`ScheduleBatch`."""
 
     OP: ClassVar[str] = "submit_batch"
     pipeline_id: int
     inputs: tuple[InputBatch, ...]
+    batch_id: int = 0
     deferred: bool = False
     # Positions of samples whose file path (an input of ``path_inputs``) the submitter itself
     # could not read: missing files, not files the daemon fails to see.
@@ -513,6 +525,9 @@ class SubmitBatch(Message):
 
 @dataclass(frozen=True)
 class BatchAccepted(Message):
+    """The answer to a submission the daemon took: its result goes to the trainer. Held back
+    while the job has its limit of batches in flight (backpressure)."""
+
     OP: ClassVar[str] = "batch_accepted"
     batch_id: int
 
@@ -620,7 +635,8 @@ class BatchReady(Message):
 
 @dataclass(frozen=True)
 class BatchFailed(Message):
-    """Pushed to the job's trainer when a batch could not run."""
+    """Pushed to the job's trainer when a batch could not run, or was refused once sent: then
+    it is also the answer to the ``submit_batch`` (see SPEC.md, "Submitting a batch")."""
 
     OP: ClassVar[str] = "batch_failed"
     batch_id: int
@@ -843,6 +859,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
+    "BATCH_IDS_PER_CONNECTION",
     "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "MAX_EARLIER_JOBS",

@@ -1,9 +1,10 @@
 """A job's batches in flight: at most its limit run or queue, the rest wait for their turn.
 
 A submitted batch is *accepted* (``batch_accepted``) when it goes to its pipeline. A job may have
-``max_inflight_batches`` accepted and not yet answered; a batch over that waits here, its sender
-waiting for the acceptance, until an earlier batch of the job is answered (backpressure: a
-worker that runs ahead of its trainer is slowed down, not refused). At most
+``max_inflight_batches`` accepted and not yet answered; a batch over that waits here, its
+acceptance held back, until an earlier batch of the job is answered (backpressure: a worker
+sends its next batch only once its last one was accepted, so one that runs ahead of its
+trainer is slowed down, not refused). At most
 ``max_waiting_batches`` wait, each holding its samples in the daemon's memory; more are refused.
 """
 
@@ -92,11 +93,11 @@ class Admission:
             admitted.executor.submit(admitted.batch)
         return admitted
 
-    def drop_sender(self, sender: bytes) -> int:
-        """Drops the waiting batches of a connection that closed; how many."""
+    def drop_sender(self, sender: bytes) -> list[WaitingBatch]:
+        """Drops the waiting batches of a connection that closed; returns them."""
         with self._lock:
             kept = [waiting for waiting in self._waiting if waiting.sender != sender]
-            dropped = len(self._waiting) - len(kept)
+            dropped = [waiting for waiting in self._waiting if waiting.sender == sender]
             self._waiting = collections.deque(kept)
         return dropped
 

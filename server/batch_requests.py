@@ -87,7 +87,29 @@ class BatchRequests:
     def on_submit_batch(
         self, identity: bytes, request: SubmitBatch, request_id: int | None
     ) -> Message | None:
+        """Takes a batch under the id its sender chose (batch_ids.py).
+
+        The sender has handed the batch on without waiting (SPEC.md, "Submitting a batch"), so
+        a refusal of a batch with a valid id is its result: ``batch_failed``, answered to the
+        sender and pushed to the trainer, which raises it when it reaches the batch. A deferred
+        batch's sender waits for the answer (the trainer can only schedule a batch the daemon
+        holds) and gets an ``error``, as does a submission whose id is refused.
+        """
         peer = self.peers[identity]
+        peer.batch_ids.take(request.batch_id)
+        try:
+            return self._submit(peer, request, request_id)
+        except RequestRefused as refusal:
+            if request.deferred:
+                raise
+            job = peer.job
+            job.batches_failed += 1
+            failed = BatchFailed(request.batch_id, request.pipeline_id, refusal.code, str(refusal))
+            if identity != job.trainer:
+                self._push(job.trainer, failed, None)
+            return failed
+
+    def _submit(self, peer: Peer, request: SubmitBatch, request_id: int | None) -> Message | None:
         job = peer.job
         if peer.earlier_token:
             request = job.pipeline_in_this_job(peer.earlier_token, request)
@@ -99,21 +121,20 @@ class BatchRequests:
                 f"job {job.job_id} already has {len(job.deferred)} deferred batches: schedule "
                 "them before sending more",
             )
-        batch = PendingBatch(job.next_batch_id, request, member)
+        batch = PendingBatch(request.batch_id, request, member)
         nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
         try:
             # Counted until the batch is freed, whichever way it goes (inputs.py).
             self.inputs.take(job.job_id, nbytes, holder=batch)
         except InputRefused as refusal:
             raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        job.next_batch_id += 1
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
             # could hold back the very batch the trainer waits for.
             job.deferred[batch.batch_id] = batch
             return BatchAccepted(batch.batch_id)
         assert member.executor is not None
-        if job.admission.submit(batch, member.executor, identity, request_id):
+        if job.admission.submit(batch, member.executor, peer.identity, request_id):
             return BatchAccepted(batch.batch_id)
         return None  # backpressure: answered once an earlier batch of the job is answered
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    BatchFailed,
     Error,
     ErrorCode,
     Goodbye,
@@ -264,7 +265,7 @@ class DaemonCore:
         """The connection of ``identity`` closed or stopped answering heartbeats.
 
         A trainer's ends its job; a worker's takes with it the batches it sent over the job's
-        limit, which nobody else could ask for.
+        limit, which fail (the trainer may wait for them).
         """
         peer = self.peers.get(identity)
         if peer is None:
@@ -275,9 +276,25 @@ class DaemonCore:
             )
             self.close_job(peer.job)
             return
-        dropped = peer.job.admission.drop_sender(identity)
+        job = peer.job
+        dropped = job.admission.drop_sender(identity)
         if dropped:
-            log.info("job %d: a worker left; dropped %d batches it sent", peer.job.job_id, dropped)
+            log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, len(dropped))
+        for waiting in dropped:
+            # Its worker handed the batch on already: the trainer may wait for it.
+            job.batches_failed += 1
+            batch = waiting.batch
+            self._push(
+                job.trainer,
+                BatchFailed(
+                    batch.batch_id,
+                    batch.request.pipeline_id,
+                    ErrorCode.UNKNOWN_BATCH,
+                    f"batch {batch.batch_id} was dropped: the connection of the worker that sent "
+                    "it closed while the batch waited for its turn",
+                ),
+                None,
+            )
         self.registry.forget_peer(identity)
 
     def close(self) -> None:
@@ -330,7 +347,7 @@ class DaemonCore:
                     pid,
                     hello.job_id,
                 )
-        self.registry.join(identity, hello, job, pid, earlier_token)
+        peer = self.registry.join(identity, hello, job, pid, earlier_token)
         return Welcome(
             protocol_version=PROTOCOL_VERSION,
             daemon_pid=os.getpid(),
@@ -342,6 +359,7 @@ class DaemonCore:
             device_uuid=self.device_uuid,
             pid_namespace=self._pid_namespace,
             ipc_probe=self.paths.probe if self.paths is not None else "",
+            batch_id_base=peer.batch_ids.base,
         )
 
     def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:

@@ -447,10 +447,11 @@ class Daemon:
             self._answer(identity, reply, envelope.request_id)
 
     def _answer(self, identity: bytes, reply: Message, request_id: int | None) -> None:
-        """Sends a reply; a refusal counts against the connection's limits."""
+        """Sends a reply; a refusal counts against the connection's limits (a batch refused
+        once sent is answered ``batch_failed``: a refusal too)."""
         assert self._intake is not None
         self._send(identity, reply, request_id)
-        if isinstance(reply, Error):
+        if isinstance(reply, Error | BatchFailed):
             cut = self._intake.refused(identity, reply)
             if cut is not None:
                 self._send(identity, cut, None)

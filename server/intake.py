@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dalid.protocol import Error, ErrorCode
+from dalid.protocol import BatchFailed, Error, ErrorCode
 
 from .credentials import PeerCredentials, SocketId, read_peer, shut_down
 
@@ -192,7 +192,7 @@ class Intake:
             )
         return Verdict.PROCESS
 
-    def refused(self, identity: bytes, error: Error) -> Error | None:
+    def refused(self, identity: bytes, error: Error | BatchFailed) -> Error | None:
         """Counts a refused request of ``identity``: the error that cuts the connection, when
         it has had more refusals than its limits allow, else None."""
         connection = self._by_identity.get(identity)

@@ -51,6 +51,7 @@ from dalid.protocol import (
 )
 
 from .admission import Admission, WaitingBatch
+from .batch_ids import BatchIds
 from .errors import RequestRefused
 from .outputs import JobOutputs
 from .status import RateMeter
@@ -82,7 +83,6 @@ class Job:
     pipelines: dict[int, Member] = field(default_factory=dict)
     deferred: dict[int, PendingBatch] = field(default_factory=dict)
     peers: set[bytes] = field(default_factory=set)
-    next_batch_id: int = 1
     closed: bool = False
     batches_failed: int = 0
     # Batches delivered as private copies (Note [Private copies] in copies.py).
@@ -161,6 +161,8 @@ class Peer:
     # A worker that joined as an earlier job of its trainer: that job's token. Its batches name
     # pipelines by their ids in that job.
     earlier_token: str = ""
+    # The ids its batches may take (batch_ids.py).
+    batch_ids: BatchIds = field(default_factory=BatchIds)
 
 
 class JobRegistry:

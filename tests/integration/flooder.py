@@ -21,10 +21,12 @@ Prints ``flooding`` once the flood starts; runs until killed (the last two modes
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -39,6 +41,7 @@ from dalid.protocol import (
     RegisterPipeline,
     Role,
     SubmitBatch,
+    Welcome,
     decode,
     encode,
 )
@@ -67,20 +70,23 @@ def _request(sock: zmq.Socket[Any], message: Any, rid: int, timeout: float = 30.
     raise SystemExit(f"no answer to {message.OP}")
 
 
-def _trainer(sock: zmq.Socket[Any]) -> int:
-    """Hello and a registered pipeline; the pipeline's id."""
-    _request(sock, Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, name="flooder"), 1)
+def _trainer(sock: zmq.Socket[Any]) -> tuple[int, int]:
+    """Hello and a registered pipeline; the pipeline's id and the connection's batch ids' base."""
+    welcome = _request(sock, Hello(PROTOCOL_VERSION, os.getpid(), Role.TRAINER, name="flooder"), 1)
+    assert isinstance(welcome, Welcome), welcome
     serialized = memoryview(two_output_pipeline().serialize())
     registered = _request(sock, RegisterPipeline(serialized, ("data",), 2, 8, 1, 1), 2)
     assert isinstance(registered, PipelineRegistered), registered
-    return registered.pipeline_id
+    return registered.pipeline_id, welcome.batch_id_base
 
 
-def _batch(pipeline_id: int, sample_bytes: int, samples: int = 1) -> list[Any]:
+def _batches(pipeline_id: int, base: int, sample_bytes: int, samples: int = 1) -> Iterator[Any]:
+    """The frames of one batch after another, each under the connection's next id."""
     side = max(1, int((sample_bytes // 4) ** 0.5))
     data = memoryview(bytes(side * side * 4))
     batch = InputBatch("data", "int32", ((side, side),) * samples, (data,) * samples)
-    return encode(SubmitBatch(pipeline_id, (batch,)), 9)
+    for batch_id in itertools.count(base + 1):
+        yield encode(SubmitBatch(pipeline_id, (batch,), batch_id), 9)
 
 
 def _print_cuts(sock: zmq.Socket[Any], seen: set[str]) -> None:
@@ -95,10 +101,10 @@ def _print_cuts(sock: zmq.Socket[Any], seen: set[str]) -> None:
 
 
 def flood_batches(sock: zmq.Socket[Any], sample_bytes: int, read: bool) -> None:
-    frames = _batch(_trainer(sock), sample_bytes)
+    batches = _batches(*_trainer(sock), sample_bytes)
     print("flooding", flush=True)
     seen: set[str] = set()
-    while True:
+    for frames in batches:
         sock.send_multipart(frames, copy=False)
         if read:
             _print_cuts(sock, seen)
@@ -123,7 +129,7 @@ def flood_unread(sock: zmq.Socket[Any]) -> None:
 
 
 def oversized(sock: zmq.Socket[Any], sample_bytes: int) -> None:
-    frames = _batch(_trainer(sock), sample_bytes, samples=40)
+    frames = next(_batches(*_trainer(sock), sample_bytes, samples=40))
     print("flooding", flush=True)
     sock.send_multipart(frames, copy=False)
     seen: set[str] = set()

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 import dalid.client as dalid
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    BatchAccepted,
+    Error,
     ErrorCode,
     Goodbye,
     Hello,
@@ -34,6 +36,7 @@ from dalid.protocol import (
     ScheduleBatch,
     Shutdown,
     SubmitBatch,
+    Welcome,
     encode,
     endpoint,
     transport,
@@ -161,7 +164,8 @@ def test_a_region_released_twice_is_refused_the_second_time(daemon: DaemonProces
     context: zmq.Context[Any] = zmq.Context()
     peer = RawPeer(context, daemon.socket)
     try:
-        peer.request(trainer_hello())
+        welcome = peer.request(trainer_hello())
+        assert isinstance(welcome, Welcome)
         registered = peer.request(
             RegisterPipeline(
                 memoryview(two_output_pipeline().serialize()), ("data",), 2, BATCH, 1, 1
@@ -170,7 +174,10 @@ def test_a_region_released_twice_is_refused_the_second_time(daemon: DaemonProces
         assert isinstance(registered, PipelineRegistered)
         frames = tuple(memoryview(sample(i).tobytes()) for i in range(2))
         batch = InputBatch("data", "int32", ((4, 3), (4, 3)), frames)
-        peer.request(SubmitBatch(registered.pipeline_id, (batch,)))
+        batch_id = welcome.batch_id_base + 1
+        assert isinstance(
+            peer.request(SubmitBatch(registered.pipeline_id, (batch,), batch_id)), BatchAccepted
+        )
         assert peer.sock.poll(10000)
         ready = transport.recv(peer.sock).message
         ids = tuple(output.region_id for output in ready.outputs)  # type: ignore[attr-defined]
@@ -181,6 +188,57 @@ def test_a_region_released_twice_is_refused_the_second_time(daemon: DaemonProces
     finally:
         peer.close()
         context.term()
+
+
+def test_a_peer_reusing_another_batchs_id_is_refused_and_nothing_else_breaks(
+    daemon: DaemonProcess,
+) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    with dalid.connect(socket=daemon.socket, autostart=False) as session:
+        proxy = session.proxy(two_output_pipeline())
+        target = proxy.target
+        refs = [proxy(sample(i)) for i in range(2)]
+        batch_ref = torch.utils.data.default_collate(refs)
+        taken = batch_ref[0].pipe_run_ref.batch_id
+        assert taken is not None
+        # A peer of the same job (it has the token) names the batch the worker sent, then its
+        # own ids out of order.
+        peer = RawPeer(context, daemon.socket)
+        try:
+            welcome = peer.request(
+                Hello(
+                    PROTOCOL_VERSION,
+                    os.getpid(),
+                    Role.WORKER,
+                    job_id=target.job_id,
+                    job_token=target.job_token,
+                )
+            )
+            assert isinstance(welcome, Welcome)
+            frames = tuple(memoryview(sample(i).tobytes()) for i in range(2))
+            inputs = (InputBatch("data", "int32", ((4, 3), (4, 3)), frames),)
+            own = welcome.batch_id_base + 5
+            for batch_id, answer in [
+                (taken, "is not this connection's"),
+                (own, None),
+                (own, "was taken already"),
+                (own - 1, "was taken already"),
+            ]:
+                reply = peer.request(SubmitBatch(target.pipeline_id, inputs, batch_id))
+                if answer is None:
+                    assert isinstance(reply, BatchAccepted), reply
+                else:
+                    assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_BATCH
+                    assert answer in reply.message
+        finally:
+            peer.close()
+        # The worker's batch is untouched: its own outputs, once.
+        scaled, shifted = session.produce_data(batch_ref)
+        (expected,) = run_in_process(two_output_pipeline(), [{"data": [sample(0), sample(1)]}])
+        np.testing.assert_array_equal(scaled.numpy(), expected[0])
+        np.testing.assert_array_equal(shifted.numpy(), expected[1])
+        check_outputs(session)
+    context.term()
 
 
 # --- fuzzing ---------------------------------------------------------------------------------
@@ -213,8 +271,10 @@ def _valid_messages(serialized: bytes, pipeline_id: int) -> list[Message]:
         Ping(),
         Goodbye(),
         RegisterPipeline(memoryview(serialized), ("data",), 2, BATCH, 1, 1),
-        SubmitBatch(pipeline_id, (InputBatch("data", "int32", ((4, 3), (4, 3)), frames),)),
-        SubmitBatch(pipeline_id, (InputBatch("data", "int32", ((4, 3),), frames[:1]),), True),
+        SubmitBatch(pipeline_id, (InputBatch("data", "int32", ((4, 3), (4, 3)), frames),), 1 << 32),
+        SubmitBatch(
+            pipeline_id, (InputBatch("data", "int32", ((4, 3),), frames[:1]),), 2, deferred=True
+        ),
         ScheduleBatch(1),
         ReleaseRegions((1, 2, 3)),
         ReleaseRegions((1, 1)),

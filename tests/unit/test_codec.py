@@ -84,6 +84,8 @@ def _submit_batch() -> SubmitBatch:
                 samples=(memoryview(b"abc"), memoryview(b""), memoryview(b"hello")),
             ),
         ),
+        # A worker's id: its connection's range (a multiple of 2**32) plus its counter.
+        batch_id=(3 << 32) + 5,
         deferred=True,
     )
 

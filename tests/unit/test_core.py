@@ -3,6 +3,8 @@ tests/integration)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import queue
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from nvidia.dali.data_node import DataNode
 from dalid.protocol import (
     PROTOCOL_VERSION,
     BatchAccepted,
+    BatchFailed,
     BatchReady,
     EarlierJob,
     EarlierPipeline,
@@ -28,6 +31,7 @@ from dalid.protocol import (
     RegisterPipeline,
     ReleaseRegions,
     Role,
+    ScheduleBatch,
     SubmitBatch,
     TrainerProgress,
     Welcome,
@@ -87,7 +91,21 @@ def _register(core: PushingCore) -> int:
     return reply.pipeline_id
 
 
-def _batch(pipeline_id: int, *samples: np.ndarray) -> SubmitBatch:
+_counter = itertools.count(1)
+
+
+def _next_id(core: DaemonCore, identity: bytes) -> int:
+    """An id of the connection's range above any it used (ids rise across the tests)."""
+    return core.peers[identity].batch_ids.base + next(_counter)
+
+
+def _batch(
+    core: DaemonCore,
+    identity: bytes,
+    pipeline_id: int,
+    *samples: np.ndarray,
+    deferred: bool = False,
+) -> SubmitBatch:
     return SubmitBatch(
         pipeline_id,
         (
@@ -98,6 +116,8 @@ def _batch(pipeline_id: int, *samples: np.ndarray) -> SubmitBatch:
                 tuple(sample.data for sample in samples),
             ),
         ),
+        _next_id(core, identity),
+        deferred=deferred,
     )
 
 
@@ -123,7 +143,7 @@ def test_a_batch_runs_and_its_regions_are_leased_until_released(core: PushingCor
     _hello(core)
     pipeline_id = _register(core)
     samples = [np.full((2, 3), i, np.int32) for i in range(3)]
-    accepted = core.handle(TRAINER, _batch(pipeline_id, *samples), 3)
+    accepted = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, *samples), 3)
     assert isinstance(accepted, BatchAccepted)
     peer, ready, rid = core.pushed.get(timeout=30)
     assert peer == TRAINER and rid is None and isinstance(ready, BatchReady)
@@ -142,15 +162,22 @@ def test_bad_batches_are_refused_before_they_are_queued(core: PushingCore) -> No
     _hello(core)
     pipeline_id = _register(core)
     sample = np.zeros((2, 3), np.int32)
-    unknown = core.handle(TRAINER, _batch(pipeline_id + 1, sample), 3)
-    assert isinstance(unknown, Error) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
-    too_big = core.handle(TRAINER, _batch(pipeline_id, *[sample] * 5), 4)
-    assert isinstance(too_big, Error) and "max_batch_size" in too_big.message
+    # Refused once sent, each fails as its batch (the trainer sent these: no push).
+    unknown = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id + 1, sample), 3)
+    assert isinstance(unknown, BatchFailed) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
+    too_big = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, *[sample] * 5), 4)
+    assert isinstance(too_big, BatchFailed) and "max_batch_size" in too_big.message
     with pytest.raises(ValueError, match="needs 32 bytes, its frame has 24"):
         InputBatch("x", "int32", ((2, 4),), (sample.data,))  # refused before it is sent
-    wrong_name = SubmitBatch(pipeline_id, (InputBatch("y", "int32", ((2, 3),), (sample.data,)),))
+    wrong_name = SubmitBatch(
+        pipeline_id,
+        (InputBatch("y", "int32", ((2, 3),), (sample.data,)),),
+        _next_id(core, TRAINER),
+    )
     reply = core.handle(TRAINER, wrong_name, 6)
-    assert isinstance(reply, Error) and "takes ['x']" in reply.message
+    assert isinstance(reply, BatchFailed) and "takes ['x']" in reply.message
+    assert reply.batch_id == wrong_name.batch_id
+    assert core.pushed.empty()
 
 
 def test_a_worker_needs_the_job_token(core: PushingCore) -> None:
@@ -175,7 +202,7 @@ def test_goodbye_frees_the_job(core: PushingCore) -> None:
 
     _hello(core)
     pipeline_id = _register(core)
-    core.handle(TRAINER, _batch(pipeline_id, np.zeros((1,), np.int32)), 3)
+    core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, np.zeros((1,), np.int32)), 3)
     core.pushed.get(timeout=30)
     outputs = core.jobs[1].outputs
     assert outputs.slab_count == 1
@@ -225,14 +252,14 @@ def test_a_worker_of_an_earlier_job_joins_the_new_job_and_submits_under_the_earl
     assert (joined.job_id, joined.job_token) == (welcome.job_id, welcome.job_token)
     assert core.status().jobs[0].workers == 1
     sample = np.arange(6, dtype=np.int32).reshape(2, 3)
-    accepted = core.handle(WORKER, _batch(42, sample), 3)
+    accepted = core.handle(WORKER, _batch(core, WORKER, 42, sample), 3)
     assert isinstance(accepted, BatchAccepted)
     peer, ready, _ = core.pushed.get(timeout=30)
     assert peer == TRAINER and isinstance(ready, BatchReady)
     assert (ready.batch_id, ready.pipeline_id) == (accepted.batch_id, pipeline_id)
     # An id the pipeline never had in the earlier job names nothing for this worker.
-    unknown = core.handle(WORKER, _batch(pipeline_id, sample), 4)
-    assert isinstance(unknown, Error) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
+    unknown = core.handle(WORKER, _batch(core, WORKER, pipeline_id, sample), 4)
+    assert isinstance(unknown, BatchFailed) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
 
 
 def test_an_earlier_job_still_needs_its_token(core: PushingCore) -> None:
@@ -246,9 +273,11 @@ def test_an_earlier_job_still_needs_its_token(core: PushingCore) -> None:
 def test_a_worker_before_the_pipeline_is_registered_again_is_told_so(core: PushingCore) -> None:
     _trainer_hello(core, TRAINER, EarlierJob(7, OLD_TOKEN))
     assert isinstance(_worker_hello(core, WORKER, 7, OLD_TOKEN), Welcome)
-    reply = core.handle(WORKER, _batch(42, np.zeros((1,), np.int32)), 2)
-    assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_PIPELINE
+    reply = core.handle(WORKER, _batch(core, WORKER, 42, np.zeros((1,), np.int32)), 2)
+    assert isinstance(reply, BatchFailed) and reply.code is ErrorCode.UNKNOWN_PIPELINE
     assert "not registered again pipeline 42" in reply.message
+    # The worker handed the batch on: its trainer is told, and submits it again.
+    assert core.pushed.get_nowait() == (TRAINER, reply, None)
 
 
 def test_a_claim_on_an_identity_that_names_a_job_here_is_refused(core: PushingCore) -> None:
@@ -304,7 +333,7 @@ def test_earlier_jobs_go_when_the_job_ends(core: PushingCore) -> None:
 def test_a_worker_of_an_earlier_job_reaches_no_other_jobs_regions(core: PushingCore) -> None:
     first = _hello(core)
     pipeline_id = _register(core)
-    core.handle(TRAINER, _batch(pipeline_id, np.zeros((1,), np.int32)), 3)
+    core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, np.zeros((1,), np.int32)), 3)
     _, ready, _ = core.pushed.get(timeout=30)
     assert isinstance(ready, BatchReady)
     (output,) = ready.outputs
@@ -385,8 +414,8 @@ def test_batches_over_the_jobs_share_of_input_memory_are_refused(core: PushingCo
     pipeline_id = _register(core)
     share = core.inputs.job_limit
     big = np.zeros(share // 4 + 1, np.int32)
-    reply = core.handle(TRAINER, _batch(pipeline_id, big), 3)
-    assert isinstance(reply, Error) and reply.code is ErrorCode.RESOURCE_EXHAUSTED
+    reply = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, big), 3)
+    assert isinstance(reply, BatchFailed) and reply.code is ErrorCode.RESOURCE_EXHAUSTED
     assert "--input-memory" in reply.message
     assert core.inputs.held == 0
 
@@ -399,12 +428,126 @@ def test_deferred_batches_are_bounded_too() -> None:
         _hello(core)
         pipeline_id = _register(core)
         sample = np.zeros((2, 3), np.int32)
-        deferred = SubmitBatch(pipeline_id, _batch(pipeline_id, sample).inputs, deferred=True)
         for rid in (3, 4):
+            deferred = _batch(core, TRAINER, pipeline_id, sample, deferred=True)
             assert isinstance(core.handle(TRAINER, deferred, rid), BatchAccepted)
-        refused = core.handle(TRAINER, deferred, 5)
+        # A deferred batch's sender waits for the answer: refused as an error, as before.
+        refused = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, sample, deferred=True), 5)
         assert isinstance(refused, Error) and "2 deferred batches" in refused.message
         assert core.inputs.held == 2 * sample.nbytes
     finally:
         core.close()
     assert core.inputs.held == 0
+
+
+# --- batch ids: chosen by the submitter, refused as data ------------------------------------------
+
+
+def _joined_worker(core: PushingCore, identity: bytes, welcome: Welcome) -> Welcome:
+    joined = _worker_hello(core, identity, welcome.job_id, welcome.job_token)
+    assert isinstance(joined, Welcome)
+    return joined
+
+
+def test_each_connection_gets_a_range_of_batch_ids_of_its_own(core: PushingCore) -> None:
+    welcome = _hello(core)
+    worker = _joined_worker(core, WORKER, welcome)
+    other = _joined_worker(core, b"other worker", welcome)
+    bases = {welcome.batch_id_base, worker.batch_id_base, other.batch_id_base}
+    assert len(bases) == 3 and all(base > 0 and base % (1 << 32) == 0 for base in bases)
+
+
+def test_an_id_that_is_not_the_connections_next_is_refused_and_touches_nothing(
+    core: PushingCore,
+) -> None:
+    welcome = _hello(core)
+    pipeline_id = _register(core)
+    worker = _joined_worker(core, WORKER, welcome)
+    sample = np.zeros((2, 3), np.int32)
+    taken = _batch(core, WORKER, pipeline_id, sample)
+    assert isinstance(core.handle(WORKER, taken, 3), BatchAccepted)
+    _, ready, _ = core.pushed.get(timeout=30)
+    assert isinstance(ready, BatchReady) and ready.batch_id == taken.batch_id
+    hostile = [
+        0,  # no id
+        taken.batch_id,  # its own, again
+        taken.batch_id - 1,  # its own, below the last
+        welcome.batch_id_base + 1,  # the trainer's
+        worker.batch_id_base + (1 << 32),  # past its range: the next connection's
+    ]
+    for rid, batch_id in enumerate(hostile, start=4):
+        request = dataclasses.replace(_batch(core, WORKER, pipeline_id, sample), batch_id=batch_id)
+        reply = core.handle(WORKER, request, rid)
+        assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID_BATCH, batch_id
+        assert f"batch id {batch_id} " in reply.message
+    # Nothing ran, failed or reached the trainer, nor took input memory; the worker goes on.
+    assert core.pushed.empty() and core.inputs.held <= sample.nbytes  # the first's, if not freed
+    assert core.jobs[welcome.job_id].batches_failed == 0
+    assert isinstance(
+        core.handle(WORKER, _batch(core, WORKER, pipeline_id, sample), 9), BatchAccepted
+    )
+    _, ready, _ = core.pushed.get(timeout=30)
+    assert isinstance(ready, BatchReady)
+
+
+def test_another_jobs_trainer_cannot_schedule_a_deferred_batch(core: PushingCore) -> None:
+    _hello(core)
+    pipeline_id = _register(core)
+    deferred = _batch(core, TRAINER, pipeline_id, np.zeros((1,), np.int32), deferred=True)
+    assert isinstance(core.handle(TRAINER, deferred, 3), BatchAccepted)
+    assert isinstance(_trainer_hello(core, b"other trainer"), Welcome)
+    refused = core.handle(b"other trainer", ScheduleBatch(deferred.batch_id), 2)
+    assert isinstance(refused, Error) and refused.code is ErrorCode.UNKNOWN_BATCH
+    assert isinstance(core.handle(TRAINER, ScheduleBatch(deferred.batch_id), 4), Ok)
+    peer, ready, _ = core.pushed.get(timeout=30)
+    assert peer == TRAINER and isinstance(ready, BatchReady)
+    assert ready.batch_id == deferred.batch_id
+
+
+def test_a_workers_batch_refused_once_sent_fails_to_its_trainer(core: PushingCore) -> None:
+    welcome = _hello(core)
+    pipeline_id = _register(core)
+    _joined_worker(core, WORKER, welcome)
+    sample = np.zeros((2, 3), np.int32)
+    too_big = _batch(core, WORKER, pipeline_id, *[sample] * 5)
+    reply = core.handle(WORKER, too_big, 3)
+    # The answer to the worker, and the same failure for the batch to its trainer.
+    assert isinstance(reply, BatchFailed) and reply.batch_id == too_big.batch_id
+    assert reply.code is ErrorCode.INVALID_BATCH and "max_batch_size" in reply.message
+    assert core.pushed.get_nowait() == (TRAINER, reply, None)
+    assert core.jobs[welcome.job_id].batches_failed == 1
+    # A deferred batch's sender waits for the answer: an error to it, nothing to the trainer.
+    deferred = _batch(core, WORKER, pipeline_id + 1, sample, deferred=True)
+    refused = core.handle(WORKER, deferred, 4)
+    assert isinstance(refused, Error) and refused.code is ErrorCode.UNKNOWN_PIPELINE
+    assert core.pushed.empty()
+
+
+def test_held_back_batches_of_a_worker_that_left_fail_to_its_trainer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core = PushingCore(
+        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16, max_inflight_batches=1)
+    )
+    try:
+        welcome = _hello(core)
+        pipeline_id = _register(core)
+        _joined_worker(core, WORKER, welcome)
+        # The job's one place stays taken once its first batch is done.
+        monkeypatch.setattr(core.jobs[welcome.job_id].admission, "answered", lambda batch: None)
+        sample = np.zeros((2, 3), np.int32)
+        first, second = (_batch(core, WORKER, pipeline_id, sample) for _ in range(2))
+        assert isinstance(core.handle(WORKER, first, 3), BatchAccepted)
+        assert core.handle(WORKER, second, 4) is None  # held back
+        core.peer_disconnected(WORKER)
+        results: dict[int, BatchReady | BatchFailed] = {}
+        while len(results) < 2:
+            peer, message, _ = core.pushed.get(timeout=30)
+            assert peer == TRAINER and isinstance(message, BatchReady | BatchFailed)
+            results[message.batch_id] = message
+        assert isinstance(results[first.batch_id], BatchReady)
+        dropped = results[second.batch_id]
+        assert isinstance(dropped, BatchFailed) and dropped.code is ErrorCode.UNKNOWN_BATCH
+        assert "worker that sent it" in dropped.message
+    finally:
+        core.close()

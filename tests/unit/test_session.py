@@ -119,11 +119,17 @@ def test_a_batch_a_worker_could_not_send_is_submitted_by_the_trainer(
         proxy = session.proxy(doubling())
         assert _values(session.produce_data(_batch(proxy, 0))) == [0, 1]
         daemon.stop()
-        unsent = _batch(proxy, 2)  # the worker finds the daemon gone: no error, no batch id
+        # A worker sends without waiting (Note [Submitting without waiting]): this batch goes
+        # to the dead daemon under its id, and the next finds the daemon gone when it waits
+        # for that batch's acknowledgment: no error, no batch id.
+        lost = _batch(proxy, 2)
+        assert lost.pipe_run_ref.batch_id is not None
+        unsent = _batch(proxy, 4)
         assert unsent.pipe_run_ref.batch_id is None
         daemon.start()
-        assert _values(session.produce_data(unsent)) == [2, 3]
-        assert session.reconnects == 1 and session.submitted_by_trainer == 1
+        assert _values(session.produce_data(lost)) == [2, 3]
+        assert _values(session.produce_data(unsent)) == [4, 5]
+        assert session.reconnects == 1 and session.submitted_by_trainer == 2
 
 
 def test_a_worker_of_the_earlier_job_joins_the_new_one(daemon: ServedCore) -> None:
