@@ -47,11 +47,11 @@ def _libc() -> ctypes.CDLL | None:
 @functools.cache
 def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     libc = _libc()
-    try:
-        trim = libc.malloc_trim if libc is not None else None
-    except AttributeError:
+    if libc is None:
         return None
-    if trim is None:
+    try:
+        trim = libc.malloc_trim
+    except AttributeError:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
@@ -70,12 +70,12 @@ def limit_malloc_arenas(arenas: int) -> bool:
     if arenas <= 0:
         return False
     libc = _libc()
+    if libc is None:
+        return False
     try:
-        mallopt = libc.mallopt if libc is not None else None
+        mallopt = libc.mallopt
     except AttributeError:
         return False  # not glibc
-    if mallopt is None:
-        return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     if mallopt(M_ARENA_MAX, arenas) != 1:
