@@ -70,9 +70,8 @@ HOPS = [
     ("executor: feed DALI and start the run", "x.schedule>", "x.schedule<"),
     ("DALI: the run, until its outputs are out", "x.collect>", "x.collect<"),
     ("executor: account, slots, copy-out, batch_ready", "x.collect<", "d.push"),
-    ("executor -> the daemon's I/O thread", "d.push", "d.send:batch_ready>"),
-    ("daemon I/O: encode and send batch_ready", "d.send:batch_ready>", "d.send:batch_ready<"),
-    ("ZeroMQ: batch_ready -> the trainer", "d.send:batch_ready>", "c.recv:batch_ready"),
+    ("executor: encode and send batch_ready", "d.push", "d.send_now:batch_ready<"),
+    ("ZeroMQ: batch_ready -> the trainer", "d.send_now:batch_ready>", "c.recv:batch_ready"),
     ("trainer: map and wrap the outputs as tensors", "c.tensors>", "c.tensors<"),
     ("trainer: the rest, until the round trip ends", "c.tensors<", "step<"),
     (
@@ -118,7 +117,7 @@ def _op(*args: Any, **_: Any) -> str:
 def trace_daemon() -> None:
     """Stamps in the daemon process: its I/O thread and its executors."""
     from dalid.protocol import Message, transport
-    from dalid.server import core, daemon, executor, run_planner, runner
+    from dalid.server import core, daemon, executor, run_planner, runner, shared_socket
 
     decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
 
@@ -141,6 +140,7 @@ def trace_daemon() -> None:
         push(self, identity, message, request_id)
 
     daemon.Daemon.push = traced_push  # type: ignore[method-assign]
+    _wrap(shared_socket.SharedSocket, "_send_now", "d.send_now", _op)
     next_run = run_planner.RunPlanner.next_run
 
     def traced_next_run(self: Any, *args: Any, **kwargs: Any) -> Any:

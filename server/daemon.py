@@ -1,8 +1,8 @@
 """The daemon process: one ROUTER socket, one I/O loop, and the core behind it.
 
-The I/O thread alone touches the socket. Executors hand their results to :meth:`Daemon.push`,
-which queues them and wakes the loop through an eventfd that the poller watches beside the
-socket. Signals wake it the same way.
+The I/O thread receives every message; an executor sends a batch's result itself, and what
+cannot leave at once waits for the loop in an outbox (:mod:`.shared_socket`). The loop waits on
+the socket's descriptor and an eventfd beside it, which executors and signals write to wake it.
 
 A peer that dies is noticed by its connection, in any pid namespace: the kernel closes a killed
 process's socket at once, and ZeroMQ heartbeats close one whose process stopped answering
@@ -25,7 +25,6 @@ queues, from bind to close, and its loop; split further, those would pass betwee
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -74,6 +73,7 @@ from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
 from .repository import PipelineRepository
+from .shared_socket import SharedSocket
 from .shm import host_outputs
 from .socket_claim import AlreadyRunning, SocketClaim
 
@@ -88,7 +88,6 @@ EXIT_UNSAFE_PATH = 5
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
-_POLLIN = int(zmq.POLLIN)
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
 # How often the status snapshot that the metrics endpoint serves is refreshed.
@@ -132,7 +131,6 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self._outbox: collections.deque[tuple[bytes, Message, int | None]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
         self._stop_signal: int | None = None
@@ -140,7 +138,7 @@ class Daemon:
         self._linger_ms = 0
         self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
-        self._socket: zmq.Socket[Any] | None = None
+        self._socket = SharedSocket(self._wake, self._deliverable, self._undelivered)
         self._monitor: zmq.Socket[Any] | None = None
         # Every open connection, what it may do and who is behind it.
         self._intake: Intake | None = None
@@ -154,9 +152,8 @@ class Daemon:
     # --- wake-ups from other threads and signals ------------------------------------------------
 
     def push(self, identity: bytes, message: Message, request_id: int | None = None) -> None:
-        """Queues ``message`` for ``identity``; safe from any thread."""
-        self._outbox.append((identity, message, request_id))
-        self._wake()
+        """Sends ``message`` to ``identity``, or leaves it for the loop; safe from any thread."""
+        self._socket.push(identity, message, request_id)
 
     def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
         if not self._stop.is_set():
@@ -260,7 +257,7 @@ class Daemon:
         self._context = zmq.Context()
         previous = os.umask(0o177)  # the socket file is created 0600
         try:
-            self._socket = transport.make_socket(
+            sock = transport.make_socket(
                 self._context,
                 zmq.ROUTER,
                 endpoint(config.socket),
@@ -272,7 +269,8 @@ class Daemon:
             )
         finally:
             os.umask(previous)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._socket.open(sock)
+        self._monitor = self._socket.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if config.metrics_port is not None:
             from .metrics import serve_metrics
 
@@ -300,14 +298,10 @@ class Daemon:
         if self.core is not None:
             self.core.close()
             self.core = None
+        self._socket.close(self._linger_ms)
         if self._monitor is not None:
-            assert self._socket is not None
-            self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
-        if self._socket is not None:
-            self._socket.close(linger=self._linger_ms)
-            self._socket = None
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -319,10 +313,11 @@ class Daemon:
     # --- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        assert self._socket is not None and self.core is not None
-        assert self._monitor is not None and self._intake is not None
+        assert self.core is not None and self._monitor is not None and self._intake is not None
+        # The socket's descriptor, not the socket (Note [Sending from an executor]).
+        socket_fd = self._socket.loop_starts()
         poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        poller.register(socket_fd, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
@@ -335,7 +330,9 @@ class Daemon:
         while not self._stop.is_set() and not self.core.stop_requested:
             next_cut = self._intake.next_cut()
             wait_ms = 500 if next_cut is None else min(500, int(next_cut * 1000) + 1)
-            events = dict(poller.poll(timeout=wait_ms))
+            # A message that waits already may have no news left to signal on the descriptor.
+            waiting = self._socket.readable()
+            events = dict(poller.poll(timeout=0 if waiting else wait_ms))
             if self._wake_fd in events:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
@@ -343,12 +340,12 @@ class Daemon:
             # messages, and those must not be taken for the old peer's.
             if self._monitor in events:
                 self._connection_events()
-            if self._socket in events:
+            if waiting or socket_fd in events or self._wake_fd in events:
                 self._receive_turn()
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
-            self._flush_outbox()
+            self._socket.flush()
             self._intake.cut_due()
             now = time.monotonic()
             if now >= next_reap:
@@ -376,7 +373,7 @@ class Daemon:
             if timeout is not None and idle_since is not None and now - idle_since >= timeout:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
-        self._flush_outbox()
+        self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
             self._tell_peers(stop_reason(self._stop_signal))
 
@@ -404,18 +401,14 @@ class Daemon:
         """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
         connection after the other); the rest wait for the next turn, after the loop has sent
         what is ready."""
-        assert self._socket is not None and self.core is not None and self._intake is not None
         deadline = time.monotonic() + TURN_SECONDS
         for _ in range(TURN_MESSAGES):
-            try:
-                frames = transport.recv_frames(self._socket, zmq.NOBLOCK)
-            except zmq.Again:
+            # Asked, rather than failing a receive with zmq.Again.
+            if not self._socket.readable():
                 return
-            self._receive(frames)
+            self._receive(self._socket.receive())
             if time.monotonic() >= deadline:
                 return
-            if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
-                return  # drained (asked, rather than failing a receive with zmq.Again)
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None
@@ -472,25 +465,27 @@ class Daemon:
             if gone is not None:
                 self.core.peer_disconnected(gone)
 
-    def _flush_outbox(self) -> None:
-        assert self.core is not None
-        while self._outbox:
-            identity, message, request_id = self._outbox.popleft()
-            if (
-                isinstance(message, BatchReady | BatchFailed)
-                and self.core.job_for(identity) is None
-            ):
-                continue  # the job ended while the batch ran; its pool is already freed
-            self._send(identity, message, request_id)
+    def _deliverable(self, identity: bytes, message: Message) -> bool:
+        """False for a batch's result whose job ended while the batch ran: its pool is freed.
+
+        An executor asks without the loop's order, so a job that ends at that moment may still
+        get the result; its trainer, leaving or gone, could as well have had it a moment
+        earlier, and reads it as any result that was on its way when it left."""
+        core = self.core
+        return not isinstance(message, BatchReady | BatchFailed) or (
+            core is not None and core.job_for(identity) is not None
+        )
 
     def _send(self, identity: bytes, message: Message, request_id: int | None) -> None:
-        assert self._socket is not None and self.core is not None and self._intake is not None
-        try:
-            transport.send_to(self._socket, identity, message, request_id, block=False)
-        except zmq.Again:
+        self._socket.send(identity, message, request_id)
+
+    def _undelivered(self, identity: bytes, error: zmq.ZMQError) -> None:
+        """A message could not be sent to ``identity`` (in the loop's thread)."""
+        assert self.core is not None and self._intake is not None
+        if isinstance(error, zmq.Again):
             # Its queue is full: the peer does not read what it is sent.
             self._intake.unreachable(identity)
-        except zmq.ZMQError as error:
-            if error.errno != zmq.EHOSTUNREACH:
-                raise
+        elif error.errno == zmq.EHOSTUNREACH:
             self.core.trainer_unreachable(identity)
+        else:
+            raise error
