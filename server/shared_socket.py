@@ -40,9 +40,11 @@ _NOBLOCK = int(zmq.NOBLOCK)
 # loop ends its job), one sent while the loop holds the socket (the loop is busy, and sends it
 # before it sleeps), or before the socket is open. The loop's own messages go as before.
 #
-# The lock guards the socket and the outbox, nothing else: no one calls into the daemon's core
-# while holding it. An executor sends a result while it holds its job's ``writing`` lock, and
-# ending a job, which a failed send can do, waits for that lock.
+# The lock guards the socket and the outbox, nothing else: whoever holds it calls into the
+# daemon's core only to look up whether a result's job still exists (``deliverable``, which
+# takes no lock). An executor sends a result while it holds its job's ``writing`` lock, and
+# ending a job, which a failed send can do, waits for that lock: so ``undelivered`` runs after
+# the lock is let go.
 
 
 class SharedSocket:
