@@ -19,8 +19,9 @@ reload; the log tells what it loaded).
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
 GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.socket_claim`.
 
-Why one module of some 490 lines: it is the one owner of the socket, its monitor and its
-queues, from bind to close, and its loop; split further, those would pass between modules.
+Why one module of some 490 lines: it owns the socket from bind to close (through
+:class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
+them; split further, those would pass between modules.
 """
 
 from __future__ import annotations
@@ -385,7 +386,7 @@ class Daemon:
         notice = stopping_notice(self.config.socket, reason)
         for identity in peers:
             with contextlib.suppress(zmq.ZMQError):
-                self._send(identity, notice, None)
+                self._socket.send(identity, notice, None)
         if peers:
             self._linger_ms = NOTICE_LINGER_MS
 
@@ -426,7 +427,7 @@ class Daemon:
         if verdict is Verdict.DROP:
             return
         if not isinstance(verdict, Verdict):
-            self._send(identity, verdict, None)
+            self._socket.send(identity, verdict, None)
             return
         try:
             envelope = decode(frames[1:])
@@ -443,11 +444,11 @@ class Daemon:
         """Sends a reply; a refusal counts against the connection's limits (a batch refused
         once sent is answered ``batch_failed``: a refusal too)."""
         assert self._intake is not None
-        self._send(identity, reply, request_id)
+        self._socket.send(identity, reply, request_id)
         if isinstance(reply, Error | BatchFailed):
             cut = self._intake.refused(identity, reply)
             if cut is not None:
-                self._send(identity, cut, None)
+                self._socket.send(identity, cut, None)
 
     def _connection_events(self) -> None:
         assert self._monitor is not None and self.core is not None and self._intake is not None
@@ -475,9 +476,6 @@ class Daemon:
         return not isinstance(message, BatchReady | BatchFailed) or (
             core is not None and core.job_for(identity) is not None
         )
-
-    def _send(self, identity: bytes, message: Message, request_id: int | None) -> None:
-        self._socket.send(identity, message, request_id)
 
     def _undelivered(self, identity: bytes, error: zmq.ZMQError) -> None:
         """A message could not be sent to ``identity`` (in the loop's thread)."""

@@ -124,7 +124,6 @@ class PipelineRunner:
         self.run_size = spec.max_batch_size * run_batches
         self.num_threads = num_threads or spec.num_threads
         self._pipeline: Any = None
-        self.scheduled = 0
         # What each scheduled run was fed, oldest first (``schedule``).
         self._fed: collections.deque[list[np.ndarray | list[np.ndarray]]] = collections.deque()
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
@@ -218,7 +217,7 @@ class PipelineRunner:
                 ErrorCode.INVALID_PIPELINE, f"DALI could not build the pipeline: {text.strip()}"
             ) from None
         self._pipeline = pipeline
-        self.scheduled = 0
+        self._fed.clear()
 
     def schedule(self, inputs: Mapping[str, Sequence[np.ndarray]]) -> None:
         """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""
@@ -234,7 +233,11 @@ class PipelineRunner:
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
         self._pipeline._run_once()
-        self.scheduled += 1
+
+    @property
+    def scheduled(self) -> int:
+        """Runs scheduled and not collected yet."""
+        return len(self._fed)
 
     def collect(self, cuda_stream: int | None = None) -> tuple[Any, ...]:
         """The outputs (DALI TensorLists) of the oldest scheduled run.
@@ -242,8 +245,8 @@ class PipelineRunner:
         With ``cuda_stream`` (a ``cudaStream_t``; the default executor only) GPU outputs, and CPU
         outputs copied from the GPU, are ready in that stream's order instead of on the host.
         """
-        self.scheduled -= 1
         outputs = tuple(self._pipeline.outputs(cuda_stream))
+        # A run that failed keeps what it was fed until the pipeline is rebuilt.
         self._fed.popleft()
         if len(outputs) != self.spec.num_outputs:
             raise PipelineBuildError(
@@ -278,7 +281,6 @@ class PipelineRunner:
 
     def close(self) -> None:
         self._pipeline = None
-        self.scheduled = 0
         self._fed.clear()
 
 
