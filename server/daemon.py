@@ -322,9 +322,10 @@ class Daemon:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
-        # What the last tick saw: a job that ended, a connection cut, or batch inputs freed
-        # since then (by executors that stop late too) leave freed memory to give back.
-        seen = (set(self.core.jobs), self._intake.cuts)
+        # A job that ended, a connection cut, or batch inputs freed (by executors that stop
+        # late too) since the last trim leave freed memory to give back. Counted, not sampled
+        # once a tick: a flooding job may come, be cut and go within one.
+        departures = self._departures()
         inputs_peak = self.core.inputs.held
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
@@ -352,17 +353,12 @@ class Daemon:
             if now >= next_reap:
                 self.core.reap()
                 next_reap = now + 1.0
-                jobs, cuts = seen
+                inputs_peak = max(inputs_peak, self.core.inputs.take_peak())
                 held = self.core.inputs.held
-                inputs_peak = max(inputs_peak, held)
-                if (
-                    jobs - self.core.jobs.keys()
-                    or cuts != self._intake.cuts
-                    or inputs_peak - held >= TRIM_AFTER_BYTES
-                ):
+                if departures != self._departures() or inputs_peak - held >= TRIM_AFTER_BYTES:
                     give_back_free_memory()
+                    departures = self._departures()
                     inputs_peak = held
-                seen = (set(self.core.jobs), self._intake.cuts)
             if now >= next_snapshot:
                 self.snapshot = self.core.status()
                 next_snapshot = now + SNAPSHOT_INTERVAL_S
@@ -397,6 +393,11 @@ class Daemon:
             return
         log.info("SIGHUP: reloading the pipeline repository %s", self.config.pipelines)
         self.core.reload_repository()
+
+    def _departures(self) -> int:
+        """Jobs ended and cut connections gone, so far."""
+        assert self.core is not None and self._intake is not None
+        return self.core.registry.ended + self._intake.cuts
 
     def _receive_turn(self) -> None:
         """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one

@@ -34,6 +34,7 @@ class InputMemory:
         self._lock = threading.Lock()
         self._by_job: defaultdict[int, int] = defaultdict(int)
         self._total = 0
+        self._peak = 0
 
     @property
     def job_limit(self) -> int:
@@ -43,6 +44,15 @@ class InputMemory:
     @property
     def held(self) -> int:
         return self._total
+
+    def take_peak(self) -> int:
+        """The most held at once since the last call, and starts the next span.
+
+        Batches may come and go between two looks at :attr:`held`; this sees them.
+        """
+        with self._lock:
+            peak, self._peak = self._peak, self._total
+            return peak
 
     def held_by(self, job_id: int) -> int:
         with self._lock:
@@ -70,6 +80,7 @@ class InputMemory:
                 )
             self._by_job[job_id] = held + nbytes
             self._total += nbytes
+            self._peak = max(self._peak, self._total)
         weakref.finalize(holder, self._give_back, job_id, nbytes)
 
     def _give_back(self, job_id: int, nbytes: int) -> None:

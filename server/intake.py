@@ -109,7 +109,7 @@ class Intake:
         # Connections told they are cut, whose sockets are still to be shut down (by id).
         self._cutting: dict[int, Connection] = {}
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        # Connections shut down so far.
+        # Cut connections gone so far: shut down here, or closed by their peer while told.
         self.cuts = 0
 
     @property
@@ -148,7 +148,8 @@ class Intake:
         connection = self._by_fd.pop(fd, None)
         if connection is None:
             return None
-        self._cutting.pop(id(connection), None)
+        if self._cutting.pop(id(connection), None) is not None:
+            self.cuts += 1
         identity = connection.identity
         if identity is None:
             return None

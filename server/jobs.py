@@ -175,6 +175,8 @@ class JobRegistry:
         self.jobs: dict[int, Job] = {}
         self.peers: dict[bytes, Peer] = {}
         self._next_job_id = 1
+        # Jobs removed so far.
+        self.ended = 0
         self._pid_namespace = pid_namespace
         # Ended jobs whose trainer still maps some of their output memory: freed once it exits.
         self._lingering: list[Job] = []
@@ -233,7 +235,8 @@ class JobRegistry:
         """Forgets a job and its peers (the caller closes it)."""
         for identity in list(job.peers):
             self.peers.pop(identity, None)
-        self.jobs.pop(job.job_id, None)
+        if self.jobs.pop(job.job_id, None) is not None:
+            self.ended += 1
 
     # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
 

@@ -206,9 +206,11 @@ def test_goodbye_frees_the_job(core: PushingCore) -> None:
     core.pushed.get(timeout=30)
     outputs = core.jobs[1].outputs
     assert outputs.slab_count == 1
+    assert core.registry.ended == 0
     core.handle(TRAINER, Goodbye(), 4)
     assert not core.jobs and not core.peers
     assert outputs.slab_count == 0
+    assert core.registry.ended == 1  # the daemon gives freed memory back after each
 
 
 # --- earlier jobs: workers rejoining a trainer's job after a daemon restart -----------------------

@@ -73,6 +73,24 @@ def test_refusals_over_the_burst_cut_the_connection_after_telling_it(
     assert intake.next_cut() is None
     assert intake.closed(fd) == b"a"
     assert intake.open_connections == 0
+    assert intake.cuts == 1  # shut down here, then seen closed: one cut
+
+
+def test_a_cut_connection_its_peer_closes_during_the_grace_counts_as_cut(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # The daemon gives back the memory of each cut connection once it is gone, however it went.
+    clock = Clock()
+    intake = Intake(IntakeLimits(max_message_bytes=1000), clock=clock)
+    fd, _ = connect(intake, pairs)
+    assert isinstance(intake.admit(b"a", fd, 1001), Error)
+    assert intake.cuts == 0
+    assert intake.closed(fd) == b"a"
+    assert intake.cuts == 1
+    assert intake.next_cut() is None
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert intake.cuts == 1
 
 
 def test_refusals_at_a_sustainable_rate_are_never_cut(
