@@ -1,0 +1,81 @@
+"""The README and the operator's docs say what the daemon does: every option of `dalid serve`
+is in their configuration tables, and what they say of shared pipelines and the GPU is what
+the code does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dalid.server.cli import build_parser
+from dalid.server.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DEPLOYMENT = ROOT / "docs" / "deployment.md"
+MIGRATION = ROOT / "docs" / "migration.md"
+
+
+def table_rows(text: str, heading: str) -> list[str]:
+    """The rows of the first table after ``heading``."""
+    after = text[text.index(heading) :]
+    rows = []
+    for line in after.splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("doc", "heading"), [(README, "## Configuration"), (DEPLOYMENT, "## Configuration")]
+)
+def test_every_serve_option_has_a_row_of_the_configuration_table(doc: Path, heading: str) -> None:
+    rows = "\n".join(table_rows(doc.read_text(), heading))
+    missing = [
+        option.flag
+        for option in OPTIONS
+        if not re.search(rf"`{re.escape(option.flag)}[ `]", rows) or option.env not in rows
+    ]
+    assert missing == [], f"{doc.name} has no row for {missing}"
+
+
+def test_the_configuration_tables_name_no_flag_that_serve_lacks() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {flag for action in serve._actions for flag in action.option_strings}
+    for doc in (README, DEPLOYMENT):
+        rows = "\n".join(table_rows(doc.read_text(), "## Configuration"))
+        named = set(re.findall(r"`(--[a-z-]+)", rows))
+        assert named <= flags, f"{doc.name} names {named - flags}"
+
+
+def test_no_doc_says_pipelines_are_private_to_each_job() -> None:
+    stale = (
+        "one DALI pipeline per registered job pipeline",
+        "jobs share the daemon, not pipelines",
+        "each job's pipelines are its own",
+        "have not yet run on a GPU",
+        "has not yet run on a",
+    )
+    for doc in (README, DEPLOYMENT, MIGRATION):
+        text = " ".join(doc.read_text().split())
+        said = [phrase for phrase in stale if phrase in text]
+        assert said == [], f"{doc.name} still says {said}"
+    for doc in (README, DEPLOYMENT, MIGRATION):
+        assert "share one DALI pipeline" in " ".join(doc.read_text().split()), doc.name
+
+
+def test_the_readme_leads_with_the_commands_and_the_import_before_the_internals() -> None:
+    headings = [line for line in README.read_text().splitlines() if line.startswith("## ")]
+    order = [
+        "## Quick start",
+        "## From DALI's proxy: one import",
+        "## Using it",
+        "## Running it for real: a daemon per GPU",
+        "## On a GPU",
+        "## How it fits together",
+    ]
+    assert [h for h in headings if h in order] == order
