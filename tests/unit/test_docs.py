@@ -4,6 +4,7 @@ the code does."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -44,7 +45,12 @@ def test_every_serve_option_has_a_row_of_the_configuration_table(doc: Path, head
 
 
 def test_the_configuration_tables_name_no_flag_that_serve_lacks() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    (commands,) = (
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    serve = commands.choices["serve"]
     flags = {flag for action in serve._actions for flag in action.option_strings}
     for doc in (README, DEPLOYMENT):
         rows = "\n".join(table_rows(doc.read_text(), "## Configuration"))
