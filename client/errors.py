@@ -74,8 +74,13 @@ class BatchError(RequestError):
         self.args = (self._describe(),)
 
     def _describe(self) -> str:
-        daemon = f"batch {self.batch_id} of pipeline {self.pipeline_id}"
-        where = daemon if self.step is None else f"loader step {self.step} ({daemon} in the daemon)"
+        # Named as the daemon's log names it: pipeline (the job's registration) and batch id.
+        daemon = f"pipeline {self.pipeline_id} batch {self.batch_id}"
+        where = (
+            daemon
+            if self.step is None
+            else f"loader step {self.step} ({daemon} in the daemon's log)"
+        )
         if not self.bad_samples:
             return f"{where} failed: {self.reason}"
         indices = self.dataset_indices or []

@@ -128,7 +128,13 @@ class PipelineBuilder:
             if shared is not None and shared.failed:
                 shared = None
         if shared is not None:
-            log.info("job %d shares pipeline %d %r", job.job_id, shared.instance_id, shared.name)
+            log.info(
+                "job %d pipeline %d shares DALI pipeline %d %r",
+                job.job_id,
+                pipeline_id,
+                shared.instance_id,
+                shared.name,
+            )
             shared.join(member, on_built)
         else:
             self._new_instance(job, plan, member, on_built)

@@ -5,13 +5,17 @@ the code does."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dalid.server.cli import build_parser
 from dalid.server.config import OPTIONS
+from dalid.server.status_view import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -85,3 +89,36 @@ def test_the_readme_leads_with_the_commands_and_the_import_before_the_internals(
         "## How it fits together",
     ]
     assert [h for h in headings if h in order] == order
+
+
+def _help(*command: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "dalid.server", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "100"},
+    )
+    return " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("command", ["serve", "status", "stop", "ping", "reload"])
+def test_help_speaks_to_users_not_of_modules(command: str) -> None:
+    text = _help(command)
+    assert not re.search(r"\b\w+\.py\b", text), text
+    assert "dalid.server" not in text and "dalid.client" not in text
+
+
+def test_status_help_says_what_the_columns_the_pipeline_lines_and_outputs_mean() -> None:
+    text = _help("status")
+    for column in COLUMNS:
+        assert f"{column.header}: " in text, column.header
+    for value in ("shm", "cuda ipc", "staged"):
+        assert value in text
+    assert "a line per DALI pipeline" in text and "mixed batches of two jobs or more" in text
+
+
+def test_the_readme_says_what_status_shows() -> None:
+    text = " ".join(README.read_text().split())
+    for said in ("runs of up to", "full on average", "runs mixed jobs", "`outputs`", "`shm`"):
+        assert said in text, said
