@@ -209,7 +209,11 @@ class PipelineBuilder:
         # registration joins): the reply leaves through the outbox.
         if isinstance(result, PipelineSpec):
             log.info(
-                "job %d registered pipeline %d %r", job.job_id, member.pipeline_id, result.name
+                "job %d registered pipeline %d %r (on DALI pipeline %d)",
+                job.job_id,
+                member.pipeline_id,
+                result.name,
+                member.executor.instance_id if member.executor is not None else 0,
             )
             reply: Message = PipelineRegistered(
                 member.pipeline_id,
