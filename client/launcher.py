@@ -9,9 +9,10 @@ exits, and both trainers connect to the first.
 Only the default daemon is started so: the one of the device's socket in the runtime directory.
 A socket the trainer was given (``socket=``, ``$DALID_SOCKET``) names a daemon someone runs
 there; nothing answering on it is an error that names it, not a reason to start a second
-daemon on a mistyped path. A trainer welcomed by a daemon of another release or installation
-(another checkout's environment started the default daemon first, an older release is still
-running) warns once, naming both.
+daemon on a mistyped path. A trainer welcomed by a daemon of another release, or of another
+installation on this machine (another checkout's environment started the default daemon first),
+warns once, naming both; a daemon in another container with its own installation of the same
+release is no mix-up.
 """
 
 from __future__ import annotations
@@ -142,7 +143,12 @@ def _checked(link: Link) -> Link:
     """``link``, after a warning if its daemon runs another dalid than this process."""
     welcome = link.welcome
     mine = (release(), installation())
-    if (welcome.release, welcome.installation) == mine:
+    if welcome.release == mine[0] and (
+        welcome.installation == mine[1]
+        # Another container's installation of the same release (another path, or none here)
+        # is a deployment, not a mix-up: only two installations on one filesystem are.
+        or (welcome.installation and not Path(welcome.installation).exists())
+    ):
         return link
     if (link.path, welcome.daemon_pid) in _warned:
         return link
