@@ -122,3 +122,16 @@ def test_the_readme_says_what_status_shows() -> None:
     text = " ".join(README.read_text().split())
     for said in ("runs of up to", "full on average", "runs mixed jobs", "`outputs`", "`shm`"):
         assert said in text, said
+
+
+def test_the_readmes_commands_run_through_dev_run() -> None:
+    """A newcomer's shell has neither `dalid` nor the environment's python on its PATH: every
+    command the README shows goes through `./dev`."""
+    text = README.read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
+    assert blocks
+    commands = [line for block in blocks for line in block.splitlines() if line.strip()]
+    assert all(line.startswith("./dev ") for line in commands), commands
+    inline = re.findall(r"`((?:python|dalid) [^`]*)`", text)
+    runnable = [c for c in inline if c.startswith(("python -m", "python train.py"))]
+    assert runnable == [], runnable
