@@ -29,6 +29,7 @@ from .errors import (
     ProtocolMismatch,
     RequestError,
 )
+from .launcher import OtherInstallationWarning
 from .loader import DataLoader
 from .named import RepositoryPipeline, named_pipeline
 from .placement import default_daemon
@@ -53,8 +54,8 @@ def connect(
     Without ``device``, the daemon of this process's GPU: ``LOCAL_RANK``, else torch's current
     CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.placement`).
     ``socket`` defaults to ``$DALID_SOCKET`` or the device's socket in the per-user runtime
-    directory. With ``autostart``, a daemon is started when none answers; it exits after a
-    minute without jobs.
+    directory. With ``autostart``, a daemon is started when none answers on that default
+    socket (never on one given); it exits after a minute without jobs.
 
     What the job asks of a daemon that several jobs share: ``weight``, its share when jobs
     compete (relative to theirs); ``memory_bytes``, output memory reserved for it, and
@@ -98,6 +99,7 @@ __all__ = [
     "DataLoader",
     "DeviceMismatch",
     "InputError",
+    "OtherInstallationWarning",
     "PipelineError",
     "ProtocolMismatch",
     "Proxy",

@@ -39,7 +39,7 @@ class SampleReport:
 
     def __str__(self) -> str:
         where = (
-            f"batch {self.batch_id} of pipeline {self.pipeline_id}"
+            f"pipeline {self.pipeline_id} batch {self.batch_id}"
             if self.step is None
             else f"loader step {self.step}"
         )

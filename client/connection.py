@@ -84,7 +84,8 @@ def stop_notice(envelope: Envelope) -> DaemonStopped | None:
 def no_daemon_message(path: Path, device: str | int) -> str:
     return (
         f"no dalid daemon answers on {endpoint(path)}: start one with "
-        f"`dalid serve --device {device} --socket {path}` (or connect with autostart=True)"
+        f"`dalid serve --device {device} --socket {path}` (or, for the default socket, connect "
+        "with autostart=True)"
     )
 
 

@@ -56,6 +56,8 @@ class BatchError(RequestError):
         self.bad_samples = bad_samples
         self.dataset_indices: list[int] | None = None
         self.step: int | None = None
+        # The dataset indices of the whole batch, where dalid's DataLoader knows them.
+        self.batch_indices: list[int] | None = None
         self.args = (self._describe(),)
 
     @property
@@ -67,6 +69,7 @@ class BatchError(RequestError):
         """Names the batch by the loader's ``step`` and its bad samples by dataset index,
         given the indices of the whole batch."""
         self.step = step
+        self.batch_indices = batch_indices
         if batch_indices is not None:
             self.dataset_indices = [
                 batch_indices[p] for p in self.positions if p < len(batch_indices)
@@ -74,10 +77,15 @@ class BatchError(RequestError):
         self.args = (self._describe(),)
 
     def _describe(self) -> str:
-        daemon = f"batch {self.batch_id} of pipeline {self.pipeline_id}"
-        where = daemon if self.step is None else f"loader step {self.step} ({daemon} in the daemon)"
+        # Named as the daemon's log names it: pipeline (the job's registration) and batch id.
+        daemon = f"pipeline {self.pipeline_id} batch {self.batch_id}"
+        where = (
+            daemon
+            if self.step is None
+            else f"loader step {self.step} ({daemon} in the daemon's log)"
+        )
         if not self.bad_samples:
-            return f"{where} failed: {self.reason}"
+            return f"{where}{_indices(self.batch_indices)} failed: {self.reason}"
         indices = self.dataset_indices or []
         samples = "; ".join(
             f"sample {bad.position}"
@@ -88,6 +96,15 @@ class BatchError(RequestError):
         every = "every sample of the batch is bad: " if self.reason.startswith("every ") else ""
         count = len(self.bad_samples)
         return f"{where} failed, {every}{count} bad sample{'s' * (count != 1)}: {samples}"
+
+
+def _indices(indices: list[int] | None, shown: int = 8) -> str:
+    """The dataset indices of a batch, the first ``shown`` of them ("" if unknown)."""
+    if not indices:
+        return ""
+    listed = ", ".join(str(index) for index in indices[:shown])
+    more = f", ... ({len(indices)} samples)" if len(indices) > shown else ""
+    return f", dataset indices {listed}{more},"
 
 
 class DeviceMismatch(DalidError):

@@ -5,6 +5,14 @@ outlives the job that started it, under its supervisor, which restarts it if it 
 exits by itself after ``--idle-timeout`` seconds with no job, and its supervisor with it. Two
 trainers racing to start one are safe: the second daemon finds the socket's lock taken and
 exits, and both trainers connect to the first.
+
+Only the default daemon is started so: the one of the device's socket in the runtime directory.
+A socket the trainer was given (``socket=``, ``$DALID_SOCKET``) names a daemon someone runs
+there; nothing answering on it is an error that names it, not a reason to start a second
+daemon on a mistyped path. A trainer welcomed by a daemon of another release, or of another
+installation on this machine (another checkout's environment started the default daemon first),
+warns once, naming both; a daemon in another container with its own installation of the same
+release is no mix-up.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +29,22 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from dalid.protocol import Device, EarlierJob, Envelope, Ping, Pong, Role, endpoint, transport
+from dalid.protocol import (
+    SOCKET_ENV,
+    Device,
+    EarlierJob,
+    Envelope,
+    Ping,
+    Pong,
+    Role,
+    device_label,
+    endpoint,
+    installation,
+    release,
+    runtime_dir,
+    transport,
+)
+from dalid.protocol.ownership import UnsafePath
 
 from .connection import no_daemon_message, process_context
 from .errors import DaemonUnavailable
@@ -30,6 +54,10 @@ if TYPE_CHECKING:
     from .reconnect import Dial
 
 AUTOSTART_IDLE_TIMEOUT_S = 60.0
+
+
+class OtherInstallationWarning(UserWarning):
+    """The daemon on the trainer's socket runs another dalid release or installation."""
 
 
 @dataclass(frozen=True)
@@ -71,15 +99,75 @@ def autostart_connect(
 
     if answering(path):
         try:
-            return trainer_connection()
+            return _checked(trainer_connection())
         except DaemonUnavailable:
-            if not autostart:
+            if not autostart or not is_default_socket(path, device):
                 raise
             # A socket file no daemon answers on: a killed daemon's. A new one replaces it.
     elif not autostart:
         raise DaemonUnavailable(no_daemon_message(path, device))
+    elif not is_default_socket(path, device):
+        raise DaemonUnavailable(
+            f"no dalid daemon answers on {endpoint(path)}, the socket this trainer was given "
+            f"(socket= or ${SOCKET_ENV}); autostart starts a daemon only on the default socket "
+            f"of device {device}, {_default_socket(device)}. Check the path, or start a daemon "
+            f"there with `dalid serve --device {device} --socket {path}`"
+        )
     start_daemon(device, path, timeout=connect_timeout)
-    return trainer_connection()
+    return _checked(trainer_connection())
+
+
+def _default_socket(device: Device) -> Path | None:
+    try:
+        return (runtime_dir(create=False) / f"{device_label(device)}.sock").absolute()
+    except (OSError, UnsafePath):
+        return None
+
+
+def is_default_socket(path: Path, device: Device) -> bool:
+    """Whether ``path`` is where dalid places the daemon of ``device`` by itself: the device's
+    socket in the runtime directory (or a GPU daemon's link there, named by the GPU's UUID)."""
+    default = _default_socket(device)
+    if default is None:
+        return False
+    return path == default or (
+        path.parent == default.parent and path.name.startswith("GPU-") and device != "cpu"
+    )
+
+
+# The daemons (socket, pid) this process warned about: one warning each.
+_warned: set[tuple[Path, int]] = set()
+
+
+def _checked(link: Link) -> Link:
+    """``link``, after a warning if its daemon runs another dalid than this process."""
+    welcome = link.welcome
+    mine = (release(), installation())
+    if welcome.release == mine[0] and (
+        welcome.installation == mine[1]
+        # Another container's installation of the same release (another path, or none here)
+        # is a deployment, not a mix-up: only two installations on one filesystem are.
+        or (welcome.installation and not Path(welcome.installation).exists())
+    ):
+        return link
+    if (link.path, welcome.daemon_pid) in _warned:
+        return link
+    _warned.add((link.path, welcome.daemon_pid))
+    theirs = (
+        f"dalid {welcome.release or '(release unknown)'} from {welcome.installation}"
+        if welcome.installation
+        else "a dalid release that does not say which (an older one)"
+    )
+    warnings.warn(
+        f"the dalid daemon on {endpoint(link.path)} (pid {welcome.daemon_pid}) runs {theirs}; "
+        f"this trainer runs dalid {mine[0] or '(release unknown)'} from {mine[1]}. Another "
+        "installation's daemon runs its own code and options: stop it "
+        f"(`dalid stop --socket {link.path}`) and this trainer starts its own, or give this "
+        "trainer a socket of its own",
+        OtherInstallationWarning,
+        stacklevel=2,
+    )
+    return link
 
 
 def trainer_dial(
@@ -136,12 +224,13 @@ def start_daemon(
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if socket.exists() and _answers(socket):
+        pid = _answers(socket) if socket.exists() else None
+        if pid is not None:
             # Printed, not logged: the trainer's user must learn where this daemon's log is
             # even when the trainer configures no logging.
             print(
-                f"dalid: started a daemon for device {device} on {endpoint(socket)} (it stops "
-                f"after {idle_timeout:g} s without jobs); its log is {log}",
+                f"dalid: started a daemon (pid {pid}) for device {device} on {endpoint(socket)} "
+                f"(it stops after {idle_timeout:g} s without jobs); its log is {log}",
                 file=sys.stderr,
             )
             return
@@ -152,15 +241,17 @@ def start_daemon(
     )
 
 
-def _answers(socket: Path) -> bool:
+def _answers(socket: Path) -> int | None:
+    """The pid of the daemon that answers a ping on ``socket`` (None: none does)."""
     sock = transport.make_socket(process_context(), zmq.DEALER, endpoint(socket), bind=False)
     try:
         transport.send(sock, Ping(), 1)
         if not sock.poll(1000):
-            return False
-        return isinstance(transport.recv(sock).message, Pong)
+            return None
+        reply = transport.recv(sock).message
+        return reply.daemon_pid if isinstance(reply, Pong) else None
     except Exception:
-        return False
+        return None
     finally:
         sock.close(linger=0)
 

@@ -10,6 +10,7 @@ this process chose, returning once it is sent (Note [Submitting without waiting]
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import threading
 from itertools import pairwise
@@ -74,6 +75,9 @@ class Proxy:
         names = self._target.input_names
         if len(args) == 1 and not kwargs and len(names) == 1:
             return {names[0]: args[0]}  # the usual call, bound without inspect
+        unknown = [name for name in kwargs if name not in names]
+        if unknown:
+            raise InputError(_unknown_inputs_message(unknown, names)) from None
         try:
             return self.__signature__.bind(*args, **kwargs).arguments
         except TypeError as error:
@@ -158,6 +162,20 @@ class Proxy:
         inputs, run.call_args = run.call_args, {}
         if run.resubmission is not None:
             run.resubmission.accepted(accepted_by, inputs)
+
+
+def _unknown_inputs_message(unknown: list[str], names: tuple[str, ...]) -> str:
+    """What a call with keywords the pipeline has no input for says: each wrong keyword, the
+    input it was likely meant as, and the inputs the pipeline takes."""
+    wrong = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, names, n=1)
+        wrong.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    takes = ", ".join(repr(name) for name in names)
+    return (
+        f"the pipeline has no input named {' or '.join(wrong)}: its inputs, the names of its "
+        f"external_source operators, are {takes}"
+    )
 
 
 def collate_sample_refs(

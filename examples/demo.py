@@ -118,6 +118,10 @@ def main() -> int:
             f"{summary['images_per_s']:7.1f} {summary['data_wait_fraction']:8.0%} "
             f"{summary['final_loss']:7.3f} {summary['max_rss_mib']:8.0f}"
         )
+    print(
+        "waiting: the share of a job's time its training loop waited for its next batch "
+        "(0%: the data path kept up)"
+    )
     total = sum(s["images"] for s in summaries)
     longest = max((s["seconds"] for s in summaries), default=0.0) or 1.0
     print(

@@ -1,13 +1,14 @@
 """Train an image classifier on an ImageFolder, with dalid decoding and augmenting the images.
 
-    python -m examples.imagefolder_train [--data DIR] [--epochs 1] [--socket PATH] [--named]
+    ./dev run python -m examples.imagefolder_train [--data DIR] [--epochs 1] [--socket PATH]
+        [--named]
 
 The training loop is that of a torchvision ImageFolder script; only the transform changes: the
 dataset hands each file path to the dalid proxy, and the daemon reads, decodes, crops, flips
 and normalizes the images. Without ``--data`` a small dataset is generated. Without
 ``--socket`` the script connects to the daemon of its device (starting one if none runs).
 With ``--named`` it uses the pipeline ``train`` of the daemon's repository instead of its own
-(a daemon started with ``dalid serve --pipelines examples/pipelines``).
+(a daemon started with ``./dev run dalid serve --pipelines examples/pipelines``).
 """
 
 from __future__ import annotations

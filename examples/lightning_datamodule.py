@@ -1,6 +1,6 @@
 """A PyTorch Lightning DataModule whose batches come from a dalid daemon.
 
-    python -m examples.lightning_datamodule [--data DIR] [--epochs 1] [--socket PATH]
+    ./dev run python -m examples.lightning_datamodule [--data DIR] [--epochs 1] [--socket PATH]
 
 The DataModule opens its dalid session in ``setup`` and closes it in ``teardown``, and its
 ``train_dataloader`` is a ``dalid.client.DataLoader``: the LightningModule receives the

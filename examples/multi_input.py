@@ -1,6 +1,6 @@
 """A pipeline with several inputs: each image comes with its own rotation angle and crop size.
 
-    python -m examples.multi_input [--data DIR] [--socket PATH]
+    ./dev run python -m examples.multi_input [--data DIR] [--socket PATH]
 
 Per-sample parameters chosen in Python (here, in ``Dataset.__getitem__``) travel to the daemon
 as further external_source inputs, beside the image, and drive DALI operators sample by sample:

@@ -1,6 +1,6 @@
 """One training job of the demo: an image classifier fed by a dalid daemon.
 
-    python -m examples.train_job --data DIR --socket PATH --name job-a
+    ./dev run python -m examples.train_job --data DIR --socket PATH --name job-a
 
 The DataLoader's workers read file paths; the daemon reads, decodes, crops, flips and
 normalizes the images, and the job receives float CHW batches as torch tensors. Prints one

@@ -64,6 +64,7 @@ from .messages import (
     TrainerProgress,
     Welcome,
 )
+from .release import installation, release
 
 __all__ = [
     "BATCH_IDS_PER_CONNECTION",
@@ -123,9 +124,11 @@ __all__ = [
     "format_uuid",
     "gpu_count",
     "gpu_uuid",
+    "installation",
     "parse_device",
     "pid_namespace",
     "process_running",
+    "release",
     "runtime_dir",
     "socket_path",
     "uuid_socket_path",

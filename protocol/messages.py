@@ -257,6 +257,10 @@ class Welcome(Message):
     # This connection's batch ids: batch_id_base + 1, + 2, ..., each above the one before and
     # below batch_id_base + BATCH_IDS_PER_CONNECTION. Unique to the connection in the daemon.
     batch_id_base: int = 0
+    # The daemon's dalid release and the directory its code runs from (``release.py``): a
+    # trainer of another installation says so ("": a daemon that does not say).
+    release: str = ""
+    installation: str = ""
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)

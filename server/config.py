@@ -299,7 +299,7 @@ OPTIONS: tuple[Option, ...] = (
         parse_count,
         DEFAULT_ARENAS,
         "glibc malloc arenas of the daemon, 0 for glibc's default (one per thread, up to 8 a "
-        "core): fewer keep less freed memory of DALI's runs resident (heap.py)",
+        "core): fewer keep less of the memory DALI's runs freed resident in the daemon",
         "N",
     ),
     Option(

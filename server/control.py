@@ -46,6 +46,10 @@ from . import crash_report
 EXIT_LOAD_FAILED = 3
 
 
+# How often a request waiting for its answer looks whether the daemon's socket is still there.
+_GONE_CHECK_S = 0.1
+
+
 class NoAnswer(Exception):
     """The daemon is not there or did not answer; the message says which."""
 
@@ -105,8 +109,15 @@ class DaemonLine:
         transport.send(self._socket, request, request_id)
         deadline = time.monotonic() + self.timeout
         while (left := deadline - time.monotonic()) > 0:
-            if not self._socket.poll(int(left * 1000) + 1):
-                break
+            if not self._socket.poll(int(min(left, _GONE_CHECK_S) * 1000) + 1):
+                if not self.path.exists():
+                    # A daemon that stops cleanly removes its socket: say so now, rather than
+                    # wait out the timeout and suggest that it was killed.
+                    raise NoAnswer(
+                        f"the dalid daemon on {endpoint(self.path)} stopped (its socket is "
+                        "gone, as after `dalid stop` or SIGTERM)"
+                    )
+                continue
             try:
                 envelope = transport.recv(self._socket)
             except ProtocolError as error:
@@ -201,6 +212,15 @@ def reload(path: Path, timeout: float, start: str) -> int:
     return EXIT_LOAD_FAILED if report.failures else 0
 
 
+def _columns(value: str | None, default: int) -> int:
+    """The width ``COLUMNS`` asks for, else ``default``."""
+    try:
+        width = int(value or "")
+    except ValueError:
+        return default
+    return width if width > 0 else default
+
+
 def status(path: Path, args: argparse.Namespace, start: str) -> int:
     """Prints the daemon's status: JSON once, a table once, or a live table until Ctrl-C.
 
@@ -227,8 +247,9 @@ def status(path: Path, args: argparse.Namespace, start: str) -> int:
 
             console = Console()
             if not console.is_terminal:
-                # A pipe or a file has no width of its own: do not cut the table at 80 columns.
-                console = Console(width=200)
+                # A pipe or a file has no width of its own: COLUMNS if set (as the shell's
+                # `COLUMNS=80 dalid status --once | less`), else wide enough not to cut the table.
+                console = Console(width=_columns(os.environ.get("COLUMNS"), default=200))
             if args.once or not console.is_terminal:
                 console.print(table(report, where, console.width))
                 return 0

@@ -50,7 +50,9 @@ from dalid.protocol import (
     TrainerProgress,
     Welcome,
     device_label,
+    installation,
     pid_namespace,
+    release,
 )
 
 from .batch_requests import BatchRequests
@@ -128,6 +130,9 @@ class DaemonCore:
         self.inputs = InputMemory(quotas.input_memory)
         self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
+        # Told to trainers, which say so when they are of another installation.
+        self.release = release()
+        self.installation = installation()
         self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
         self._pid_namespace = pid_namespace()
         self._started = time.monotonic()
@@ -360,6 +365,8 @@ class DaemonCore:
             pid_namespace=self._pid_namespace,
             ipc_probe=self.paths.probe if self.paths is not None else "",
             batch_id_base=peer.batch_ids.base,
+            release=self.release,
+            installation=self.installation,
         )
 
     def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:

@@ -182,7 +182,9 @@ class PipelineExecutor:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("pipeline %d did not stop within %.0f s", self.instance_id, timeout)
+                log.warning(
+                    "DALI pipeline %d did not stop within %.0f s", self.instance_id, timeout
+                )
                 return False
         return True
 
@@ -209,7 +211,13 @@ class PipelineExecutor:
                 # A pipeline of the repository shows what it is only once built.
                 why = runner.unshareable()
                 if why:
-                    log.info("pipeline %d %r is not shared: %s", self.instance_id, self.name, why)
+                    log.info(
+                        "DALI pipeline %d %r runs for its job alone, not shared with other jobs: "
+                        "%s",
+                        self.instance_id,
+                        self.name,
+                        why,
+                    )
                     self.shared = self._planner.shared = False
                     self.private_reason = why
                     if self._on_private is not None:
@@ -303,7 +311,7 @@ class PipelineExecutor:
         except Exception as error:
             # Most likely the pipeline could not be rebuilt. Answer every batch it holds so that
             # no trainer waits forever, and refuse new ones (see pipelines.executor_for).
-            log.exception("pipeline %d stopped working", self.instance_id)
+            log.exception("DALI pipeline %d stopped working", self.instance_id)
             self.failed = True
             message = f"the pipeline stopped working and takes no more batches: {error}"
             queued = self._planner.take_queued()
@@ -403,10 +411,11 @@ class PipelineExecutor:
         member = batch.member
         assert member is not None
         log.warning(
-            "pipeline %d batch %d of job %d failed: %s",
-            self.instance_id,
-            batch.batch_id,
+            "job %d pipeline %d batch %d failed (on DALI pipeline %d): %s",
             member.job_id,
+            member.pipeline_id,
+            batch.batch_id,
+            self.instance_id,
             message,
         )
         member.answer(
@@ -445,10 +454,11 @@ class PipelineExecutor:
             self._fail(batch, found.code, found.message, found.report)
             return
         log.warning(
-            "pipeline %d batch %d of job %d: %s %s",
-            self.instance_id,
-            batch.batch_id,
+            "job %d pipeline %d batch %d (on DALI pipeline %d): %s %s",
             member.job_id,
+            member.pipeline_id,
+            batch.batch_id,
+            self.instance_id,
             "skipped" if member.on_error is OnError.SKIP else "replaced",
             summary(found.report),
         )

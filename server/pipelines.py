@@ -128,7 +128,13 @@ class PipelineBuilder:
             if shared is not None and shared.failed:
                 shared = None
         if shared is not None:
-            log.info("job %d shares pipeline %d %r", job.job_id, shared.instance_id, shared.name)
+            log.info(
+                "job %d pipeline %d shares DALI pipeline %d %r",
+                job.job_id,
+                pipeline_id,
+                shared.instance_id,
+                shared.name,
+            )
             shared.join(member, on_built)
         else:
             self._new_instance(job, plan, member, on_built)
@@ -203,7 +209,11 @@ class PipelineBuilder:
         # registration joins): the reply leaves through the outbox.
         if isinstance(result, PipelineSpec):
             log.info(
-                "job %d registered pipeline %d %r", job.job_id, member.pipeline_id, result.name
+                "job %d registered pipeline %d %r (on DALI pipeline %d)",
+                job.job_id,
+                member.pipeline_id,
+                result.name,
+                member.executor.instance_id if member.executor is not None else 0,
             )
             reply: Message = PipelineRegistered(
                 member.pipeline_id,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from .sharing import read_graph
+
+log = logging.getLogger("dalid.server")
 
 # Samples up to this size are stacked into one array when fed (``feedable``).
 DENSE_FEED_MAX_BYTES = 4096
@@ -271,7 +274,17 @@ class PipelineRunner:
         try:
             graph = read_graph(self._pipeline.serialize())
         except Exception as error:  # Python operators cannot be serialized, for one
-            return f"its operators cannot be read ({type(error).__name__}: {error})"
+            # DALI's own words (an assert on the operator's schema, say) are for debugging.
+            log.debug(
+                "pipeline %r cannot be serialized: %s: %s",
+                self.spec.name,
+                type(error).__name__,
+                error,
+            )
+            return (
+                "DALI cannot serialize it (a Python operator, for one), so dalid cannot tell "
+                "whether its operators work sample by sample"
+            )
         return graph.unshareable()
 
     def rebuild(self) -> None:

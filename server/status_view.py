@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,14 @@ COLUMNS: tuple[Column, ...] = (
     Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
     Column("memory", "right", 3, "output memory reserved for the job"),
     Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
-    Column("outputs", "left", 12, "how its GPU outputs reach it: cuda ipc, or staged (copied)"),
+    Column(
+        "outputs",
+        "left",
+        12,
+        "how its outputs reach the trainer: shm (CPU outputs, in shared memory), cuda ipc (GPU "
+        "outputs viewed in the daemon's GPU memory) or staged (GPU outputs copied through shared "
+        "memory, where the trainer cannot open the daemon's GPU memory)",
+    ),
 )
 
 # Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
@@ -125,22 +133,33 @@ def fit_columns(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], int
     return kept, max(MIN_NAME, widths[name] - max(0, total() - width))
 
 
+PIPELINE_LINE = (
+    "Below the table, a line per DALI pipeline the daemon runs (jobs that register the same "
+    "pipeline share one): its number (the daemon's log names it so), its name, the jobs it runs "
+    "for, the most samples one run takes, how full its runs were on average, and how many of "
+    "its runs mixed batches of two jobs or more; a pipeline that is not shared says why"
+)
+
+
 def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
     """A line per pipeline in the daemon: the jobs it runs for, and how full its runs are;
-    cut to ``width`` characters."""
+    wrapped at ``width`` characters (a narrow terminal keeps all of it)."""
     lines = []
     for pipeline in report.pipelines:
         jobs = ",".join(str(job) for job in pipeline.jobs) or "none"
-        fill = f"{pipeline.mean_fill:.0%} full"
+        fill = f"{pipeline.mean_fill:.0%} full on average"
         if pipeline.shared:
             how = (
-                f"jobs {jobs} share runs of {pipeline.run_size}, {fill} "
-                f"({pipeline.mixed_runs} of {pipeline.runs} mixed)"
+                f"jobs {jobs} share it; runs of up to {pipeline.run_size} samples, {fill}; "
+                f"{pipeline.mixed_runs} of {pipeline.runs} runs mixed jobs"
             )
         else:
-            how = f"job {jobs} alone, {fill}: {pipeline.private_reason or 'not shared'}"
-        line = f"pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
-        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+            how = (
+                f"job {jobs} alone; runs {fill}; not shared: "
+                f"{pipeline.private_reason or 'sharing is off'}"
+            )
+        line = f"DALI pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
+        lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")
     return lines
 
 
@@ -174,5 +193,6 @@ def table(report: StatusReport, where: str, width: int = 200) -> Any:
 
 
 def legend() -> str:
-    """What each column means, for ``dalid status --help``."""
-    return "; ".join(f"{column.header}: {column.meaning}" for column in COLUMNS)
+    """What each column means, and the pipeline lines, for ``dalid status --help``."""
+    columns = "; ".join(f"{column.header}: {column.meaning}" for column in COLUMNS)
+    return f"{columns}. {PIPELINE_LINE}"

@@ -171,7 +171,7 @@ def test_raise_names_positions_dataset_indices_and_dali_message(
     message = str(error)
     assert error.step == 1
     assert message.startswith(
-        f"loader step 1 (batch {error.batch_id} of pipeline {error.pipeline_id} in the daemon) "
+        f"loader step 1 (pipeline {error.pipeline_id} batch {error.batch_id} in the daemon's log) "
         "failed, 3 bad samples: sample 1 (dataset index 9): input 'jpegs': a truncated JPEG ("
     ), message
     assert "sample 4 (dataset index 12): input 'jpegs': not in an image format DALI decodes" in (

@@ -25,7 +25,7 @@ from dalid.protocol import (
     transport,
 )
 
-from ..daemons import DaemonProcess
+from ..daemons import DaemonProcess, wait_for
 from ..dali_typing import pipeline_def
 from .helpers import BATCH, ProxyDataset, sample, two_input_pipeline, two_output_pipeline
 
@@ -52,7 +52,7 @@ def test_pipeline_without_external_source(session: dalid.Session) -> None:
 
 def test_misnamed_and_missing_inputs(session: dalid.Session) -> None:
     one = session.proxy(two_output_pipeline())
-    with pytest.raises(dalid.InputError, match=r"\(data\)"):
+    with pytest.raises(dalid.InputError, match=r"no input named 'images'.* are 'data'"):
         one(images=sample(0))
     two = session.proxy(two_input_pipeline())
     with pytest.raises(dalid.InputError, match=r"by keyword only .*proxy\(a=\.\.\., b=\.\.\.\)"):
@@ -79,7 +79,9 @@ def test_gpu_pipeline_on_cpu_daemon(session: dalid.Session) -> None:
     assert raised.value.code is ErrorCode.DEVICE_MISMATCH
 
 
-def test_batch_error_names_batch_and_pipeline_recovers(session: dalid.Session) -> None:
+def test_batch_error_names_batch_and_pipeline_recovers(
+    daemon: DaemonProcess, session: dalid.Session
+) -> None:
     @pipeline_def(batch_size=4, num_threads=1, device_id=None)
     def identity() -> DataNode:
         return fn.external_source(name="x") * 1
@@ -93,10 +95,15 @@ def test_batch_error_names_batch_and_pipeline_recovers(session: dalid.Session) -
     assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
     # external_source refuses a change of dimensionality: the pipeline object dies.
     with pytest.raises(
-        dalid.BatchError, match=r"(?s)batch \d+ of pipeline \d+ failed: .*[Dd]imensions of the data"
+        dalid.BatchError, match=r"(?s)pipeline \d+ batch \d+ failed: .*[Dd]imensions of the data"
     ) as raised:
         session.produce_data(batch_of((2,)))
     assert raised.value.code is ErrorCode.PIPELINE_ERROR
+    # The daemon's log names the batch as the trainer's error does.
+    named = (
+        f"job {session.job_id} pipeline {raised.value.pipeline_id} batch {raised.value.batch_id}"
+    )
+    wait_for(lambda: f"{named} failed" in daemon.log_text(), 10.0, f"{named!r} in the log")
     # The daemon rebuilt the pipeline: the next batch runs.
     assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
 

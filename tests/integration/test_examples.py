@@ -95,3 +95,33 @@ def test_the_readmes_using_it_code_runs_as_pasted(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "torch.Size([24, 3, 224, 224])" in result.stdout
+
+
+def test_dev_run_reaches_the_environments_tools_from_the_callers_directory(
+    tmp_path: Path,
+) -> None:
+    """`./dev run CMD` runs CMD with the environment's dalid and python first on the PATH, in
+    the directory it was called from: what the README's commands rely on."""
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip("runs only from the environment that ./dev made (it would install one)")
+    script = "pwd; command -v dalid; command -v python; dalid --version"
+    result = subprocess.run(
+        [str(ROOT / "dev"), "run", "sh", "-c", script],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    where, dalid_path, python_path, version = result.stdout.splitlines()
+    assert Path(where) == tmp_path
+    assert Path(dalid_path) == ROOT / ".venv" / "bin" / "dalid"
+    assert Path(python_path) == ROOT / ".venv" / "bin" / "python"
+    assert version.startswith("dalid ")
+    # Nothing to install: the command's output is its own.
+    assert "dev: installing" not in result.stderr
+
+
+def test_dev_run_without_a_command_says_how_to_use_it() -> None:
+    result = subprocess.run(
+        [str(ROOT / "dev"), "run"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert "./dev run dalid status" in result.stderr

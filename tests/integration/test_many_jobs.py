@@ -6,6 +6,7 @@ Jobs that die are in test_dead_jobs.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket as socketlib
 import subprocess
@@ -373,6 +374,17 @@ def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp: Path) 
         table = subprocess.run([*command, "--once"], capture_output=True, text=True, check=True)
         assert f"daemon pid {daemon.pid}" in table.stdout
         assert "resnet-7" in table.stdout and "samples/s" in table.stdout
+        # Into a pipe, COLUMNS sets the width: every line fits, the essential columns stay.
+        narrow = subprocess.run(
+            [*command, "--once"],
+            env={**os.environ, "COLUMNS": "80"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout
+        assert "samples/s" in narrow.stdout and "not shown:" in narrow.stdout
+        assert "DALI pipeline" in narrow.stdout
     finally:
         session.close()
         assert daemon.stop() == 0

@@ -16,13 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_wheel_install_imports_every_package(tmp_path: Path) -> None:
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path / "dist"), str(ROOT)],
         capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
+    # The metadata is of the current form: setuptools warns of nothing (a license as a TOML
+    # table, say), and the license is an SPDX expression.
+    assert "deprecated" not in build.stdout + build.stderr, build.stdout + build.stderr
     (wheel,) = (tmp_path / "dist").glob("dalid-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    (metadata,) = (name for name in names if name.endswith(".dist-info/METADATA"))
+    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
     for package in ("protocol", "server", "client"):
         assert f"dalid/{package}/__init__.py" in names
     assert "dalid/protocol/SPEC.md" in names

@@ -153,8 +153,11 @@ def test_autostart_then_dalid_stop(
     with dalid.connect(device="cpu") as session:
         # Where the daemon's log is, printed whatever the trainer's logging.
         log = private_runtime_dir / "cpu.sock.log"
-        assert f"its log is {log}" in capfd.readouterr().err
+        said = capfd.readouterr().err
+        assert f"its log is {log}" in said
         pid = session.daemon_pid
+        # Which daemon it started, and where.
+        assert f"started a daemon (pid {pid}) for device cpu on ipc://{path}" in said
         proxy = session.proxy(two_output_pipeline())
         loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH), batch_size=BATCH)
         (_, shifted), _ = next(iter(loader))

@@ -114,3 +114,23 @@ def test_a_daemon_without_a_repository_says_how_to_give_it_one(daemon: DaemonPro
         pytest.raises(dalid.PipelineError, match="--pipelines DIR"),
     ):
         session.proxy("scaled")
+
+
+def test_a_pipeline_that_cannot_be_shared_is_logged_in_dalids_words(short_tmp: Path) -> None:
+    """The INFO line says what it means for the user (the pipeline runs, for its job alone);
+    DALI's own text, an assert on an operator's schema, is only at DEBUG."""
+    daemon = start_daemon(short_tmp, "--pipelines", str(REPOSITORY), "--log-level", "DEBUG")
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False) as session:
+            proxy = session.proxy(dalid.named_pipeline("scaled", batch_size=BATCH, factor=3))
+            assert proxy.target.num_outputs == 2  # it runs
+    finally:
+        assert daemon.stop() == 0
+    lines = daemon.log_text().splitlines()
+    (info,) = [line for line in lines if " INFO " in line and "not shared" in line]
+    assert "'scaled' runs for its job alone, not shared with other jobs: DALI cannot serialize" in (
+        info
+    )
+    assert "IsSerializable" not in info
+    (debug,) = [line for line in lines if "cannot be serialized:" in line]
+    assert " DEBUG " in debug

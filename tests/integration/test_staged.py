@@ -9,6 +9,7 @@ cannot show (page-locked copies, streams, CUDA refusing IPC) is in tests/integra
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -199,6 +200,8 @@ def test_dalid_status_shows_each_jobs_output_path(
                 text=True,
                 timeout=60,
                 cwd=ROOT,
+                # Into a pipe the table is as wide as COLUMNS says: wide enough for every column.
+                env={**os.environ, "COLUMNS": "250"},
                 check=True,
             ).stdout
     lines = out.splitlines()

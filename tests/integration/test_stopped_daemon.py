@@ -9,6 +9,8 @@ nothing in its output may speak of a crash or of protocol errors.
 
 from __future__ import annotations
 
+import os
+import pty
 import signal
 import subprocess
 import sys
@@ -106,3 +108,34 @@ def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(
         assert "restarted" not in str(caught.value)
     finally:
         worker.close()
+
+
+def test_a_live_dalid_status_says_at_once_that_the_daemon_stopped(short_tmp: Path) -> None:
+    """`dalid status` in a terminal refreshes its table until the daemon stops cleanly; then it
+    says that the daemon stopped, not, a timeout later, that it may have been killed."""
+    daemon = start_daemon(short_tmp)
+    controller, terminal = pty.openpty()
+    status = subprocess.Popen(
+        [sys.executable, "-m", "dalid.server", "status", "--socket", str(daemon.socket),
+         "--interval", "0.1", "--timeout", "60"],
+        stdin=terminal, stdout=terminal, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(terminal)
+    try:
+        seen = b""
+        while b"daemon pid" not in seen:  # the live table is up
+            seen += os.read(controller, 4096)
+        stop = subprocess.run(
+            [sys.executable, "-m", "dalid.server", "stop", "--socket", str(daemon.socket)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert stop.returncode == 0, stop.stderr
+        # Well within its 60 s timeout: it noticed the socket go.
+        _, said = status.communicate(timeout=30)
+    finally:
+        kill_leftovers([status])
+        os.close(controller)
+        daemon.stop()
+    assert status.returncode == 1
+    assert f"the dalid daemon on ipc://{daemon.socket} stopped" in said, said
+    assert not any(word in said for word in NOT_SAID), said

@@ -70,10 +70,13 @@ def test_a_wide_terminal_shows_every_column_and_whole_names() -> None:
 
 def test_pipelines_show_which_jobs_share_them_and_how_full_their_runs_are() -> None:
     lines = _render(200)
-    shared = next(line for line in lines if line.startswith("pipeline 1 "))
-    assert "jobs 12,13 share runs of 1024, 88% full (5100 of 5320 mixed)" in shared
-    own = next(line for line in lines if line.startswith("pipeline 2 "))
-    assert "job 13 alone" in own and "PermuteBatch" in own
+    shared = next(line for line in lines if line.startswith("DALI pipeline 1 "))
+    assert (
+        "jobs 12,13 share it; runs of up to 1024 samples, 88% full on average; 5100 of 5320 runs "
+        "mixed jobs"
+    ) in shared
+    own = next(line for line in lines if line.startswith("DALI pipeline 2 "))
+    assert "job 13 alone" in own and "not shared: " in own and "PermuteBatch" in own
     narrow = _render(80)
     assert all(len(line) <= 80 for line in narrow)
     assert any("88% full" in line for line in narrow)

@@ -92,6 +92,19 @@ def test_unknown_keyword() -> None:
         _proxy(input_names=("a", "b"))(a=_sample(), b=_sample(), colour=_sample())
 
 
+def test_a_misspelled_input_is_named_with_the_input_it_was_meant_as() -> None:
+    with pytest.raises(InputError) as caught:
+        _proxy()(image=_sample())
+    assert str(caught.value) == (
+        "the pipeline has no input named 'image' (did you mean 'images'?): its inputs, the names "
+        "of its external_source operators, are 'images'"
+    )
+    with pytest.raises(InputError) as caught:
+        _proxy(input_names=("images", "labels"))(images=_sample(), lables=np.int32(1))
+    assert "'lables' (did you mean 'labels'?)" in str(caught.value)
+    assert "are 'images', 'labels'" in str(caught.value)
+
+
 def test_missing_input() -> None:
     proxy = _proxy(input_names=("images", "labels"))
     with pytest.raises(InputError, match="labels"):

@@ -1,0 +1,137 @@
+"""The README and the operator's docs say what the daemon does: every option of `dalid serve`
+is in their configuration tables, and what they say of shared pipelines and the GPU is what
+the code does."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dalid.server.cli import build_parser
+from dalid.server.config import OPTIONS
+from dalid.server.status_view import COLUMNS
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DEPLOYMENT = ROOT / "docs" / "deployment.md"
+MIGRATION = ROOT / "docs" / "migration.md"
+
+
+def table_rows(text: str, heading: str) -> list[str]:
+    """The rows of the first table after ``heading``."""
+    after = text[text.index(heading) :]
+    rows = []
+    for line in after.splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("doc", "heading"), [(README, "## Configuration"), (DEPLOYMENT, "## Configuration")]
+)
+def test_every_serve_option_has_a_row_of_the_configuration_table(doc: Path, heading: str) -> None:
+    rows = "\n".join(table_rows(doc.read_text(), heading))
+    missing = [
+        option.flag
+        for option in OPTIONS
+        if not re.search(rf"`{re.escape(option.flag)}[ `]", rows) or option.env not in rows
+    ]
+    assert missing == [], f"{doc.name} has no row for {missing}"
+
+
+def test_the_configuration_tables_name_no_flag_that_serve_lacks() -> None:
+    (commands,) = (
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    serve = commands.choices["serve"]
+    flags = {flag for action in serve._actions for flag in action.option_strings}
+    for doc in (README, DEPLOYMENT):
+        rows = "\n".join(table_rows(doc.read_text(), "## Configuration"))
+        named = set(re.findall(r"`(--[a-z-]+)", rows))
+        assert named <= flags, f"{doc.name} names {named - flags}"
+
+
+def test_no_doc_says_pipelines_are_private_to_each_job() -> None:
+    stale = (
+        "one DALI pipeline per registered job pipeline",
+        "jobs share the daemon, not pipelines",
+        "each job's pipelines are its own",
+        "have not yet run on a GPU",
+        "has not yet run on a",
+    )
+    for doc in (README, DEPLOYMENT, MIGRATION):
+        text = " ".join(doc.read_text().split())
+        said = [phrase for phrase in stale if phrase in text]
+        assert said == [], f"{doc.name} still says {said}"
+    for doc in (README, DEPLOYMENT, MIGRATION):
+        assert "share one DALI pipeline" in " ".join(doc.read_text().split()), doc.name
+
+
+def test_the_readme_leads_with_the_commands_and_the_import_before_the_internals() -> None:
+    headings = [line for line in README.read_text().splitlines() if line.startswith("## ")]
+    order = [
+        "## Quick start",
+        "## From DALI's proxy: one import",
+        "## Using it",
+        "## Running it for real: a daemon per GPU",
+        "## On a GPU",
+        "## How it fits together",
+    ]
+    assert [h for h in headings if h in order] == order
+
+
+def _help(*command: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "dalid.server", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "100"},
+    )
+    return " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("command", ["serve", "status", "stop", "ping", "reload"])
+def test_help_speaks_to_users_not_of_modules(command: str) -> None:
+    text = _help(command)
+    assert not re.search(r"\b\w+\.py\b", text), text
+    assert "dalid.server" not in text and "dalid.client" not in text
+
+
+def test_status_help_says_what_the_columns_the_pipeline_lines_and_outputs_mean() -> None:
+    text = _help("status")
+    for column in COLUMNS:
+        assert f"{column.header}: " in text, column.header
+    for value in ("shm", "cuda ipc", "staged"):
+        assert value in text
+    assert "a line per DALI pipeline" in text and "mixed batches of two jobs or more" in text
+
+
+def test_the_readme_says_what_status_shows() -> None:
+    text = " ".join(README.read_text().split())
+    for said in ("runs of up to", "full on average", "runs mixed jobs", "`outputs`", "`shm`"):
+        assert said in text, said
+
+
+def test_the_readmes_commands_run_through_dev_run() -> None:
+    """A newcomer's shell has neither `dalid` nor the environment's python on its PATH: every
+    command the README shows goes through `./dev`."""
+    text = README.read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
+    assert blocks
+    commands = [line for block in blocks for line in block.splitlines() if line.strip()]
+    assert all(line.startswith("./dev ") for line in commands), commands
+    inline = re.findall(r"`((?:python|dalid) [^`]*)`", text)
+    runnable = [c for c in inline if c.startswith(("python -m", "python train.py"))]
+    assert runnable == [], runnable
