@@ -2,6 +2,11 @@
 
 Two families: :class:`RequestError` (this request or batch failed; the session goes on) and
 :class:`DaemonUnavailable` (no daemon answers; nothing more will arrive on this session).
+
+Where DALI's proxy raises ``RuntimeError`` (a batch that fails, a pipeline that cannot be built
+or run on this device), dalid's error is a ``RuntimeError`` too, so that code written for DALI's
+proxy catches it as it did; where DALI raises ``ValueError`` (the proxy called with arguments
+its pipeline does not take), :class:`InputError` is one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ class DalidError(Exception):
     """Base of every dalid error."""
 
 
-class RequestError(DalidError):
+class RequestError(DalidError, RuntimeError):
     """The daemon refused or could not carry out a request; the session stays usable."""
 
     def __init__(self, code: ErrorCode, message: str, traceback: str = "") -> None:
@@ -90,11 +95,11 @@ class BatchError(RequestError):
         return f"{where} failed, {every}{count} bad sample{'s' * (count != 1)}: {samples}"
 
 
-class DeviceMismatch(DalidError):
+class DeviceMismatch(DalidError, RuntimeError):
     """This process cannot use the GPU the daemon delivers outputs on (another GPU, no CUDA)."""
 
 
-class DaemonUnavailable(DalidError):
+class DaemonUnavailable(DalidError, RuntimeError):
     """No daemon answers on the socket, or the one that did has gone."""
 
 

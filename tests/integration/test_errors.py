@@ -97,6 +97,7 @@ def test_batch_error_names_batch_and_pipeline_recovers(session: dalid.Session) -
     ) as raised:
         session.produce_data(batch_of((2,)))
     assert raised.value.code is ErrorCode.PIPELINE_ERROR
+    assert isinstance(raised.value, RuntimeError)  # as DALI's proxy raises it
     # The daemon rebuilt the pipeline: the next batch runs.
     assert session.produce_data(batch_of((2, 3))).shape == (2, 2, 3)
 
