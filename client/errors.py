@@ -81,6 +81,9 @@ class BatchError(RequestError):
     def _describe(self) -> str:
         daemon = f"batch {self.batch_id} of pipeline {self.pipeline_id}"
         where = daemon if self.step is None else f"loader step {self.step} ({daemon} in the daemon)"
+        if self.code in _DALI_FAILURES:
+            # DALI's proxy raises DALI's own error, which starts so; code may match its words.
+            where = f"Critical error in pipeline: {where}"
         if not self.bad_samples:
             return f"{where} failed: {self.reason}"
         indices = self.dataset_indices or []
@@ -111,6 +114,9 @@ class DaemonStopped(DaemonUnavailable):
     """The daemon was stopped on purpose (``dalid stop``, SIGTERM) and said so before it went:
     it will not come back by itself, so a session with ``reconnect`` does not wait for it."""
 
+
+# A batch that DALI ran and that failed there (not one the daemon refused).
+_DALI_FAILURES = {ErrorCode.PIPELINE_ERROR, ErrorCode.BAD_SAMPLES}
 
 _PIPELINE_CODES = {
     ErrorCode.INVALID_PIPELINE,
