@@ -16,7 +16,7 @@ from .options import check_job_options
 from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .worker import Proxy
+from .worker import Proxy, collate_sample_refs
 
 __all__ = [
     "DALIOutputBatchRef",
@@ -25,6 +25,10 @@ __all__ = [
     "DALIServer",
     "DataLoader",
 ]
+
+
+# DALI's name for its collate rule, which its documentation calls in a custom collate function.
+_collate_dali_output_sample_ref_fn = collate_sample_refs
 
 
 class DALIServer:
@@ -152,3 +156,11 @@ class DataLoader(_DataLoader):
     def __init__(self, dali_server: DALIServer, *args: Any, **kwargs: Any) -> None:
         super().__init__(dali_server, *args, **kwargs)
         self.dali_server = dali_server
+
+    def __iter__(self) -> Any:
+        # DALI's loader starts a stopped server when it is iterated (the documented use stops
+        # it after each epoch). Here that registers the pipeline again and points the proxy at
+        # the new job: it must happen before torch starts this epoch's workers, which carry the
+        # proxy's target from then on (persistent workers keep the one they started with).
+        self.dali_server.start_thread()
+        return super().__iter__()
