@@ -4,10 +4,18 @@ The client never builds a pipeline: building needs the pipeline's device in the 
 pipeline needs CUDA there). It reads the pipeline's Python graph (its external_source names and
 its outputs, as DALI's own proxy does) and sends the serialized pipeline, which the daemon
 builds on its device.
+
+DALI's ``Pipeline.serialize()`` makes the pipeline's backend first, for the pipeline's device: in a
+process that cannot see the GPU it fails ("CUDA is not available"), and otherwise the trainer's
+pipeline object holds a backend for the GPU that only the daemon uses. :func:`serialize` makes
+the same bytes from a backend without a device (DALI accepts GPU operators there, and the
+daemon builds the pipeline for its own device whatever the bytes say), on a copy of the
+pipeline object, which the trainer's object does not see.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -31,6 +39,25 @@ def _graph(pipeline: Any) -> Any:
     if not pipeline._py_graph_built:
         pipeline._build_graph()
     return pipeline
+
+
+def serialize(pipeline: Any) -> bytes:
+    """The pipeline serialized as ``Pipeline.serialize()`` does, without a backend for its
+    device."""
+    graph = _graph(pipeline)
+    if graph._backend_prepared:
+        return bytes(graph.serialize())  # the trainer made the backend itself: serialize that one
+    detached = copy.copy(graph)
+    # The copy shares the graph's operators; what making a backend changes is its own.
+    detached._transfer_ops = dict(graph._transfer_ops)
+    detached._pipe = None
+    detached._device_id = None
+    try:
+        detached._init_pipeline_backend()
+        detached._pipe.SetOutputDescs(detached._generate_build_args())
+        return bytes(detached._pipe.SerializeToProtobuf())
+    finally:
+        detached._shutdown()
 
 
 def external_source_names(pipeline: Any) -> list[str]:
@@ -87,7 +114,7 @@ def registration_request(
     if isinstance(depth, dict):
         depth = max(depth.values())
     return RegisterPipeline(
-        serialized=memoryview(pipeline.serialize()),
+        serialized=memoryview(serialize(pipeline)),
         input_names=tuple(names),
         num_outputs=output_count(pipeline),
         max_batch_size=pipeline.max_batch_size,
