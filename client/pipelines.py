@@ -87,11 +87,16 @@ def pipeline_device(pipeline: Any) -> Device:
 
 
 def registration_request(
-    pipeline: Any, on_error: str = "raise", *, deterministic: bool = False
+    pipeline: Any,
+    on_error: str = "raise",
+    *,
+    deterministic: bool = False,
+    share_runs: bool = True,
 ) -> RegisterPipeline | RegisterNamedPipeline:
     """The message that registers ``pipeline``: a DALI pipeline (sent serialized), or one of
     the daemon's repository (a :class:`RepositoryPipeline`, or its name). ``deterministic``:
-    the daemon runs it for this job alone, one batch at a time. Bad arguments raise
+    the daemon runs it for this job alone, one batch at a time; ``share_runs=False``: the job's
+    batches never share a run with other jobs' batches. Bad arguments raise
     :class:`InputError` before anything is sent."""
     try:
         policy = OnError(on_error)
@@ -102,7 +107,12 @@ def registration_request(
     if isinstance(pipeline, str):
         pipeline = RepositoryPipeline(pipeline)
     if isinstance(pipeline, RepositoryPipeline):
-        return dataclasses.replace(pipeline.request(), on_error=policy, deterministic=deterministic)
+        return dataclasses.replace(
+            pipeline.request(),
+            on_error=policy,
+            deterministic=deterministic,
+            share_runs=share_runs,
+        )
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
     if not names:
@@ -126,4 +136,5 @@ def registration_request(
         on_error=policy,
         deterministic=deterministic,
         path_inputs=path_inputs(pipeline),
+        share_runs=share_runs,
     )

@@ -38,7 +38,8 @@ class DALIServer:
     starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
 
     Beyond DALI's arguments (``proxy`` is a property there, so it takes none), keyword-only:
-    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`),
+    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``) and ``share_runs`` (False: this
+    job's batches never share a DALI run with other jobs'), see :meth:`Session.proxy`,
     ``socket`` and ``autostart``, and the job options of :func:`dalid.client.connect`:
     ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches`` and ``reconnect`` (the job
     carries on across a restart of the daemon, see ``Session``).
@@ -50,6 +51,7 @@ class DALIServer:
         deterministic: bool = False,
         *,
         on_error: str = "raise",
+        share_runs: bool = True,
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
         name: str | None = None,
@@ -75,6 +77,7 @@ class DALIServer:
         self._pipeline = pipeline
         self._deterministic = deterministic
         self._on_error = on_error
+        self._share_runs = share_runs
         self._socket = socket
         self._autostart = autostart
         self._session: Session | None = None
@@ -106,7 +109,11 @@ class DALIServer:
         if not self._registered:
             # The session points this proxy at each new registration (after a reconnection too).
             self._proxy = session.proxy(
-                self._pipeline, self._deterministic, self._on_error, proxy=self._proxy
+                self._pipeline,
+                self._deterministic,
+                self._on_error,
+                share_runs=self._share_runs,
+                proxy=self._proxy,
             )
             self._registered = True
         assert self._proxy is not None
