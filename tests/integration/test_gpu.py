@@ -28,6 +28,7 @@ from nvidia.dali.data_node import DataNode
 import dalid.client as dalid
 
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
+from ..host_sync import host_syncs_raise
 from .helpers import BATCH, ProxyDataset, gpu_pipeline, index_batches, run_in_process, sample
 
 if not torch.cuda.is_available():
@@ -98,20 +99,16 @@ def test_outputs_equal_in_process_run_without_host_sync(
         differences = []
         seen = []
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronization by torch raises
-        try:
-            with torch.cuda.stream(side):
-                for ((scaled, shifted), indices), want in zip(
-                    loader, zip(reference, expected, strict=True), strict=True
-                ):
-                    assert scaled.device == torch.device("cuda", torch.cuda.current_device())
-                    assert scaled.dtype == torch.float32 and scaled.shape == want[1].shape
-                    assert shifted.device.type == "cpu"  # a CPU output of a GPU pipeline
-                    np.testing.assert_array_equal(shifted.numpy(), want[0][1])
-                    differences.append((scaled - want[1]).abs().max())
-                    seen.extend(indices.tolist())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with host_syncs_raise(), torch.cuda.stream(side):  # any host synchronization raises
+            for ((scaled, shifted), indices), want in zip(
+                loader, zip(reference, expected, strict=True), strict=True
+            ):
+                assert scaled.device == torch.device("cuda", torch.cuda.current_device())
+                assert scaled.dtype == torch.float32 and scaled.shape == want[1].shape
+                assert shifted.device.type == "cpu"  # a CPU output of a GPU pipeline
+                np.testing.assert_array_equal(shifted.numpy(), want[0][1])
+                differences.append((scaled - want[1]).abs().max())
+                seen.extend(indices.tolist())
         side.synchronize()
         assert [float(d) for d in differences] == [0.0] * len(reference)
         assert seen == list(range(LENGTH))

@@ -199,3 +199,20 @@ def _dead_pid() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     return process.pid
+
+
+def test_cuda_state_of_the_process_is_there_before_any_test(runtime_dir: Path) -> None:
+    """The GPU tests' first CUDA use (a context, DALI's GPU decoding) makes nothing a test is
+    blamed for: it was made before the first snapshot. Without CUDA it makes nothing at all."""
+    import torch
+
+    before = leaks.take([])
+    if torch.cuda.is_available():
+        assert "cuda-EvtHandlr" in before.tasks.values()
+        assert any(target.startswith("/dev/nvidia") for target in before.fds.values())
+    else:
+        assert not torch.cuda.is_initialized()
+    leaks._cuda_context()
+    leaks._dali_gpu_decoding()
+    _, inside = leaks.left_behind(before, [], runtime_dir, set(), grace_s=0)
+    assert not leaks.still_there(inside, grace_s=2.0)
