@@ -92,15 +92,16 @@ def _dali_gpu_decoding() -> None:
     from nvidia.dali.pipeline import Pipeline
     from PIL import Image
 
+    # Images large enough for the hardware decoder too, which takes part of each run.
     encoded = io.BytesIO()
-    Image.new("RGB", (16, 16), (200, 100, 50)).save(encoded, format="JPEG")
+    Image.radial_gradient("L").convert("RGB").resize((320, 240)).save(encoded, format="JPEG")
     jpeg = np.frombuffer(encoded.getvalue(), np.uint8)
-    pipe = Pipeline(batch_size=1, num_threads=1, device_id=0, prefetch_queue_depth=1)
+    pipe = Pipeline(batch_size=4, num_threads=1, device_id=0, prefetch_queue_depth=1)
     with pipe:
         pipe.set_outputs(fn.decoders.image(fn.external_source(name="jpegs"), device="mixed"))
     try:
         pipe.build()
-        pipe.run(jpegs=[jpeg])
+        pipe.run(jpegs=[jpeg] * 4)
     finally:
         pipe._shutdown()  # its worker threads end with it; the libraries' state stays
     del pipe
