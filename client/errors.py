@@ -2,6 +2,11 @@
 
 Two families: :class:`RequestError` (this request or batch failed; the session goes on) and
 :class:`DaemonUnavailable` (no daemon answers; nothing more will arrive on this session).
+
+Where DALI's proxy raises ``RuntimeError`` (a batch that fails, a pipeline that cannot be built
+or run on this device), dalid's error is a ``RuntimeError`` too, so that code written for DALI's
+proxy catches it as it did; where DALI raises ``ValueError`` (the proxy called with arguments
+its pipeline does not take), :class:`InputError` is one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ class DalidError(Exception):
     """Base of every dalid error."""
 
 
-class RequestError(DalidError):
+class RequestError(DalidError, RuntimeError):
     """The daemon refused or could not carry out a request; the session stays usable."""
 
     def __init__(self, code: ErrorCode, message: str, traceback: str = "") -> None:
@@ -84,6 +89,9 @@ class BatchError(RequestError):
             if self.step is None
             else f"loader step {self.step} ({daemon} in the daemon's log)"
         )
+        if self.code in _DALI_FAILURES:
+            # DALI's proxy raises DALI's own error, which starts so; code may match its words.
+            where = f"Critical error in pipeline: {where}"
         if not self.bad_samples:
             return f"{where}{_indices(self.batch_indices)} failed: {self.reason}"
         indices = self.dataset_indices or []
@@ -107,11 +115,11 @@ def _indices(indices: list[int] | None, shown: int = 8) -> str:
     return f", dataset indices {listed}{more},"
 
 
-class DeviceMismatch(DalidError):
+class DeviceMismatch(DalidError, RuntimeError):
     """This process cannot use the GPU the daemon delivers outputs on (another GPU, no CUDA)."""
 
 
-class DaemonUnavailable(DalidError):
+class DaemonUnavailable(DalidError, RuntimeError):
     """No daemon answers on the socket, or the one that did has gone."""
 
 
@@ -123,6 +131,9 @@ class DaemonStopped(DaemonUnavailable):
     """The daemon was stopped on purpose (``dalid stop``, SIGTERM) and said so before it went:
     it will not come back by itself, so a session with ``reconnect`` does not wait for it."""
 
+
+# A batch that DALI ran and that failed there (not one the daemon refused).
+_DALI_FAILURES = {ErrorCode.PIPELINE_ERROR, ErrorCode.BAD_SAMPLES}
 
 _PIPELINE_CODES = {
     ErrorCode.INVALID_PIPELINE,

@@ -4,10 +4,18 @@ The client never builds a pipeline: building needs the pipeline's device in the 
 pipeline needs CUDA there). It reads the pipeline's Python graph (its external_source names and
 its outputs, as DALI's own proxy does) and sends the serialized pipeline, which the daemon
 builds on its device.
+
+DALI's ``Pipeline.serialize()`` makes the pipeline's backend first, for the pipeline's device: in a
+process that cannot see the GPU it fails ("CUDA is not available"), and otherwise the trainer's
+pipeline object holds a backend for the GPU that only the daemon uses. :func:`serialize` makes
+the same bytes from a backend without a device (DALI accepts GPU operators there, and the
+daemon builds the pipeline for its own device whatever the bytes say), on a copy of the
+pipeline object, which the trainer's object does not see.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -31,6 +39,25 @@ def _graph(pipeline: Any) -> Any:
     if not pipeline._py_graph_built:
         pipeline._build_graph()
     return pipeline
+
+
+def serialize(pipeline: Any) -> bytes:
+    """The pipeline serialized as ``Pipeline.serialize()`` does, without a backend for its
+    device."""
+    graph = _graph(pipeline)
+    if graph._backend_prepared:
+        return bytes(graph.serialize())  # the trainer made the backend itself: serialize that one
+    detached = copy.copy(graph)
+    # The copy shares the graph's operators; what making a backend changes is its own.
+    detached._transfer_ops = dict(graph._transfer_ops)
+    detached._pipe = None
+    detached._device_id = None
+    try:
+        detached._init_pipeline_backend()
+        detached._pipe.SetOutputDescs(detached._generate_build_args())
+        return bytes(detached._pipe.SerializeToProtobuf())
+    finally:
+        detached._shutdown()
 
 
 def external_source_names(pipeline: Any) -> list[str]:
@@ -60,11 +87,16 @@ def pipeline_device(pipeline: Any) -> Device:
 
 
 def registration_request(
-    pipeline: Any, on_error: str = "raise", *, deterministic: bool = False
+    pipeline: Any,
+    on_error: str = "raise",
+    *,
+    deterministic: bool = False,
+    share_runs: bool = True,
 ) -> RegisterPipeline | RegisterNamedPipeline:
     """The message that registers ``pipeline``: a DALI pipeline (sent serialized), or one of
     the daemon's repository (a :class:`RepositoryPipeline`, or its name). ``deterministic``:
-    the daemon runs it for this job alone, one batch at a time. Bad arguments raise
+    the daemon runs it for this job alone, one batch at a time; ``share_runs=False``: the job's
+    batches never share a run with other jobs' batches. Bad arguments raise
     :class:`InputError` before anything is sent."""
     try:
         policy = OnError(on_error)
@@ -75,7 +107,12 @@ def registration_request(
     if isinstance(pipeline, str):
         pipeline = RepositoryPipeline(pipeline)
     if isinstance(pipeline, RepositoryPipeline):
-        return dataclasses.replace(pipeline.request(), on_error=policy, deterministic=deterministic)
+        return dataclasses.replace(
+            pipeline.request(),
+            on_error=policy,
+            deterministic=deterministic,
+            share_runs=share_runs,
+        )
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
     if not names:
@@ -87,7 +124,7 @@ def registration_request(
     if isinstance(depth, dict):
         depth = max(depth.values())
     return RegisterPipeline(
-        serialized=memoryview(pipeline.serialize()),
+        serialized=memoryview(serialize(pipeline)),
         input_names=tuple(names),
         num_outputs=output_count(pipeline),
         max_batch_size=pipeline.max_batch_size,
@@ -99,4 +136,5 @@ def registration_request(
         on_error=policy,
         deterministic=deterministic,
         path_inputs=path_inputs(pipeline),
+        share_runs=share_runs,
     )

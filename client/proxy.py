@@ -16,7 +16,7 @@ from .options import check_job_options
 from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .worker import Proxy
+from .worker import Proxy, collate_sample_refs
 
 __all__ = [
     "DALIOutputBatchRef",
@@ -27,6 +27,10 @@ __all__ = [
 ]
 
 
+# DALI's name for its collate rule, which its documentation calls in a custom collate function.
+_collate_dali_output_sample_ref_fn = collate_sample_refs
+
+
 class DALIServer:
     """DALI's ``DALIServer`` API, backed by the daemon for ``pipeline``'s device.
 
@@ -34,7 +38,8 @@ class DALIServer:
     starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
 
     Beyond DALI's arguments (``proxy`` is a property there, so it takes none), keyword-only:
-    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``, see :meth:`Session.proxy`),
+    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``) and ``share_runs`` (False: this
+    job's batches never share a DALI run with other jobs'), see :meth:`Session.proxy`,
     ``socket`` and ``autostart``, and the job options of :func:`dalid.client.connect`:
     ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches`` and ``reconnect`` (the job
     carries on across a restart of the daemon, see ``Session``).
@@ -46,6 +51,7 @@ class DALIServer:
         deterministic: bool = False,
         *,
         on_error: str = "raise",
+        share_runs: bool = True,
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
         name: str | None = None,
@@ -71,6 +77,7 @@ class DALIServer:
         self._pipeline = pipeline
         self._deterministic = deterministic
         self._on_error = on_error
+        self._share_runs = share_runs
         self._socket = socket
         self._autostart = autostart
         self._session: Session | None = None
@@ -102,7 +109,11 @@ class DALIServer:
         if not self._registered:
             # The session points this proxy at each new registration (after a reconnection too).
             self._proxy = session.proxy(
-                self._pipeline, self._deterministic, self._on_error, proxy=self._proxy
+                self._pipeline,
+                self._deterministic,
+                self._on_error,
+                share_runs=self._share_runs,
+                proxy=self._proxy,
             )
             self._registered = True
         assert self._proxy is not None
@@ -152,3 +163,11 @@ class DataLoader(_DataLoader):
     def __init__(self, dali_server: DALIServer, *args: Any, **kwargs: Any) -> None:
         super().__init__(dali_server, *args, **kwargs)
         self.dali_server = dali_server
+
+    def __iter__(self) -> Any:
+        # DALI's loader starts a stopped server when it is iterated (the documented use stops
+        # it after each epoch). Here that registers the pipeline again and points the proxy at
+        # the new job: it must happen before torch starts this epoch's workers, which carry the
+        # proxy's target from then on (persistent workers keep the one they started with).
+        self.dali_server.start_thread()
+        return super().__iter__()

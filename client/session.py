@@ -187,6 +187,7 @@ class Session:
         deterministic: bool = False,
         on_error: str = "raise",
         *,
+        share_runs: bool = True,
         proxy: Proxy | None = None,
     ) -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
@@ -204,11 +205,21 @@ class Session:
         listed in :attr:`last_bad_samples`; the other per-sample fields of the batch (labels)
         follow, see :meth:`produce_data`.
 
+        ``share_runs``: whether the daemon may run this job's batches in one DALI run with
+        other jobs' batches of the same pipeline (they then share one pipeline in the daemon).
+        A job alone always gets runs that are exactly its batches; in a shared run, a few
+        operators give a sample a value that depends on its place in the run (see
+        docs/migration.md, "Shared runs"). ``False``: a pipeline of its own, built as
+        registered, whose runs are this job's batches.
+
         ``proxy``: a proxy made for the same pipeline earlier (by a session since closed), to
         point at this registration instead of making a new one; it is the one returned.
         """
         registration = self._daemon.register(
-            registration_request(pipeline, on_error, deterministic=deterministic), deterministic
+            registration_request(
+                pipeline, on_error, deterministic=deterministic, share_runs=share_runs
+            ),
+            deterministic,
         )
         target = self._daemon.target_of(registration)
         if proxy is None:

@@ -83,9 +83,12 @@ class Proxy:
         except TypeError as error:
             if args and len(names) > 1:
                 example = ", ".join(f"{name}=..." for name in names)
+                # DALI's proxy says "too many positional arguments" here (a ValueError): code
+                # that matches its words finds them in ours too.
                 raise InputError(
-                    f"the pipeline has {len(names)} inputs, passed by keyword only (as with DALI's "
-                    f"proxy), named as its external_source operators: proxy({example})"
+                    f"too many positional arguments: the pipeline has {len(names)} inputs, passed "
+                    "by keyword only (as with DALI's proxy), named as its external_source "
+                    f"operators: proxy({example})"
                 ) from None
             raise InputError(
                 f"the pipeline takes {self.__signature__} (its external_source names): {error}"

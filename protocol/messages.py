@@ -389,6 +389,10 @@ class RegisterPipeline(Message):
     # Inputs whose samples are file paths (they feed fn.io.file.read): the daemon checks that
     # it can open each before the batch runs (see ``SubmitBatch.unreadable``).
     path_inputs: tuple[str, ...] = ()
+    # False: the job's batches never share a DALI run with other jobs' batches (a pipeline of
+    # its own, built as registered), so operators that depend on a sample's place in its run
+    # give what they give in the trainer's own pipeline.
+    share_runs: bool = True
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
@@ -424,6 +428,7 @@ class RegisterNamedPipeline(Message):
     # As in RegisterPipeline.
     earlier_ids: tuple[EarlierPipeline, ...] = ()
     deterministic: bool = False
+    share_runs: bool = True
 
     def __post_init__(self) -> None:
         _check_name(self.name, "a pipeline name")

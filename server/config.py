@@ -283,7 +283,8 @@ OPTIONS: tuple[Option, ...] = (
         "run_batches",
         parse_positive_int,
         4,
-        "the samples of this many batches at most in one run of a shared pipeline",
+        "the samples of this many batches at most in one run of a shared pipeline, one batch of "
+        "each job",
         "N",
     ),
     Option(

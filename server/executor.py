@@ -107,7 +107,6 @@ class PipelineExecutor:
         # Members, their queues and the next run; its lock also guards the build's outcome.
         self._planner = RunPlanner(scheduler, self._clock, self._stopping, max_image_pixels)
         self._planner.shared = self.shared
-        self._planner.run_batches = self.run_batches
         self._changed = self._planner.changed
         self.join(first, on_built)
         self._thread = threading.Thread(

@@ -297,6 +297,8 @@ class PipelineBuilder:
             return "pipeline sharing is off (dalid serve --share-pipelines no)"
         if request.deterministic:
             return "deterministic: the trainer orders its batches"
+        if not request.share_runs:
+            return "its job asked for runs of its own (share_runs=False)"
         return ""
 
 

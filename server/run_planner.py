@@ -5,7 +5,6 @@ order; the batches, members and runs themselves are in :mod:`dalid.server.runs`.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +19,6 @@ from .scheduler import FairScheduler, ServiceClock
 # again when a job's batch waited only for that job's memory (a release does not wake it).
 _IDLE_WAIT_S = 1.0
 _IDLE_POLL_S = 0.05
-# A job that submitted a batch this recently is busy: it gets its share of each run.
-_BUSY_S = 1.0
 
 
 def _any_batch(batch: PendingBatch) -> bool:
@@ -33,12 +30,15 @@ class RunPlanner:
 
     Each run starts with the batch whose job comes first in the fair scheduler's order, and
     takes a slot of the scheduler for it (``FairScheduler.acquire``). On a shared pipeline the
-    run then takes more batches, of any member, in the scheduler's order, while they fit in
-    ``run_size`` samples, each busy job at most its share of ``run_batches`` (so a job's
-    backlog does not fill whole runs while another job's next batch is on its way), and feed
-    DALI inputs of the same dtypes and ranks; they ride in that
-    slot, each charged to its own job (``FairScheduler.ride``), so weights hold inside runs. A
-    batch that ran in a mixed run that failed, or of a job in quarantine, runs alone.
+    run then takes batches of other members, in the scheduler's order, while they fit in
+    ``run_size`` samples and feed DALI inputs of the same dtypes and ranks: at most one batch
+    of each job, so that a job alone gets runs that are exactly its batches, as DALI's proxy
+    runs them (operators whose result depends on a sample's place in its run, such as the
+    mixed decoder's split between its hardware and CUDA decoders, then give what they give
+    there), and a job's backlog does not fill a run while another job's next batch is on its
+    way. Riders ride in that slot, each charged to its own job (``FairScheduler.ride``), so
+    weights hold inside runs. A batch that ran in a mixed run that failed, or of a job in
+    quarantine, runs alone.
 
     ``members`` and their queues are guarded by ``changed``, which a submission notifies; the
     executor's thread alone forms runs and holds slots.
@@ -55,7 +55,6 @@ class RunPlanner:
         self.changed = threading.Condition()
         self.shared = False
         self.run_size = 0
-        self.run_batches = 1
         # The inputs whose samples are file paths (checked before a batch runs).
         self.path_inputs: tuple[str, ...] = ()
         # Output sizes per sample of the last run, by output: (device, bytes).
@@ -88,7 +87,6 @@ class RunPlanner:
         assert batch.member is not None
         with self.changed:
             batch.member.queue.append(batch)
-            batch.member.submitted_at = time.monotonic()
             self.changed.notify()
 
     def wake(self) -> None:
@@ -117,10 +115,10 @@ class RunPlanner:
             return run
         room = self.run_size - first.size
         kinds = first.input_kinds()
-        # A busy job's batches take at most its share of a run (by weight), so that a job whose
-        # next batch arrives a moment later does not wait for a whole run of another's backlog.
-        shares = self._shares()
-        taken = collections.Counter([first.member.job_id])
+        taken = {first.member.job_id}  # one batch of a job in a run: its runs are its batches
+        # A job rides only while its tag is not past the end of the first batch's: a job that
+        # rode every run would get more than its weight, as one batch a run is all it can have.
+        due = self._scheduler.start_tag(first.member.job_id) if self._scheduler else None
 
         def rides(batch: PendingBatch) -> bool:
             member = batch.member
@@ -131,7 +129,8 @@ class RunPlanner:
                 and not batch.oversized
                 and not batch.unseen
                 and batch.size <= room
-                and taken[member.job_id] < shares.get(member.job_id, self.run_batches)
+                and member.job_id not in taken
+                and self._is_due(member.job_id, due)
                 and batch.input_kinds() == kinds
             )
 
@@ -143,25 +142,15 @@ class RunPlanner:
             if self._scheduler is not None:
                 self._scheduler.ride(rider.member.job_id, self._clock.cost(rider.size))
             run.batches.append(rider)
-            taken[rider.member.job_id] += 1
+            taken.add(rider.member.job_id)
             room -= rider.size
         return run
 
-    def _shares(self) -> dict[int, int]:
-        """The batches each busy job (one with batches queued or submitted lately) may have in
-        one run: its weight's share of ``run_batches``, rounded up."""
-        since = time.monotonic() - _BUSY_S
-        with self.changed:
-            busy = {m.job_id for m in self.members if m.queue or m.submitted_at >= since}
-        weights = {
-            job_id: self._scheduler.weight(job_id) if self._scheduler is not None else 1.0
-            for job_id in busy
-        }
-        total = sum(weights.values())
-        return {
-            job_id: max(1, math.ceil(self.run_batches * weight / total - 1e-9))
-            for job_id, weight in weights.items()
-        }
+    def _is_due(self, job_id: int, due: float | None) -> bool:
+        if self._scheduler is None or due is None:
+            return True
+        tag = self._scheduler.start_tag(job_id)
+        return tag is not None and tag <= due + 1e-12
 
     def _first_batch(
         self, retry: collections.deque[PendingBatch], block: bool

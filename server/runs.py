@@ -87,8 +87,6 @@ class Member:
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
     alone: int = 0
-    # When it last submitted a batch (monotonic seconds): whether its job is busy.
-    submitted_at: float = 0.0
     # Since when its batches wait for its job's memory (None: they do not).
     starved_since: float | None = None
     writing: threading.Lock = field(default_factory=threading.Lock)

@@ -19,7 +19,7 @@ import pytest
 
 from dalid.protocol import slabs
 
-from . import leaks
+from . import host_sync, leaks
 from .daemons import (
     OWN_DIRECTORIES,
     STARTED_PIDS,
@@ -134,6 +134,20 @@ def nothing_left_behind(
         failure = f"{request.node.nodeid} left behind:\n  " + "\n  ".join(outside.lines())
         outside.clean_up()
         pytest.fail(failure, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def sync_debug_mode_restored() -> Iterator[None]:
+    """Fails the test that leaves torch's synchronization debug mode on (and turns it off), so
+    that the tests after it do not fail on their first host synchronization instead."""
+    yield
+    left = host_sync.reset_if_left_on()
+    if left:
+        pytest.fail(
+            f"left torch.cuda's synchronization debug mode at {left}: use "
+            "tests.host_sync.host_syncs_raise()",
+            pytrace=False,
+        )
 
 
 def _test_directories(request: pytest.FixtureRequest) -> list[Path]:

@@ -70,6 +70,44 @@ def _zmq_garbage_collector() -> None:
         context.term()
 
 
+def _cuda_context() -> None:
+    # The first CUDA call of a process makes its context, and with it the driver's
+    # 'cuda-EvtHandlr' thread, descriptors on /dev/nvidia* and /dev/nvidia-uvm, and a
+    # /dev/shm/cuda.shm.* segment, all kept until the process exits. Nothing without CUDA.
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+
+
+def _dali_gpu_decoding() -> None:
+    # A GPU pipeline run in this process (the GPU tests' references) loads DALI's GPU decoding
+    # libraries, whose allocator starts a 'jemalloc_bg_thd' thread that never stops; one tiny
+    # run of the mixed decoder makes that state here, once. Nothing without CUDA.
+    if not torch.cuda.is_available():
+        return
+    import io
+
+    import numpy as np
+    from nvidia.dali import fn
+    from nvidia.dali.pipeline import Pipeline
+    from PIL import Image
+
+    # Images large enough for the hardware decoder too, which takes part of each run.
+    encoded = io.BytesIO()
+    Image.radial_gradient("L").convert("RGB").resize((320, 240)).save(encoded, format="JPEG")
+    jpeg = np.frombuffer(encoded.getvalue(), np.uint8)
+    pipe = Pipeline(batch_size=4, num_threads=1, device_id=0, prefetch_queue_depth=1)
+    with pipe:
+        pipe.set_outputs(fn.decoders.image(fn.external_source(name="jpegs"), device="mixed"))
+    try:
+        pipe.build()
+        pipe.run(jpegs=[jpeg] * 4)
+    finally:
+        pipe._shutdown()  # its worker threads end with it; the libraries' state stays
+    del pipe
+    gc.collect()
+
+
 # Process-wide state that is made on first use and kept until the process exits; each is made
 # by start_long_lived, before the first snapshot.
 _LONG_LIVED_STATE: dict[str, Callable[[], object]] = {
@@ -89,6 +127,10 @@ _LONG_LIVED_STATE: dict[str, Callable[[], object]] = {
     # SciPy's OpenBLAS (loaded by scikit-learn, which the tests' JPEGs come from) starts its
     # thread pool when the library loads, and never stops it.
     "SciPy's OpenBLAS threads": lambda: importlib.import_module("scipy.linalg"),
+    # CUDA's context of the process (on a machine with a GPU): see _cuda_context.
+    "CUDA's context": _cuda_context,
+    # DALI's GPU decoding libraries and their allocator's thread: see _dali_gpu_decoding.
+    "DALI's GPU decoding": _dali_gpu_decoding,
 }
 
 

@@ -2,12 +2,19 @@
 # All of dalid's GPU work on a machine with a GPU, in parts of at most about 10 minutes each;
 # every part writes its log and an archive of its results to $OUT.
 #
-#   bash bench/gpu/run_on_device.sh PART...      (from the repository root)
+#   bash bench/gpu/run_on_device.sh              (from the repository root, once DALI is staged)
+#       the whole GPU check in one call, in under 8 minutes (BUDGET_S 450 by default): setup,
+#       tests (the gpu-marked tests, DALI's proxy conformance cases on the GPU among them) and
+#       bench-gpu; each part's time is capped so that the ones after it still get theirs
+#   bash bench/gpu/run_on_device.sh PART...
 #
 #   setup          installs dalid (editable, no dependencies fetched) and records the machine:
 #                  nvidia-smi, versions; checks that DALI, torch with CUDA, CuPy and pyzmq import
 #   tests          the gpu-marked tests (pytest -m gpu -rA, JUnit XML), with nvidia-smi's
 #                  processes before and after them (a leaked GPU process shows there)
+#   bench-gpu      the GPU profile as first measured: DALI in-process and dalid (shared) at 1 and
+#                  8 jobs (4,096 images, 3 epochs), then the QA decoder configuration in-process
+#                  and through dalid
 #   bench-main     python -m bench --profile gpu: DALI in-process, DALI's proxy, dalid, dalid with
 #                  staged outputs, the QA configuration in-process and through dalid, transport
 #   bench-scaling  python -m bench --profile gpu --only scaling: 1, 2, 4 and 8 jobs of dalid
@@ -18,7 +25,8 @@
 # Environment:
 #   OUT         where results go (default ./gpu-out)
 #   PYTHON      the interpreter (default python3)
-#   BUDGET_S    seconds the parts of one invocation may take together (default 560)
+#   BUDGET_S    seconds the parts of one invocation may take together (default 560; 450 for
+#               the whole check)
 #   REPEATS     repeats of the benchmark parts (default 1)
 #   DRY_RUN=1   on a machine without a GPU: no install, the bench in quick mode on the CPU
 #               (--profile gpu --quick --cpu), the gpu-marked tests skip; checks the plumbing
@@ -28,6 +36,10 @@ cd "$(dirname "$0")/../.." || exit 1
 ROOT="$PWD"
 OUT="${OUT:-$ROOT/gpu-out}"
 PYTHON="${PYTHON:-python3}"
+if [ $# -eq 0 ]; then
+  set -- setup tests bench-gpu
+  BUDGET_S="${BUDGET_S:-450}"
+fi
 BUDGET_S="${BUDGET_S:-560}"
 REPEATS="${REPEATS:-1}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -36,11 +48,15 @@ export PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + BUDGET_S))
 mkdir -p "$OUT"
 
-usage() { sed -n '2,24p' "$0"; exit 2; }
+usage() { sed -n '2,32p' "$0"; exit 2; }
 
-# Seconds left for a step, keeping 15 s to pack its results; at least 30.
+# Seconds the parts after the running one keep for themselves (set per part below).
+RESERVE=0
+
+# Seconds left for a step, keeping 15 s to pack its results and RESERVE for the parts after it;
+# at least 30.
 left() {
-  local remaining=$((DEADLINE - SECONDS - 15))
+  local remaining=$((DEADLINE - SECONDS - 15 - RESERVE))
   echo $((remaining > 30 ? remaining : 30))
 }
 
@@ -114,12 +130,25 @@ bench() {
   shift
   local mode=(--profile gpu --repeats "$REPEATS")
   [ "$DRY_RUN" = 1 ] && mode=(--profile gpu --quick --cpu --repeats 1)
+  mkdir -p "$dir"
   gpu_processes > "$dir/gpu-processes-before.txt" 2>&1
   timeout --kill-after=20 "$(left)" "$PYTHON" -m bench "${mode[@]}" --no-latest \
     --output "$dir" "$@" > "$dir/report.md" 2> >(tee "$dir/progress.log" >&2)
   local status=$?
   cat "$dir/report.md"
   gpu_processes > "$dir/gpu-processes-after.txt" 2>&1
+  return "$status"
+}
+
+part_bench_gpu() {
+  local size=(--epochs 3 --images 4096)
+  [ "$DRY_RUN" = 1 ] && size=()
+  # The QA configuration takes about a third of the time of the first run: keep it that.
+  RESERVE=$(( (DEADLINE - SECONDS) / 4 ))
+  bench "$1/profile" "${size[@]}" --only dali,dalid,scaling --scaling-jobs 1,8
+  local status=$?
+  RESERVE=0
+  bench "$1/qa" "${size[@]}" --only dali-qa,dalid-qa || status=1
   return "$status"
 }
 
@@ -134,7 +163,7 @@ part_bench_scaling() {
 [ $# -gt 0 ] || usage
 for part in "$@"; do
   case "$part" in
-    setup | tests | bench-main | bench-scaling) ;;
+    setup | tests | bench-gpu | bench-main | bench-scaling) ;;
     *) echo "unknown part: $part" >&2; usage ;;
   esac
 done
@@ -144,6 +173,9 @@ for part in "$@"; do
   dir="$(mktemp -d "/tmp/dalid-gpu-$part-XXXX")"
   echo "=== $part (${BUDGET_S}s budget, $((DEADLINE - SECONDS))s left) ==="
   started=$SECONDS
+  # The tests leave the bench at least 150 s when it follows them in this invocation.
+  RESERVE=0
+  [ "$part" = tests ] && [[ " $* " == *" bench-gpu "* ]] && RESERVE=150
   "part_${part//-/_}" "$dir" > >(tee "$OUT/$part.log") 2>&1
   status=$?
   echo "=== $part: exit $status after $((SECONDS - started))s ===" | tee -a "$OUT/$part.log"

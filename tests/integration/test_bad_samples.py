@@ -171,6 +171,7 @@ def test_raise_names_positions_dataset_indices_and_dali_message(
     message = str(error)
     assert error.step == 1
     assert message.startswith(
+        "Critical error in pipeline: "  # DALI's proxy's words, then dalid's
         f"loader step 1 (pipeline {error.pipeline_id} batch {error.batch_id} in the daemon's log) "
         "failed, 3 bad samples: sample 1 (dataset index 9): input 'jpegs': a truncated JPEG ("
     ), message
@@ -183,7 +184,7 @@ def test_raise_names_positions_dataset_indices_and_dali_message(
         next(iterator)
     assert raised.value.positions == [0, 4] and raised.value.dataset_indices == [16, 20]
     message = str(raised.value)
-    assert message.startswith("loader step 2 ")
+    assert message.startswith("Critical error in pipeline: loader step 2 ")
     assert "sample 0 (dataset index 16): input 'jpegs': empty (0 bytes); DALI says:" in message
     assert "sample 4 (dataset index 20): input 'jpegs': the image declares 30000x30000" in message
     # The batches after the bad ones are whole and right.

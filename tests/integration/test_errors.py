@@ -79,6 +79,20 @@ def test_gpu_pipeline_on_cpu_daemon(session: dalid.Session) -> None:
     assert raised.value.code is ErrorCode.DEVICE_MISMATCH
 
 
+def test_a_gpu_pipeline_is_registered_without_cuda_in_the_trainer(session: dalid.Session) -> None:
+    # DALI's Pipeline.serialize() would build the pipeline for GPU 0 here first, and fail on a
+    # machine without CUDA: registration must reach the daemon, which says what is wrong.
+    @pipeline_def(batch_size=2, num_threads=1, device_id=0)
+    def mixed_decode() -> DataNode:
+        return fn.decoders.image(fn.external_source(name="jpegs"), device="mixed")
+
+    pipeline = mixed_decode()
+    with pytest.raises(dalid.PipelineError, match="dalid serve --device N") as raised:
+        session.proxy(pipeline)
+    assert raised.value.code is ErrorCode.DEVICE_MISMATCH
+    assert not pipeline._backend_prepared  # the trainer's object holds no backend for the GPU
+
+
 def test_batch_error_names_batch_and_pipeline_recovers(
     daemon: DaemonProcess, session: dalid.Session
 ) -> None:
@@ -99,6 +113,7 @@ def test_batch_error_names_batch_and_pipeline_recovers(
     ) as raised:
         session.produce_data(batch_of((2,)))
     assert raised.value.code is ErrorCode.PIPELINE_ERROR
+    assert isinstance(raised.value, RuntimeError)  # as DALI's proxy raises it
     # The daemon's log names the batch as the trainer's error does.
     named = (
         f"job {session.job_id} pipeline {raised.value.pipeline_id} batch {raised.value.batch_id}"

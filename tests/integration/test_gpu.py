@@ -28,6 +28,7 @@ from nvidia.dali.data_node import DataNode
 import dalid.client as dalid
 
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
+from ..host_sync import host_syncs_raise
 from .helpers import BATCH, ProxyDataset, gpu_pipeline, index_batches, run_in_process, sample
 
 if not torch.cuda.is_available():
@@ -98,20 +99,16 @@ def test_outputs_equal_in_process_run_without_host_sync(
         differences = []
         seen = []
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronization by torch raises
-        try:
-            with torch.cuda.stream(side):
-                for ((scaled, shifted), indices), want in zip(
-                    loader, zip(reference, expected, strict=True), strict=True
-                ):
-                    assert scaled.device == torch.device("cuda", torch.cuda.current_device())
-                    assert scaled.dtype == torch.float32 and scaled.shape == want[1].shape
-                    assert shifted.device.type == "cpu"  # a CPU output of a GPU pipeline
-                    np.testing.assert_array_equal(shifted.numpy(), want[0][1])
-                    differences.append((scaled - want[1]).abs().max())
-                    seen.extend(indices.tolist())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with host_syncs_raise(), torch.cuda.stream(side):  # any host synchronization raises
+            for ((scaled, shifted), indices), want in zip(
+                loader, zip(reference, expected, strict=True), strict=True
+            ):
+                assert scaled.device == torch.device("cuda", torch.cuda.current_device())
+                assert scaled.dtype == torch.float32 and scaled.shape == want[1].shape
+                assert shifted.device.type == "cpu"  # a CPU output of a GPU pipeline
+                np.testing.assert_array_equal(shifted.numpy(), want[0][1])
+                differences.append((scaled - want[1]).abs().max())
+                seen.extend(indices.tolist())
         side.synchronize()
         assert [float(d) for d in differences] == [0.0] * len(reference)
         assert seen == list(range(LENGTH))
@@ -310,3 +307,91 @@ def test_the_daemon_answers_on_a_link_named_by_its_gpu_uuid() -> None:
         assert not link.is_symlink(), "the daemon removes its link when it stops"
     finally:
         _stop(daemon, directory)
+
+
+# The documented pipeline of DALI's proxy: the mixed decoder gives each run's first
+# hw_decoder_load share of samples to the hardware JPEG decoder and the rest to the CUDA one,
+# whose results differ slightly; a job's outputs equal its pipeline run on its own batches only
+# if its runs are its batches.
+DOCUMENTED_BATCH = 16
+
+
+def _documented(**options: Any) -> Any:
+    from nvidia.dali import fn, types
+
+    from ..dali_typing import pipeline_def
+
+    @pipeline_def(batch_size=DOCUMENTED_BATCH, num_threads=4, device_id=0, seed=5)
+    def documented() -> DataNode:
+        paths = fn.external_source(name="images", no_copy=True)
+        images = fn.decoders.image(
+            fn.io.file.read(paths),  # type: ignore[attr-defined]
+            device="mixed",
+            output_type=types.DALIImageType.RGB,
+        )
+        images = fn.resize(  # type: ignore[assignment]
+            images, size=[224, 224], interp_type=types.DALIInterpType.INTERP_LINEAR, antialias=False
+        )
+        return fn.crop_mirror_normalize(
+            images,
+            dtype=types.DALIDataType.FLOAT,
+            output_layout="CHW",
+            crop=(224, 224),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+        )
+
+    return documented(**options)
+
+
+class _Paths(torch.utils.data.Dataset[Any]):
+    def __init__(self, proxy: Any, paths: list[str]) -> None:
+        self.proxy = proxy
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.proxy(np.frombuffer(self.paths[index].encode(), dtype=np.int8)), index
+
+
+@pytest.mark.parametrize("beside", ["alone", "opted-out-beside-a-sharing-job"])
+def test_mixed_decoding_equals_the_pipeline_run_on_the_same_batches(
+    gpu_daemon: DaemonProcess, tmp_path: Path, beside: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.dataset import make_imagefolder
+    from dalid.client import proxy as dali_proxy
+
+    monkeypatch.setenv("DALID_SOCKET", str(gpu_daemon.socket))
+    paths = [str(path) for path in make_imagefolder(tmp_path / "images", 96, 2, seed=3).paths]
+    batches = [paths[i : i + DOCUMENTED_BATCH] for i in range(0, len(paths), DOCUMENTED_BATCH)]
+    reference = run_in_process(
+        _documented(prefetch_queue_depth=1),
+        [{"images": [np.frombuffer(p.encode(), dtype=np.int8) for p in b]} for b in batches],
+    )
+    alone = beside == "alone"
+    server = dali_proxy.DALIServer(_documented(prefetch_queue_depth=6), share_runs=alone)
+    other = None if alone else dali_proxy.DALIServer(_documented(prefetch_queue_depth=6))
+    loaders = [
+        dali_proxy.DataLoader(
+            each, _Paths(each.proxy, paths), batch_size=DOCUMENTED_BATCH, num_workers=4
+        )
+        for each in ([server] if other is None else [server, other])
+    ]
+    try:
+        for number, batches_now in enumerate(zip(*loaders, strict=True)):
+            images, indices = batches_now[0]
+            assert indices.tolist() == list(range(number * 16, number * 16 + 16))
+            want = torch.from_numpy(reference[number][0])
+            torch.testing.assert_close(images.cpu(), want, rtol=0, atol=0)
+        job = server.session.job_id
+        (pipeline,) = [p for p in gpu_daemon.status().pipelines if job in p.jobs]
+        # Its runs were its batches: on a shared pipeline (alone), or one of its own.
+        assert (pipeline.runs, pipeline.mixed_runs) == (len(batches), 0)
+        assert pipeline.shared == alone
+        assert alone or "share_runs=False" in pipeline.private_reason
+    finally:
+        server.stop_thread()
+        if other is not None:
+            other.stop_thread()

@@ -21,6 +21,7 @@ import torch
 import dalid.client as dalid
 
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon
+from ..host_sync import host_syncs_raise
 from .helpers import BATCH, ProxyDataset, gpu_pipeline, index_batches, run_in_process, sample
 
 if not torch.cuda.is_available():
@@ -88,17 +89,13 @@ def test_staged_outputs_equal_in_process_run_and_upload_without_host_sync(
         )
         differences = []
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronization by torch raises
-        try:
-            with torch.cuda.stream(side):
-                for ((scaled, shifted), _), want in zip(loader, reference, strict=True):
-                    assert scaled.device == torch.device("cuda", torch.cuda.current_device())
-                    assert shifted.device.type == "cpu"
-                    np.testing.assert_array_equal(shifted.numpy(), want[1])
-                    expected = torch.as_tensor(want[0]).to("cuda", non_blocking=True)
-                    differences.append((scaled - expected).abs().max())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with host_syncs_raise(), torch.cuda.stream(side):  # any host synchronization raises
+            for ((scaled, shifted), _), want in zip(loader, reference, strict=True):
+                assert scaled.device == torch.device("cuda", torch.cuda.current_device())
+                assert shifted.device.type == "cpu"
+                np.testing.assert_array_equal(shifted.numpy(), want[1])
+                expected = torch.as_tensor(want[0]).to("cuda", non_blocking=True)
+                differences.append((scaled - expected).abs().max())
         side.synchronize()
         assert [float(d) for d in differences] == [0.0] * len(reference)
         assert session.events_opened == 0  # staged outputs come with no event

@@ -62,6 +62,8 @@ def test_a_batch_refused_after_its_worker_moved_on_fails_at_that_batch(
         with pytest.raises(dalid.BatchError) as raised:
             next(batches)
         error = raised.value
+        # Code written for DALI's proxy catches what a batch raises as a RuntimeError.
+        assert isinstance(error, RuntimeError)
         assert error.code is ErrorCode.RESOURCE_EXHAUSTED
         assert "--input-memory" in str(error) and f"batch {error.batch_id} " in str(error)
         assert error.step == 0

@@ -140,6 +140,53 @@ def test_jobs_with_the_same_pipeline_share_one_and_get_their_own_outputs(
     wait_for(lambda: not _pipelines(daemon_one_run, "scaling"), 10, "the pipeline to go")
 
 
+def test_a_job_alone_gets_runs_that_are_its_batches(daemon_one_run: DaemonProcess) -> None:
+    # Its six batches queue up behind the first run; each still runs alone, as DALI's proxy
+    # runs it, and equals the pipeline run directly on the same batch.
+    with dalid.connect(socket=daemon_one_run.socket, autostart=False) as session:
+        proxy = session.proxy(scaling())
+        (refs,) = _submit([proxy], 6)
+        for number, ref in enumerate(refs):
+            blurred, shifted = session.produce_data(ref)
+            want = _expected(0, number)
+            np.testing.assert_array_equal(blurred.numpy(), want[0])
+            np.testing.assert_array_equal(shifted.numpy(), want[1])
+        (pipeline,) = _pipelines(daemon_one_run, "scaling")
+        assert pipeline.shared and pipeline.run_size == 4 * BATCH
+        assert (pipeline.runs, pipeline.samples, pipeline.mixed_runs) == (6, 6 * BATCH, 0)
+    wait_for(lambda: not _pipelines(daemon_one_run, "scaling"), 10, "the pipeline to go")
+
+
+def test_a_job_that_asks_for_runs_of_its_own_never_shares_one(
+    daemon_one_run: DaemonProcess,
+) -> None:
+    with (
+        dalid.connect(socket=daemon_one_run.socket, autostart=False, name="own") as own,
+        dalid.connect(socket=daemon_one_run.socket, autostart=False, name="a") as first,
+        dalid.connect(socket=daemon_one_run.socket, autostart=False, name="b") as second,
+    ):
+        proxies = [
+            own.proxy(scaling(), share_runs=False),
+            first.proxy(scaling()),
+            second.proxy(scaling()),
+        ]
+        refs = _submit(proxies, 4)
+        for job, (session, job_refs) in enumerate(zip((own, first, second), refs, strict=True)):
+            for number, ref in enumerate(job_refs):
+                blurred, shifted = session.produce_data(ref)
+                want = _expected(job, number)
+                np.testing.assert_allclose(blurred.numpy(), want[0], rtol=1e-6)
+                np.testing.assert_array_equal(shifted.numpy(), want[1])
+        found = {p.jobs: p for p in _pipelines(daemon_one_run, "scaling")}
+        private = found[(own.job_id,)]
+        assert not private.shared and "share_runs=False" in private.private_reason
+        assert private.run_size == BATCH
+        assert (private.runs, private.mixed_runs) == (4, 0)
+        shared = found[tuple(sorted((first.job_id, second.job_id)))]
+        assert shared.shared and shared.mixed_runs > 0
+    wait_for(lambda: not _pipelines(daemon_one_run, "scaling"), 10, "the pipelines to go")
+
+
 def test_status_json_shows_which_jobs_share_a_pipeline(daemon_one_run: DaemonProcess) -> None:
     with (
         dalid.connect(socket=daemon_one_run.socket, autostart=False) as first,

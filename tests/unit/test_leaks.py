@@ -199,3 +199,33 @@ def _dead_pid() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     return process.pid
+
+
+def test_without_cuda_the_cuda_state_is_nothing(runtime_dir: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this process has CUDA: see the gpu-marked test below")
+    before = leaks.take([])
+    leaks._cuda_context()
+    leaks._dali_gpu_decoding()
+    assert not torch.cuda.is_initialized()
+    _, inside = leaks.left_behind(before, [], runtime_dir, set(), grace_s=0)
+    assert not leaks.still_there(inside, grace_s=0)
+
+
+@pytest.mark.gpu
+def test_cuda_state_of_the_process_is_there_before_any_test(runtime_dir: Path) -> None:
+    """The GPU tests' first CUDA use (a context, DALI's GPU decoding) makes nothing a test is
+    blamed for: it was made before the first snapshot."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and a CUDA build of torch")
+    before = leaks.take([])
+    assert "cuda-EvtHandlr" in before.tasks.values()
+    assert any(target.startswith("/dev/nvidia") for target in before.fds.values())
+    leaks._cuda_context()
+    leaks._dali_gpu_decoding()
+    _, inside = leaks.left_behind(before, [], runtime_dir, set(), grace_s=0)
+    assert not leaks.still_there(inside, grace_s=2.0)
