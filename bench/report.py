@@ -85,7 +85,8 @@ def _pipeline_text(settings: dict[str, Any]) -> str:
 
 # How a target's figure shows, by its unit: digits, scale and suffix.
 _UNITS = {"ratio": (1, 100.0, "%"), "times": (2, 1.0, "x"), "index": (3, 1.0, ""),
-          "us": (0, 1.0, " µs"), "rate": (0, 1.0, " samples/s"), "count": (0, 1.0, "")}  # fmt: skip
+          "us": (0, 1.0, " µs"), "us.1": (1, 1.0, " µs"), "rate": (0, 1.0, " samples/s"),
+          "count": (0, 1.0, "")}  # fmt: skip
 
 
 def targets_table(summary: dict[str, Any]) -> list[str]:

@@ -22,6 +22,8 @@ from .runner import Outcome
 from .scaling import jain_index
 from .stats import quantiles, spread
 from .targets import all_targets, row_id
+from .threads import DAEMON_THREAD_FIGURES
+from .threads import figures as daemon_thread_figures
 from .weights import queue_figures, weight_ratio
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
@@ -158,6 +160,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
         "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
+        "daemon_threads": daemon_thread_figures(outcome.daemon_threads) if daemon else None,
     }
 
 
@@ -212,6 +215,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 **_handle_values(m["handles"]),
                 "weight_ratio": (m["weighted"] or {}).get("ratio"),
                 "weight_expected": (m["weighted"] or {}).get("expected"),
+                **(m["daemon_threads"] or {}),
             }
             for run, m in zip(good, metrics, strict=True)
         }
@@ -249,6 +253,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                     if m["pipelines"] is not None
                 ],
                 "weighted": _weighted_spreads([m["weighted"] for m in metrics]),
+                "daemon_threads": _thread_spreads([m["daemon_threads"] for m in metrics]),
                 "weighted_per_run": [
                     {"repeat": run.repeat, **m["weighted"]}
                     for run, m in zip(good, metrics, strict=True)
@@ -303,6 +308,14 @@ def _weighted_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, Any] |
         "rates": [spread(run["rates"][job] for run in read) for job in jobs],
         "queued": per_job("queued"),
         "backlogged": per_job("backlogged"),
+    }
+
+
+def _thread_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
+    """The daemon's own threads' figures (bench.threads) over the repeats that have them."""
+    return {
+        name: spread(v for run in runs if (v := (run or {}).get(name)) is not None)
+        for name in DAEMON_THREAD_FIGURES
     }
 
 

@@ -8,7 +8,15 @@ import pytest
 
 from bench.contenders import CONTENDERS
 from bench.report import targets_table
-from bench.targets import all_targets, paired_ratio, row_id, row_kind, sharing_targets
+from bench.targets import (
+    all_targets,
+    daemon_thread_targets,
+    paired_ratio,
+    row_id,
+    row_kind,
+    sharing_targets,
+)
+from bench.threads import DAEMON_THREAD_FIGURES, figures
 
 LABELS = {kind: contender.label for kind, contender in CONTENDERS.items()}
 
@@ -179,3 +187,28 @@ def test_transport_targets_are_ratios_to_the_floors_of_the_same_run() -> None:
     assert b32["measured"]["median"] == pytest.approx((900 / 700 + 1200 / 700) / 2)
     assert b32["met"] is True
     assert all_targets({}, {"runs": []}, LABELS) == []
+
+
+def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
+    """bench.threads' totals become per-sample and per-message figures, and the targets hold
+    the dalid rows to them: the output copies are shown apart and left out of the target."""
+    one = figures(
+        {"io_loop_cpu_s": 0.002, "messages": 10, "message_wall_s": 0.003, "message_cpu_s": 0.002,
+         "executor_cpu_s": 0.5, "copy_out_cpu_s": 0.496, "executor_samples": 1000}
+    )  # fmt: skip
+    assert one["daemon_own_us_per_sample"] == pytest.approx(6.0)
+    assert one["daemon_all_us_per_sample"] == pytest.approx(502.0)
+    assert one["copy_out_us_per_sample"] == pytest.approx(496.0)
+    assert one["io_cpu_us_per_message"] == pytest.approx(200.0)
+    assert one["io_wall_over_cpu"] == pytest.approx(1.5)
+    assert figures({}) == dict.fromkeys(DAEMON_THREAD_FIGURES)
+    eight = {**one, "daemon_own_us_per_sample": 4.0, "io_wall_over_cpu": 2.5}
+    values = {"dalid": {0: one}, "dalid-x8": {0: eight}}
+    found = _by_name(daemon_thread_targets(values, LABELS))
+    assert len(found) == 3
+    single, many, wall = found.values()
+    assert single["met"] is False and single["measured"]["median"] == pytest.approx(6.0)
+    assert many["met"] is True and "8 jobs" in many["name"]
+    assert wall["met"] is False and wall["unit"] == "times"
+    assert "not measured" not in "".join(targets_table({"targets": list(found.values())}))
+    assert daemon_thread_targets({"dali": {0: one}}, LABELS) == []
