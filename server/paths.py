@@ -32,7 +32,7 @@ class FilesUnseen(Exception):
 
 
 def check_paths(
-    arrays: Mapping[str, Sequence[np.ndarray]],
+    arrays: Mapping[str, np.ndarray | Sequence[np.ndarray]],
     path_inputs: Collection[str],
     unreadable: Collection[int],
 ) -> dict[int, str]:
