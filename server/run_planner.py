@@ -271,7 +271,9 @@ class RunPlanner:
             bad = oversized_images(batch.arrays, self._max_image_pixels, self.path_inputs)
             if self.path_inputs:
                 try:
-                    found = check_paths(batch.arrays, self.path_inputs, batch.request.unreadable)
+                    found = check_paths(
+                        batch.request.inputs, self.path_inputs, batch.request.unreadable
+                    )
                 except FilesUnseen as unseen:
                     batch.unseen = str(unseen)
                 else:
