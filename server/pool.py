@@ -15,10 +15,7 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
    fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
    ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
-   allows and it leases fewer than ``growth_batches`` batches, and only then waits: it grows
-   to what a trainer that keeps pace needs (the batch in use, the next one, and the daemon's
-   writes ahead of them) and no further, however many batches the job has in flight. A trainer
-   that holds more gets them as private copies (Note [Private copies] in ``copies.py``).
+   allows, and only then waits.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
    their names handed to the trainer (``take_retired``).
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
@@ -47,11 +44,6 @@ PAGE = mmap.PAGESIZE
 # A slab of a growing pool holds this many regions of the size that asked for it (at most
 # ``slab_bytes``): small outputs get small slabs, and room for a few batches at a time.
 GROWTH_REGIONS = 4
-# A growing pool grows only while it leases fewer batches than this (point 3 of the note):
-# the trainer's batch in use and its next, and two the daemon writes ahead. At batch 256 of
-# fp16 3x224x224 that is 4 x 73 MiB per job where 8 DataLoader workers used to have the pool
-# grow to 8 batches or more.
-GROWTH_BATCHES = 4
 
 
 class Slab(Protocol):
@@ -189,12 +181,6 @@ class RegionPool:
         # it changes, the trainer holds everything and the next allocation gives up at once.
         self._released = 0
         self._gave_up_at = -1
-        # A growing pool grows while it leases fewer batches (allocations) than this.
-        self.growth_batches = GROWTH_BATCHES
-        # The regions each leased batch still holds, by allocation, and each region's batch.
-        self._batches: dict[int, int] = {}
-        self._batch_of: dict[int, int] = {}
-        self._allocations = itertools.count(1)
 
     def grow_within(self, growth: Growth) -> None:
         """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
@@ -217,14 +203,6 @@ class RegionPool:
     @property
     def leased_regions(self) -> int:
         return len(self._leases)
-
-    @property
-    def leased_batches(self) -> int:
-        """Allocations (one per batch) with a region still leased."""
-        return len(self._batches)
-
-    def _may_grow(self) -> bool:
-        return self._growth is not None and len(self._batches) < self.growth_batches
 
     @property
     def slab_count(self) -> int:
@@ -302,7 +280,7 @@ class RegionPool:
         needed = sum(_align(size, self._alignment) for size in sizes)
         with self._condition:
             leased = sum(size for _, _, size in self._leases.values())
-            growth = self._growth.available() if self._growth and self._may_grow() else 0
+            growth = self._growth.available() if self._growth is not None else 0
         return needed <= self.limit_bytes - leased + growth
 
     def release(self, region_ids: Sequence[int]) -> list[int]:
@@ -316,13 +294,6 @@ class RegionPool:
                     continue
                 space, offset, size = lease
                 space.give_back(offset, size)
-                batch = self._batch_of.pop(region_id, None)
-                if batch is not None:
-                    left = self._batches[batch] - 1
-                    if left:
-                        self._batches[batch] = left
-                    else:
-                        del self._batches[batch]
             self._released += len(region_ids) - len(unknown)
             self._condition.notify_all()
         return unknown
@@ -345,8 +316,6 @@ class RegionPool:
             self._closed = True
             spaces, self._spaces = self._spaces, []
             self._leases.clear()
-            self._batches.clear()
-            self._batch_of.clear()
             self._condition.notify_all()
         for space in spaces:
             space.slab.close(unmap=unmap)
@@ -363,14 +332,10 @@ class RegionPool:
                 return None
             taken.append((placed[0], placed[1], size))
         regions = []
-        batch = next(self._allocations)
         for (space, offset, size), requested in zip(taken, sizes, strict=True):
             region_id = next(self._region_ids)
             self._leases[region_id] = (space, offset, size)
-            self._batch_of[region_id] = batch
             regions.append(Region(region_id, space.slab, offset, requested))
-        if regions:
-            self._batches[batch] = len(regions)
         return regions
 
     def _place(self, size: int) -> tuple[_SlabSpace, int] | None:
@@ -401,7 +366,7 @@ class RegionPool:
         room = self.limit_bytes - self.slab_bytes_total
         if room >= preferred:
             return preferred
-        if self._growth is not None and self._may_grow():
+        if self._growth is not None:
             for size in (preferred, needed):
                 if size > room and self._growth.grow(size - room):
                     self.limit_bytes += size - room

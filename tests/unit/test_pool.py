@@ -23,7 +23,6 @@ from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (
     ALIGNMENT,
-    GROWTH_BATCHES,
     GROWTH_REGIONS,
     PAGE,
     PoolClosed,
@@ -682,7 +681,6 @@ def test_a_growing_pool_reserves_slabs_sized_from_its_outputs(prefix: str) -> No
     reservation = memory.growing(cap=32 * PAGE)
     pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, 16 * PAGE)
     pool.grow_within(reservation)
-    pool.growth_batches = GROWTH_REGIONS + 1  # a second slab, sized as the first
     try:
         assert memory.reserved == 0  # nothing until an output needs room
         (region,) = pool.allocate([PAGE - 100])
@@ -697,38 +695,6 @@ def test_a_growing_pool_reserves_slabs_sized_from_its_outputs(prefix: str) -> No
     finally:
         pool.close()
     assert memory.reserved == 0 and reservation.closed
-
-
-def test_a_growing_pool_grows_to_what_a_trainer_that_keeps_pace_holds(prefix: str) -> None:
-    """However many batches a job has in flight, its pool grows only while it leases fewer
-    than GROWTH_BATCHES of them; then a batch waits for a release (or goes as a private copy),
-    and the memory reserved stays what those batches took."""
-    memory = OutputMemory(limit=256 * PAGE)
-    pool = RegionPool(SharedMemoryBackend(), prefix, 256 * PAGE, 2 * PAGE)
-    pool.grow_within(memory.growing(cap=256 * PAGE))
-    try:
-        # Batches of two outputs, two pages each: a batch's regions count as one batch.
-        held = [pool.allocate([2 * PAGE, 2 * PAGE]) for _ in range(GROWTH_BATCHES)]
-        assert pool.leased_batches == GROWTH_BATCHES
-        reserved = memory.reserved
-        assert reserved == GROWTH_BATCHES * 4 * PAGE
-        assert not pool.has_room([2 * PAGE, 2 * PAGE])
-        assert not _fits_now(pool, [2 * PAGE, 2 * PAGE])
-        with pytest.raises(PoolFull):
-            pool.allocate([2 * PAGE, 2 * PAGE], give_up_after=0.0)
-        assert memory.reserved == reserved  # it did not grow
-        # One region of a batch back is not the batch back: still no growth.
-        pool.release([held[0][0].region_id])
-        assert pool.leased_batches == GROWTH_BATCHES
-        pool.release([held[0][1].region_id])
-        assert pool.leased_batches == GROWTH_BATCHES - 1
-        again = pool.allocate([2 * PAGE, 2 * PAGE])  # in the memory given back
-        assert memory.reserved == reserved and pool.leased_batches == GROWTH_BATCHES
-        pool.release([r.region_id for batch in [*held[1:], again] for r in batch])
-        assert pool.leased_batches == 0
-    finally:
-        pool.close()
-    assert memory.reserved == 0
 
 
 def test_a_growing_pool_waits_at_the_daemons_limit_and_refuses_when_it_holds_nothing(
