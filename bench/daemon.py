@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -38,7 +37,7 @@ from dalid.protocol import (
     transport,
 )
 
-from .threads import THREADS_ENV
+from .threads import THREADS_ENV, read_snapshots
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -54,8 +53,8 @@ class RunningDaemon:
     pid: int
     socket: Path
     log: Path
-    # What the daemon's own threads used (bench.threads), read once it has exited.
-    threads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Snapshots of what the daemon's own threads used (bench.threads), read once it exited.
+    threads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _answers(socket: Path) -> bool:
@@ -152,7 +151,7 @@ def running_daemon(
 ) -> Iterator[RunningDaemon]:
     """Runs ``dalid serve`` (with ``options``) on a private socket until the block ends, then
     SIGTERM and wait. The daemon runs with the probes of :mod:`bench.threads`: once it has
-    exited, ``threads`` of the yielded daemon holds what its own threads used.
+    exited, ``threads`` of the yielded daemon holds the snapshots of what its own threads used.
 
     Raises :class:`DaemonFailed` when the daemon exits with an error or leaves ``/dev/shm``
     segments behind (they are removed, and the failure names them).
@@ -161,7 +160,7 @@ def running_daemon(
     directory = Path(tempfile.mkdtemp(prefix="dalidb-", dir="/tmp"))
     socket = directory / "d.sock"
     log = log_dir / f"daemon-{time.monotonic_ns()}.log"
-    threads = directory / "threads.json"
+    threads = directory / "threads.jsonl"
     # Without the supervisor, the process measured (CPU time, memory, segments) is the daemon.
     command = [
         sys.executable, "-m", "bench.threads", "serve", "--no-supervisor", "--device", device,
@@ -192,8 +191,8 @@ def running_daemon(
         leaked = _segments(process.pid)
         for name in leaked:
             (slabs.SHM_DIR / name).unlink(missing_ok=True)
-        with contextlib.suppress(OSError, ValueError):
-            daemon.threads.update(json.loads(threads.read_text()))
+        with contextlib.suppress(OSError):
+            daemon.threads.extend(read_snapshots(threads))
         shutil.rmtree(directory, ignore_errors=True)
     if code != 0 or leaked:
         raise DaemonFailed(

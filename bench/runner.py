@@ -43,8 +43,8 @@ class Outcome:
     memory: dict[str, Any] = field(default_factory=dict)  # see MemorySampler.to_dict
     queues: list[dict[str, Any]] = field(default_factory=list)  # see QueueWatch
     gpu_baseline_mb: float | None = None  # GPU memory in use before the run started
-    # What the daemon's own threads used over the whole run (bench.threads), dalid runs only.
-    daemon_threads: dict[str, Any] = field(default_factory=dict)
+    # Snapshots of what the daemon's own threads used (bench.threads), dalid runs only.
+    daemon_threads: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
 

@@ -24,6 +24,7 @@ from .stats import quantiles, spread
 from .targets import all_targets, row_id
 from .threads import DAEMON_THREAD_FIGURES
 from .threads import figures as daemon_thread_figures
+from .threads import window as daemon_thread_window
 from .weights import queue_figures, weight_ratio
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
@@ -160,7 +161,19 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
         "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
-        "daemon_threads": daemon_thread_figures(outcome.daemon_threads) if daemon else None,
+        # The daemon's own threads over the union of the jobs' timed windows (bench.threads).
+        "daemon_threads": (
+            daemon_thread_figures(
+                daemon_thread_window(outcome.daemon_threads, first.start.t_ns, last.end.t_ns)
+            )
+            if daemon
+            else None
+        ),
+        "daemon_threads_used": (
+            daemon_thread_window(outcome.daemon_threads, first.start.t_ns, last.end.t_ns)
+            if daemon
+            else None
+        ),
     }
 
 
@@ -254,6 +267,11 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 ],
                 "weighted": _weighted_spreads([m["weighted"] for m in metrics]),
                 "daemon_threads": _thread_spreads([m["daemon_threads"] for m in metrics]),
+                "daemon_threads_per_run": [
+                    {"repeat": run.repeat, **m["daemon_threads_used"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["daemon_threads_used"]
+                ],
                 "weighted_per_run": [
                     {"repeat": run.repeat, **m["weighted"]}
                     for run, m in zip(good, metrics, strict=True)

@@ -16,7 +16,7 @@ from bench.targets import (
     row_kind,
     sharing_targets,
 )
-from bench.threads import DAEMON_THREAD_FIGURES, figures
+from bench.threads import DAEMON_THREAD_FIGURES, figures, window
 
 LABELS = {kind: contender.label for kind, contender in CONTENDERS.items()}
 
@@ -192,10 +192,17 @@ def test_transport_targets_are_ratios_to_the_floors_of_the_same_run() -> None:
 def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     """bench.threads' totals become per-sample and per-message figures, and the targets hold
     the dalid rows to them: the output copies are shown apart and left out of the target."""
-    one = figures(
-        {"io_loop_cpu_s": 0.002, "messages": 10, "message_wall_s": 0.003, "message_cpu_s": 0.002,
-         "executor_cpu_s": 0.5, "copy_out_cpu_s": 0.496, "executor_samples": 1000}
-    )  # fmt: skip
+    snapshots = [
+        {"t_ns": t, "io_loop_cpu_s": 0.001 * k, "messages": 5 * k, "message_wall_s": 0.0015 * k,
+         "message_cpu_s": 0.001 * k, "by_op": {"submit_batch": [k, 0.0001 * k]},
+         "executor_cpu_s": 0.25 * k, "copy_out_cpu_s": 0.248 * k, "executor_samples": 500 * k}
+        for k, t in enumerate([0, 10, 20, 30, 40])
+    ]  # fmt: skip
+    # The window's start and end fall between snapshots: the ones around them are taken.
+    used = window(snapshots, 15, 25)
+    assert used["seconds"] == pytest.approx(20e-9) and used["by_op"]["submit_batch"][0] == 2
+    assert window(snapshots, -1, 25) == {} and window(snapshots[:1], 0, 5) == {}
+    one = figures(used)
     assert one["daemon_own_us_per_sample"] == pytest.approx(6.0)
     assert one["daemon_all_us_per_sample"] == pytest.approx(502.0)
     assert one["copy_out_us_per_sample"] == pytest.approx(496.0)
