@@ -49,7 +49,8 @@ def _setup(report: dict[str, Any]) -> list[str]:
         "",
         f"- Machine: {_machine_line(report['machine'])}.",
         f"- Data: {dataset['images']} JPEGs in {dataset['classes']} classes, "
-        f"{dataset['mean_kb']:.0f} KB on average, read from the page cache. Batch "
+        f"{dataset['mean_kb']:.0f} KB on average{_jpeg_text(dataset)}, read from the page "
+        "cache. Batch "
         f"{settings['batch_size']}, {settings['epochs']} epochs per run of which "
         f"{settings['warmup_epochs']} warm-up, {settings['workers']} DataLoader workers, "
         f"{settings['threads']} DALI threads per pipeline, {settings['repeats']} repeats, "
@@ -81,6 +82,14 @@ def _pipeline_text(settings: dict[str, Any]) -> str:
             f"{settings.get('qa_hw_decoder_load')}"
         )
     return text
+
+
+def _jpeg_text(dataset: dict[str, Any]) -> str:
+    jpeg = dataset.get("jpeg")
+    if not jpeg:
+        return ""
+    chroma = ":".join(jpeg["subsampling"])
+    return f", {chroma} chroma at quality {jpeg['quality'][0]}-{jpeg['quality'][1]}"
 
 
 # How a target's figure shows, by its unit: digits, scale and suffix.
