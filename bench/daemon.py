@@ -95,6 +95,7 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
                 "running": job.running,
                 "waiting": job.waiting,
                 "samples_done": job.samples_done,
+                "batches_copied": job.batches_copied,
             }
             for job in report.jobs
         ]

@@ -229,6 +229,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "weight_ratio": (m["weighted"] or {}).get("ratio"),
                 "weight_expected": (m["weighted"] or {}).get("expected"),
                 **(m["daemon_threads"] or {}),
+                "batches_copied": (m["pipelines"] or {}).get("batches_copied"),
             }
             for run, m in zip(good, metrics, strict=True)
         }

@@ -332,6 +332,19 @@ def daemon_thread_targets(values: Values, labels: Mapping[str, str]) -> list[dic
         for jobs in DAEMON_THREAD_JOBS
         if row_id("dalid", jobs) in values
     ]
+    # No batch as a private copy (Note [Private copies] in the daemon): counted by the daemon
+    # per job from its start, so a copy in the warm-up counts too.
+    found += [
+        target(
+            f"{shared}, {jobs} job{'s' if jobs > 1 else ''}: batches delivered as private copies",
+            "= 0",
+            figure(values, row_id("dalid", jobs), "batches_copied"),
+            "count",
+            at_most(0),
+        )
+        for jobs in DAEMON_THREAD_JOBS
+        if row_id("dalid", jobs) in values
+    ]
     if row_id("dalid", IO_WALL_JOBS) in values:
         found.append(
             target(

@@ -211,9 +211,12 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     assert figures({}) == dict.fromkeys(DAEMON_THREAD_FIGURES)
     eight = {**one, "daemon_own_us_per_sample": 4.0, "io_wall_over_cpu": 2.5}
     values = {"dalid": {0: one}, "dalid-x8": {0: eight}}
+    one["batches_copied"] = 0
+    eight["batches_copied"] = 3
     found = _by_name(daemon_thread_targets(values, LABELS))
-    assert len(found) == 3
-    single, many, wall = found.values()
+    assert len(found) == 5
+    single, many, copied_one, copied_eight, wall = found.values()
+    assert copied_one["met"] is True and copied_eight["met"] is False
     assert single["met"] is False and single["measured"]["median"] == pytest.approx(6.0)
     assert many["met"] is True and "8 jobs" in many["name"]
     assert wall["met"] is False and wall["unit"] == "times"
