@@ -254,6 +254,8 @@ DAEMON_THREAD_FIGURES = (
     "daemon_own_us_per_sample",
     "daemon_all_us_per_sample",
     "io_us_per_sample",
+    "io_messages_us_per_sample",
+    "io_chores_ms_per_s",
     "executor_us_per_sample",
     "copy_out_us_per_sample",
     "io_cpu_us_per_message",
@@ -265,8 +267,10 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
     """The figures of what the threads used over a window (:func:`window`), per sample the
     executors ran (µs): the daemon's own threads' CPU (the I/O loop and the executors, not
     DALI's workers) less the output copies (``daemon_own``), and with them (``daemon_all``);
-    each part; the I/O thread's CPU per message it took (µs), and its wall time per message
-    over its CPU time."""
+    each part, the I/O thread's split into the messages it took (per sample) and the rest of its
+    loop (polls, the once-a-second reaping and status snapshot: ms per second of the window,
+    a cost of time, not of samples); the I/O thread's CPU per message it took (µs), and its
+    wall time per message over its CPU time."""
     samples = used.get("executor_samples") or 0
     if not samples:
         return dict.fromkeys(DAEMON_THREAD_FIGURES)
@@ -283,6 +287,10 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "daemon_own_us_per_sample": per_sample(io + executor - copy_out),
         "daemon_all_us_per_sample": per_sample(io + executor),
         "io_us_per_sample": per_sample(io),
+        "io_messages_us_per_sample": per_sample(message_cpu),
+        "io_chores_ms_per_s": (
+            1e3 * (io - message_cpu) / used["seconds"] if used.get("seconds") else None
+        ),
         "executor_us_per_sample": per_sample(executor - copy_out),
         "copy_out_us_per_sample": per_sample(copy_out),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,

@@ -206,6 +206,8 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     assert one["daemon_own_us_per_sample"] == pytest.approx(6.0)
     assert one["daemon_all_us_per_sample"] == pytest.approx(502.0)
     assert one["copy_out_us_per_sample"] == pytest.approx(496.0)
+    assert one["io_messages_us_per_sample"] == pytest.approx(2.0)
+    assert one["io_chores_ms_per_s"] == pytest.approx(0.0)
     assert one["io_cpu_us_per_message"] == pytest.approx(200.0)
     assert one["io_wall_over_cpu"] == pytest.approx(1.5)
     assert figures({}) == dict.fromkeys(DAEMON_THREAD_FIGURES)
