@@ -59,7 +59,8 @@ class _Totals:
         self.messages = 0
         self.message_wall_ns = 0
         self.message_cpu_ns = 0
-        # The I/O thread's CPU time in each operation's handler (DaemonCore.handle).
+        # Each operation's count, and the I/O thread's CPU and wall time in its handler
+        # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
         # Executors running (ident -> the executor) and what the ended ones used.
         self.executors: dict[int, Any] = {}
@@ -139,15 +140,16 @@ def install() -> None:
 
     @functools.wraps(core_handle)
     def handle_op(self: Any, identity: bytes, message: Any, request_id: Any) -> Any:
-        cpu = time.thread_time()
+        cpu, wall = time.thread_time(), time.perf_counter()
         try:
             return core_handle(self, identity, message, request_id)
         finally:
-            used = time.thread_time() - cpu
+            used, took = time.thread_time() - cpu, time.perf_counter() - wall
             with TOTALS.lock:
-                count_cpu = TOTALS.by_op.setdefault(type(message).OP, [0, 0.0])
-                count_cpu[0] += 1
-                count_cpu[1] += used
+                figures = TOTALS.by_op.setdefault(type(message).OP, [0, 0.0, 0.0])
+                figures[0] += 1
+                figures[1] += used
+                figures[2] += took
 
     run_loop = PipelineExecutor._loop
 
@@ -244,11 +246,17 @@ def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> d
     }
     used["seconds"] = (b["t_ns"] - a["t_ns"]) / 1e9
     used["by_op"] = {
-        op: [count - a["by_op"].get(op, [0, 0.0])[0], cpu - a["by_op"].get(op, [0, 0.0])[1]]
-        for op, (count, cpu) in b["by_op"].items()
+        op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
+        for op, now in b["by_op"].items()
     }
     return used
 
+
+# Operations of a job's life, not of its batches: a job that starts or ends inside another
+# job's window (the union of the jobs' windows holds both) must not count them per sample.
+LIFECYCLE_OPS = frozenset(
+    {"hello", "ipc_probe_result", "register_pipeline", "register_named_pipeline", "goodbye"}
+)
 
 DAEMON_THREAD_FIGURES = (
     "daemon_own_us_per_sample",
@@ -256,6 +264,7 @@ DAEMON_THREAD_FIGURES = (
     "io_us_per_sample",
     "io_messages_us_per_sample",
     "io_chores_ms_per_s",
+    "io_lifecycle_ms",
     "executor_us_per_sample",
     "copy_out_us_per_sample",
     "io_cpu_us_per_message",
@@ -266,7 +275,9 @@ DAEMON_THREAD_FIGURES = (
 def figures(used: dict[str, Any]) -> dict[str, float | None]:
     """The figures of what the threads used over a window (:func:`window`), per sample the
     executors ran (µs): the daemon's own threads' CPU (the I/O loop and the executors, not
-    DALI's workers) less the output copies (``daemon_own``), and with them (``daemon_all``);
+    DALI's workers; the I/O thread's handling of jobs starting and ending, LIFECYCLE_OPS,
+    apart in ``io_lifecycle_ms``) less the output copies (``daemon_own``), and with them
+    (``daemon_all``);
     each part, the I/O thread's split into the messages it took (per sample) and the rest of its
     loop (polls, the once-a-second reaping and status snapshot: ms per second of the window,
     a cost of time, not of samples); the I/O thread's CPU per message it took (µs), and its
@@ -274,9 +285,14 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
     samples = used.get("executor_samples") or 0
     if not samples:
         return dict.fromkeys(DAEMON_THREAD_FIGURES)
-    messages = used.get("messages") or 0
-    message_cpu = used.get("message_cpu_s") or 0.0
-    io = used.get("io_loop_cpu_s") or 0.0
+    # [count, CPU s, wall s] of each operation (wall as CPU where a probe kept none).
+    ops = [(f[0], f[1], f[2] if len(f) > 2 else f[1]) for op, f in
+           (used.get("by_op") or {}).items() if op in LIFECYCLE_OPS]  # fmt: skip
+    lifecycle = sum(cpu for _, cpu, _ in ops)
+    messages = (used.get("messages") or 0) - sum(count for count, _, _ in ops)
+    message_cpu = (used.get("message_cpu_s") or 0.0) - lifecycle
+    message_wall = (used.get("message_wall_s") or 0.0) - sum(wall for _, _, wall in ops)
+    io = (used.get("io_loop_cpu_s") or 0.0) - lifecycle
     executor = used.get("executor_cpu_s") or 0.0
     copy_out = used.get("copy_out_cpu_s") or 0.0
 
@@ -291,10 +307,11 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "io_chores_ms_per_s": (
             1e3 * (io - message_cpu) / used["seconds"] if used.get("seconds") else None
         ),
+        "io_lifecycle_ms": 1e3 * lifecycle,
         "executor_us_per_sample": per_sample(executor - copy_out),
         "copy_out_us_per_sample": per_sample(copy_out),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
-        "io_wall_over_cpu": used["message_wall_s"] / message_cpu if message_cpu > 0 else None,
+        "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
     }
 
 
