@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import PROFILES, Settings
 from .contenders import CONTENDERS, GPU_KINDS
-from .dataset import make_imagefolder
+from .dataset import SUBSAMPLING, JpegStyle, make_imagefolder
 from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
 from .report import RESULTS_DIR, markdown, write
@@ -62,6 +62,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, help="DataLoader workers (default 2)")
     parser.add_argument("--threads", type=int, help="DALI threads per pipeline (default 2)")
     parser.add_argument("--classes", type=int, help="class folders in the dataset (default 8)")
+    parser.add_argument(
+        "--jpeg-subsampling",
+        choices=sorted(SUBSAMPLING),
+        help="chroma subsampling of the dataset's JPEGs (default 444; ImageNet's are mostly 420)",
+    )
+    parser.add_argument(
+        "--jpeg-quality",
+        metavar="LOW-HIGH",
+        help="JPEG quality range of the dataset (default 92-100; ImageNet's are about 75-95)",
+    )
     parser.add_argument("--seed", type=int, help="dataset and pipeline seed (default 0)")
     parser.add_argument("--transport-iterations", type=int, help="round trips per probe (2000)")
     parser.add_argument(
@@ -90,7 +100,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 _OVERRIDABLE = (
     "images", "repeats", "jobs", "scaling_jobs", "epochs", "batch_size", "workers", "threads",
-    "classes", "seed", "transport_iterations",
+    "classes", "seed", "transport_iterations", "jpeg_subsampling", "jpeg_quality",
 )  # fmt: skip
 
 
@@ -102,6 +112,10 @@ def make_settings(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, name) for name in _OVERRIDABLE}
     overrides = {name: value for name, value in given.items() if value is not None}
     settings = settings.with_(**overrides, gpu=not args.cpu and gpu_present())
+    try:
+        JpegStyle.parse(settings.jpeg_subsampling, settings.jpeg_quality)
+    except ValueError as error:
+        raise SystemExit(f"--jpeg-subsampling/--jpeg-quality: {error}") from None
     if settings.images < settings.batch_size:
         raise SystemExit("--images must hold at least one batch")
     if settings.epochs <= settings.warmup_epochs:
@@ -194,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress(1 + len(runs) * settings.repeats)
 
     progress.start(f"dataset of {settings.images} images")
-    dataset = make_imagefolder(None, settings.images, settings.classes, settings.seed)
+    style = JpegStyle.parse(settings.jpeg_subsampling, settings.jpeg_quality)
+    dataset = make_imagefolder(None, settings.images, settings.classes, settings.seed, style)
     settings = settings.with_(dataset_root=str(dataset.root))
     machine = describe()
     progress.finish(f"dataset ready: {dataset.root.name}, {dataset.mean_bytes / 1e3:.0f} KB/image")
@@ -219,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "root": dataset.root.name,
             "images": len(dataset.paths),
             "classes": settings.classes,
+            "jpeg": {"subsampling": style.subsampling, "quality": list(style.quality)},
             "mean_kb": dataset.mean_bytes / 1e3,
         },
         "foreign_cores": foreign,

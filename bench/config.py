@@ -33,6 +33,9 @@ class Settings:
     profile: str = "cpu"
     images: int = 512
     classes: int = 8
+    # How the dataset's JPEGs are saved (bench.dataset.JpegStyle): chroma and quality range.
+    jpeg_subsampling: str = "444"
+    jpeg_quality: str = "92-100"
     seed: int = 0
     batch_size: int = 32
     epochs: int = 5  # the first `warmup_epochs` are not timed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,8 @@ from dalid.protocol import (
     transport,
 )
 
+from .threads import THREADS_ENV, read_snapshots
+
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0
@@ -50,6 +53,8 @@ class RunningDaemon:
     pid: int
     socket: Path
     log: Path
+    # Snapshots of what the daemon's own threads used (bench.threads), read once it exited.
+    threads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _answers(socket: Path) -> bool:
@@ -90,6 +95,7 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
                 "running": job.running,
                 "waiting": job.waiting,
                 "samples_done": job.samples_done,
+                "batches_copied": job.batches_copied,
             }
             for job in report.jobs
         ]
@@ -145,7 +151,8 @@ def running_daemon(
     device: str, log_dir: Path, options: tuple[str, ...] = ()
 ) -> Iterator[RunningDaemon]:
     """Runs ``dalid serve`` (with ``options``) on a private socket until the block ends, then
-    SIGTERM and wait.
+    SIGTERM and wait. The daemon runs with the probes of :mod:`bench.threads`: once it has
+    exited, ``threads`` of the yielded daemon holds the snapshots of what its own threads used.
 
     Raises :class:`DaemonFailed` when the daemon exits with an error or leaves ``/dev/shm``
     segments behind (they are removed, and the failure names them).
@@ -154,20 +161,25 @@ def running_daemon(
     directory = Path(tempfile.mkdtemp(prefix="dalidb-", dir="/tmp"))
     socket = directory / "d.sock"
     log = log_dir / f"daemon-{time.monotonic_ns()}.log"
+    threads = directory / "threads.jsonl"
     # Without the supervisor, the process measured (CPU time, memory, segments) is the daemon.
     command = [
-        sys.executable, "-m", "dalid.server", "serve", "--no-supervisor", "--device", device,
+        sys.executable, "-m", "bench.threads", "serve", "--no-supervisor", "--device", device,
         "--socket", str(socket), "--log-level", "WARNING", *options,
     ]  # fmt: skip
+    env = {**os.environ, THREADS_ENV: str(threads)}
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
+        )
+    daemon = RunningDaemon(process.pid, socket, log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (socket.exists() and _answers(socket)):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise DaemonFailed(f"the dalid daemon did not start; its log ends:\n{_tail(log)}")
             time.sleep(0.05)
-        yield RunningDaemon(process.pid, socket, log)
+        yield daemon
     finally:
         process.send_signal(signal.SIGTERM)
         code: int | None
@@ -180,6 +192,8 @@ def running_daemon(
         leaked = _segments(process.pid)
         for name in leaked:
             (slabs.SHM_DIR / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            daemon.threads.extend(read_snapshots(threads))
         shutil.rmtree(directory, ignore_errors=True)
     if code != 0 or leaked:
         raise DaemonFailed(

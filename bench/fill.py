@@ -69,4 +69,16 @@ def run_pipelines(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "pipelines": merged,
         "figures": pipeline_figures(merged),
         "errors": [reading["error"] for reading in readings if "error" in reading],
+        "batches_copied": batches_copied(readings),
     }
+
+
+def batches_copied(readings: Sequence[dict[str, Any]]) -> int | None:
+    """The batches the run's jobs got as private copies (Note [Private copies] in the daemon's
+    copies.py), each job's count from the last reading that names it; None without one."""
+    by_job: dict[int, int] = {}
+    for reading in readings:
+        for job in reading.get("jobs", ()):
+            if "batches_copied" in job:
+                by_job[job["job_id"]] = max(by_job.get(job["job_id"], 0), job["batches_copied"])
+    return sum(by_job.values()) if by_job else None

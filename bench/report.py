@@ -49,7 +49,8 @@ def _setup(report: dict[str, Any]) -> list[str]:
         "",
         f"- Machine: {_machine_line(report['machine'])}.",
         f"- Data: {dataset['images']} JPEGs in {dataset['classes']} classes, "
-        f"{dataset['mean_kb']:.0f} KB on average, read from the page cache. Batch "
+        f"{dataset['mean_kb']:.0f} KB on average{_jpeg_text(dataset)}, read from the page "
+        "cache. Batch "
         f"{settings['batch_size']}, {settings['epochs']} epochs per run of which "
         f"{settings['warmup_epochs']} warm-up, {settings['workers']} DataLoader workers, "
         f"{settings['threads']} DALI threads per pipeline, {settings['repeats']} repeats, "
@@ -83,9 +84,18 @@ def _pipeline_text(settings: dict[str, Any]) -> str:
     return text
 
 
+def _jpeg_text(dataset: dict[str, Any]) -> str:
+    jpeg = dataset.get("jpeg")
+    if not jpeg:
+        return ""
+    chroma = ":".join(jpeg["subsampling"])
+    return f", {chroma} chroma at quality {jpeg['quality'][0]}-{jpeg['quality'][1]}"
+
+
 # How a target's figure shows, by its unit: digits, scale and suffix.
 _UNITS = {"ratio": (1, 100.0, "%"), "times": (2, 1.0, "x"), "index": (3, 1.0, ""),
-          "us": (0, 1.0, " µs"), "rate": (0, 1.0, " samples/s"), "count": (0, 1.0, "")}  # fmt: skip
+          "us": (0, 1.0, " µs"), "us.1": (1, 1.0, " µs"), "rate": (0, 1.0, " samples/s"),
+          "count": (0, 1.0, "")}  # fmt: skip
 
 
 def targets_table(summary: dict[str, Any]) -> list[str]:

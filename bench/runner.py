@@ -43,6 +43,8 @@ class Outcome:
     memory: dict[str, Any] = field(default_factory=dict)  # see MemorySampler.to_dict
     queues: list[dict[str, Any]] = field(default_factory=list)  # see QueueWatch
     gpu_baseline_mb: float | None = None  # GPU memory in use before the run started
+    # Snapshots of what the daemon's own threads used (bench.threads), dalid runs only.
+    daemon_threads: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -185,6 +187,7 @@ def run_once(kind: str, jobs: int, repeat: int, settings: Settings, workdir: Pat
             with running_daemon(settings.device, workdir, daemon_options(kind)) as daemon:
                 settings = settings.with_(socket=str(daemon.socket), daemon_pid=daemon.pid)
                 _run_trainers(kind, settings, jobs, workdir, outcome)
+            outcome.daemon_threads = daemon.threads
         else:
             _run_trainers(kind, settings, jobs, workdir, outcome)
     except DaemonFailed as error:

@@ -22,6 +22,9 @@ from .runner import Outcome
 from .scaling import jain_index
 from .stats import quantiles, spread
 from .targets import all_targets, row_id
+from .threads import DAEMON_THREAD_FIGURES
+from .threads import figures as daemon_thread_figures
+from .threads import window as daemon_thread_window
 from .weights import queue_figures, weight_ratio
 
 BASELINE = "dali"  # what the headline ratio compares dalid with
@@ -158,6 +161,19 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
         "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
+        # The daemon's own threads over the union of the jobs' timed windows (bench.threads).
+        "daemon_threads": (
+            daemon_thread_figures(
+                daemon_thread_window(outcome.daemon_threads, first.start.t_ns, last.end.t_ns)
+            )
+            if daemon
+            else None
+        ),
+        "daemon_threads_used": (
+            daemon_thread_window(outcome.daemon_threads, first.start.t_ns, last.end.t_ns)
+            if daemon
+            else None
+        ),
     }
 
 
@@ -212,6 +228,8 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 **_handle_values(m["handles"]),
                 "weight_ratio": (m["weighted"] or {}).get("ratio"),
                 "weight_expected": (m["weighted"] or {}).get("expected"),
+                **(m["daemon_threads"] or {}),
+                "batches_copied": (m["pipelines"] or {}).get("batches_copied"),
             }
             for run, m in zip(good, metrics, strict=True)
         }
@@ -249,6 +267,12 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                     if m["pipelines"] is not None
                 ],
                 "weighted": _weighted_spreads([m["weighted"] for m in metrics]),
+                "daemon_threads": _thread_spreads([m["daemon_threads"] for m in metrics]),
+                "daemon_threads_per_run": [
+                    {"repeat": run.repeat, **m["daemon_threads_used"]}
+                    for run, m in zip(good, metrics, strict=True)
+                    if m["daemon_threads_used"]
+                ],
                 "weighted_per_run": [
                     {"repeat": run.repeat, **m["weighted"]}
                     for run, m in zip(good, metrics, strict=True)
@@ -303,6 +327,14 @@ def _weighted_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, Any] |
         "rates": [spread(run["rates"][job] for run in read) for job in jobs],
         "queued": per_job("queued"),
         "backlogged": per_job("backlogged"),
+    }
+
+
+def _thread_spreads(runs: Sequence[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
+    """The daemon's own threads' figures (bench.threads) over the repeats that have them."""
+    return {
+        name: spread(v for run in runs if (v := (run or {}).get(name)) is not None)
+        for name in DAEMON_THREAD_FIGURES
     }
 
 

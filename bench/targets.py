@@ -51,6 +51,16 @@ GPU_SHARED_JOBS = 8
 GPU_SHARED_TARGET = 1.2
 GPU_MEMORY_TARGET = 0.5
 
+# The daemon's own threads (bench.threads: its I/O thread and its pipelines' executors, not
+# DALI's workers, nor the copies of output bytes into the jobs' memory, which grow with the
+# outputs and not with the Python per batch), held at batch 256 with file-path samples, with
+# DAEMON_THREAD_JOBS jobs: CPU per sample at most, and the I/O thread's wall time per message over
+# its CPU time at most (above it, the thread waits for the GIL more than it runs).
+DAEMON_OWN_US_TARGET = 5.0
+DAEMON_THREAD_JOBS = (1, 8)
+IO_WALL_OVER_CPU_TARGET = 2.0
+IO_WALL_JOBS = 8
+
 # Per row id, per repeat, the run's figures: samples_per_s, fairness, all_pss_mb,
 # daemon_peak_rss_mb, cpu_ms_per_sample (all processes), the slab handles (bench.handles)
 # and on a GPU all_gpu_mb (None where a figure could not be read).
@@ -305,6 +315,50 @@ def gpu_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any
     return found
 
 
+def daemon_thread_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The daemon's own threads' CPU per sample and its I/O thread's wall over CPU time per
+    message (bench.threads), for the dalid rows that ran; meant for batch 256 with file paths
+    (the GPU profile's batch), where the per-batch costs are spread over 256 samples."""
+    shared = labels["dalid"]
+    found = [
+        target(
+            f"{shared}, {jobs} job{'s' if jobs > 1 else ''}: the daemon's own threads' CPU per "
+            "sample (I/O + executors less output copies; batch 256, file paths)",
+            f"<= {DAEMON_OWN_US_TARGET:g} us",
+            figure(values, row_id("dalid", jobs), "daemon_own_us_per_sample"),
+            "us.1",
+            at_most(DAEMON_OWN_US_TARGET),
+        )
+        for jobs in DAEMON_THREAD_JOBS
+        if row_id("dalid", jobs) in values
+    ]
+    # No batch as a private copy (Note [Private copies] in the daemon): counted by the daemon
+    # per job from its start, so a copy in the warm-up counts too.
+    found += [
+        target(
+            f"{shared}, {jobs} job{'s' if jobs > 1 else ''}: batches delivered as private copies",
+            "= 0",
+            figure(values, row_id("dalid", jobs), "batches_copied"),
+            "count",
+            at_most(0),
+        )
+        for jobs in DAEMON_THREAD_JOBS
+        if row_id("dalid", jobs) in values
+    ]
+    if row_id("dalid", IO_WALL_JOBS) in values:
+        found.append(
+            target(
+                f"{shared}, {IO_WALL_JOBS} jobs: the I/O thread's wall time per message / its "
+                "CPU time",
+                f"<= {IO_WALL_OVER_CPU_TARGET:g}x",
+                figure(values, row_id("dalid", IO_WALL_JOBS), "io_wall_over_cpu"),
+                "times",
+                at_most(IO_WALL_OVER_CPU_TARGET),
+            )
+        )
+    return found
+
+
 def all_targets(
     values: Values, transport: Mapping[str, Any], labels: Mapping[str, str], gpu: bool = False
 ) -> list[dict[str, Any]]:
@@ -315,6 +369,7 @@ def all_targets(
     if any(row_kind(row) in SHARING_KINDS for row in values):
         found += sharing_targets(values, labels)
     found += handle_targets(values, labels)
+    found += daemon_thread_targets(values, labels)
     if gpu:
         found += gpu_targets(values, labels)
     return found

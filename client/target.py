@@ -13,6 +13,7 @@ from typing import Any
 
 from dalid.protocol import InputBatch, SubmitBatch
 
+from .errors import InputError
 from .paths import resolve_paths
 
 
@@ -43,16 +44,11 @@ class ProxyTarget:
         this pipeline as ``batch_id``; ``deferred``: it runs only when the trainer schedules it.
         Relative file paths are made absolute, and files this process cannot read are named."""
         resolved, unreadable = resolve_paths(samples, self.path_inputs, self.working_directory)
-        inputs = tuple(
-            InputBatch(
-                name=name,
-                dtype=resolved[name][0].dtype.name,
-                shapes=tuple(tuple(sample.shape) for sample in resolved[name]),
-                # The codec sends any buffer as a frame, numpy arrays included.
-                samples=tuple(resolved[name]),  # type: ignore[arg-type]
-            )
-            for name in self.input_names
-        )
+        try:
+            # Each input's samples become one frame here, once, as the batch is collated.
+            inputs = tuple(InputBatch.of(name, resolved[name]) for name in self.input_names)
+        except ValueError as error:
+            raise InputError(str(error)) from None
         return SubmitBatch(
             self.pipeline_id, inputs, batch_id, deferred=deferred, unreadable=unreadable
         )

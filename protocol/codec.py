@@ -13,6 +13,13 @@ identity frame in front, which the transport strips before :func:`decode` sees t
                  body holds the number of its frame (1..n). A sender references every frame
                  once; a receiver refuses a frame referenced twice.
 
+A batch's samples of one input are two frames, however many samples it has
+(``InputBatch``)::
+
+    body.inputs[i]  {"name": str, "dtype": str, "size": n, "ndim": d,
+                     "shapes": k,     frame k: n x d extents, little-endian uint64
+                     "data": k + 1}   frame k + 1: the n samples' bytes back to back, in order
+
 Values are encoded by the field's annotation: int, float, str, bool, enums by value, tuples as
 arrays, nested dataclasses as maps, ``X | None`` as the value or nil. Decoding checks every
 type, every frame index and the message's own ``__post_init__`` checks, and raises

@@ -13,15 +13,19 @@ neighbours of the same family here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import numpy as np
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped only when a meaning changes: a change a peer of the previous version would misread.
 Quoted in SPEC.md, whose "Versions" section has the rule.
 
@@ -31,6 +35,10 @@ nor does a new operation that changes no existing message (a peer that lacks it 
 ``unknown_operation``: so ``reload_repository`` and ``repository_report`` came in version 4).
 A new enum value (an error code, a policy), a field older peers must not ignore, or a change
 to what a field means does need one.
+
+Version 7 sends each input of a batch as one frame of its samples' bytes and one of their
+shapes (``InputBatch.data`` and ``shapes``, with ``size`` and ``ndim``), checked and viewed as
+arrays, where version 6 sent a frame per sample and the shapes as msgpack arrays.
 
 Version 6 has the submitter choose a batch's id (``SubmitBatch.batch_id``, from the
 connection's ``Welcome.batch_id_base``), so that a worker hands its batch on without waiting for
@@ -477,32 +485,134 @@ class PipelineRegistered(Message):
 # --- Batch family -------------------------------------------------------------------------------
 
 
+# A sample's extent at most: far past any buffer, and small enough that the checks' sums and
+# products of extents stay exact.
+MAX_EXTENT = 1 << 48
+# How a batch input's shapes travel: one row of ``ndim`` of these per sample.
+SHAPE_DTYPE = np.dtype("<u8")
+
+
 @dataclass(frozen=True)
 class InputBatch:
-    """The samples of one external_source input: one dtype, one shape and one frame each."""
+    """The samples of one external_source input, ``size`` of them, of one dtype and rank.
+
+    ``data`` is one frame: the samples' bytes back to back, in order, each C-contiguous.
+    ``shapes`` is one frame too: ``size`` rows of ``ndim`` little-endian uint64 extents. The
+    checks, and the views a receiver makes (:meth:`arrays`), are numpy operations on the whole
+    batch: the daemon's Python works per batch, not per sample (see SPEC.md, "Batches").
+    """
 
     name: str
     dtype: str
-    shapes: tuple[tuple[int, ...], ...]
-    samples: tuple[memoryview, ...]
+    size: int
+    ndim: int
+    shapes: memoryview
+    data: memoryview
 
     def __post_init__(self) -> None:
         _check_name(self.name, "an input name")
         _check(self.dtype in DTYPES, f"input {self.name!r}: unsupported dtype {self.dtype!r}")
-        _check(len(self.shapes) == len(self.samples), f"input {self.name!r}: shapes != samples")
+        _check(0 <= self.size <= MAX_BATCH_SIZE, f"input {self.name!r}: size out of range")
+        _check(0 <= self.ndim <= MAX_NDIM, f"input {self.name!r}: ndim must be 0 to {MAX_NDIM}")
+        rows = self.size * self.ndim
+        _check(
+            self.shapes.nbytes == rows * SHAPE_DTYPE.itemsize,
+            f"input {self.name!r}: {self.size} shapes of {self.ndim} extents need "
+            f"{rows * SHAPE_DTYPE.itemsize} bytes, their frame has {self.shapes.nbytes}",
+        )
+        extents = np.frombuffer(self.shapes, SHAPE_DTYPE).reshape(self.size, self.ndim)
+        _check(
+            not extents.size or int(extents.max()) <= MAX_EXTENT,
+            f"input {self.name!r}: an extent is over {MAX_EXTENT}",
+        )
         itemsize = ITEMSIZES[self.dtype]
-        for index, (shape, sample) in enumerate(zip(self.shapes, self.samples, strict=True)):
-            # Each frame holds exactly its sample: the receiver views it in place by its shape.
-            # (Checked once per sample; the messages are made only for a sample that fails.)
-            expected = math.prod(shape) * itemsize
-            if len(shape) <= MAX_NDIM and min(shape, default=0) >= 0 and sample.nbytes == expected:
-                continue
-            _check_shape(shape, f"a sample of input {self.name!r}")
-            _check(
-                sample.nbytes == expected,
-                f"input {self.name!r} sample {index}: shape {shape} of {self.dtype} needs "
-                f"{expected} bytes, its frame has {sample.nbytes}",
-            )
+        # In floating point first: a product of extents (none zero) over the frame's size
+        # is refused before it is computed exactly, where it could overflow.
+        limit = self.data.nbytes // itemsize
+        if self.ndim:
+            approx = extents.astype(np.float64).prod(axis=1)
+            over = np.flatnonzero(approx > limit)
+            if len(over):
+                index = int(over[0])
+                raise ValueError(
+                    f"input {self.name!r} sample {index}: shape {tuple(extents[index].tolist())} "
+                    f"of {self.dtype} needs {approx[index] * itemsize:.0f} bytes, the frame has "
+                    f"{self.data.nbytes}"
+                )
+            counts = extents.astype(np.int64).prod(axis=1)
+        else:
+            counts = np.ones(self.size, np.int64)
+        # Each sample's first element, and the end of the last one, in elements.
+        starts = np.zeros(self.size + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        # The frame holds exactly the samples: a receiver views each in place by its shape.
+        _check(
+            int(starts[-1]) * itemsize == self.data.nbytes,
+            f"input {self.name!r}: {self.size} samples of {self.dtype} need "
+            f"{int(starts[-1]) * itemsize} bytes by their shapes, the frame has "
+            f"{self.data.nbytes}",
+        )
+        object.__setattr__(self, "_extents", extents)
+        object.__setattr__(self, "_starts", starts)
+
+    @classmethod
+    def of(cls, name: str, samples: Sequence[Any]) -> InputBatch:
+        """The batch of ``samples``: C-contiguous numpy arrays of one dtype and rank, copied
+        once into one frame; raises ValueError for anything else."""
+        _check(len(samples) > 0, f"input {name!r}: no samples")
+        first = samples[0]
+        dtype, ndim = first.dtype, first.ndim
+        for index, sample in enumerate(samples):
+            if sample.dtype != dtype or sample.ndim != ndim:
+                raise ValueError(
+                    f"input {name!r}: sample {index} is {sample.dtype} of {sample.ndim} "
+                    f"dimension(s), sample 0 {dtype} of {ndim}: every sample of an input needs "
+                    "one dtype and one number of dimensions"
+                )
+        shapes = np.array([sample.shape for sample in samples], SHAPE_DTYPE).reshape(-1)
+        # bytes.join reads each array through its buffer: one copy, in C.
+        data = b"".join(samples)
+        return cls(name, dtype.name, len(samples), ndim, shapes.data.cast("B"),
+                   memoryview(data))  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """The samples' bytes, all together."""
+        return self.data.nbytes
+
+    def extents(self) -> np.ndarray:
+        """The samples' shapes: ``size`` rows of ``ndim`` extents (int64s)."""
+        extents: np.ndarray = self._extents  # type: ignore[attr-defined]
+        return extents
+
+    def sample_bytes(self) -> np.ndarray:
+        """Where each sample starts in ``data`` and where the last one ends: ``size + 1``
+        byte offsets (int64s)."""
+        starts: np.ndarray = self._starts  # type: ignore[attr-defined]
+        return starts * ITEMSIZES[self.dtype]
+
+    def uniform(self) -> bool:
+        """Whether every sample has the same shape."""
+        extents = self.extents()
+        return bool(self.size < 2 or (extents == extents[0]).all())
+
+    def arrays(self) -> np.ndarray | list[np.ndarray]:
+        """Numpy views of the samples, in place in ``data`` (read-only, no copy): one array of
+        ``size`` rows when every sample has one shape, else a list of arrays."""
+        flat = np.frombuffer(self.data, np.dtype(self.dtype))
+        if self.uniform():
+            shape = tuple(int(n) for n in self.extents()[0]) if self.size else (0,) * self.ndim
+            return flat.reshape(self.size, *shape)
+        starts = self._starts.tolist()  # type: ignore[attr-defined]
+        # The one loop per sample: numpy makes no list of views of unequal sizes in one call
+        # (np.split loops in Python too, and slower); each step is one slice, no checks.
+        if self.ndim == 1:
+            return [flat[a:b] for a, b in itertools.pairwise(starts)]
+        shapes = self.extents().tolist()
+        return [
+            flat[a:b].reshape(shape)
+            for a, b, shape in zip(starts[:-1], starts[1:], shapes, strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -521,7 +631,7 @@ class SubmitBatch(Message):
 
     def __post_init__(self) -> None:
         _check(0 < len(self.inputs) <= MAX_INPUTS, f"1 to {MAX_INPUTS} inputs")
-        sizes = {len(batch.samples) for batch in self.inputs}
+        sizes = {batch.size for batch in self.inputs}
         _check(len(sizes) == 1, "every input of a batch must have the same number of samples")
         size = sizes.pop()
         _check(0 < size <= MAX_BATCH_SIZE, "a batch must have at least one sample")
@@ -529,7 +639,7 @@ class SubmitBatch(Message):
 
     @property
     def batch_size(self) -> int:
-        return len(self.inputs[0].samples)
+        return self.inputs[0].size
 
 
 @dataclass(frozen=True)

@@ -33,23 +33,33 @@ from .imagesize import image_size, pixels
 
 log = logging.getLogger("dalid.server")
 
-Arrays = Mapping[str, Sequence[np.ndarray]]
+# Each input's samples: one array of them (one shape), or a list.
+Arrays = Mapping[str, np.ndarray | Sequence[np.ndarray]]
 Trial = Callable[[list[int]], Exception | None]
 """Runs the samples at these positions as one batch on a fresh pipeline; the error, or None."""
 
 
-def oversized_images(arrays: Arrays, max_pixels: int) -> dict[int, str]:
+def oversized_images(
+    arrays: Arrays, max_pixels: int, path_inputs: Collection[str] = ()
+) -> dict[int, str]:
     """Positions of image samples that declare more than ``max_pixels`` pixels, with why.
 
-    An image sample is a 1-D uint8 sample of any input whose bytes start with a header
-    :func:`~dalid.server.imagesize.image_size` reads. ``max_pixels`` 0 checks nothing.
+    An image sample is a 1-D uint8 sample of any input but ``path_inputs`` whose bytes start
+    with a header :func:`~dalid.server.imagesize.image_size` reads. An input's samples share
+    one dtype and rank, so an input of anything else is passed over whole. ``max_pixels`` 0
+    checks nothing.
     """
     found: dict[int, str] = {}
     if max_pixels <= 0:
         return found
     for name, samples in arrays.items():
+        if name in path_inputs or not len(samples):
+            continue
+        first = samples[0]
+        if first.dtype != np.uint8 or first.ndim != 1:
+            continue
         for position, sample in enumerate(samples):
-            if sample.dtype != np.uint8 or sample.ndim != 1 or position in found:
+            if position in found:
                 continue
             size = image_size(sample.data)
             if size is not None and pixels(size) > max_pixels:

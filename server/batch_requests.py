@@ -122,7 +122,7 @@ class BatchRequests:
                 "them before sending more",
             )
         batch = PendingBatch(request.batch_id, request, member)
-        nbytes = sum(sample.nbytes for item in request.inputs for sample in item.samples)
+        nbytes = sum(item.nbytes for item in request.inputs)
         try:
             # Counted until the batch is freed, whichever way it goes (inputs.py).
             self.inputs.take(job.job_id, nbytes, holder=batch)

@@ -36,7 +36,7 @@ PNG_END = b"IEND\xae\x42\x60\x82"
 
 def explain(
     found: Mapping[int, str],
-    arrays: Mapping[str, Sequence[np.ndarray]],
+    arrays: Mapping[str, np.ndarray | Sequence[np.ndarray]],
     path_inputs: Collection[str] = (),
 ) -> dict[int, str]:
     """``found`` (position: DALI's message) with the plain cause put first where one shows."""

@@ -265,8 +265,10 @@ class Daemon:
                 bind=True,
                 heartbeat_ms=(HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS),
                 queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
-                # ZeroMQ drops a connection that starts a frame over this, before it is read.
-                max_frame_bytes=limits.max_message_bytes,
+                # ZeroMQ drops a connection that starts a frame over this, before it is read. A
+                # batch's input is one frame (SPEC.md, "Batches"): one over what a message may
+                # hold but within the input memory is read, and refused with a reason (intake).
+                max_frame_bytes=config.quotas.input_memory,
             )
         finally:
             os.umask(previous)

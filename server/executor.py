@@ -38,6 +38,7 @@ from dalid.protocol import (
 
 from .badsamples import recover, summary
 from .outputs import OutputFailure, RunOutput, Stream
+from .paths import unseen_file
 from .pool import PoolClosed, PoolFull
 from .run_planner import RunPlanner
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
@@ -436,6 +437,15 @@ class PipelineExecutor:
         job's on_error policy (``badsamples.recover``); that job's next batches run alone."""
         member = batch.member
         assert member is not None
+        path_inputs = self.spec.path_inputs if self.spec is not None else ()
+        if error is not None and path_inputs:
+            # A file the daemon may not read, in a directory it enters, fails the run: checked
+            # now, file by file (Note [Checking paths per directory] in paths.py).
+            request = batch.request
+            unseen = unseen_file(request.inputs, path_inputs, request.unreadable)
+            if unseen:
+                self._fail(batch, ErrorCode.INVALID_BATCH, unseen)
+                return
         found = recover(
             runner,
             batch.arrays,
@@ -444,7 +454,7 @@ class PipelineExecutor:
             failure=(code, error),
             bad=bad,
             stream=self._stream,
-            path_inputs=self.spec.path_inputs if self.spec is not None else (),
+            path_inputs=path_inputs,
         )
         if found.report:
             # Another bad sample of this job then costs no other job a rerun.

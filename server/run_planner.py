@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from .badsamples import oversized_images
 from .paths import FilesUnseen, check_paths
-from .runner import sample_arrays
 from .runs import Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
@@ -256,12 +255,14 @@ class RunPlanner:
         image samples over the pixel limit, files nobody can read (or that the daemon cannot
         see, which fails the batch: ``unseen``)."""
         if not batch.arrays:
-            batch.arrays = {item.name: sample_arrays(item) for item in batch.request.inputs}
+            batch.arrays = {item.name: item.arrays() for item in batch.request.inputs}
         if batch.oversized is None:
-            bad = oversized_images(batch.arrays, self._max_image_pixels)
+            bad = oversized_images(batch.arrays, self._max_image_pixels, self.path_inputs)
             if self.path_inputs:
                 try:
-                    found = check_paths(batch.arrays, self.path_inputs, batch.request.unreadable)
+                    found = check_paths(
+                        batch.request.inputs, self.path_inputs, batch.request.unreadable
+                    )
                 except FilesUnseen as unseen:
                     batch.unseen = str(unseen)
                 else:

@@ -40,7 +40,9 @@ class PendingBatch:
     batch_id: int
     request: SubmitBatch
     member: Member | None = None
-    arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # Each input's samples, viewed in place in its frame: one array when they have one shape,
+    # else a list (``InputBatch.arrays``).
+    arrays: dict[str, np.ndarray | list[np.ndarray]] = field(default_factory=dict)
     # Samples bad before they run, by position, with why (found once): images over the
     # daemon's pixel limit, files nobody can read.
     oversized: dict[int, str] | None = None
@@ -58,9 +60,7 @@ class PendingBatch:
 
     def input_kinds(self) -> tuple[tuple[str, str, int], ...]:
         """What DALI needs alike in every batch of one run: each input's dtype and rank."""
-        return tuple(
-            sorted((item.name, item.dtype, len(item.shapes[0])) for item in self.request.inputs)
-        )
+        return tuple(sorted((item.name, item.dtype, item.ndim) for item in self.request.inputs))
 
 
 Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
@@ -124,9 +124,17 @@ class Run:
             yield batch, range(start, start + batch.size)
             start += batch.size
 
-    def arrays(self) -> dict[str, list[np.ndarray]]:
-        """The run's samples per input, batch after batch."""
+    def arrays(self) -> dict[str, np.ndarray | list[np.ndarray]]:
+        """The run's samples per input, batch after batch: one array where every batch's is
+        one of the same sample shape, else one list."""
         if len(self.batches) == 1:
             return self.batches[0].arrays
         names = self.batches[0].arrays.keys()
-        return {name: [a for batch in self.batches for a in batch.arrays[name]] for name in names}
+        return {name: _joined([batch.arrays[name] for batch in self.batches]) for name in names}
+
+
+def _joined(parts: list[np.ndarray | list[np.ndarray]]) -> np.ndarray | list[np.ndarray]:
+    arrays = [part for part in parts if isinstance(part, np.ndarray)]
+    if len(arrays) == len(parts) and len({array.shape[1:] for array in arrays}) == 1:
+        return np.concatenate(arrays)
+    return list(itertools.chain.from_iterable(parts))

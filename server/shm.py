@@ -130,17 +130,18 @@ class SharedMemoryStore:
     def write(self, region: Region, output: RunOutput, rows: range) -> None:
         dense = output.dense()
         address = region.slab.address(region.offset)
-        if dense is not None and rows == output.whole:
-            region.slab.copy_into(region.offset, dense)
-        elif dense is not None:
-            # A job's rows of a shared run: one contiguous block of the run's output.
+        # ctypes.memmove lets go of the GIL while it copies; DALI's copy_to_external holds it,
+        # and the daemon's I/O thread would wait out every batch's copy.
+        if dense is not None:
+            # The run's output, or a job's rows of a shared run: one contiguous block.
             start = dense.data_ptr() + rows.start * output.row_bytes(rows)
             ctypes.memmove(address, start, region.nbytes)
         else:
             # The run's samples differ in shape, this job's do not: sample by sample.
+            size = output.row_bytes(rows)
             for row in rows:
-                output.tensors[row].copy_to_external(ctypes.c_void_p(address))
-                address += output.row_bytes(rows)
+                ctypes.memmove(address, output.tensors[row].data_ptr(), size)
+                address += size
 
     def export(self, region: Region) -> str:
         return ""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import zmq
 
 from dalid.protocol import (
@@ -83,8 +84,7 @@ def _trainer(sock: zmq.Socket[Any]) -> tuple[int, int]:
 def _batches(pipeline_id: int, base: int, sample_bytes: int, samples: int = 1) -> Iterator[Any]:
     """The frames of one batch after another, each under the connection's next id."""
     side = max(1, int((sample_bytes // 4) ** 0.5))
-    data = memoryview(bytes(side * side * 4))
-    batch = InputBatch("data", "int32", ((side, side),) * samples, (data,) * samples)
+    batch = InputBatch.of("data", [np.zeros((side, side), np.int32)] * samples)
     for batch_id in itertools.count(base + 1):
         yield encode(SubmitBatch(pipeline_id, (batch,), batch_id), 9)
 

@@ -118,3 +118,35 @@ def test_a_file_the_daemon_cannot_see_fails_saying_what_to_mount(
     assert "does not see the trainer's files" in message
     assert "Mount the dataset's directory (/proc/self/fd/987, or one above it)" in message
     assert "decode" not in message.lower()
+
+
+def test_a_directory_the_daemon_cannot_see_fails_the_batch_before_it_runs(
+    daemon: DaemonProcess, in_images: Path
+) -> None:
+    """The daemon looks at each directory of a batch's paths, not at each file: a dataset
+    directory it does not have (here the trainer's own descriptor 986 of the image folder) fails
+    the batch at that look, saying what to mount, and nothing of the batch reaches DALI."""
+    folder = os.open(in_images / "images", os.O_RDONLY | os.O_DIRECTORY)
+    os.dup2(folder, 986)
+    os.close(folder)
+    try:
+        unseen = "/proc/self/fd/986/class_1/img_2.jpg"
+        assert os.access(unseen, os.R_OK)
+        with dalid.connect(socket=daemon.socket, autostart=False) as session:
+            proxy = session.proxy(read_pipeline(), on_error="replace")
+            batch = torch.utils.data.default_collate(
+                [proxy(path_sample(p)) for p in ("images/class_0/img_1.jpg", unseen) * 2]
+            )
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch)
+            # The daemon goes on serving the job's next batch.
+            good = torch.utils.data.default_collate(
+                [proxy(path_sample(f"images/class_0/img_{i}.jpg")) for i in range(4)]
+            )
+            assert session.produce_data(good).shape == (4, 32, 32, 3)
+    finally:
+        os.close(986)
+    message = str(caught.value)
+    assert f"cannot open {unseen}, which the trainer reads" in message
+    assert "(/proc/self/fd/986 does not exist where the daemon runs" in message
+    assert caught.value.positions == []

@@ -172,8 +172,7 @@ def test_a_region_released_twice_is_refused_the_second_time(daemon: DaemonProces
             )
         )
         assert isinstance(registered, PipelineRegistered)
-        frames = tuple(memoryview(sample(i).tobytes()) for i in range(2))
-        batch = InputBatch("data", "int32", ((4, 3), (4, 3)), frames)
+        batch = InputBatch.of("data", [sample(i) for i in range(2)])
         batch_id = welcome.batch_id_base + 1
         assert isinstance(
             peer.request(SubmitBatch(registered.pipeline_id, (batch,), batch_id)), BatchAccepted
@@ -215,8 +214,7 @@ def test_a_peer_reusing_another_batchs_id_is_refused_and_nothing_else_breaks(
                 )
             )
             assert isinstance(welcome, Welcome)
-            frames = tuple(memoryview(sample(i).tobytes()) for i in range(2))
-            inputs = (InputBatch("data", "int32", ((4, 3), (4, 3)), frames),)
+            inputs = (InputBatch.of("data", [sample(i) for i in range(2)]),)
             own = welcome.batch_id_base + 5
             for batch_id, answer in [
                 (taken, "is not this connection's"),
@@ -265,16 +263,14 @@ _values = st.recursive(
 
 
 def _valid_messages(serialized: bytes, pipeline_id: int) -> list[Message]:
-    frames = tuple(memoryview(sample(i).tobytes()) for i in range(2))
+    samples = [sample(i) for i in range(2)]
     return [
         trainer_hello("fuzz"),
         Ping(),
         Goodbye(),
         RegisterPipeline(memoryview(serialized), ("data",), 2, BATCH, 1, 1),
-        SubmitBatch(pipeline_id, (InputBatch("data", "int32", ((4, 3), (4, 3)), frames),), 1 << 32),
-        SubmitBatch(
-            pipeline_id, (InputBatch("data", "int32", ((4, 3),), frames[:1]),), 2, deferred=True
-        ),
+        SubmitBatch(pipeline_id, (InputBatch.of("data", samples),), 1 << 32),
+        SubmitBatch(pipeline_id, (InputBatch.of("data", samples[:1]),), 2, deferred=True),
         ScheduleBatch(1),
         ReleaseRegions((1, 2, 3)),
         ReleaseRegions((1, 1)),

@@ -79,4 +79,17 @@ def test_a_runs_pipelines_come_from_its_trainers_results() -> None:
     assert [p["pipeline"] for p in found["pipelines"]] == [1]
     assert found["figures"]["mean_fill"] == pytest.approx(1.0)
     assert found["errors"] == ["ZMQError: gone"]
-    assert run_pipelines([{"loop": {}}]) == {"pipelines": [], "figures": None, "errors": []}
+    assert found["batches_copied"] is None  # no reading named a job
+    assert run_pipelines([{"loop": {}}]) == {
+        "pipelines": [],
+        "figures": None,
+        "errors": [],
+        "batches_copied": None,
+    }
+    # Each job's copies from the last reading that names it, the jobs' added up.
+    jobs = [
+        {"loop": {}, "pipelines": {"t_ns": 1, "jobs": [{"job_id": 1, "batches_copied": 2}]}},
+        {"loop": {}, "pipelines": {"t_ns": 2, "jobs": [{"job_id": 1, "batches_copied": 5},
+                                                       {"job_id": 2, "batches_copied": 1}]}},
+    ]  # fmt: skip
+    assert run_pipelines(jobs)["batches_copied"] == 6

@@ -8,7 +8,15 @@ import pytest
 
 from bench.contenders import CONTENDERS
 from bench.report import targets_table
-from bench.targets import all_targets, paired_ratio, row_id, row_kind, sharing_targets
+from bench.targets import (
+    all_targets,
+    daemon_thread_targets,
+    paired_ratio,
+    row_id,
+    row_kind,
+    sharing_targets,
+)
+from bench.threads import DAEMON_THREAD_FIGURES, figures, window
 
 LABELS = {kind: contender.label for kind, contender in CONTENDERS.items()}
 
@@ -179,3 +187,40 @@ def test_transport_targets_are_ratios_to_the_floors_of_the_same_run() -> None:
     assert b32["measured"]["median"] == pytest.approx((900 / 700 + 1200 / 700) / 2)
     assert b32["met"] is True
     assert all_targets({}, {"runs": []}, LABELS) == []
+
+
+def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
+    """bench.threads' totals become per-sample and per-message figures, and the targets hold
+    the dalid rows to them: the output copies are shown apart and left out of the target."""
+    snapshots = [
+        {"t_ns": t, "io_loop_cpu_s": 0.001 * k, "messages": 5 * k, "message_wall_s": 0.0015 * k,
+         "message_cpu_s": 0.001 * k, "by_op": {"submit_batch": [k, 0.0001 * k]},
+         "executor_cpu_s": 0.25 * k, "copy_out_cpu_s": 0.248 * k, "executor_samples": 500 * k}
+        for k, t in enumerate([0, 10, 20, 30, 40])
+    ]  # fmt: skip
+    # The window's start and end fall between snapshots: the ones around them are taken.
+    used = window(snapshots, 15, 25)
+    assert used["seconds"] == pytest.approx(20e-9) and used["by_op"]["submit_batch"][0] == 2
+    assert window(snapshots, -1, 25) == {} and window(snapshots[:1], 0, 5) == {}
+    one = figures(used)
+    assert one["daemon_own_us_per_sample"] == pytest.approx(6.0)
+    assert one["daemon_all_us_per_sample"] == pytest.approx(502.0)
+    assert one["copy_out_us_per_sample"] == pytest.approx(496.0)
+    assert one["io_messages_us_per_sample"] == pytest.approx(2.0)
+    assert one["io_chores_ms_per_s"] == pytest.approx(0.0)
+    assert one["io_cpu_us_per_message"] == pytest.approx(200.0)
+    assert one["io_wall_over_cpu"] == pytest.approx(1.5)
+    assert figures({}) == dict.fromkeys(DAEMON_THREAD_FIGURES)
+    eight = {**one, "daemon_own_us_per_sample": 4.0, "io_wall_over_cpu": 2.5}
+    values = {"dalid": {0: one}, "dalid-x8": {0: eight}}
+    one["batches_copied"] = 0
+    eight["batches_copied"] = 3
+    found = _by_name(daemon_thread_targets(values, LABELS))
+    assert len(found) == 5
+    single, many, copied_one, copied_eight, wall = found.values()
+    assert copied_one["met"] is True and copied_eight["met"] is False
+    assert single["met"] is False and single["measured"]["median"] == pytest.approx(6.0)
+    assert many["met"] is True and "8 jobs" in many["name"]
+    assert wall["met"] is False and wall["unit"] == "times"
+    assert "not measured" not in "".join(targets_table({"targets": list(found.values())}))
+    assert daemon_thread_targets({"dali": {0: one}}, LABELS) == []

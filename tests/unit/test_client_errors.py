@@ -13,8 +13,8 @@ def test_a_failed_batch_is_named_by_loader_step_and_dataset_indices_where_known(
     assert str(error) == "Critical error in pipeline: pipeline 3 batch 77 failed: DALI says: no"
     error.locate(4, [40, 41, 42])
     assert str(error) == (
-        "Critical error in pipeline: loader step 4 (pipeline 3 batch 77 in the daemon's log), dataset indices 40, 41, 42, "
-        "failed: DALI says: no"
+        "Critical error in pipeline: loader step 4 (pipeline 3 batch 77 in the daemon's log), "
+        "dataset indices 40, 41, 42, failed: DALI says: no"
     )
     error.locate(5, list(range(100, 132)))
     assert "dataset indices 100, 101, 102, 103, 104, 105, 106, 107, ... (32 samples)," in str(error)

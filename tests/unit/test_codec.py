@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -67,23 +68,10 @@ from dalid.protocol.messages import MESSAGE_TYPES
 
 def _submit_batch() -> SubmitBatch:
     images = [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(3)]
+    paths = [np.frombuffer(text, np.uint8) for text in (b"abc", b"", b"hello")]
     return SubmitBatch(
         pipeline_id=4,
-        inputs=(
-            InputBatch(
-                name="images",
-                dtype="float32",
-                shapes=tuple(image.shape for image in images),
-                # numpy arrays travel as frames: the codec sends any buffer
-                samples=tuple(images),  # type: ignore[arg-type]
-            ),
-            InputBatch(
-                name="paths",
-                dtype="uint8",
-                shapes=((3,), (0,), (5,)),
-                samples=(memoryview(b"abc"), memoryview(b""), memoryview(b"hello")),
-            ),
-        ),
+        inputs=(InputBatch.of("images", images), InputBatch.of("paths", paths)),
         # A worker's id: its connection's range (a multiple of 2**32) plus its counter.
         batch_id=(3 << 32) + 5,
         deferred=True,
@@ -531,16 +519,18 @@ def test_decode_accepts_any_buffer_frames(kind: str) -> None:
 def test_buffers_are_frames_without_copy() -> None:
     message = _submit_batch()
     frames = encode(message, 1)
-    samples = [sample for batch in message.inputs for sample in batch.samples]
-    assert len(frames) == 1 + len(samples)
-    for frame, sample in zip(frames[1:], samples, strict=True):
-        assert frame is sample
+    # Two frames per input, whatever its number of samples: its shapes and its samples' bytes.
+    buffers = [buffer for batch in message.inputs for buffer in (batch.shapes, batch.data)]
+    assert len(frames) == 1 + len(buffers)
+    for frame, buffer in zip(frames[1:], buffers, strict=True):
+        assert frame is buffer
     header = msgpack.unpackb(frames[0], raw=False)
     assert header["v"] == PROTOCOL_VERSION
     assert header["op"] == "submit_batch"
     assert header["rid"] == 1
-    assert header["body"]["inputs"][0]["samples"] == [1, 2, 3]
-    assert header["body"]["inputs"][1]["samples"] == [4, 5, 6]
+    first, second = header["body"]["inputs"]
+    assert (first["size"], first["ndim"], first["shapes"], first["data"]) == (3, 2, 1, 2)
+    assert (second["size"], second["ndim"], second["shapes"], second["data"]) == (3, 1, 3, 4)
 
 
 def test_decoded_values_have_their_annotated_types() -> None:
@@ -550,12 +540,17 @@ def test_decoded_values_have_their_annotated_types() -> None:
     assert decoded.role is Role.WORKER
     batch = decode(_wire(encode(_submit_batch(), 1))).message
     assert isinstance(batch, SubmitBatch)
-    first = batch.inputs[0]
+    first, second = batch.inputs
     assert isinstance(first, InputBatch)
-    assert first.shapes == ((2, 3), (2, 3), (2, 3))
-    assert all(isinstance(sample, memoryview) and sample.format == "B" for sample in first.samples)
-    restored = np.frombuffer(first.samples[2], dtype=first.dtype).reshape(first.shapes[2])
-    np.testing.assert_array_equal(restored, np.arange(6, dtype=np.float32).reshape(2, 3) + 2)
+    assert isinstance(first.data, memoryview) and first.data.format == "B"
+    assert first.extents().tolist() == [[2, 3]] * 3
+    # Samples of one shape are one array, viewed in the frame.
+    images = first.arrays()
+    assert isinstance(images, np.ndarray) and images.shape == (3, 2, 3)
+    np.testing.assert_array_equal(images[2], np.arange(6, dtype=np.float32).reshape(2, 3) + 2)
+    paths = second.arrays()
+    assert [bytes(path) for path in paths] == [b"abc", b"", b"hello"]
+    assert second.sample_bytes().tolist() == [0, 3, 3, 8]
     failed = decode(_wire(encode(BatchFailed(1, 2, ErrorCode.PIPELINE_ERROR, "x")))).message
     assert isinstance(failed, BatchFailed)
     assert failed.code is ErrorCode.PIPELINE_ERROR
@@ -770,7 +765,7 @@ def test_frame_index_out_of_range(index: Any) -> None:
 
 def test_frame_referenced_twice() -> None:
     header, frames = _encoded_header(_submit_batch())
-    header["body"]["inputs"][0]["samples"] = [1, 1, 2]
+    header["body"]["inputs"][0]["data"] = 1  # its shapes' frame
     error = _expect_error(_pack(header, *frames))
     assert "twice" in error.message
 
@@ -791,75 +786,199 @@ def test_fewer_frames_than_referenced() -> None:
 # --- Checks of the messages themselves (``__post_init__``), on both sides -----------------------
 
 
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _shapes(*rows: Sequence[int]) -> bytes:
+    """A shapes frame: little-endian uint64 extents, row after row."""
+    return np.array(rows, "<u8").tobytes()
+
+
+TWO_SHAPES = _shapes([2], [2])
+
+
 def _input_batch_body(**fields: Any) -> dict[str, Any]:
-    body = {"name": "x", "dtype": "uint8", "shapes": [[2], [2]], "samples": [1, 2]}
+    body = {"name": "x", "dtype": "uint8", "size": 2, "ndim": 1, "shapes": 1, "data": 2}
     body.update(fields)
     return body
 
 
-def _submit_frames(*inputs: dict[str, Any], frames: int = 2) -> list[bytes]:
+def _submit_frames(*inputs: dict[str, Any], frames: Sequence[bytes] = ()) -> list[bytes]:
     body = {"pipeline_id": 1, "inputs": list(inputs)}
-    return _pack(_header(op="submit_batch", rid=30, body=body), *[b"ab"] * frames)
+    return _pack(_header(op="submit_batch", rid=30, body=body), *frames)
 
 
 def test_valid_hand_built_submit_batch() -> None:
-    message = decode(_submit_frames(_input_batch_body())).message
+    message = decode(_submit_frames(_input_batch_body(), frames=[TWO_SHAPES, b"abcd"])).message
     assert isinstance(message, SubmitBatch)
     assert message.batch_size == 2
+    assert [bytes(sample) for sample in message.inputs[0].arrays()] == [b"ab", b"cd"]
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "frames"),
     [
-        {"shapes": [[2]]},  # fewer shapes than samples
-        {"shapes": [[2], [2], [2]]},  # more shapes than samples
-        {"dtype": "complex64"},
-        {"dtype": "object"},
-        {"dtype": "U8"},
-        {"name": ""},
-        {"name": "n" * 257},
-        {"shapes": [[2], [-1]]},
-        {"shapes": [[2], [1] * 17]},
+        ({"size": 3}, [TWO_SHAPES, b"abcd"]),
+        ({"size": 1}, [TWO_SHAPES, b"abcd"]),
+        ({"size": -1}, [b"", b""]),
+        ({"size": 65537}, [_shapes(*[[0]] * 65537), b""]),
+        ({"ndim": 2}, [TWO_SHAPES, b"abcd"]),
+        ({"ndim": 0}, [TWO_SHAPES, b"abcd"]),
+        ({"ndim": 17, "size": 1}, [_shapes([1] * 17), b"a"]),
+        ({"ndim": -1}, [b"", b"abcd"]),
+        ({}, [TWO_SHAPES[:-1], b"abcd"]),
+        ({}, [TWO_SHAPES + b"\0", b"abcd"]),
+        ({}, [TWO_SHAPES, b"abc"]),
+        ({}, [TWO_SHAPES, b"abcde"]),
+        ({}, [_shapes([2], [2**64 - 1]), b"abcd"]),
+        ({}, [_shapes([2], [2**48 + 1]), b"abcd"]),
+        ({"ndim": 16, "size": 1}, [_shapes([2**40] * 16), b"abcd"]),
+        ({"ndim": 2}, [_shapes([2**32, 2**32], [1, 1]), b"abcd"]),
+        ({"dtype": "float32"}, [_shapes([1], [1]), b"abcdefg"]),
+        ({"dtype": "complex64"}, [TWO_SHAPES, b"abcd"]),
+        ({"dtype": "object"}, [TWO_SHAPES, b"abcd"]),
+        ({"dtype": "U8"}, [TWO_SHAPES, b"abcd"]),
+        ({"name": ""}, [TWO_SHAPES, b"abcd"]),
+        ({"name": "n" * 257}, [TWO_SHAPES, b"abcd"]),
+        ({"shapes": 2, "data": 2}, [TWO_SHAPES, b"abcd"]),
+        ({"data": 3}, [TWO_SHAPES, b"abcd"]),
+        ({"shapes": [[2], [2]]}, [TWO_SHAPES, b"abcd"]),
+        ({"size": True}, [TWO_SHAPES, b"abcd"]),
     ],
     ids=[
-        "fewer-shapes",
-        "more-shapes",
+        "more-samples-than-shapes",
+        "fewer-samples-than-shapes",
+        "negative-size",
+        "over-max-batch-size",
+        "ndim-over-the-shapes",
+        "ndim-0-with-shapes",
+        "17-dims",
+        "negative-ndim",
+        "shapes-frame-cut",
+        "shapes-frame-too-long",
+        "data-too-short",
+        "data-too-long",
+        "extent-2**64-1",
+        "extent-over-max",
+        "product-overflows-64-bits",
+        "product-over-the-data",
+        "not-whole-items",
         "complex64",
         "object",
         "unicode",
         "empty-name",
         "long-name",
-        "negative-extent",
-        "17-dims",
+        "one-frame-twice",
+        "no-such-frame",
+        "shapes-as-a-list",
+        "bool-size",
     ],
 )
-def test_input_batch_checks(fields: dict[str, Any]) -> None:
-    error = _expect_error(_submit_frames(_input_batch_body(**fields)))
+def test_input_batch_checks(fields: dict[str, Any], frames: list[bytes]) -> None:
+    error = _expect_error(_submit_frames(_input_batch_body(**fields), frames=frames))
     assert error.request_id == 30
     assert error.op == "submit_batch"
 
 
+def test_odd_shapes_that_hold_their_bytes_are_taken() -> None:
+    """A sample with a zero extent holds no bytes, whatever its other extents; a 0-d sample one
+    item."""
+    empty = _input_batch_body(ndim=2)
+    message = decode(_submit_frames(empty, frames=[_shapes([2**48, 0], [2, 1]), b"ab"])).message
+    assert isinstance(message, SubmitBatch)
+    samples = message.inputs[0].arrays()
+    assert [sample.shape for sample in samples] == [(2**48, 0), (2, 1)]
+    scalars = _input_batch_body(ndim=0, dtype="int16")
+    message = decode(_submit_frames(scalars, frames=[b"", b"\x01\x00\x02\x00"])).message
+    assert isinstance(message, SubmitBatch)
+    assert np.asarray(message.inputs[0].arrays()).tolist() == [1, 2]
+
+
 def test_input_batch_checks_run_on_the_sender() -> None:
-    sample = memoryview(b"ab")
-    with pytest.raises(ValueError, match="shapes != samples"):
-        InputBatch("x", "uint8", ((2,), (2,)), (sample,))
+    shapes = memoryview(TWO_SHAPES)
+    with pytest.raises(ValueError, match="need 24 bytes"):
+        InputBatch("x", "uint8", 3, 1, shapes, memoryview(b"abcd"))
     with pytest.raises(ValueError, match="unsupported dtype"):
-        InputBatch("x", "complex64", ((2,),), (sample,))
-    with pytest.raises(ValueError, match="negative extent"):
-        InputBatch("x", "uint8", ((-2,),), (sample,))
-    with pytest.raises(ValueError, match="dimensions"):
-        InputBatch("x", "uint8", ((1,) * 17,), (sample,))
+        InputBatch("x", "complex64", 2, 1, shapes, memoryview(b"abcd"))
+    with pytest.raises(ValueError, match="the frame has 3"):
+        InputBatch("x", "uint8", 2, 1, shapes, memoryview(b"abc"))
+    with pytest.raises(ValueError, match="ndim must be"):
+        InputBatch("x", "uint8", 1, 17, memoryview(_shapes([1] * 17)), memoryview(b"a"))
+    with pytest.raises(ValueError, match="one dtype and one number of dimensions"):
+        InputBatch.of("x", [np.zeros(2, np.uint8), np.zeros((1, 2), np.uint8)])
+    with pytest.raises(ValueError, match="one dtype"):
+        InputBatch.of("x", [np.zeros(2, np.uint8), np.zeros(2, np.int8)])
+
+
+_DTYPES = st.sampled_from(["uint8", "int16", "float32", "float64", "bool", "int64"])
+
+
+@FUZZ
+@given(
+    dtype=_DTYPES,
+    ndim=st.integers(min_value=0, max_value=3),
+    data=st.data(),
+)
+def test_input_batches_round_trip_whatever_their_shapes(
+    dtype: str, ndim: int, data: st.DataObject
+) -> None:
+    shape = st.tuples(*[st.integers(min_value=0, max_value=4)] * ndim)
+    shapes = data.draw(st.lists(shape, min_size=1, max_size=12))
+    rng = np.random.default_rng(len(shapes))
+    samples = [(rng.random(s) * 100).astype(dtype) for s in shapes]
+    message = SubmitBatch(1, (InputBatch.of("x", samples),))
+    received = decode(_wire(encode(message, 2))).message
+    assert isinstance(received, SubmitBatch)
+    (batch,) = received.inputs
+    assert batch.size == len(samples) and batch.ndim == ndim
+    got = batch.arrays()
+    assert len(got) == len(samples)
+    for sample, view in zip(samples, got, strict=True):
+        assert view.dtype == sample.dtype and view.shape == sample.shape
+        np.testing.assert_array_equal(view, sample)
+
+
+@FUZZ
+@given(
+    size=st.integers(min_value=0, max_value=6),
+    ndim=st.integers(min_value=0, max_value=3),
+    extents=st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=20),
+    data=st.binary(max_size=64),
+    dtype=_DTYPES,
+)
+def test_fuzz_input_batch_frames(
+    size: int, ndim: int, extents: list[int], data: bytes, dtype: str
+) -> None:
+    """Any shapes and bytes: refused as ProtocolError, or views that tile the frame exactly."""
+    body = _input_batch_body(size=size, ndim=ndim, dtype=dtype)
+    frames = _submit_frames(body, frames=[np.array(extents, "<u8").tobytes(), data])
+    try:
+        message = decode(frames).message
+    except ProtocolError as error:
+        assert error.code is ErrorCode.MALFORMED_MESSAGE
+        return
+    assert isinstance(message, SubmitBatch)
+    (batch,) = message.inputs
+    bounds = batch.sample_bytes()
+    assert bounds[0] == 0 and bounds[-1] == len(data) and (np.diff(bounds) >= 0).all()
+    views = batch.arrays()
+    assert sum(view.nbytes for view in views) == len(data)
 
 
 def test_submit_batch_inputs_of_different_batch_sizes() -> None:
-    one = InputBatch("a", "uint8", ((2,), (2,)), (memoryview(b"ab"), memoryview(b"cd")))
-    other = InputBatch("b", "uint8", ((2,),), (memoryview(b"ef"),))
+    one = InputBatch.of("a", [np.frombuffer(b"ab", np.uint8), np.frombuffer(b"cd", np.uint8)])
+    other = InputBatch.of("b", [np.frombuffer(b"ef", np.uint8)])
     with pytest.raises(ValueError, match="same number of samples"):
         SubmitBatch(1, (one, other))
     frames = _submit_frames(
         _input_batch_body(name="a"),
-        _input_batch_body(name="b", shapes=[[2]], samples=[3]),
-        frames=3,
+        _input_batch_body(name="b", size=1, shapes=3, data=4),
+        frames=[TWO_SHAPES, b"abcd", _shapes([2]), b"ef"],
     )
     _expect_error(frames)
 
@@ -868,9 +987,11 @@ def test_submit_batch_without_inputs_or_samples() -> None:
     with pytest.raises(ValueError):
         SubmitBatch(1, ())
     with pytest.raises(ValueError):
-        SubmitBatch(1, (InputBatch("a", "uint8", (), ()),))
-    _expect_error(_submit_frames(frames=0))
-    _expect_error(_submit_frames(_input_batch_body(shapes=[], samples=[]), frames=0))
+        SubmitBatch(1, (InputBatch("a", "uint8", 0, 1, memoryview(b""), memoryview(b"")),))
+    with pytest.raises(ValueError, match="no samples"):
+        InputBatch.of("a", [])
+    _expect_error(_submit_frames())
+    _expect_error(_submit_frames(_input_batch_body(size=0), frames=[b"", b""]))
 
 
 @pytest.mark.parametrize("waited", [math.inf, -math.inf, math.nan, -1.0])
@@ -1085,12 +1206,6 @@ def test_goodbye_kept_slab_names_are_checked() -> None:
 
 # --- Fuzzing ------------------------------------------------------------------------------------
 
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 _scalars = (
     st.none()
@@ -1117,7 +1232,8 @@ def _field_names(op: str) -> list[str]:
     cls = next(cls for cls in MESSAGE_TYPES if op == cls.OP)
     # Every message class is a dataclass; Message, their base, is not one.
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    return [*names, "name", "dtype", "shapes", "samples", "slab", "offset", "nbytes", "shape"]
+    return [*names, "name", "dtype", "size", "ndim", "shapes", "data", "slab", "offset", "nbytes",
+            "shape"]  # fmt: skip
 
 
 def _fast_decoder_agrees(frames: list[bytes]) -> None:
@@ -1260,11 +1376,7 @@ def test_messages_cross_a_socket_whatever_their_samples_shapes_and_sizes() -> No
                                  np.arange(1 << 17, dtype=np.uint8)]  # fmt: skip
     message = SubmitBatch(
         1,
-        tuple(
-            # numpy arrays as frames, as the client sends them: the codec sends any buffer
-            InputBatch(f"in{i}", sample.dtype.name, (sample.shape,), (sample,))  # type: ignore[arg-type]
-            for i, sample in enumerate(samples)
-        ),
+        tuple(InputBatch.of(f"in{i}", [sample]) for i, sample in enumerate(samples)),
     )
     context: zmq.Context[Any] = zmq.Context()
     sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
@@ -1281,5 +1393,5 @@ def test_messages_cross_a_socket_whatever_their_samples_shapes_and_sizes() -> No
     received = envelope.message
     assert isinstance(received, SubmitBatch)
     for batch, sample in zip(received.inputs, samples, strict=True):
-        assert bytes(batch.samples[0]) == sample.tobytes()
-        assert batch.shapes == (sample.shape,)
+        assert bytes(batch.data) == sample.tobytes()
+        assert batch.extents().tolist() == [list(sample.shape)]

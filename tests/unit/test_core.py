@@ -108,14 +108,7 @@ def _batch(
 ) -> SubmitBatch:
     return SubmitBatch(
         pipeline_id,
-        (
-            InputBatch(
-                "x",
-                "int32",
-                tuple(s.shape for s in samples),
-                tuple(sample.data for sample in samples),
-            ),
-        ),
+        (InputBatch.of("x", list(samples)),),
         _next_id(core, identity),
         deferred=deferred,
     )
@@ -167,11 +160,12 @@ def test_bad_batches_are_refused_before_they_are_queued(core: PushingCore) -> No
     assert isinstance(unknown, BatchFailed) and unknown.code is ErrorCode.UNKNOWN_PIPELINE
     too_big = core.handle(TRAINER, _batch(core, TRAINER, pipeline_id, *[sample] * 5), 4)
     assert isinstance(too_big, BatchFailed) and "max_batch_size" in too_big.message
-    with pytest.raises(ValueError, match="needs 32 bytes, its frame has 24"):
-        InputBatch("x", "int32", ((2, 4),), (sample.data,))  # refused before it is sent
+    needs = r"shape \(2, 4\) of int32 needs 32 bytes, the frame has 24"
+    with pytest.raises(ValueError, match=needs):  # refused before it is sent
+        InputBatch("x", "int32", 1, 2, np.array([2, 4], "<u8").data, sample.data)
     wrong_name = SubmitBatch(
         pipeline_id,
-        (InputBatch("y", "int32", ((2, 3),), (sample.data,)),),
+        (InputBatch.of("y", [sample]),),
         _next_id(core, TRAINER),
     )
     reply = core.handle(TRAINER, wrong_name, 6)

@@ -63,7 +63,7 @@ def served() -> Iterator[tuple[InprocDaemon, Recorder]]:
 
 
 def _submit(sample: np.ndarray) -> SubmitBatch:
-    batch = InputBatch("x", "float32", (sample.shape,), (sample.data,))
+    batch = InputBatch.of("x", [sample])
     return SubmitBatch(1, (batch,))
 
 
@@ -90,8 +90,7 @@ def test_messages_cross_through_the_codec_as_copies(served: tuple[InprocDaemon, 
     sample[:] = -1  # after the send: the daemon's copy is its own
     _, received, request_id = recorder.received[-1]
     assert isinstance(received, SubmitBatch) and request_id is not None
-    (frame,) = received.inputs[0].samples
-    assert np.frombuffer(frame, dtype=np.float32).tolist() == [0, 1, 2, 3]
+    assert np.frombuffer(received.inputs[0].data, dtype=np.float32).tolist() == [0, 1, 2, 3]
     with pytest.raises(RequestError, match="ping is not handled"):
         link.request(Ping())  # an error reply raises, as over a socket
     link.close()

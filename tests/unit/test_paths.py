@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,16 @@ from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
 from dalid.client.paths import resolve_paths
+from dalid.protocol import InputBatch
 from dalid.protocol.file_inputs import path_inputs
-from dalid.server.paths import FilesUnseen, check_paths, first_missing
+from dalid.server.paths import (
+    DirectoryChecks,
+    FilesUnseen,
+    _directories,
+    check_paths,
+    first_missing,
+    unseen_file,
+)
 
 from ..dali_typing import pipeline_def
 
@@ -55,18 +64,91 @@ def test_relative_paths_are_made_absolute_from_the_given_directory(tmp_path: Pat
     assert samples["paths"][0].tobytes() == b"a.jpg"  # the caller's samples are left as they were
 
 
+def _batch(*paths: str | bytes, name: str = "paths") -> list[InputBatch]:
+    samples = [np.frombuffer(os.fsencode(path), np.int8) for path in paths]
+    return [InputBatch.of(name, samples)]
+
+
 def test_the_daemon_tells_a_missing_file_from_one_it_does_not_see(tmp_path: Path) -> None:
     (tmp_path / "a.jpg").write_bytes(b"x")
-    arrays = {"paths": [_path(str(tmp_path / "a.jpg")), _path(str(tmp_path / "gone.jpg"))]}
-    bad = check_paths(arrays, ["paths"], unreadable=[1])
+    checks = DirectoryChecks()
+    bad = check_paths(
+        _batch(str(tmp_path / "a.jpg"), str(tmp_path / "gone.jpg")), ["paths"], [1], checks
+    )
     assert list(bad) == [1] and "in the trainer either" in bad[1]
-    unseen = {"paths": [_path(str(tmp_path / "data" / "set" / "b.jpg"))]}
+    unseen = _batch(str(tmp_path / "a.jpg"), str(tmp_path / "data" / "set" / "b.jpg"))
     with pytest.raises(FilesUnseen) as caught:
-        check_paths(unseen, ["paths"], unreadable=[])
+        check_paths(unseen, ["paths"], unreadable=[], directories=checks)
+    assert f"cannot open {tmp_path / 'data' / 'set' / 'b.jpg'}" in str(caught.value)
     assert f"({tmp_path / 'data'} does not exist where the daemon runs" in str(caught.value)
     assert "Mount the dataset's directory" in str(caught.value)
-    empty = check_paths({"paths": [np.zeros(0, np.int8)]}, ["paths"], [])
-    assert empty == {0: "input 'paths': '' is not a file path"}
+    not_paths = check_paths(_batch(b"", b"/x/\0y", str(tmp_path / "a.jpg")), ["paths"], [])
+    assert not_paths == {
+        0: "input 'paths': '' is not a file path",
+        1: "input 'paths': '/x/\\x00y' is not a file path",
+    }
+    # Another input's samples are not paths, whatever they hold.
+    assert check_paths(_batch("/nowhere/x", name="labels"), ["paths"], []) == {}
+
+
+def test_each_directory_is_looked_at_once_whatever_the_batch_size(tmp_path: Path) -> None:
+    folders = [tmp_path / f"class_{k}" for k in range(4)]
+    for folder in folders:
+        folder.mkdir()
+    paths = [str(folders[i % 4] / f"img_{i}.jpg") for i in range(256)]
+    checks = DirectoryChecks()
+    assert check_paths(_batch(*paths), ["paths"], [], checks) == {}
+    assert checks.lookups == 4
+    check_paths(_batch(*reversed(paths)), ["paths"], [], checks)
+    assert checks.lookups == 4  # seen lately: no os.access at all
+    again = DirectoryChecks(recheck_s=0.0)  # every batch looks again, still once a directory
+    check_paths(_batch(*paths), ["paths"], [], again)
+    check_paths(_batch(*paths), ["paths"], [], again)
+    assert again.lookups == 8
+    # A directory that went away is seen at its next look, and fails the batch.
+    (folders[3] / "img_3.jpg").parent.rmdir()
+    with pytest.raises(FilesUnseen, match=r"class_3/img_3\.jpg"):
+        check_paths(_batch(*paths), ["paths"], [], again)
+
+
+def test_distinct_directories_are_found_as_arrays() -> None:
+    paths = [b"/a/b/1", b"/a/bc/2", b"/a/3", b"/a/b/4", b"5", b"/6", b"/a/bc/7", b"/b/a/8",
+             b"/a/b/9", b"/ab/10"]  # fmt: skip
+    item = _batch(*paths)[0]
+    data = np.frombuffer(item.data, np.uint8)
+    bounds = item.sample_bytes()
+    found = _directories(data, bounds[:-1], bounds[1:])
+    directories = {data[start:stop].tobytes(): first for first, start, stop in found}
+    assert directories == {b"/a/b": 0, b"/a/bc": 1, b"/a": 2, b"": 4, b"/": 5, b"/b/a": 7,
+                           b"/ab": 9}  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root enters and reads whatever the modes say")
+def test_a_directory_or_file_the_daemon_may_not_read_is_unseen(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "a.jpg").write_bytes(b"x")
+    (tmp_path / "b.jpg").write_bytes(b"x")
+    (tmp_path / "b.jpg").chmod(0)
+    locked.chmod(0)
+    try:
+        with pytest.raises(FilesUnseen, match="may not read"):
+            check_paths(_batch(str(locked / "a.jpg")), ["paths"], [], DirectoryChecks())
+        # A file of a directory the daemon enters: found once the batch failed on it.
+        batch = _batch(str(tmp_path / "b.jpg"))
+        assert check_paths(batch, ["paths"], [], DirectoryChecks()) == {}
+        assert "may not read" in unseen_file(batch, ["paths"], [])
+    finally:
+        locked.chmod(0o700)
+
+
+def test_the_check_after_a_failure_sees_each_file(tmp_path: Path) -> None:
+    (tmp_path / "a.jpg").write_bytes(b"x")
+    batch = _batch(str(tmp_path / "a.jpg"), str(tmp_path / "gone.jpg"), b"")
+    # The trainer named the missing file: a bad sample, not a file the daemon does not see.
+    assert unseen_file(batch, ["paths"], [1]) == ""
+    assert f"cannot open {tmp_path / 'gone.jpg'}" in unseen_file(batch, ["paths"], [])
+    assert unseen_file(batch, ["other"], []) == ""
 
 
 def test_first_missing_is_the_outermost_missing_part(tmp_path: Path) -> None:

@@ -8,20 +8,23 @@ import numpy as np
 import pytest
 from nvidia.dali import fn, types
 
-from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline
+from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline, SubmitBatch, decode, encode
 from dalid.server.runner import (
-    DENSE_FEED_MAX_BYTES,
     PipelineBuildError,
     PipelineRunner,
     PipelineSpec,
     feedable,
-    sample_arrays,
 )
 
 from ..dali_typing import pipeline_def
 
 BATCH = 4
 SEED = 1234
+
+
+def _wire(frames: list[Any]) -> list[bytes]:
+    """The frames as a ZeroMQ peer receives them: plain bytes."""
+    return [memoryview(frame).tobytes() for frame in frames]
 
 
 @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=SEED, prefetch_queue_depth=2)
@@ -77,17 +80,14 @@ def _batches() -> list[dict[str, list[np.ndarray]]]:
     return [first, second]
 
 
-def _wire_inputs(batch: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]]:
+def _wire_inputs(batch: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray | list[np.ndarray]]:
     """The inputs as the executor feeds them: numpy views of received frames."""
     fed = {}
     for name, samples in batch.items():
-        item = InputBatch(
-            name=name,
-            dtype=samples[0].dtype.name,
-            shapes=tuple(sample.shape for sample in samples),
-            samples=tuple(memoryview(sample.tobytes()) for sample in samples),
-        )
-        fed[name] = sample_arrays(item)
+        frames = _wire(encode(SubmitBatch(1, (InputBatch.of(name, samples),))))
+        message = decode(frames).message
+        assert isinstance(message, SubmitBatch)
+        fed[name] = message.inputs[0].arrays()
     return fed
 
 
@@ -263,14 +263,18 @@ def test_rebuild_after_a_failed_run() -> None:
         runner.close()
 
 
-def test_small_samples_of_one_shape_are_fed_as_one_dense_batch() -> None:
+def test_samples_are_fed_as_one_batch_without_a_copy() -> None:
+    """Samples of one shape arrive as one array, fed as it is; others as a TensorListCPU that
+    DALI makes of their views, reading them where they lie."""
     small = [np.full((2, 3), i, dtype=np.float32) for i in range(BATCH)]
-    dense = feedable(small)
+    dense = _wire_inputs({"x": small})["x"]
     assert isinstance(dense, np.ndarray) and dense.shape == (BATCH, 2, 3)
+    assert feedable(dense) is dense
     np.testing.assert_array_equal(dense[2], small[2])
-    ragged = [np.zeros(i + 1, dtype=np.int32) for i in range(BATCH)]
-    assert isinstance(feedable(ragged), list)
-    mixed: list[np.ndarray] = [np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)]
-    assert isinstance(feedable(mixed), list)
-    large = [np.zeros(DENSE_FEED_MAX_BYTES + 1, dtype=np.uint8) for _ in range(BATCH)]
-    assert isinstance(feedable(large), list)
+    ragged = [np.full(i + 1, i, dtype=np.int32) for i in range(BATCH)]
+    views = _wire_inputs({"y": ragged})["y"]
+    assert isinstance(views, list)
+    fed = feedable(views)
+    assert type(fed).__name__ == "TensorListCPU" and len(fed) == BATCH
+    for i in range(BATCH):
+        np.testing.assert_array_equal(np.array(fed.at(i)), ragged[i])

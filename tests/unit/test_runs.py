@@ -25,7 +25,7 @@ def _member(job_id: int) -> Member:
 
 def _batch(member: Member, number: int, dtype: str = "uint8", image: bytes = b"") -> PendingBatch:
     samples = [np.frombuffer(image, np.uint8) if image else np.zeros(3, dtype)] * BATCH
-    item = InputBatch("x", dtype, tuple(s.shape for s in samples), tuple(s.data for s in samples))
+    item = InputBatch.of("x", samples)
     return PendingBatch(number, SubmitBatch(1, (item,)), member)
 
 

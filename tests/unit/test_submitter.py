@@ -50,7 +50,7 @@ class FakeLink:
 
 def _request(submitter: Submitter, deferred: bool = False) -> SubmitBatch:
     sample = np.zeros(2, np.float32)
-    batch = InputBatch("x", "float32", (sample.shape,), (sample.data,))
+    batch = InputBatch.of("x", [sample])
     return SubmitBatch(1, (batch,), submitter.next_batch_id(), deferred=deferred)
 
 

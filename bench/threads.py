@@ -1,0 +1,323 @@
+"""The daemon's own threads, measured from inside: ``python -m bench.threads serve ...``.
+
+The bench starts every daemon of a dalid run through this module (:mod:`bench.daemon`): it
+wraps, in the daemon process, the functions its own threads run, then runs ``dalid serve``.
+A thread of the probe appends a snapshot of the running totals to ``$DALID_BENCH_THREADS``
+every :data:`SNAPSHOT_INTERVAL_S` (one JSON line each, stamped with ``time.monotonic_ns``, the
+clock the trainers stamp their batches with), and a last one at exit, so that the bench reads
+what the threads used over the jobs' timed window, without the pipelines' builds, the warm-up
+and the jobs' teardown:
+
+- the I/O thread (``Daemon._loop``): its CPU time, and for every message it took
+  (``SharedSocket.receive`` then ``Daemon._receive``: receive, decode, handle, answer) the wall
+  time and the thread's CPU time, summed, and the CPU time of each operation's handler. Wall
+  over CPU per message is what the thread waited for meanwhile: the GIL while other threads
+  held it (the convoy of a thread that gives up the GIL around each frame it receives), and on
+  a machine with more runnable threads than cores, the cores;
+- the pipelines' executor threads (``PipelineExecutor._loop``, one per pipeline): their CPU
+  time and the samples they ran; and of that, the CPU time spent copying outputs into the
+  jobs' memory (``JobOutputs.write_batch`` and ``private_copies``), which grows with the
+  outputs' bytes, not with the Python per batch (on a CPU daemon a memcpy of every output
+  byte; on a GPU one, a device copy queued).
+
+DALI's own worker threads are what the process used beyond these. A live thread's CPU time is
+read from its own clock (``pthread_getcpuclockid``), so nothing outside the daemon has to tell
+its threads apart (Python threads have no names of their own in ``/proc``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+THREADS_ENV = "DALID_BENCH_THREADS"
+SNAPSHOT_INTERVAL_S = 0.25
+
+
+def _thread_cpu_s(ident: int) -> float:
+    """The CPU time of a live thread of this process (0 once it has ended)."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, ProcessLookupError):
+        return 0.0
+
+
+class _Totals:
+    """The running totals; counters are written by one thread each, or under the lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.io_ident: int | None = None
+        self.io_cpu_done_s = 0.0
+        self.messages = 0
+        self.message_wall_ns = 0
+        self.message_cpu_ns = 0
+        # Each operation's count, and the I/O thread's CPU and wall time in its handler
+        # (DaemonCore.handle).
+        self.by_op: dict[str, list[float]] = {}
+        # Executors running (ident -> the executor) and what the ended ones used.
+        self.executors: dict[int, Any] = {}
+        self.executor_cpu_done_s = 0.0
+        self.executor_samples_done = 0
+        self.copy_out_cpu_s = 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            running = list(self.executors.items())
+            executor_cpu = self.executor_cpu_done_s
+            samples = self.executor_samples_done
+            by_op = {op: list(figures) for op, figures in self.by_op.items()}
+            copy_out = self.copy_out_cpu_s
+        executor_cpu += sum(_thread_cpu_s(ident) for ident, _ in running)
+        samples += sum(executor.samples_run for _, executor in running)
+        io = self.io_cpu_done_s + (_thread_cpu_s(self.io_ident) if self.io_ident else 0.0)
+        return {
+            "t_ns": time.monotonic_ns(),
+            "io_loop_cpu_s": io,
+            "messages": self.messages,
+            "message_wall_s": self.message_wall_ns / 1e9,
+            "message_cpu_s": self.message_cpu_ns / 1e9,
+            "by_op": by_op,
+            "executor_cpu_s": executor_cpu,
+            "copy_out_cpu_s": copy_out,
+            "executor_samples": samples,
+            "process_cpu_s": sum(os.times()[:2]),
+        }
+
+
+TOTALS = _Totals()
+
+
+def install() -> None:
+    """Wraps the daemon's thread functions in place (before the daemon starts)."""
+    from dalid.server.core import DaemonCore
+    from dalid.server.daemon import Daemon
+    from dalid.server.executor import PipelineExecutor
+    from dalid.server.outputs import JobOutputs
+    from dalid.server.shared_socket import SharedSocket
+
+    loop = Daemon._loop
+
+    @functools.wraps(loop)
+    def io_loop(self: Any) -> None:
+        ident = threading.get_ident()
+        start = _thread_cpu_s(ident)
+        TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
+        TOTALS.io_ident = ident
+        try:
+            loop(self)
+        finally:
+            TOTALS.io_cpu_done_s += _thread_cpu_s(ident)
+            TOTALS.io_ident = None
+
+    receive = SharedSocket.receive
+    handle = Daemon._receive
+    # The receive of a message starts its span; the handling that follows ends it.
+    started: list[int] = [0, 0]
+
+    @functools.wraps(receive)
+    def timed_receive(self: Any) -> Any:
+        started[0], started[1] = time.perf_counter_ns(), time.thread_time_ns()
+        return receive(self)
+
+    @functools.wraps(handle)
+    def timed_handle(self: Any, frames: Any) -> None:
+        try:
+            handle(self, frames)
+        finally:
+            TOTALS.message_wall_ns += time.perf_counter_ns() - started[0]
+            TOTALS.message_cpu_ns += time.thread_time_ns() - started[1]
+            TOTALS.messages += 1
+
+    core_handle = DaemonCore.handle
+
+    @functools.wraps(core_handle)
+    def handle_op(self: Any, identity: bytes, message: Any, request_id: Any) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return core_handle(self, identity, message, request_id)
+        finally:
+            used, took = time.thread_time() - cpu, time.perf_counter() - wall
+            with TOTALS.lock:
+                figures = TOTALS.by_op.setdefault(type(message).OP, [0, 0.0, 0.0])
+                figures[0] += 1
+                figures[1] += used
+                figures[2] += took
+
+    run_loop = PipelineExecutor._loop
+
+    @functools.wraps(run_loop)
+    def executor_loop(self: Any, runner: Any) -> None:
+        ident = threading.get_ident()
+        start = _thread_cpu_s(ident)  # the pipeline's build is not the loop's
+        with TOTALS.lock:
+            TOTALS.executor_cpu_done_s -= start
+            TOTALS.executors[ident] = self
+        try:
+            run_loop(self, runner)
+        finally:
+            used = _thread_cpu_s(ident)
+            with TOTALS.lock:
+                del TOTALS.executors[ident]
+                TOTALS.executor_cpu_done_s += used
+                TOTALS.executor_samples_done += self.samples_run
+
+    def copying(method: Any) -> Any:
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cpu = time.thread_time()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                used = time.thread_time() - cpu
+                with TOTALS.lock:
+                    TOTALS.copy_out_cpu_s += used
+
+        return timed
+
+    Daemon._loop = io_loop  # type: ignore[method-assign]
+    SharedSocket.receive = timed_receive  # type: ignore[method-assign]
+    Daemon._receive = timed_handle  # type: ignore[method-assign]
+    DaemonCore.handle = handle_op  # type: ignore[method-assign]
+    PipelineExecutor._loop = executor_loop  # type: ignore[method-assign]
+    JobOutputs.write_batch = copying(JobOutputs.write_batch)  # type: ignore[method-assign]
+    JobOutputs.private_copies = copying(JobOutputs.private_copies)  # type: ignore[method-assign]
+
+
+def _write_snapshots(path: Path, stop: threading.Event) -> None:
+    with path.open("a") as out:
+        while not stop.wait(SNAPSHOT_INTERVAL_S):
+            out.write(json.dumps(TOTALS.snapshot()) + "\n")
+            out.flush()
+
+
+def serve(argv: Sequence[str]) -> int:
+    """``dalid serve`` with the probes, snapshots of the totals appended to
+    $DALID_BENCH_THREADS while it runs and once more at exit."""
+    install()
+    path = Path(os.environ[THREADS_ENV])
+    stop = threading.Event()
+    writer = threading.Thread(
+        target=_write_snapshots, args=(path, stop), name="bench-threads", daemon=True
+    )
+    writer.start()
+
+    def last() -> None:
+        stop.set()
+        writer.join()
+        with path.open("a") as out:
+            out.write(json.dumps(TOTALS.snapshot()) + "\n")
+
+    atexit.register(last)
+    from dalid.server.cli import main
+
+    return main(["serve", *argv])
+
+
+def read_snapshots(path: Path) -> list[dict[str, Any]]:
+    """The snapshots a probed daemon wrote, oldest first (a line cut short is left out)."""
+    snapshots = []
+    for line in path.read_text().splitlines():
+        try:
+            snapshots.append(json.loads(line))
+        except ValueError:
+            continue
+    return snapshots
+
+
+def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> dict[str, Any]:
+    """What the threads used from ``start_ns`` to ``end_ns`` (monotonic): the difference of the
+    last snapshot at or before the start and the first at or after the end (the last one if
+    none is), with ``seconds`` the span they cover; {} without two such snapshots."""
+    before = [s for s in snapshots if s["t_ns"] <= start_ns]
+    after = [s for s in snapshots if s["t_ns"] >= end_ns] or list(snapshots[-1:])
+    if not before or not after or after[0]["t_ns"] <= before[-1]["t_ns"]:
+        return {}
+    a, b = before[-1], after[0]
+    used: dict[str, Any] = {
+        name: b[name] - a[name] for name in b if isinstance(b[name], int | float)
+    }
+    used["seconds"] = (b["t_ns"] - a["t_ns"]) / 1e9
+    used["by_op"] = {
+        op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
+        for op, now in b["by_op"].items()
+    }
+    return used
+
+
+# Operations of a job's life, not of its batches: a job that starts or ends inside another
+# job's window (the union of the jobs' windows holds both) must not count them per sample.
+LIFECYCLE_OPS = frozenset(
+    {"hello", "ipc_probe_result", "register_pipeline", "register_named_pipeline", "goodbye"}
+)
+
+DAEMON_THREAD_FIGURES = (
+    "daemon_own_us_per_sample",
+    "daemon_all_us_per_sample",
+    "io_us_per_sample",
+    "io_messages_us_per_sample",
+    "io_chores_ms_per_s",
+    "io_lifecycle_ms",
+    "executor_us_per_sample",
+    "copy_out_us_per_sample",
+    "io_cpu_us_per_message",
+    "io_wall_over_cpu",
+)
+
+
+def figures(used: dict[str, Any]) -> dict[str, float | None]:
+    """The figures of what the threads used over a window (:func:`window`), per sample the
+    executors ran (µs): the daemon's own threads' CPU (the I/O loop and the executors, not
+    DALI's workers; the I/O thread's handling of jobs starting and ending, LIFECYCLE_OPS,
+    apart in ``io_lifecycle_ms``) less the output copies (``daemon_own``), and with them
+    (``daemon_all``);
+    each part, the I/O thread's split into the messages it took (per sample) and the rest of its
+    loop (polls, the once-a-second reaping and status snapshot: ms per second of the window,
+    a cost of time, not of samples); the I/O thread's CPU per message it took (µs), and its
+    wall time per message over its CPU time."""
+    samples = used.get("executor_samples") or 0
+    if not samples:
+        return dict.fromkeys(DAEMON_THREAD_FIGURES)
+    # [count, CPU s, wall s] of each operation (wall as CPU where a probe kept none).
+    ops = [(f[0], f[1], f[2] if len(f) > 2 else f[1]) for op, f in
+           (used.get("by_op") or {}).items() if op in LIFECYCLE_OPS]  # fmt: skip
+    lifecycle = sum(cpu for _, cpu, _ in ops)
+    messages = (used.get("messages") or 0) - sum(count for count, _, _ in ops)
+    message_cpu = (used.get("message_cpu_s") or 0.0) - lifecycle
+    message_wall = (used.get("message_wall_s") or 0.0) - sum(wall for _, _, wall in ops)
+    io = (used.get("io_loop_cpu_s") or 0.0) - lifecycle
+    executor = used.get("executor_cpu_s") or 0.0
+    copy_out = used.get("copy_out_cpu_s") or 0.0
+
+    def per_sample(seconds: float) -> float:
+        return 1e6 * seconds / samples
+
+    return {
+        "daemon_own_us_per_sample": per_sample(io + executor - copy_out),
+        "daemon_all_us_per_sample": per_sample(io + executor),
+        "io_us_per_sample": per_sample(io),
+        "io_messages_us_per_sample": per_sample(message_cpu),
+        "io_chores_ms_per_s": (
+            1e3 * (io - message_cpu) / used["seconds"] if used.get("seconds") else None
+        ),
+        "io_lifecycle_ms": 1e3 * lifecycle,
+        "executor_us_per_sample": per_sample(executor - copy_out),
+        "copy_out_us_per_sample": per_sample(copy_out),
+        "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
+        "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["serve"]:
+        raise SystemExit("usage: python -m bench.threads serve [dalid serve options]")
+    sys.exit(serve(sys.argv[2:]))
