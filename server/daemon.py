@@ -58,6 +58,7 @@ from dalid.protocol import (
 from dalid.protocol.ownership import UnsafePath
 
 from .core import DaemonCore
+from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
 from .heap import give_back_free_memory
 from .intake import (
@@ -270,6 +271,11 @@ class Daemon:
             )
         finally:
             os.umask(previous)
+        # A connection that claims a routing id in use takes it over, and the connection that
+        # had it is closed. Without this, libzmq (4.3.5) parks the newcomer unread; once its
+        # queue is full, its peer closing and a heartbeat abort the daemon ("!_io_error").
+        # The intake refuses the newcomer's messages under the id all the same.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.open(sock)
         self._monitor = self._socket.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if config.metrics_port is not None:
@@ -415,16 +421,19 @@ class Daemon:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None
         identity = frames[0].bytes
-        fd = None
-        if len(frames) > 1 and not self._intake.knows(identity):
-            # A peer's first message: its connection's descriptor. A descriptor is reused as
-            # soon as it is closed. ZeroMQ reports the close to the monitor before it accepts
-            # the connection that reuses the descriptor, so handling the reports that are in
-            # now keeps an old peer's close from being taken for this sender's. (An identity
-            # names one connection, so its later messages need neither.)
+        if len(frames) < 2:
+            return  # ZeroMQ hands over no empty message
+        if not self._intake.knows(identity):
+            # A peer's first message. A descriptor is reused as soon as it is closed. ZeroMQ
+            # reports the close to the monitor before it accepts the connection that reuses
+            # the descriptor, so handling the reports that are in now keeps an old peer's close
+            # from being taken for this sender's.
             self._connection_events()
-            fd = frames[1].get(zmq.SRCFD)
-        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))
+        # Every message names its connection and its sender's process, which bind its identity
+        # (the intake refuses one that another connection used first).
+        fd = frames[1].get(zmq.SRCFD)
+        sender = from_message(frames[1])
+        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]), sender)
         if verdict is Verdict.DROP:
             return
         if not isinstance(verdict, Verdict):

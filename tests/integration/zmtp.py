@@ -27,15 +27,27 @@ def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
 
 
 class RawPeer:
-    """A DEALER's side of one connection to ``path``; ``send`` and ``receive`` whole messages."""
+    """A DEALER's side of one connection to ``path``; ``send`` and ``receive`` whole messages.
+    ``routing_id``: the identity it asks the daemon's ROUTER to know it by; ``properties``:
+    more metadata it sends in its READY command."""
 
-    def __init__(self, path: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout: float = 10.0,
+        routing_id: bytes = b"",
+        properties: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.sock.sendall(_greeting())
         self._exactly(64)  # the daemon's greeting
         ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        if routing_id:  # chosen, as zmq.ROUTING_ID does
+            ready += b"\x08Identity" + struct.pack(">I", len(routing_id)) + routing_id
+        for name, value in properties:  # any other metadata a peer may claim
+            ready += bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
         self.sock.sendall(frame(ready, command=True))
 
     def send(self, frames: list[bytes]) -> None:
