@@ -19,6 +19,17 @@ reload; the log tells what it loaded).
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
 GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.socket_claim`.
 
+Note [A routing id claimed twice]
+---------------------------------
+A ZeroMQ peer may choose its routing id (``zmq.ROUTING_ID``), and so claim one in use. libzmq
+4.3.5 parks such a connection unread (or, with ``ROUTER_HANDOVER``, detaches the earlier one);
+once that parked connection has sent more than its receive queue holds and then closes, its
+next heartbeat aborts the whole process ("Assertion failed: !_io_error
+(src/stream_engine_base.cpp:310)"). The daemon cannot stop its own user's processes from doing
+that (nor from killing it); it refuses every other user's connection at the handshake
+(:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
+that another connection or process used first (:mod:`.intake`).
+
 Why one module of some 490 lines: it owns the socket from bind to close (through
 :class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
 them; split further, those would pass between modules.
@@ -60,6 +71,8 @@ from dalid.protocol.ownership import UnsafePath
 from .core import DaemonCore
 from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .gate import DOMAIN as GATE_DOMAIN
+from .gate import Gate
 from .heap import give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
@@ -142,6 +155,8 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket = SharedSocket(self._wake, self._deliverable, self._undelivered)
         self._monitor: zmq.Socket[Any] | None = None
+        # Refuses the connections of other users at the handshake (gate.py).
+        self._gate: Gate | None = None
         # Every open connection, what it may do and who is behind it.
         self._intake: Intake | None = None
         # The socket's path: its lock file, the socket file and the GPU UUID link.
@@ -241,7 +256,9 @@ class Daemon:
             max_connections=reserve_descriptors(config.max_connections),
             max_message_bytes=config.quotas.input_memory // 2,
         )
-        intake = self._intake = Intake(limits)
+        # The users whose processes it serves: its own, and root.
+        served = frozenset({os.getuid(), 0})
+        intake = self._intake = Intake(limits, served)
         self.core = DaemonCore(
             config.device,
             outputs,
@@ -257,6 +274,8 @@ class Daemon:
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
+        # Before the socket binds: no connection is attached without the gate's word.
+        self._gate = Gate(self._context, served)
         previous = os.umask(0o177)  # the socket file is created 0600
         try:
             sock = transport.make_socket(
@@ -268,14 +287,10 @@ class Daemon:
                 queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
                 # ZeroMQ drops a connection that starts a frame over this, before it is read.
                 max_frame_bytes=limits.max_message_bytes,
+                zap_domain=GATE_DOMAIN,
             )
         finally:
             os.umask(previous)
-        # A connection that claims a routing id in use takes it over, and the connection that
-        # had it is closed. Without this, libzmq (4.3.5) parks the newcomer unread; once its
-        # queue is full, its peer closing and a heartbeat abort the daemon ("!_io_error").
-        # The intake refuses the newcomer's messages under the id all the same.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.open(sock)
         self._monitor = self._socket.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if config.metrics_port is not None:
@@ -309,6 +324,9 @@ class Daemon:
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         if self._context is not None:
             self._context.term()
             self._context = None

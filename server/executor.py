@@ -379,6 +379,13 @@ class PipelineExecutor:
             return
         except PoolClosed:
             return  # the job ended while its outputs waited for room
+        except Exception as error:
+            # Whatever went wrong writing it, its trainer waits for an answer: it gets one.
+            log.exception("pipeline %d: writing batch %d failed", self.instance_id, batch.batch_id)
+            self._fail(
+                batch, ErrorCode.INTERNAL_ERROR, f"its outputs could not be written: {error}"
+            )
+            return
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
         member.answer(
             batch,
