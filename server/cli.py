@@ -35,6 +35,7 @@ from .daemon import Daemon, DaemonConfig, usable_cores
 from .devices import DeviceListError, child_specs, parse_devices
 from .heap import limit_malloc_arenas
 from .lifeline import watch_supervisor
+from .operators import OperatorPolicy
 from .pipelines import Sharing
 from .quotas import Quotas
 from .status_view import legend
@@ -172,6 +173,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
         max_connections=settings["max_connections"],
+        operators=OperatorPolicy.parse(settings["repository_operators"]),
     )
 
 

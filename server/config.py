@@ -126,6 +126,14 @@ def parse_log_level(text: str) -> str:
     return level
 
 
+def parse_operator_names(text: str) -> str:
+    """``any`` or comma-separated DALI operator schema names, kept as text."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if any(not name.replace("_", "").isalnum() for name in names):
+        raise ValueError(f"not a list of operator names: {text!r}")
+    return ",".join(names)
+
+
 def parse_path(text: str) -> Path:
     if not text.strip():
         raise ValueError("an empty path")
@@ -199,6 +207,16 @@ OPTIONS: tuple[Option, ...] = (
         "name (the daemon runs that code: give it a directory only you can write)",
         "DIR",
         default_text="none",
+    ),
+    Option(
+        "repository_operators",
+        parse_operator_names,
+        "",
+        "DALI operators the repository's pipelines may use beyond the daemon's allow-list "
+        "(server/operators.py; fn.python_function is PythonFunction), comma-separated, or "
+        "'any'",
+        "NAMES|any",
+        default_text="none: the allow-list",
     ),
     Option(
         "devices",

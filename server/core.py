@@ -59,6 +59,7 @@ from .credentials import PeerCredentials
 from .errors import RequestRefused
 from .inputs import InputMemory
 from .jobs import Job, JobRegistry, Peer
+from .operators import ALLOW_LIST, OperatorPolicy
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, PipelineBuilder, Sharing
 from .quotas import QuotaRefused, Quotas, grant
@@ -110,6 +111,7 @@ class DaemonCore:
         streams: StreamFactory = no_streams,
         credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
         paths: OutputPaths | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -140,6 +142,7 @@ class DaemonCore:
             push,
             sharing=sharing,
             streams=streams,
+            operators=operators,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)

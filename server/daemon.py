@@ -84,6 +84,7 @@ from .intake import (
     Verdict,
     reserve_descriptors,
 )
+from .operators import OperatorPolicy
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
@@ -126,6 +127,8 @@ class DaemonConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_connections: int = IntakeLimits.max_connections
+    # Which DALI operators registered pipelines may hold (operators.py).
+    operators: OperatorPolicy = field(default_factory=OperatorPolicy)
 
 
 def usable_cores() -> int:
@@ -271,6 +274,7 @@ class Daemon:
             streams=streams,
             credentials=intake.credentials,
             paths=paths,
+            operators=config.operators,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()

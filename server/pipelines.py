@@ -34,6 +34,7 @@ from dalid.protocol import (
 from .errors import RequestRefused
 from .executor import PipelineExecutor
 from .jobs import Job
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .outputs import StreamFactory, no_streams
 from .reload import LiveRepository
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
@@ -88,8 +89,11 @@ class PipelineBuilder:
         *,
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
+        operators: OperatorPolicy = ALLOW_LIST,
     ) -> None:
         self._device_id = device_id
+        # Which DALI operators a registered graph may hold (operators.py).
+        self._operators = operators
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -229,23 +233,27 @@ class PipelineBuilder:
                 )
             spec = PipelineSpec.from_message(request)
             key: Hashable = None
+            # Before DALI sees the graph: only operators of the allow-list, and a graph that
+            # cannot be read is not built (it fails closed).
             try:
                 graph = read_graph(spec.serialized)
-            except UnreadablePipeline as error:
-                why_private = why_private or f"its serialized form cannot be read: {error}"
-            else:
-                if not spec.name and graph.origin:
-                    spec = dataclasses.replace(spec, name=graph.origin)
-                why_private = why_private or graph.unshareable()
-                if not why_private:
-                    key = (
-                        "serialized",
-                        graph.key,
-                        spec.input_names,
-                        spec.num_outputs,
-                        spec.max_batch_size,
-                        spec.exec_dynamic,
-                    )
+                self._operators.check(operator.schema for operator in graph.operators)
+            except (UnreadablePipeline, OperatorRefused) as error:
+                raise RequestRefused(
+                    ErrorCode.INVALID_PIPELINE, f"the pipeline is not served: {error}"
+                ) from None
+            if not spec.name and graph.origin:
+                spec = dataclasses.replace(spec, name=graph.origin)
+            why_private = why_private or graph.unshareable()
+            if not why_private:
+                key = (
+                    "serialized",
+                    graph.key,
+                    spec.input_names,
+                    spec.num_outputs,
+                    spec.max_batch_size,
+                    spec.exec_dynamic,
+                )
             runner = functools.partial(PipelineRunner, spec, self._device_id)
             return Plan(runner, key, why_private, spec.name)
         parameters = json.loads(request.parameters)
@@ -268,6 +276,7 @@ class PipelineBuilder:
             self._device_id,
             self._max_batch_size,
             on_error=request.on_error,
+            operators=self._operators,
         )
         if why_private:
             return Plan(make_runner, None, why_private, request.name)

@@ -18,6 +18,7 @@ from dalid.protocol import ErrorCode, InputBatch, OnError, RegisterPipeline
 from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .sharing import read_graph
 
 # Samples up to this size are stacked into one array when fed (``feedable``).
@@ -143,6 +144,7 @@ class PipelineRunner:
         *,
         run_batches: int = 1,
         num_threads: int | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
 
@@ -158,6 +160,12 @@ class PipelineRunner:
                 + traceback.format_exc(),
             ) from None
         input_names, num_outputs = _graph_summary(pipeline, name)
+        try:
+            operators.check(_schema_names(pipeline), repository=True)
+        except OperatorRefused as refusal:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} of the repository: {refusal}"
+            ) from None
         if pipeline.max_batch_size > max_batch_size:
             raise PipelineBuildError(
                 ErrorCode.INVALID_PIPELINE,
@@ -282,6 +290,13 @@ class PipelineRunner:
     def close(self) -> None:
         self._pipeline = None
         self._fed.clear()
+
+
+def _schema_names(pipeline: Any) -> list[str]:
+    """The schema names of a defined pipeline's operators (external_source has none)."""
+    return [
+        getattr(op._op, "schema_name", None) or type(op._op).__name__ for op in pipeline._ops or ()
+    ]
 
 
 def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -20,9 +21,13 @@ import zmq
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
     Hello,
     Ping,
+    PipelineRegistered,
     Pong,
+    RegisterPipeline,
     Role,
     Shutdown,
     Welcome,
@@ -331,5 +336,67 @@ def test_a_full_dev_shm_fails_the_batches_that_need_it_and_nothing_else() -> Non
         assert daemon.process.poll() is None, daemon.log_text()
     finally:
         kill_leftovers(jobs)
+        assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- hostile graphs --------------------------------------------------------------------------
+
+
+def _register(sock: zmq.Socket[Any], serialized: bytes, request_id: int) -> Any:
+    transport.send(
+        sock, RegisterPipeline(memoryview(serialized), ("data",), 2, 2, 1, 1), request_id
+    )
+    assert sock.poll(60_000), "no answer to a registration"
+    return transport.recv(sock).message
+
+
+def test_hostile_graphs_are_refused_before_dali_and_the_daemon_serves_on() -> None:
+    from nvidia.dali import fn
+
+    from ..graphs import hostile_graph, int_argument, renamed
+    from ..unit.test_operators import small
+
+    directory = own_directory()
+    daemon = start_daemon(directory)
+    job = steady_beside(daemon)
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(daemon.socket), bind=False)
+    try:
+        transport.send(sock, Hello(PROTOCOL_VERSION, 1, Role.TRAINER, name="grapher"), 1)
+        assert sock.poll(10_000) and isinstance(transport.recv(sock).message, Welcome)
+        base = small().serialize()
+        # The reproduction: a Python function "at" 0x4141414141 segfaulted the daemon.
+        crafted = renamed(
+            base, "Cast", "DLTensorPythonFunctionImpl", int_argument("function_id", 0x4141414141)
+        )
+        refusal = _register(sock, crafted, 2)
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_PIPELINE
+        assert "'DLTensorPythonFunctionImpl' is refused" in refusal.message
+        # fn.dump_image serializes fine, and would write files where the daemon runs.
+        dumping = small()
+        with dumping:
+            data = fn.external_source(name="data", layout="HWC")
+            dumping.set_outputs(data, fn.dump_image(data))
+        refusal = _register(sock, dumping.serialize(), 3)
+        assert (
+            isinstance(refusal, Error) and "'DumpImage' is refused: writes files" in refusal.message
+        )
+        # A smaller fuzz than the checker's own (tests/unit/test_operators.py), to the end:
+        # what passes the checker is built by DALI, or refused by it; every one is answered.
+        rng = random.Random(7)
+        answers = {"registered": 0, "refused": 0}
+        for request_id in range(10, 50):
+            reply = _register(sock, hostile_graph(rng, base), request_id)
+            assert isinstance(reply, PipelineRegistered | Error), reply
+            answers["registered" if isinstance(reply, PipelineRegistered) else "refused"] += 1
+        assert answers["refused"] >= 10, answers
+        assert daemon.process.poll() is None, daemon.log_text()
+        assert finished(job) > 1
+        daemon.status()
+    finally:
+        sock.close(linger=0)
+        context.term()
+        kill_leftovers([job])
         assert daemon.stop() == 0
         shutil.rmtree(directory, ignore_errors=True)
