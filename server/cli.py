@@ -156,6 +156,8 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         max_pipelines=settings["max_pipelines"],
         max_batch_size=settings["max_batch_size"],
         max_image_pixels=settings["max_image_pixels"],
+        max_threads=settings["max_threads"] or 0,
+        max_daemon_pipelines=settings["max_daemon_pipelines"],
     )
     return DaemonConfig(
         device=settings["device"],

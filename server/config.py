@@ -265,6 +265,22 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("max_pipelines", parse_positive_int, 32, "pipelines one job may register", "N"),
     Option(
+        "max_daemon_pipelines",
+        parse_positive_int,
+        128,
+        "DALI pipelines the daemon runs at once, for all jobs (one that jobs share counts once)",
+        "N",
+    ),
+    Option(
+        "max_threads",
+        parse_count,
+        None,
+        "DALI threads of all pipelines together; a pipeline that asks for more than its share "
+        "(the cores the daemon may use, and what is left) gets its share",
+        "N",
+        default_text="four per core, at least 16",
+    ),
+    Option(
         "max_connections",
         parse_positive_int,
         2048,

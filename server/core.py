@@ -143,6 +143,8 @@ class DaemonCore:
             sharing=sharing,
             streams=streams,
             operators=operators,
+            max_threads=quotas.max_threads,
+            max_pipelines=quotas.max_daemon_pipelines,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)

@@ -142,6 +142,7 @@ class PipelineExecutor:
             mean_fill=self.samples_run / (self.runs * run_size) if self.runs and run_size else 0.0,
             mixed_runs=self.mixed_runs,
             private_reason=self.private_reason,
+            threads_asked=runner.threads_asked if runner is not None else 0,
         )
 
     # --- members ------------------------------------------------------------------------------

@@ -22,8 +22,12 @@ anyway; they follow the same list unless ``dalid serve --repository-operators`` 
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .sharing import Graph, Operator, fields
 
 # Families refused, by schema name (as a serialized graph names them; the Python names of
 # Python operators too, as a repository pipeline's graph names them), and why.
@@ -131,3 +135,58 @@ class OperatorPolicy:
 
 ALLOW_LIST = OperatorPolicy()
 """The default: every pipeline, the repository's too, holds operators of :data:`ALLOWED` only."""
+
+
+# Arguments that fix dimensions of an operator's output (resize's size, resize_x and resize_y,
+# crop sizes, the shape of constants): the product of their values is a lower bound of the
+# elements of one output sample. ``resize_shorter`` N makes every side N at least.
+_SIZE_ARGUMENTS = frozenset(
+    {"size", "sizes", "resize_x", "resize_y", "resize_z", "crop", "crop_w", "crop_h", "crop_d",
+     "shape"}
+)  # fmt: skip
+_ARG_FLOATS, _ARG_INTS, _ARG_ELEMENTS = 3, 4, 7
+
+
+def declared_elements(operator: Operator) -> int:
+    """A lower bound of the elements of one output sample of ``operator`` that its constant
+    arguments fix (1: they fix none)."""
+    total = 1
+    for name, raw in operator.arguments:
+        if name in _SIZE_ARGUMENTS:
+            for value in _numbers(raw):
+                total *= value
+        elif name == "resize_shorter":
+            total *= max(_numbers(raw), default=1) ** 2
+    return total
+
+
+def check_sizes(graph: Graph, max_batch_size: int, pool_bytes: int, max_pixels: int) -> None:
+    """Refuses a graph one of whose operators' outputs, by its constant arguments, is larger
+    than any a job could receive: before DALI allocates it (a 1x1 image resized to
+    40,000x40,000 took the daemon's memory whole)."""
+    for operator in graph.operators:
+        elements = declared_elements(operator)
+        if max_pixels and elements > max_pixels:
+            raise OperatorRefused(
+                f"operator {operator.schema} makes samples of {elements} elements or more, over "
+                f"this daemon's limit of {max_pixels} (dalid serve --max-image-pixels)"
+            )
+        if elements * max_batch_size > pool_bytes:
+            raise OperatorRefused(
+                f"operator {operator.schema} makes batches of {max_batch_size} samples of "
+                f"{elements} elements or more, at least {elements * max_batch_size} bytes: more "
+                f"than the job's {pool_bytes} bytes of output memory (--pool-bytes)"
+            )
+
+
+def _numbers(raw: bytes) -> list[int]:
+    """The positive whole values of an encoded argument (scalar or list); others count 1."""
+    values: list[float] = []
+    for number, _, value in fields(raw):
+        if number == _ARG_FLOATS and isinstance(value, bytes) and len(value) == 4:
+            values.append(struct.unpack("<f", value)[0])
+        elif number == _ARG_INTS and isinstance(value, int):
+            values.append(value - (1 << 64) if value >= 1 << 63 else value)
+        elif number == _ARG_ELEMENTS and isinstance(value, bytes):
+            values.extend(_numbers(value))
+    return [int(min(v, 2**62)) if math.isfinite(v) and v >= 1 else 1 for v in values]

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from dalid.protocol import (
 from .errors import RequestRefused
 from .executor import PipelineExecutor
 from .jobs import Job
-from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from .outputs import StreamFactory, no_streams
 from .reload import LiveRepository
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
@@ -90,10 +91,20 @@ class PipelineBuilder:
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
         operators: OperatorPolicy = ALLOW_LIST,
+        max_threads: int = 0,
+        max_pipelines: int = 0,
     ) -> None:
         self._device_id = device_id
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
+        # DALI threads of all pipelines together, and the most one pipeline gets: threads past
+        # the cores only wait (one registration of 1,024 threads used to exhaust the system's).
+        cores = len(os.sched_getaffinity(0))
+        self._max_threads = max_threads or max(16, 4 * cores)
+        self._thread_share = cores
+        self._max_pipelines = max_pipelines
+        # The threads each running pipeline may have, by instance id.
+        self._threads: dict[int, int] = {}
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -114,7 +125,13 @@ class PipelineBuilder:
         """Registers the pipeline for ``job``: joins the pipeline in the daemon that runs the
         same graph, or starts one. The trainer's reply leaves once it is built; ``answer``
         gets its batches' results."""
-        plan = self._plan(request)
+        plan = self._plan(job, request)
+        with self._lock:
+            shared = self._shared.get(plan.key) if plan.key is not None else None
+            if shared is not None and shared.failed:
+                shared = None
+        # A new pipeline must fit in the daemon's: checked before anything changes.
+        threads = self._thread_room() if shared is None else 0
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         job.adopt_earlier_ids(request, pipeline_id)
@@ -127,15 +144,11 @@ class PipelineBuilder:
             deterministic=request.deterministic,
         )
         on_built = functools.partial(self._on_built, job, member, request, request_id)
-        with self._lock:
-            shared = self._shared.get(plan.key) if plan.key is not None else None
-            if shared is not None and shared.failed:
-                shared = None
         if shared is not None:
             log.info("job %d shares pipeline %d %r", job.job_id, shared.instance_id, shared.name)
             shared.join(member, on_built)
         else:
-            self._new_instance(job, plan, member, on_built)
+            self._new_instance(job, plan, member, on_built, threads)
         job.pipelines[pipeline_id] = member
         return member
 
@@ -145,6 +158,7 @@ class PipelineBuilder:
         plan: Plan,
         member: Member,
         on_built: Callable[[PipelineSpec | PipelineBuildError], None],
+        max_threads: int,
     ) -> None:
         shared = plan.key is not None
         run_batches = self._sharing.run_batches if shared else 1
@@ -152,11 +166,15 @@ class PipelineBuilder:
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
+            self._threads[instance_id] = max_threads
         executor = PipelineExecutor(
             instance_id,
             plan.name,
             functools.partial(
-                plan.make_runner, run_batches=run_batches, num_threads=threads or None
+                plan.make_runner,
+                run_batches=run_batches,
+                num_threads=threads or None,
+                max_threads=max_threads,
             ),
             member,
             on_built,
@@ -180,10 +198,31 @@ class PipelineBuilder:
             instances = sorted(self.instances.items())
         return tuple(executor.status() for _, executor in instances)
 
+    def _thread_room(self) -> int:
+        """The DALI threads a new pipeline may have; refuses one that does not fit."""
+        with self._lock:
+            running, used = len(self._threads), sum(self._threads.values())
+        if self._max_pipelines and running >= self._max_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon runs {running} pipelines, its limit (dalid serve "
+                f"--max-daemon-pipelines {self._max_pipelines}): wait for jobs to end, or "
+                "register a pipeline another job runs already",
+            )
+        left = self._max_threads - used
+        if left < 1:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon's pipelines have all its {self._max_threads} DALI threads (dalid "
+                "serve --max-threads): wait for jobs to end",
+            )
+        return min(self._thread_share, left)
+
     def _forget(self, executor: PipelineExecutor) -> None:
         """The last member of ``executor`` left: it takes no more registrations."""
         with self._lock:
             self.instances.pop(executor.instance_id, None)
+            self._threads.pop(executor.instance_id, None)
             for key, shared in list(self._shared.items()):
                 if shared is executor:
                     del self._shared[key]
@@ -221,7 +260,7 @@ class PipelineBuilder:
             reply = Error(result.code, str(result), op=request.OP)
         self._push(job.trainer, reply, request_id)
 
-    def _plan(self, request: Registration) -> Plan:
+    def _plan(self, job: Job, request: Registration) -> Plan:
         """How to build the registered pipeline, and with whom it may share."""
         why_private = self._why_private(request)
         if isinstance(request, RegisterPipeline):
@@ -238,6 +277,13 @@ class PipelineBuilder:
             try:
                 graph = read_graph(spec.serialized)
                 self._operators.check(operator.schema for operator in graph.operators)
+                # Outputs larger than a job can hold, before DALI allocates them.
+                check_sizes(
+                    graph,
+                    spec.max_batch_size,
+                    job.limits.pool_bytes,
+                    job.limits.max_image_pixels,
+                )
             except (UnreadablePipeline, OperatorRefused) as error:
                 raise RequestRefused(
                     ErrorCode.INVALID_PIPELINE, f"the pipeline is not served: {error}"

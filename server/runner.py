@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .sharing import read_graph
+
+log = logging.getLogger("dalid.server")
 
 # Samples up to this size are stacked into one array when fed (``feedable``).
 DENSE_FEED_MAX_BYTES = 4096
@@ -119,11 +122,23 @@ class PipelineRunner:
         *,
         run_batches: int = 1,
         num_threads: int | None = None,
+        max_threads: int = 0,
     ) -> None:
         self.spec = spec
         self.device_id = device_id
         self.run_size = spec.max_batch_size * run_batches
-        self.num_threads = num_threads or spec.num_threads
+        asked = num_threads or spec.num_threads
+        # A pipeline's DALI threads are at most its share of the daemon's (PipelineBuilder).
+        self.num_threads = min(asked, max_threads) if max_threads else asked
+        self.threads_asked = asked if self.num_threads < asked else 0
+        if self.threads_asked:
+            log.info(
+                "pipeline %r asked for %d DALI threads and gets %d, its share of the daemon's "
+                "(dalid serve --max-threads)",
+                spec.name,
+                asked,
+                self.num_threads,
+            )
         self._pipeline: Any = None
         # What each scheduled run was fed, oldest first (``schedule``).
         self._fed: collections.deque[list[np.ndarray | list[np.ndarray]]] = collections.deque()
@@ -144,6 +159,7 @@ class PipelineRunner:
         *,
         run_batches: int = 1,
         num_threads: int | None = None,
+        max_threads: int = 0,
         operators: OperatorPolicy = ALLOW_LIST,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
@@ -189,7 +205,14 @@ class PipelineRunner:
             definition=definition,
             path_inputs=path_inputs(pipeline),
         )
-        return cls(spec, device_id, pipeline, run_batches=run_batches, num_threads=num_threads)
+        return cls(
+            spec,
+            device_id,
+            pipeline,
+            run_batches=run_batches,
+            num_threads=num_threads,
+            max_threads=max_threads,
+        )
 
     def _build(self, pipeline: Any = None) -> None:
         from nvidia.dali.pipeline import Pipeline

@@ -139,6 +139,8 @@ def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
             )
         else:
             how = f"job {jobs} alone, {fill}: {pipeline.private_reason or 'not shared'}"
+        if pipeline.threads_asked:
+            how += f"; {pipeline.threads} DALI threads of the {pipeline.threads_asked} asked"
         line = f"pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
         lines.append(line if len(line) <= width else line[: width - 1] + "…")
     return lines

@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 from dalid.server.operators import ALLOWED, EXCLUDED
-from dalid.server.sharing import _fields
+from dalid.server.sharing import fields
 
 # PipelineDef: op = 5; OpDef: name = 1, input = 2, output = 3, arg = 4; Argument: name = 1,
 # type = 2, f = 3, i = 4, s = 5, b = 6, extra_args = 7, is_vector = 8.
@@ -43,7 +43,7 @@ def encode(fields: Fields) -> bytes:
 
 
 def decode(raw: bytes) -> Fields:
-    return [(number, value) for number, _, value in _fields(raw)]
+    return [(number, value) for number, _, value in fields(raw)]
 
 
 def int_argument(name: str, value: int) -> bytes:

@@ -400,3 +400,61 @@ def test_hostile_graphs_are_refused_before_dali_and_the_daemon_serves_on() -> No
         kill_leftovers([job])
         assert daemon.stop() == 0
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_registrations_cannot_take_the_daemons_threads_pipelines_or_memory() -> None:
+    from nvidia.dali import fn
+    from nvidia.dali.pipeline import pipeline_def as untyped_pipeline_def
+
+    from ..unit.test_operators import small
+
+    directory = own_directory()
+    daemon = start_daemon(directory, "--max-daemon-pipelines", "4")
+    job = steady_beside(daemon)  # one pipeline
+    context: zmq.Context[Any] = zmq.Context()
+    sock = transport.make_socket(context, zmq.DEALER, endpoint(daemon.socket), bind=False)
+    cores = len(os.sched_getaffinity(daemon.pid))
+    try:
+        transport.send(sock, Hello(PROTOCOL_VERSION, 1, Role.TRAINER, name="greedy"), 1)
+        assert sock.poll(10_000) and isinstance(transport.recv(sock).message, Welcome)
+        serialized = memoryview(small().serialize())
+        # The reproduction: 1,024 threads, deterministic (a pipeline of its own each time),
+        # took the daemon from 4 threads to 1,034, then 2,064, then past its pids limit.
+        for request_id in (2, 3, 4):
+            greedy = RegisterPipeline(serialized, ("data",), 2, 2, 1024, 1, deterministic=True)
+            transport.send(sock, greedy, request_id)
+            assert sock.poll(60_000)
+            assert isinstance(transport.recv(sock).message, PipelineRegistered)
+        threads = len(os.listdir(f"/proc/{daemon.pid}/task"))
+        assert threads < 100, threads
+        greedy_pipelines = [p for p in daemon.status().pipelines if p.threads_asked]
+        assert len(greedy_pipelines) == 3
+        assert all(p.threads_asked == 1024 and p.threads <= cores for p in greedy_pipelines)
+        assert daemon.log_text().count("asked for 1024 DALI threads and gets") == 3
+        # The daemon runs 4 pipelines now, its limit: a fifth is refused, saying so.
+        transport.send(sock, greedy, 5)
+        assert sock.poll(60_000)
+        refusal = transport.recv(sock).message
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "--max-daemon-pipelines 4" in refusal.message
+
+        # The reproduction: a 1x1x3 image resized to 40,000x40,000 (the daemon was OOM-killed).
+        @untyped_pipeline_def(batch_size=2, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]
+        def huge() -> Any:
+            return fn.resize(fn.external_source(name="data", layout="HWC"), size=(40000, 40000))
+
+        transport.send(
+            sock, RegisterPipeline(memoryview(huge().serialize()), ("data",), 1, 2, 1, 1), 6
+        )
+        assert sock.poll(60_000)
+        refusal = transport.recv(sock).message
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_PIPELINE
+        assert "Resize makes samples of 1600000000 elements" in refusal.message
+        assert daemon.process.poll() is None, daemon.log_text()
+        assert finished(job) > 1
+    finally:
+        sock.close(linger=0)
+        context.term()
+        kill_leftovers([job])
+        assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)

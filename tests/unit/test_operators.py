@@ -96,3 +96,30 @@ def test_a_thousand_hostile_graphs_are_each_accepted_or_refused_never_more() -> 
             outcomes["accepted"] += 1
     # The fuzz reached every outcome, not one path a thousand times.
     assert min(outcomes.values()) >= 50, outcomes
+
+
+def test_outputs_larger_than_a_job_could_hold_are_refused_by_their_arguments() -> None:
+    from nvidia.dali.pipeline import pipeline_def as untyped_pipeline_def
+
+    from dalid.server.operators import check_sizes
+
+    def checked(batch: int = 8, **arguments: Any) -> None:
+        @untyped_pipeline_def(batch_size=8, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]
+        def sized() -> Any:
+            data = fn.external_source(name="data", layout="HWC")
+            return fn.resize(data, **arguments)
+
+        graph = read_graph(sized().serialize())
+        check_sizes(graph, batch, 1 << 30, 89_478_485)
+
+    checked(size=(224, 224))
+    checked(resize_x=640, resize_y=480)
+    checked(resize_shorter=256)
+    # The reproduction: a 1x1 image resized to 40,000x40,000 (DALI allocated it first).
+    with pytest.raises(OperatorRefused, match="Resize makes samples of 1600000000 elements"):
+        checked(size=(40_000, 40_000))
+    with pytest.raises(OperatorRefused, match="max-image-pixels"):
+        checked(resize_shorter=20_000)
+    # Under the pixel limit, but no batch of it fits the job's output memory.
+    with pytest.raises(OperatorRefused, match="more than the job's 1073741824 bytes"):
+        checked(batch=32, resize_x=8000, resize_y=8000)
