@@ -54,6 +54,8 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         if zap_domain:
             sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain)
+            # No handler answering (it stopped): refuse, rather than let everyone in.
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         # Never drop messages silently when a peer is slow: block or poll instead. A ROUTER
         # over its send limit refuses the message (EAGAIN, see ROUTER_MANDATORY); over its
         # receive limit it stops reading that connection, and the sender queues or blocks.

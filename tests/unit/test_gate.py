@@ -30,23 +30,40 @@ def test_the_gate_admits_served_users_only_and_fails_closed() -> None:
 
 
 def test_a_socket_behind_the_gate_serves_its_user_and_not_another(short_tmp: Path) -> None:
+    address = f"ipc://{short_tmp}/gate.sock"
+    for served, answered in ((os.getuid(), True), (os.getuid() + 1, False)):
+        # A context each: the gate's inproc address is the context's one ZAP handler.
+        context: zmq.Context[Any] = zmq.Context()
+        gate = Gate(context, frozenset({served}))
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
+        router.bind(address)
+        dealer = context.socket(zmq.DEALER)
+        try:
+            dealer.connect(address)
+            dealer.send(b"hello")
+            assert bool(router.poll(1000)) is answered
+            assert (gate.refused == 0) is answered
+        finally:
+            dealer.close(linger=0)
+            router.close(linger=0)
+            gate.close()
+            context.term()
+
+
+def test_with_its_gate_gone_the_socket_lets_no_one_in(short_tmp: Path) -> None:
+    # Fails closed: a gate whose thread stopped leaves no connection attached unasked.
+    from dalid.protocol import transport
+
     context: zmq.Context[Any] = zmq.Context()
     address = f"ipc://{short_tmp}/gate.sock"
+    Gate(context, frozenset({os.getuid()})).close()
+    router = transport.make_socket(context, zmq.ROUTER, address, bind=True, zap_domain=DOMAIN)
+    dealer = transport.make_socket(context, zmq.DEALER, address, bind=False)
     try:
-        for served, answered in ((os.getuid(), True), (os.getuid() + 1, False)):
-            gate = Gate(context, frozenset({served}))
-            router = context.socket(zmq.ROUTER)
-            router.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
-            router.bind(address)
-            dealer = context.socket(zmq.DEALER)
-            try:
-                dealer.connect(address)
-                dealer.send(b"hello")
-                assert bool(router.poll(1000)) is answered
-                assert (gate.refused == 0) is answered
-            finally:
-                dealer.close(linger=0)
-                router.close(linger=0)
-                gate.close()
+        dealer.send(b"hello")
+        assert router.poll(500) == 0
     finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
         context.term()
