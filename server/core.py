@@ -57,6 +57,7 @@ from .batch_requests import BatchRequests
 from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused
+from .flight import FlightRecorder
 from .inputs import InputMemory
 from .jobs import Job, JobRegistry, Peer
 from .operators import ALLOW_LIST, OperatorPolicy
@@ -112,6 +113,7 @@ class DaemonCore:
         credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
         paths: OutputPaths | None = None,
         operators: OperatorPolicy = ALLOW_LIST,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -145,6 +147,7 @@ class DaemonCore:
             operators=operators,
             max_threads=quotas.max_threads,
             max_pipelines=quotas.max_daemon_pipelines,
+            recorder=recorder,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)

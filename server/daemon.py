@@ -71,6 +71,7 @@ from dalid.protocol.ownership import UnsafePath
 from .core import DaemonCore
 from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .flight import FlightRecorder
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
 from .heap import give_back_free_memory
@@ -160,6 +161,8 @@ class Daemon:
         self._monitor: zmq.Socket[Any] | None = None
         # Refuses the connections of other users at the handshake (gate.py).
         self._gate: Gate | None = None
+        # What each pipeline runs, for the next daemon should this one die (flight.py).
+        self._flight: FlightRecorder | None = None
         # Every open connection, what it may do and who is behind it.
         self._intake: Intake | None = None
         # The socket's path: its lock file, the socket file and the GPU UUID link.
@@ -251,6 +254,8 @@ class Daemon:
             except Exception as error:
                 raise GpuUnavailable(f"its CUDA IPC probe could not be made: {error}") from None
             log.info("GPU %d is %s; GPU outputs: %s", device_id, device_uuid, config.gpu_outputs)
+        # What the previous daemon on this socket was running when it died, if it did.
+        self._flight = FlightRecorder(config.socket)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
@@ -275,6 +280,7 @@ class Daemon:
             credentials=intake.credentials,
             paths=paths,
             operators=config.operators,
+            recorder=self._flight,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
@@ -324,6 +330,9 @@ class Daemon:
         if self.core is not None:
             self.core.close()
             self.core = None
+        if self._flight is not None:
+            self._flight.close()  # a clean stop: no run was in flight
+            self._flight = None
         self._socket.close(self._linger_ms)
         if self._monitor is not None:
             self._monitor.close(linger=0)

@@ -34,6 +34,7 @@ from dalid.protocol import (
 
 from .errors import RequestRefused
 from .executor import PipelineExecutor
+from .flight import FlightRecorder, graph_key, refusal
 from .jobs import Job
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from .outputs import StreamFactory, no_streams
@@ -74,6 +75,8 @@ class Plan:
     key: Hashable
     why_private: str
     name: str
+    # What names the graph for crash attribution (flight.py).
+    flight_key: bytes = b""
 
 
 class PipelineBuilder:
@@ -93,7 +96,12 @@ class PipelineBuilder:
         operators: OperatorPolicy = ALLOW_LIST,
         max_threads: int = 0,
         max_pipelines: int = 0,
+        recorder: FlightRecorder | None = None,
     ) -> None:
+        # What each pipeline runs, for the next daemon should this one die (flight.py).
+        self._recorder = recorder
+        # The trainer pids of the jobs that registered each pipeline, by instance id.
+        self._pids: dict[int, set[int]] = {}
         self._device_id = device_id
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
@@ -146,6 +154,8 @@ class PipelineBuilder:
         on_built = functools.partial(self._on_built, job, member, request, request_id)
         if shared is not None:
             log.info("job %d shares pipeline %d %r", job.job_id, shared.instance_id, shared.name)
+            with self._lock:
+                self._pids.setdefault(shared.instance_id, set()).add(job.pid)
             shared.join(member, on_built)
         else:
             self._new_instance(job, plan, member, on_built, threads)
@@ -167,6 +177,7 @@ class PipelineBuilder:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
             self._threads[instance_id] = max_threads
+            self._pids[instance_id] = {job.pid}
         executor = PipelineExecutor(
             instance_id,
             plan.name,
@@ -175,6 +186,7 @@ class PipelineBuilder:
                 run_batches=run_batches,
                 num_threads=threads or None,
                 max_threads=max_threads,
+                on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             ),
             member,
             on_built,
@@ -197,6 +209,23 @@ class PipelineBuilder:
         with self._lock:
             instances = sorted(self.instances.items())
         return tuple(executor.status() for _, executor in instances)
+
+    def _on_run(self, instance_id: int, key: bytes, name: str, running: bool) -> None:
+        """From an executor's thread: its pipeline has runs in DALI, or none."""
+        if self._recorder is None or not key:
+            return
+        if running:
+            with self._lock:
+                pids = tuple(self._pids.get(instance_id, ()))
+            self._recorder.running(instance_id, key, pids, name)
+        else:
+            self._recorder.idle(instance_id)
+
+    def _suspected(self, key: bytes, job: Job) -> None:
+        """Refuses a graph that was running for this trainer when the last daemon died."""
+        suspect = self._recorder.suspected(key, job.pid) if self._recorder else None
+        if suspect is not None:
+            raise RequestRefused(ErrorCode.INVALID_PIPELINE, refusal(suspect))
 
     def _thread_room(self) -> int:
         """The DALI threads a new pipeline may have; refuses one that does not fit."""
@@ -223,6 +252,7 @@ class PipelineBuilder:
         with self._lock:
             self.instances.pop(executor.instance_id, None)
             self._threads.pop(executor.instance_id, None)
+            self._pids.pop(executor.instance_id, None)
             for key, shared in list(self._shared.items()):
                 if shared is executor:
                     del self._shared[key]
@@ -288,6 +318,8 @@ class PipelineBuilder:
                 raise RequestRefused(
                     ErrorCode.INVALID_PIPELINE, f"the pipeline is not served: {error}"
                 ) from None
+            flight_key = graph_key("serialized", graph.key)
+            self._suspected(flight_key, job)
             if not spec.name and graph.origin:
                 spec = dataclasses.replace(spec, name=graph.origin)
             why_private = why_private or graph.unshareable()
@@ -301,7 +333,7 @@ class PipelineBuilder:
                     spec.exec_dynamic,
                 )
             runner = functools.partial(PipelineRunner, spec, self._device_id)
-            return Plan(runner, key, why_private, spec.name)
+            return Plan(runner, key, why_private, spec.name, flight_key)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -314,6 +346,8 @@ class PipelineBuilder:
             entry = self._repository.current.get(request.name)
         except KeyError as error:
             raise RequestRefused(ErrorCode.UNKNOWN_PIPELINE, error.args[0]) from None
+        flight_key = graph_key("named", request.name, json.dumps(parameters, sort_keys=True))
+        self._suspected(flight_key, job)
         definition = functools.partial(entry.function, **build_arguments, **parameters)
         make_runner = functools.partial(
             PipelineRunner.from_definition,
@@ -325,7 +359,7 @@ class PipelineBuilder:
             operators=self._operators,
         )
         if why_private:
-            return Plan(make_runner, None, why_private, request.name)
+            return Plan(make_runner, None, why_private, request.name, flight_key)
         # One definition of the repository (a reload makes another), called alike; whether its
         # operators allow sharing is known once it is built (PipelineExecutor).
         named_key = (
@@ -335,7 +369,7 @@ class PipelineBuilder:
             request.batch_size,
             request.prefetch_queue_depth,
         )
-        return Plan(make_runner, named_key, "", request.name)
+        return Plan(make_runner, named_key, "", request.name, flight_key)
 
     def _why_private(self, request: Registration) -> str:
         if not self._sharing.enabled:

@@ -123,8 +123,11 @@ class PipelineRunner:
         run_batches: int = 1,
         num_threads: int | None = None,
         max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
     ) -> None:
         self.spec = spec
+        # Told when DALI starts holding runs of this pipeline, and when it holds none (flight.py).
+        self._on_run = on_run
         self.device_id = device_id
         self.run_size = spec.max_batch_size * run_batches
         asked = num_threads or spec.num_threads
@@ -160,6 +163,7 @@ class PipelineRunner:
         run_batches: int = 1,
         num_threads: int | None = None,
         max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
         operators: OperatorPolicy = ALLOW_LIST,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
@@ -212,6 +216,7 @@ class PipelineRunner:
             run_batches=run_batches,
             num_threads=num_threads,
             max_threads=max_threads,
+            on_run=on_run,
         )
 
     def _build(self, pipeline: Any = None) -> None:
@@ -261,6 +266,8 @@ class PipelineRunner:
         # stacked batch is ours alone, so it lives until the run is collected (the samples
         # themselves are kept by their batch, see executor.py).
         self._fed.append(fed)
+        if self._on_run is not None:
+            self._on_run(True)
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
         self._pipeline._run_once()
@@ -279,6 +286,8 @@ class PipelineRunner:
         outputs = tuple(self._pipeline.outputs(cuda_stream))
         # A run that failed keeps what it was fed until the pipeline is rebuilt.
         self._fed.popleft()
+        if not self._fed and self._on_run is not None:
+            self._on_run(False)
         if len(outputs) != self.spec.num_outputs:
             raise PipelineBuildError(
                 ErrorCode.INVALID_OUTPUT,
@@ -313,6 +322,8 @@ class PipelineRunner:
     def close(self) -> None:
         self._pipeline = None
         self._fed.clear()
+        if self._on_run is not None:
+            self._on_run(False)
 
 
 def _schema_names(pipeline: Any) -> list[str]:

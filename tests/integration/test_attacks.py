@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,14 @@ from dalid.protocol import (
     Error,
     ErrorCode,
     Hello,
+    InputBatch,
     Ping,
     PipelineRegistered,
     Pong,
     RegisterPipeline,
     Role,
     Shutdown,
+    SubmitBatch,
     Welcome,
     decode,
     encode,
@@ -457,4 +460,70 @@ def test_registrations_cannot_take_the_daemons_threads_pipelines_or_memory() -> 
         context.term()
         kill_leftovers([job])
         assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- a graph that crashes DALI ---------------------------------------------------------------
+
+
+def test_a_graph_running_when_the_daemon_died_is_refused_to_its_trainer_after() -> None:
+    from ..crashing_daemon import CRASHER
+    from ..unit.test_operators import small
+    from .helpers import two_output_pipeline
+
+    directory = own_directory()
+    serialized = memoryview(small().serialize())
+    crashing = start_daemon(directory, module="tests.crashing_daemon")
+    context: zmq.Context[Any] = zmq.Context()
+    daemon: DaemonProcess | None = None
+    socks: list[zmq.Socket[Any]] = []
+
+    def trainer() -> tuple[zmq.Socket[Any], Welcome]:
+        sock = transport.make_socket(context, zmq.DEALER, endpoint(crashing.socket), bind=False)
+        socks.append(sock)
+        transport.send(sock, Hello(PROTOCOL_VERSION, 1, Role.TRAINER, name="victim"), 1)
+        assert sock.poll(10_000)
+        welcome = transport.recv(sock).message
+        assert isinstance(welcome, Welcome)
+        return sock, welcome
+
+    def register(sock: zmq.Socket[Any], name: str) -> Any:
+        transport.send(sock, RegisterPipeline(serialized, ("data",), 2, 2, 1, 1, name=name), 2)
+        assert sock.poll(60_000)
+        return transport.recv(sock).message
+
+    try:
+        sock, welcome = trainer()
+        registered = register(sock, CRASHER)
+        assert isinstance(registered, PipelineRegistered), registered
+        frames = tuple(memoryview(bytes(12)) for _ in range(2))
+        batch = SubmitBatch(
+            registered.pipeline_id,
+            (InputBatch("data", "uint8", ((2, 2, 3), (2, 2, 3)), frames),),
+            welcome.batch_id_base + 1,
+        )
+        transport.send(sock, batch, 3)
+        assert crashing.process.wait(30) == -signal.SIGSEGV
+        sock.close(linger=0)
+        # The next daemon on the socket (the supervisor's restart, here by hand).
+        daemon = start_daemon(directory)
+        assert "died while pipeline 'crasher' ran for trainer pid" in daemon.log_text()
+        sock, _ = trainer()
+        refusal = register(sock, CRASHER)
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_PIPELINE
+        assert f"running for this trainer (pid {os.getpid()}) when the daemon died" in (
+            refusal.message
+        )
+        # Another graph is served to it.
+        graph = memoryview(two_output_pipeline().serialize())
+        transport.send(sock, RegisterPipeline(graph, ("data",), 2, 8, 1, 1), 4)
+        assert sock.poll(60_000)
+        assert isinstance(transport.recv(sock).message, PipelineRegistered)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        context.term()
+        crashing.stop()
+        if daemon is not None:
+            assert daemon.stop() == 0
         shutil.rmtree(directory, ignore_errors=True)
