@@ -278,7 +278,7 @@ OPTIONS: tuple[Option, ...] = (
         "DALI threads of all pipelines together; a pipeline that asks for more than its share "
         "(the cores the daemon may use, and what is left) gets its share",
         "N",
-        default_text="four per core, at least 16",
+        default_text="eight per core, at least 128",
     ),
     Option(
         "max_connections",

@@ -108,7 +108,7 @@ class PipelineBuilder:
         # DALI threads of all pipelines together, and the most one pipeline gets: threads past
         # the cores only wait (one registration of 1,024 threads used to exhaust the system's).
         cores = len(os.sched_getaffinity(0))
-        self._max_threads = max_threads or max(16, 4 * cores)
+        self._max_threads = max_threads or max(128, 8 * cores)
         self._thread_share = cores
         self._max_pipelines = max_pipelines
         # The threads each running pipeline may have, by instance id.

@@ -30,7 +30,7 @@ class Quotas:
     jobs whose trainer is one process (0: no limit). ``max_pipelines``: pipelines one job may
     have. ``max_image_pixels``: an image sample declaring more is a bad sample (0: no limit).
     ``max_threads``: DALI threads of all pipelines together, each pipeline's at most the cores
-    the daemon may use (0: four per core, at least 16). ``max_daemon_pipelines``: pipelines the
+    the daemon may use (0: eight per core, at least 128). ``max_daemon_pipelines``: pipelines the
     daemon runs at once (one that jobs share counts once).
     """
 
