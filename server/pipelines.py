@@ -8,6 +8,14 @@ the daemon, whose runs mix their jobs' batches; a deterministic registration, or
 operators look across the batch, gets a pipeline of its own. A new pipeline's executor
 (``executor.py``) builds it in its own thread, so that a slow build holds up no other job; the
 reply leaves once it is built, or at once for a registration that joins a built one.
+
+Before anything is built, a registration is checked as a whole: its graph's operators against
+the allow-list and its outputs' declared sizes (``operators.py``), whether it was running when
+the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
+and DALI threads.
+
+Why one module of some 420 lines: it holds the daemon's one table of pipelines, and what a
+registration must pass to get a place in it.
 """
 
 from __future__ import annotations
