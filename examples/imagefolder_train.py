@@ -8,7 +8,8 @@ dataset hands each file path to the dalid proxy, and the daemon reads, decodes, 
 and normalizes the images. Without ``--data`` a small dataset is generated. Without
 ``--socket`` the script connects to the daemon of its device (starting one if none runs).
 With ``--named`` it uses the pipeline ``train`` of the daemon's repository instead of its own
-(a daemon started with ``./dev run dalid serve --pipelines examples/pipelines``).
+(a daemon started with ``./dev run dalid serve --pipelines examples/pipelines
+--repository-operators PythonFunction``).
 """
 
 from __future__ import annotations

@@ -881,6 +881,8 @@ class PipelineStatus:
     mean_fill: float
     mixed_runs: int
     private_reason: str = ""
+    # The DALI threads its registration asked for, where the daemon gave fewer (0: as asked).
+    threads_asked: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def make_socket(
     heartbeat_ms: tuple[int, int] | None = None,
     queue_limits: tuple[int, int] | None = None,
     max_frame_bytes: int = MAX_MESSAGE_BYTES,
+    zap_domain: bytes = b"",
 ) -> zmq.Socket[Any]:
     """A socket of ``kind`` bound (daemon) or connected (client) to ``address``.
 
@@ -41,7 +42,8 @@ def make_socket(
     faster than the socket's owner reads, or reads slower than it sends, grows its memory
     without bound: a server facing clients it does not control sets them (a client sends only
     what it means to and may queue its own backlog). ZeroMQ drops a connection that starts a
-    frame of more than ``max_frame_bytes``, before it allocates it.
+    frame of more than ``max_frame_bytes``, before it allocates it. ``zap_domain``: ZeroMQ asks
+    the ZAP handler of the socket's context about every connection before attaching it.
     """
     sock: zmq.Socket[Any] = context.socket(kind)
     try:
@@ -50,6 +52,10 @@ def make_socket(
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if zap_domain:
+            sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain)
+            # No handler answering (it stopped): refuse, rather than let everyone in.
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         # Never drop messages silently when a peer is slow: block or poll instead. A ROUTER
         # over its send limit refuses the message (EAGAIN, see ROUTER_MANDATORY); over its
         # receive limit it stops reading that connection, and the sender queues or blocks.

@@ -35,6 +35,7 @@ from .daemon import Daemon, DaemonConfig, usable_cores
 from .devices import DeviceListError, child_specs, parse_devices
 from .heap import limit_malloc_arenas
 from .lifeline import watch_supervisor
+from .operators import OperatorPolicy
 from .pipelines import Sharing
 from .quotas import Quotas
 from .status_view import legend
@@ -155,6 +156,8 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         max_pipelines=settings["max_pipelines"],
         max_batch_size=settings["max_batch_size"],
         max_image_pixels=settings["max_image_pixels"],
+        max_threads=settings["max_threads"] or 0,
+        max_daemon_pipelines=settings["max_daemon_pipelines"],
     )
     return DaemonConfig(
         device=settings["device"],
@@ -172,6 +175,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
         max_connections=settings["max_connections"],
+        operators=OperatorPolicy.parse(settings["repository_operators"]),
     )
 
 

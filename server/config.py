@@ -126,6 +126,14 @@ def parse_log_level(text: str) -> str:
     return level
 
 
+def parse_operator_names(text: str) -> str:
+    """``any`` or comma-separated DALI operator schema names, kept as text."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if any(not name.replace("_", "").isalnum() for name in names):
+        raise ValueError(f"not a list of operator names: {text!r}")
+    return ",".join(names)
+
+
 def parse_path(text: str) -> Path:
     if not text.strip():
         raise ValueError("an empty path")
@@ -201,6 +209,16 @@ OPTIONS: tuple[Option, ...] = (
         default_text="none",
     ),
     Option(
+        "repository_operators",
+        parse_operator_names,
+        "",
+        "DALI operators the repository's pipelines may use beyond the daemon's allow-list "
+        "(server/operators.py; fn.python_function is PythonFunction), comma-separated, or "
+        "'any'",
+        "NAMES|any",
+        default_text="none: the allow-list",
+    ),
+    Option(
         "devices",
         parse_device_list,
         None,
@@ -246,6 +264,22 @@ OPTIONS: tuple[Option, ...] = (
         default_text="2G",
     ),
     Option("max_pipelines", parse_positive_int, 32, "pipelines one job may register", "N"),
+    Option(
+        "max_daemon_pipelines",
+        parse_positive_int,
+        128,
+        "DALI pipelines the daemon runs at once, for all jobs (one that jobs share counts once)",
+        "N",
+    ),
+    Option(
+        "max_threads",
+        parse_count,
+        None,
+        "DALI threads of all pipelines together; a pipeline that asks for more than its share "
+        "(the cores the daemon may use, and what is left) gets its share",
+        "N",
+        default_text="eight per core, at least 128",
+    ),
     Option(
         "max_connections",
         parse_positive_int,

@@ -59,8 +59,10 @@ from .batch_requests import BatchRequests
 from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused
+from .flight import FlightRecorder
 from .inputs import InputMemory
 from .jobs import Job, JobRegistry, Peer
+from .operators import ALLOW_LIST, OperatorPolicy
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, PipelineBuilder, Sharing
 from .quotas import QuotaRefused, Quotas, grant
@@ -112,6 +114,8 @@ class DaemonCore:
         streams: StreamFactory = no_streams,
         credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
         paths: OutputPaths | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         from nvidia.dali import __version__ as dali_version
 
@@ -145,6 +149,10 @@ class DaemonCore:
             push,
             sharing=sharing,
             streams=streams,
+            operators=operators,
+            max_threads=quotas.max_threads,
+            max_pipelines=quotas.max_daemon_pipelines,
+            recorder=recorder,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)

@@ -6,6 +6,12 @@ writes in its ``hello``: the daemon decides on them whom it serves and whose dea
 The pid is given in the daemon's pid namespace, and is 0 where the client's process cannot be
 seen from there (another, unrelated pid namespace).
 
+ZeroMQ reads the same credentials when it accepts a connection and attaches them to every
+message of it, in the message's ``Peer-Address`` property (``<address>:<uid>:<gid>:<pid>``; a
+peer cannot set that property, ZeroMQ's own comes first): :func:`from_message` reads them, and
+they name the sender of that very message even when its process has closed the connection and
+the descriptor is gone, or reused, by the time the daemon reads it.
+
 ZeroMQ owns the connections' descriptors. The daemon learns a connection's number from a
 message (``zmq.SRCFD``) or a socket-monitor event, and works on a duplicate of it: a duplicate
 names the same socket even if ZeroMQ closes the number meanwhile and a new connection reuses
@@ -21,6 +27,7 @@ import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -40,6 +47,25 @@ class SocketId:
 
     device: int
     inode: int
+
+
+def from_message(frame: Any) -> PeerCredentials | None:
+    """The credentials ZeroMQ attached to the message of ``frame`` (a ``zmq.Frame``), or None
+    where it attached none (not a Unix socket) or they cannot be read."""
+    try:
+        address = frame.get("Peer-Address")
+    except Exception:
+        return None
+    return parse_peer_address(address) if isinstance(address, str) else None
+
+
+def parse_peer_address(address: str) -> PeerCredentials | None:
+    """``<address>:<uid>:<gid>:<pid>`` as ZeroMQ writes it for a Unix socket, else None."""
+    parts = address.rsplit(":", 3)
+    if len(parts) != 4 or not all(part.isdigit() for part in parts[1:]):
+        return None
+    uid, gid, pid = (int(part) for part in parts[1:])
+    return PeerCredentials(pid, uid, gid)
 
 
 def read_peer(fd: int) -> tuple[SocketId, PeerCredentials] | None:

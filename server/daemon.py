@@ -19,7 +19,18 @@ reload; the log tells what it loaded).
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
 GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.socket_claim`.
 
-Why one module of some 490 lines: it owns the socket from bind to close (through
+Note [A routing id claimed twice]
+---------------------------------
+A ZeroMQ peer may choose its routing id (``zmq.ROUTING_ID``), and so claim one in use. libzmq
+4.3.5 parks such a connection unread (or, with ``ROUTER_HANDOVER``, detaches the earlier one);
+once that parked connection has sent more than its receive queue holds and then closes, its
+next heartbeat aborts the whole process ("Assertion failed: !_io_error
+(src/stream_engine_base.cpp:310)"). The daemon cannot stop its own user's processes from doing
+that (nor from killing it); it refuses every other user's connection at the handshake
+(:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
+that another connection or process used first (:mod:`.intake`).
+
+Why one module of some 530 lines: it owns the socket from bind to close (through
 :class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
 them; split further, those would pass between modules.
 """
@@ -58,7 +69,11 @@ from dalid.protocol import (
 from dalid.protocol.ownership import UnsafePath
 
 from .core import DaemonCore
+from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .flight import FlightRecorder
+from .gate import DOMAIN as GATE_DOMAIN
+from .gate import Gate
 from .heap import give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
@@ -70,6 +85,7 @@ from .intake import (
     Verdict,
     reserve_descriptors,
 )
+from .operators import OperatorPolicy
 from .outputs import OutputsFactory, StreamFactory, no_streams
 from .pipelines import SHARING, Sharing
 from .quotas import Quotas
@@ -112,6 +128,8 @@ class DaemonConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_connections: int = IntakeLimits.max_connections
+    # Which DALI operators registered pipelines may hold (operators.py).
+    operators: OperatorPolicy = field(default_factory=OperatorPolicy)
 
 
 def usable_cores() -> int:
@@ -141,6 +159,10 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket = SharedSocket(self._wake, self._deliverable, self._undelivered)
         self._monitor: zmq.Socket[Any] | None = None
+        # Refuses the connections of other users at the handshake (gate.py).
+        self._gate: Gate | None = None
+        # What each pipeline runs, for the next daemon should this one die (flight.py).
+        self._flight: FlightRecorder | None = None
         # Every open connection, what it may do and who is behind it.
         self._intake: Intake | None = None
         # The socket's path: its lock file, the socket file and the GPU UUID link.
@@ -232,6 +254,8 @@ class Daemon:
             except Exception as error:
                 raise GpuUnavailable(f"its CUDA IPC probe could not be made: {error}") from None
             log.info("GPU %d is %s; GPU outputs: %s", device_id, device_uuid, config.gpu_outputs)
+        # What the previous daemon on this socket was running when it died, if it did.
+        self._flight = FlightRecorder(config.socket)
         # Before the socket is bound: a client never finds a daemon whose repository is missing.
         repository = (
             PipelineRepository.load(config.pipelines) if config.pipelines is not None else None
@@ -240,7 +264,9 @@ class Daemon:
             max_connections=reserve_descriptors(config.max_connections),
             max_message_bytes=config.quotas.input_memory // 2,
         )
-        intake = self._intake = Intake(limits)
+        # The users whose processes it serves: its own, and root.
+        served = frozenset({os.getuid(), 0})
+        intake = self._intake = Intake(limits, served)
         self.core = DaemonCore(
             config.device,
             outputs,
@@ -253,9 +279,13 @@ class Daemon:
             streams=streams,
             credentials=intake.credentials,
             paths=paths,
+            operators=config.operators,
+            recorder=self._flight,
         )
         self.snapshot = self.core.status()
         self._context = zmq.Context()
+        # Before the socket binds: no connection is attached without the gate's word.
+        self._gate = Gate(self._context, served)
         previous = os.umask(0o177)  # the socket file is created 0600
         try:
             sock = transport.make_socket(
@@ -269,6 +299,7 @@ class Daemon:
                 # batch's input is one frame (SPEC.md, "Batches"): one over what a message may
                 # hold but within the input memory is read, and refused with a reason (intake).
                 max_frame_bytes=config.quotas.input_memory,
+                zap_domain=GATE_DOMAIN,
             )
         finally:
             os.umask(previous)
@@ -301,10 +332,16 @@ class Daemon:
         if self.core is not None:
             self.core.close()
             self.core = None
+        if self._flight is not None:
+            self._flight.close()  # a clean stop: no run was in flight
+            self._flight = None
         self._socket.close(self._linger_ms)
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -417,16 +454,19 @@ class Daemon:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None
         identity = frames[0].bytes
-        fd = None
-        if len(frames) > 1 and not self._intake.knows(identity):
-            # A peer's first message: its connection's descriptor. A descriptor is reused as
-            # soon as it is closed. ZeroMQ reports the close to the monitor before it accepts
-            # the connection that reuses the descriptor, so handling the reports that are in
-            # now keeps an old peer's close from being taken for this sender's. (An identity
-            # names one connection, so its later messages need neither.)
+        if len(frames) < 2:
+            return  # ZeroMQ hands over no empty message
+        if not self._intake.knows(identity):
+            # A peer's first message. A descriptor is reused as soon as it is closed. ZeroMQ
+            # reports the close to the monitor before it accepts the connection that reuses
+            # the descriptor, so handling the reports that are in now keeps an old peer's close
+            # from being taken for this sender's.
             self._connection_events()
-            fd = frames[1].get(zmq.SRCFD)
-        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]))
+        # Every message names its connection and its sender's process, which bind its identity
+        # (the intake refuses one that another connection used first).
+        fd = frames[1].get(zmq.SRCFD)
+        sender = from_message(frames[1])
+        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]), sender)
         if verdict is Verdict.DROP:
             return
         if not isinstance(verdict, Verdict):

@@ -142,6 +142,7 @@ class PipelineExecutor:
             mean_fill=self.samples_run / (self.runs * run_size) if self.runs and run_size else 0.0,
             mixed_runs=self.mixed_runs,
             private_reason=self.private_reason,
+            threads_asked=runner.threads_asked if runner is not None else 0,
         )
 
     # --- members ------------------------------------------------------------------------------
@@ -387,6 +388,13 @@ class PipelineExecutor:
             return
         except PoolClosed:
             return  # the job ended while its outputs waited for room
+        except Exception as error:
+            # Whatever went wrong writing it, its trainer waits for an answer: it gets one.
+            log.exception("pipeline %d: writing batch %d failed", self.instance_id, batch.batch_id)
+            self._fail(
+                batch, ErrorCode.INTERNAL_ERROR, f"its outputs could not be written: {error}"
+            )
+            return
         # The regions are now leased to the trainer (Note [Output buffer lifetime]).
         member.answer(
             batch,

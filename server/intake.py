@@ -16,7 +16,12 @@ later messages are dropped unread, and ``CUT_GRACE_S`` later, once the error has
 daemon shuts its socket down (ZeroMQ then frees it as if the peer had gone):
 
 - a process of another user than the daemon's (or root): the socket's mode keeps them out, and
-  this keeps them out if the mode was widened;
+  this keeps them out if the mode was widened; and a process the daemon cannot tell, whose
+  message came with no credentials (it fails closed). A message's sender is the process
+  ZeroMQ names in the message itself, read when it accepted the connection, never the
+  descriptor read later, which the peer may have closed or another connection reused;
+- a message under an identity (a ZeroMQ routing id, which a peer may choose) that another
+  connection or process used first: refused, and the connection it belongs to is untouched;
 - a message larger than any the daemon would accept (``max_message_bytes``);
 - refused requests faster than a client that reads its answers makes them: a burst of
   ``refusal_burst``, then ``refusals_per_second``.
@@ -84,6 +89,11 @@ class Connection:
     # Set once the connection is told it is cut: when its socket is shut down.
     cut_at: float | None = None
 
+    def sent_by(self, fd: int | None, sender: PeerCredentials | None) -> bool:
+        """Whether a message received on ``fd`` from ``sender`` came on this connection."""
+        same_descriptor = fd is None or self.fd < 0 or fd == self.fd
+        return sender is not None and sender == self.credentials and same_descriptor
+
     def describe(self) -> str:
         creds = self.credentials
         if creds is None:
@@ -111,6 +121,8 @@ class Intake:
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # Cut connections gone so far: shut down here, or closed by their peer while told.
         self.cuts = 0
+        # Messages refused for an identity that another connection had used first.
+        self.impostors = 0
 
     @property
     def open_connections(self) -> int:
@@ -126,7 +138,7 @@ class Intake:
         """A new connection on descriptor ``fd``; the identity of one that it replaces, which
         closed unreported (treat it as disconnected), else None."""
         replaced = self.closed(fd)
-        connection = Connection(fd, tokens=self.limits.refusal_burst, refilled=self._clock())
+        connection = self._new(fd)
         self._by_fd[fd] = connection
         self._read_credentials(connection)
         if self._stranger(connection):
@@ -162,25 +174,34 @@ class Intake:
     # --- messages -------------------------------------------------------------------------------
 
     def knows(self, identity: bytes) -> bool:
-        """Whether ``identity`` has sent before (on a connection open or closed): its messages
-        are admitted without their descriptor."""
+        """Whether ``identity`` has sent before (on a connection open or closed)."""
         return identity in self._by_identity or identity in self._closed
 
-    def admit(self, identity: bytes, fd: int | None, nbytes: int) -> Verdict | Error:
-        """Whether to handle a message of ``nbytes`` from ``identity``, received on ``fd``: yes,
-        drop it unread, or send this error (the connection is then cut)."""
+    def admit(
+        self, identity: bytes, fd: int | None, nbytes: int, sender: PeerCredentials | None
+    ) -> Verdict | Error:
+        """Whether to handle a message of ``nbytes`` from ``identity``, received on ``fd`` from
+        the process ``sender`` (the credentials ZeroMQ attached to the message): yes, drop it
+        unread, or send this error.
+
+        It fails closed. A message whose sender is unknown or of another user is refused and
+        its connection cut, whatever it asks; and an identity is bound to the connection and
+        the process it first came from, so a message under it from any other is refused.
+        """
         if identity in self._closed:
             return Verdict.DROP
         connection = self._by_identity.get(identity)
         if connection is None:
-            connection = self._first_message(identity, fd)
-            if self._stranger(connection):
-                notice = self._stranger_notice(connection)
+            connection = self._first_message(identity, fd, sender)
+            refusal = self._unwelcome(connection)
+            if refusal is not None:
                 if connection.cut_at is None:
-                    self._cut(connection, notice)
-                return notice
-        if connection.cut_at is not None:
+                    self._cut(connection, refusal)
+                return refusal
+        elif connection.cut_at is not None:
             return Verdict.DROP
+        elif not connection.sent_by(fd, sender):
+            return self._impostor(connection, fd, sender)
         if nbytes > self.limits.max_message_bytes:
             return self._cut(
                 connection,
@@ -264,6 +285,17 @@ class Intake:
         creds = connection.credentials
         return creds is not None and creds.uid not in self._uids
 
+    def _unwelcome(self, connection: Connection) -> Error | None:
+        """Why the sender of ``connection``'s first message is not served, or None."""
+        if connection.credentials is None:
+            return Error(
+                ErrorCode.NOT_WELCOMED,
+                "the daemon cannot tell which process sent this message (its connection has "
+                "no credentials it can read), and serves no one it cannot tell; it closes this "
+                "connection",
+            )
+        return self._stranger_notice(connection) if self._stranger(connection) else None
+
     def _stranger_notice(self, connection: Connection) -> Error:
         assert connection.credentials is not None
         served = " and ".join(str(uid) for uid in sorted(self._uids, reverse=True))
@@ -273,28 +305,58 @@ class Intake:
             f"uid {connection.credentials.uid} is refused, and the daemon closes this connection",
         )
 
+    def _impostor(
+        self, connection: Connection, fd: int | None, sender: PeerCredentials | None
+    ) -> Error:
+        """A message under the identity of ``connection`` from another connection or process
+        (a peer that chose the identity, ``zmq.ROUTING_ID``): refused, and nothing of the
+        connection the identity belongs to is touched."""
+        self.impostors += 1
+        if self.impostors <= LOGGED_REFUSALS:
+            who = "unknown" if sender is None else f"pid {sender.pid}, uid {sender.uid}"
+            log.warning(
+                "a message from connection %s (%s) under the identity of %s: refused",
+                fd,
+                who,
+                connection.describe(),
+            )
+        return Error(
+            ErrorCode.NOT_WELCOMED,
+            "this connection's routing id is another connection's: the daemon serves a "
+            "routing id on the connection it first came on only (leave zmq.ROUTING_ID unset)",
+        )
+
     def _shut_down(self, connection: Connection) -> None:
         if connection.socket is not None and connection.fd >= 0:
             self.cuts += shut_down(connection.fd, connection.socket)
         # Done with its descriptor: ZeroMQ may reuse the number once it sees the close.
         connection.fd = -1
 
-    def _first_message(self, identity: bytes, fd: int | None) -> Connection:
+    def _first_message(
+        self, identity: bytes, fd: int | None, sender: PeerCredentials | None
+    ) -> Connection:
+        """The connection ``identity`` is bound to from now on: the one on ``fd`` if its
+        socket's credentials are the message's, else one with no descriptor to shut down."""
         connection = self._by_fd.get(fd) if fd is not None else None
         if connection is None or connection.identity is not None:
             # No event for it (or its descriptor's earlier connection closed unreported).
-            connection = Connection(
-                fd if fd is not None else -1,
-                tokens=self.limits.refusal_burst,
-                refilled=self._clock(),
-            )
-            if fd is not None:
-                self._by_fd[fd] = connection
+            connection = self._new(fd if fd is not None else -1)
+            self._read_credentials(connection)
+            if connection.fd >= 0 and connection.credentials == sender:
+                self._by_fd[connection.fd] = connection
+        elif connection.credentials is None:
+            self._read_credentials(connection)
+        if connection.credentials != sender:
+            # The descriptor names another process's connection now (the sender's closed and
+            # its number was taken again): that one is not the sender's to have cut.
+            connection = self._new(-1)
+        connection.credentials = sender
         connection.identity = identity
         self._by_identity[identity] = connection
-        if connection.credentials is None:
-            self._read_credentials(connection)
         return connection
+
+    def _new(self, fd: int) -> Connection:
+        return Connection(fd, tokens=self.limits.refusal_burst, refilled=self._clock())
 
     @staticmethod
     def _read_credentials(connection: Connection) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
 from .copies import private_copy
-from .pool import PoolTooSmall, Region, RegionPool
+from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
 
 
 class OutputFailure(Exception):
@@ -264,7 +264,7 @@ class JobOutputs:
                     )
                     taken.extend(regions)
                     by_store[id(store)] = iter(regions)
-        except PoolTooSmall as error:
+        except (PoolTooSmall, SlabUnavailable) as error:
             self._release_regions(taken)
             raise OutputFailure(ErrorCode.RESOURCE_EXHAUSTED, str(error)) from None
         except BaseException:

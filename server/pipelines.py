@@ -8,6 +8,14 @@ the daemon, whose runs mix their jobs' batches; a deterministic registration, or
 operators look across the batch, gets a pipeline of its own. A new pipeline's executor
 (``executor.py``) builds it in its own thread, so that a slow build holds up no other job; the
 reply leaves once it is built, or at once for a registration that joins a built one.
+
+Before anything is built, a registration is checked as a whole: its graph's operators against
+the allow-list and its outputs' declared sizes (``operators.py``), whether it was running when
+the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
+and DALI threads.
+
+Why one module of some 420 lines: it holds the daemon's one table of pipelines, and what a
+registration must pass to get a place in it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -33,7 +42,9 @@ from dalid.protocol import (
 
 from .errors import RequestRefused
 from .executor import PipelineExecutor
+from .flight import FlightRecorder, graph_key, refusal
 from .jobs import Job
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from .outputs import StreamFactory, no_streams
 from .reload import LiveRepository
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
@@ -72,6 +83,8 @@ class Plan:
     key: Hashable
     why_private: str
     name: str
+    # What names the graph for crash attribution (flight.py).
+    flight_key: bytes = b""
 
 
 class PipelineBuilder:
@@ -88,8 +101,26 @@ class PipelineBuilder:
         *,
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
+        operators: OperatorPolicy = ALLOW_LIST,
+        max_threads: int = 0,
+        max_pipelines: int = 0,
+        recorder: FlightRecorder | None = None,
     ) -> None:
+        # What each pipeline runs, for the next daemon should this one die (flight.py).
+        self._recorder = recorder
+        # The trainer pids of the jobs that registered each pipeline, by instance id.
+        self._pids: dict[int, set[int]] = {}
         self._device_id = device_id
+        # Which DALI operators a registered graph may hold (operators.py).
+        self._operators = operators
+        # DALI threads of all pipelines together, and the most one pipeline gets: threads past
+        # the cores only wait (one registration of 1,024 threads used to exhaust the system's).
+        cores = len(os.sched_getaffinity(0))
+        self._max_threads = max_threads or max(128, 8 * cores)
+        self._thread_share = cores
+        self._max_pipelines = max_pipelines
+        # The threads each running pipeline may have, by instance id.
+        self._threads: dict[int, int] = {}
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -110,7 +141,13 @@ class PipelineBuilder:
         """Registers the pipeline for ``job``: joins the pipeline in the daemon that runs the
         same graph, or starts one. The trainer's reply leaves once it is built; ``answer``
         gets its batches' results."""
-        plan = self._plan(request)
+        plan = self._plan(job, request)
+        with self._lock:
+            shared = self._shared.get(plan.key) if plan.key is not None else None
+            if shared is not None and shared.failed:
+                shared = None
+        # A new pipeline must fit in the daemon's: checked before anything changes.
+        threads = self._thread_room() if shared is None else 0
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         job.adopt_earlier_ids(request, pipeline_id)
@@ -123,10 +160,6 @@ class PipelineBuilder:
             deterministic=request.deterministic,
         )
         on_built = functools.partial(self._on_built, job, member, request, request_id)
-        with self._lock:
-            shared = self._shared.get(plan.key) if plan.key is not None else None
-            if shared is not None and shared.failed:
-                shared = None
         if shared is not None:
             log.info(
                 "job %d pipeline %d shares DALI pipeline %d %r",
@@ -135,9 +168,11 @@ class PipelineBuilder:
                 shared.instance_id,
                 shared.name,
             )
+            with self._lock:
+                self._pids.setdefault(shared.instance_id, set()).add(job.pid)
             shared.join(member, on_built)
         else:
-            self._new_instance(job, plan, member, on_built)
+            self._new_instance(job, plan, member, on_built, threads)
         job.pipelines[pipeline_id] = member
         return member
 
@@ -147,6 +182,7 @@ class PipelineBuilder:
         plan: Plan,
         member: Member,
         on_built: Callable[[PipelineSpec | PipelineBuildError], None],
+        max_threads: int,
     ) -> None:
         shared = plan.key is not None
         run_batches = self._sharing.run_batches if shared else 1
@@ -154,11 +190,17 @@ class PipelineBuilder:
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
+            self._threads[instance_id] = max_threads
+            self._pids[instance_id] = {job.pid}
         executor = PipelineExecutor(
             instance_id,
             plan.name,
             functools.partial(
-                plan.make_runner, run_batches=run_batches, num_threads=threads or None
+                plan.make_runner,
+                run_batches=run_batches,
+                num_threads=threads or None,
+                max_threads=max_threads,
+                on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             ),
             member,
             on_built,
@@ -182,10 +224,49 @@ class PipelineBuilder:
             instances = sorted(self.instances.items())
         return tuple(executor.status() for _, executor in instances)
 
+    def _on_run(self, instance_id: int, key: bytes, name: str, running: bool) -> None:
+        """From an executor's thread: its pipeline has runs in DALI, or none."""
+        if self._recorder is None or not key:
+            return
+        if running:
+            with self._lock:
+                pids = tuple(self._pids.get(instance_id, ()))
+            self._recorder.running(instance_id, key, pids, name)
+        else:
+            self._recorder.idle(instance_id)
+
+    def _suspected(self, key: bytes, job: Job) -> None:
+        """Refuses a graph that was running for this trainer when the last daemon died."""
+        suspect = self._recorder.suspected(key, job.pid) if self._recorder else None
+        if suspect is not None:
+            raise RequestRefused(ErrorCode.INVALID_PIPELINE, refusal(suspect))
+
+    def _thread_room(self) -> int:
+        """The DALI threads a new pipeline may have; refuses one that does not fit."""
+        with self._lock:
+            running, used = len(self._threads), sum(self._threads.values())
+        if self._max_pipelines and running >= self._max_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon runs {running} pipelines, its limit (dalid serve "
+                f"--max-daemon-pipelines {self._max_pipelines}): wait for jobs to end, or "
+                "register a pipeline another job runs already",
+            )
+        left = self._max_threads - used
+        if left < 1:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the daemon's pipelines have all its {self._max_threads} DALI threads (dalid "
+                "serve --max-threads): wait for jobs to end",
+            )
+        return min(self._thread_share, left)
+
     def _forget(self, executor: PipelineExecutor) -> None:
         """The last member of ``executor`` left: it takes no more registrations."""
         with self._lock:
             self.instances.pop(executor.instance_id, None)
+            self._threads.pop(executor.instance_id, None)
+            self._pids.pop(executor.instance_id, None)
             for key, shared in list(self._shared.items()):
                 if shared is executor:
                     del self._shared[key]
@@ -227,7 +308,7 @@ class PipelineBuilder:
             reply = Error(result.code, str(result), op=request.OP)
         self._push(job.trainer, reply, request_id)
 
-    def _plan(self, request: Registration) -> Plan:
+    def _plan(self, job: Job, request: Registration) -> Plan:
         """How to build the registered pipeline, and with whom it may share."""
         why_private = self._why_private(request)
         if isinstance(request, RegisterPipeline):
@@ -239,25 +320,38 @@ class PipelineBuilder:
                 )
             spec = PipelineSpec.from_message(request)
             key: Hashable = None
+            # Before DALI sees the graph: only operators of the allow-list, and a graph that
+            # cannot be read is not built (it fails closed).
             try:
                 graph = read_graph(spec.serialized)
-            except UnreadablePipeline as error:
-                why_private = why_private or f"its serialized form cannot be read: {error}"
-            else:
-                if not spec.name and graph.origin:
-                    spec = dataclasses.replace(spec, name=graph.origin)
-                why_private = why_private or graph.unshareable()
-                if not why_private:
-                    key = (
-                        "serialized",
-                        graph.key,
-                        spec.input_names,
-                        spec.num_outputs,
-                        spec.max_batch_size,
-                        spec.exec_dynamic,
-                    )
+                self._operators.check(operator.schema for operator in graph.operators)
+                # Outputs larger than a job can hold, before DALI allocates them.
+                check_sizes(
+                    graph,
+                    spec.max_batch_size,
+                    job.limits.pool_bytes,
+                    job.limits.max_image_pixels,
+                )
+            except (UnreadablePipeline, OperatorRefused) as error:
+                raise RequestRefused(
+                    ErrorCode.INVALID_PIPELINE, f"the pipeline is not served: {error}"
+                ) from None
+            flight_key = graph_key("serialized", graph.key)
+            self._suspected(flight_key, job)
+            if not spec.name and graph.origin:
+                spec = dataclasses.replace(spec, name=graph.origin)
+            why_private = why_private or graph.unshareable()
+            if not why_private:
+                key = (
+                    "serialized",
+                    graph.key,
+                    spec.input_names,
+                    spec.num_outputs,
+                    spec.max_batch_size,
+                    spec.exec_dynamic,
+                )
             runner = functools.partial(PipelineRunner, spec, self._device_id)
-            return Plan(runner, key, why_private, spec.name)
+            return Plan(runner, key, why_private, spec.name, flight_key)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -270,6 +364,8 @@ class PipelineBuilder:
             entry = self._repository.current.get(request.name)
         except KeyError as error:
             raise RequestRefused(ErrorCode.UNKNOWN_PIPELINE, error.args[0]) from None
+        flight_key = graph_key("named", request.name, json.dumps(parameters, sort_keys=True))
+        self._suspected(flight_key, job)
         definition = functools.partial(entry.function, **build_arguments, **parameters)
         make_runner = functools.partial(
             PipelineRunner.from_definition,
@@ -278,9 +374,10 @@ class PipelineBuilder:
             self._device_id,
             self._max_batch_size,
             on_error=request.on_error,
+            operators=self._operators,
         )
         if why_private:
-            return Plan(make_runner, None, why_private, request.name)
+            return Plan(make_runner, None, why_private, request.name, flight_key)
         # One definition of the repository (a reload makes another), called alike; whether its
         # operators allow sharing is known once it is built (PipelineExecutor).
         named_key = (
@@ -290,7 +387,7 @@ class PipelineBuilder:
             request.batch_size,
             request.prefetch_queue_depth,
         )
-        return Plan(make_runner, named_key, "", request.name)
+        return Plan(make_runner, named_key, "", request.name, flight_key)
 
     def _why_private(self, request: Registration) -> str:
         if not self._sharing.enabled:

@@ -92,6 +92,11 @@ class PoolClosed(RuntimeError):
     """The pool was closed while an allocation waited."""
 
 
+class SlabUnavailable(RuntimeError):
+    """The memory for a new slab could not be had (``/dev/shm`` is full, say): the batch that
+    asked for it fails, and the pool is as it was."""
+
+
 class PoolFull(RuntimeError):
     """The pool stayed full, with nothing released, for as long as the allocation would wait
     (Note [Private copies] in ``copies.py``)."""
@@ -217,7 +222,8 @@ class RegionPool:
     ) -> list[Region]:
         """One region per size, all or none; blocks while the pool is full.
 
-        Raises :class:`PoolTooSmall` when the sizes could never fit, and :class:`PoolClosed`
+        Raises :class:`PoolTooSmall` when the sizes could never fit, :class:`SlabUnavailable`
+        when the memory of a slab they need cannot be had now, and :class:`PoolClosed`
         when the pool closes or ``cancelled()`` turns true while waiting. With
         ``give_up_after``, raises :class:`PoolFull` once no region has been released for that
         many seconds while the sizes do not fit, and at once while nothing was released since
@@ -324,19 +330,27 @@ class RegionPool:
 
     def _try_allocate(self, aligned: Sequence[int], sizes: Sequence[int]) -> list[Region] | None:
         taken: list[tuple[_SlabSpace, int, int]] = []
-        for size in aligned:
-            placed = self._place(size)
-            if placed is None:
-                for space, offset, taken_size in taken:
-                    space.give_back(offset, taken_size)
-                return None
-            taken.append((placed[0], placed[1], size))
+        try:
+            for size in aligned:
+                placed = self._place(size)
+                if placed is None:
+                    self._give_back(taken)
+                    return None
+                taken.append((placed[0], placed[1], size))
+        except BaseException:
+            self._give_back(taken)  # a slab could not be made (SlabUnavailable): all or none
+            raise
         regions = []
         for (space, offset, size), requested in zip(taken, sizes, strict=True):
             region_id = next(self._region_ids)
             self._leases[region_id] = (space, offset, size)
             regions.append(Region(region_id, space.slab, offset, requested))
         return regions
+
+    @staticmethod
+    def _give_back(taken: Sequence[tuple[_SlabSpace, int, int]]) -> None:
+        for space, offset, size in taken:
+            space.give_back(offset, size)
 
     def _place(self, size: int) -> tuple[_SlabSpace, int] | None:
         for space in self._spaces:

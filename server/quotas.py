@@ -29,6 +29,9 @@ class Quotas:
     batch samples the daemon holds for all jobs (one job at most half). ``max_jobs_per_process``:
     jobs whose trainer is one process (0: no limit). ``max_pipelines``: pipelines one job may
     have. ``max_image_pixels``: an image sample declaring more is a bad sample (0: no limit).
+    ``max_threads``: DALI threads of all pipelines together, each pipeline's at most the cores
+    the daemon may use (0: eight per core, at least 128). ``max_daemon_pipelines``: pipelines the
+    daemon runs at once (one that jobs share counts once).
     """
 
     max_jobs: int = 64
@@ -42,6 +45,8 @@ class Quotas:
     max_pipelines: int = 32
     max_batch_size: int = 4096
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_threads: int = 0
+    max_daemon_pipelines: int = 128
 
 
 class QuotaRefused(Exception):

@@ -19,6 +19,7 @@ from dalid.protocol import ErrorCode, OnError, RegisterPipeline
 from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .sharing import read_graph
 
 log = logging.getLogger("dalid.server")
@@ -107,11 +108,26 @@ class PipelineRunner:
         *,
         run_batches: int = 1,
         num_threads: int | None = None,
+        max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
     ) -> None:
         self.spec = spec
+        # Told when DALI starts holding runs of this pipeline, and when it holds none (flight.py).
+        self._on_run = on_run
         self.device_id = device_id
         self.run_size = spec.max_batch_size * run_batches
-        self.num_threads = num_threads or spec.num_threads
+        asked = num_threads or spec.num_threads
+        # A pipeline's DALI threads are at most its share of the daemon's (PipelineBuilder).
+        self.num_threads = min(asked, max_threads) if max_threads else asked
+        self.threads_asked = asked if self.num_threads < asked else 0
+        if self.threads_asked:
+            log.info(
+                "pipeline %r asked for %d DALI threads and gets %d, its share of the daemon's "
+                "(dalid serve --max-threads)",
+                spec.name,
+                asked,
+                self.num_threads,
+            )
         self._pipeline: Any = None
         # What each scheduled run was fed, oldest first (``schedule``).
         self._fed: collections.deque[list[np.ndarray | list[np.ndarray]]] = collections.deque()
@@ -132,6 +148,9 @@ class PipelineRunner:
         *,
         run_batches: int = 1,
         num_threads: int | None = None,
+        max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
 
@@ -147,6 +166,12 @@ class PipelineRunner:
                 + traceback.format_exc(),
             ) from None
         input_names, num_outputs = _graph_summary(pipeline, name)
+        try:
+            operators.check(_schema_names(pipeline), repository=True)
+        except OperatorRefused as refusal:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} of the repository: {refusal}"
+            ) from None
         if pipeline.max_batch_size > max_batch_size:
             raise PipelineBuildError(
                 ErrorCode.INVALID_PIPELINE,
@@ -170,7 +195,15 @@ class PipelineRunner:
             definition=definition,
             path_inputs=path_inputs(pipeline),
         )
-        return cls(spec, device_id, pipeline, run_batches=run_batches, num_threads=num_threads)
+        return cls(
+            spec,
+            device_id,
+            pipeline,
+            run_batches=run_batches,
+            num_threads=num_threads,
+            max_threads=max_threads,
+            on_run=on_run,
+        )
 
     def _build(self, pipeline: Any = None) -> None:
         from nvidia.dali.pipeline import Pipeline
@@ -219,6 +252,8 @@ class PipelineRunner:
         # stacked batch is ours alone, so it lives until the run is collected (the samples
         # themselves are kept by their batch, see executor.py).
         self._fed.append(fed)
+        if self._on_run is not None:
+            self._on_run(True)
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
         self._pipeline._run_once()
@@ -237,6 +272,8 @@ class PipelineRunner:
         outputs = tuple(self._pipeline.outputs(cuda_stream))
         # A run that failed keeps what it was fed until the pipeline is rebuilt.
         self._fed.popleft()
+        if not self._fed and self._on_run is not None:
+            self._on_run(False)
         if len(outputs) != self.spec.num_outputs:
             raise PipelineBuildError(
                 ErrorCode.INVALID_OUTPUT,
@@ -281,6 +318,15 @@ class PipelineRunner:
     def close(self) -> None:
         self._pipeline = None
         self._fed.clear()
+        if self._on_run is not None:
+            self._on_run(False)
+
+
+def _schema_names(pipeline: Any) -> list[str]:
+    """The schema names of a defined pipeline's operators (external_source has none)."""
+    return [
+        getattr(op._op, "schema_name", None) or type(op._op).__name__ for op in pipeline._ops or ()
+    ]
 
 
 def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:

@@ -209,7 +209,7 @@ class Operator:
         for argument, value in self.arguments:
             if argument == name:
                 return any(
-                    number == _ARG_BOOLS and payload == 1 for number, _, payload in _fields(value)
+                    number == _ARG_BOOLS and payload == 1 for number, _, payload in fields(value)
                 )
         return False
 
@@ -245,7 +245,7 @@ def read_graph(serialized: bytes) -> Graph:
     # place, so that names DALI made up for intermediate tensors do not count; the pipeline's
     # inputs keep their names, which clients feed.
     renamed: dict[bytes, bytes] = {}
-    for number, _, value in _fields(serialized):
+    for number, _, value in fields(serialized):
         if number not in _GRAPH_FIELDS:
             continue
         if not isinstance(value, bytes):
@@ -282,7 +282,7 @@ def _read_operator(raw: bytes) -> Operator:
     outputs: list[bytes] = []
     arguments: list[tuple[str, bytes]] = []
     origin = ""
-    for number, _, value in _fields(raw):
+    for number, _, value in fields(raw):
         if not isinstance(value, bytes):
             continue  # the logical id: a number of the build, not of the graph
         if number == _OP_NAME:
@@ -311,13 +311,13 @@ def _rename_io(raw: bytes, renamed: dict[bytes, bytes]) -> bytes:
 
 def _string(raw: bytes, number: int) -> bytes:
     """The first length-delimited field ``number`` of a message (b"" if none)."""
-    for field, _, value in _fields(raw):
+    for field, _, value in fields(raw):
         if field == number and isinstance(value, bytes):
             return value
     return b""
 
 
-def _fields(raw: bytes) -> Iterator[tuple[int, int, bytes | int]]:
+def fields(raw: bytes) -> Iterator[tuple[int, int, bytes | int]]:
     """(field number, wire type, value) of each field of a protocol buffer message: varints as
     ints, length-delimited and fixed-size fields as bytes."""
     position, end = 0, len(raw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -20,11 +21,12 @@ import numpy as np
 from dalid.protocol import Limits, slabs
 
 from .outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
-from .pool import PAGE, Region, RegionPool
+from .pool import PAGE, Region, RegionPool, SlabUnavailable
 
 
 class SharedMemorySlab:
-    """A POSIX shared-memory segment (``/dev/shm/<random name>``, mode 0600), mapped once.
+    """A POSIX shared-memory segment (``/dev/shm/<random name>``, mode 0600), mapped once,
+    its pages reserved when it is made (:func:`reserve`; else :class:`SlabUnavailable`).
 
     ``label`` is the daemon's name for it; the segment's own name is a fresh unguessable one
     (``name``), and the label and this process's pid go in its record (see
@@ -45,6 +47,7 @@ class SharedMemorySlab:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self._path, flags, 0o600)
         try:
+            reserve(fd, size + slabs.RECORD_BYTES, label)
             slabs.write_record(fd, size, slabs.SlabRecord(os.getpid(), label))
             # A child forked by the daemon (a Python operator's worker, say) neither inherits
             # the mapping nor can unmap it (Note [Slab mappings across fork]).
@@ -90,6 +93,28 @@ class SharedMemorySlab:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reserve(fd: int, nbytes: int, label: str) -> None:
+    """Allocates every page of the segment open on ``fd`` now.
+
+    A segment that is only ``ftruncate``d gets its pages as they are first written; where
+    tmpfs has none left (``/dev/shm`` filled by anyone, or at its size limit) that write
+    raises SIGBUS and kills the daemon, and every job with it. Reserved here, a full
+    ``/dev/shm`` is an error at creation, which fails one batch or one pool's growth.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        full = error.errno == errno.ENOSPC
+        raise SlabUnavailable(
+            f"{nbytes} bytes of shared memory for output slab {label} could not be reserved in "
+            f"{slabs.SHM_DIR} ({reason})"
+            + (f": {slabs.SHM_DIR} is full" if full else "")
+            + f"; free space there or enlarge it (df {slabs.SHM_DIR}; in a container, "
+            "--shm-size), or lower this daemon's --memory-limit"
+        ) from None
 
 
 class SharedMemoryBackend:

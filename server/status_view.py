@@ -158,6 +158,8 @@ def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
                 f"job {jobs} alone; runs {fill}; not shared: "
                 f"{pipeline.private_reason or 'sharing is off'}"
             )
+        if pipeline.threads_asked:
+            how += f"; {pipeline.threads} DALI threads of the {pipeline.threads_asked} asked"
         line = f"DALI pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
         lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")
     return lines

@@ -1,4 +1,5 @@
-"""A pipeline repository for `dalid serve --pipelines examples/pipelines`.
+"""A pipeline repository for `dalid serve --pipelines examples/pipelines` (its python_function
+needs `--repository-operators PythonFunction`).
 
 Clients select these by name: ``session.proxy(dalid.named_pipeline("train", batch_size=64,
 size=224))``. ``train`` adds noise with a Python operator, which a serialized pipeline cannot

@@ -23,6 +23,7 @@ def test_a_daemon_started_from_a_toml_file_honours_it() -> None:
         'slab_bytes = "256K"\n'
         "max_batch_size = 16\n"
         f'pipelines = "{REPOSITORY}"\n'
+        'repository_operators = "PythonFunction"\n'
         'log_level = "DEBUG"\n'
     )
     log = directory / "configured.log"

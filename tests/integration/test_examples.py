@@ -45,7 +45,13 @@ def test_imagefolder_training(daemon: DaemonProcess, images: Path) -> None:
 @pytest.mark.slow
 def test_imagefolder_training_with_the_repository_pipeline(images: Path) -> None:
     directory = own_directory()
-    daemon = start_daemon(directory, "--pipelines", str(ROOT / "examples" / "pipelines"))
+    daemon = start_daemon(
+        directory,
+        "--pipelines",
+        str(ROOT / "examples" / "pipelines"),
+        "--repository-operators",
+        "PythonFunction",
+    )
     try:
         out = _run("examples.imagefolder_train", daemon, images, "--named")
     finally:

@@ -188,7 +188,12 @@ def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_
     daemon = subprocess.Popen([*serve, "--no-supervisor"], stderr=subprocess.PIPE, text=True)
     try:
         wait_until_answering(runtime / "cpu.sock", daemon)  # type: ignore[arg-type]
-        assert {p.name for p in runtime.iterdir()} == {"cpu.sock", "cpu.sock.lock"}
+        # The socket, its lock, and what the pipelines run (crash attribution, server/flight.py).
+        assert {p.name for p in runtime.iterdir()} == {
+            "cpu.sock",
+            "cpu.sock.lock",
+            "cpu.sock.inflight",
+        }
         with dalid.connect(socket=runtime / "cpu.sock", autostart=False, name="told"):
             stop = _dalid("stop", "--runtime-dir", str(runtime))
             assert stop.returncode == 0, stop.stderr

@@ -21,7 +21,9 @@ REPOSITORY = Path(__file__).with_name("repository")
 @pytest.fixture(scope="module")
 def repository_daemon() -> Iterator[DaemonProcess]:
     directory = own_directory()
-    running = start_daemon(directory, "--pipelines", str(REPOSITORY))
+    running = start_daemon(
+        directory, "--pipelines", str(REPOSITORY), "--repository-operators", "PythonFunction"
+    )
     try:
         yield running
     finally:

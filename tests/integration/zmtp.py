@@ -27,16 +27,33 @@ def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
 
 
 class RawPeer:
-    """A DEALER's side of one connection to ``path``; ``send`` and ``receive`` whole messages."""
+    """A DEALER's side of one connection to ``path``; ``send`` and ``receive`` whole messages.
+    ``routing_id``: the identity it asks the daemon's ROUTER to know it by; ``properties``:
+    more metadata it sends in its READY command."""
 
-    def __init__(self, path: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout: float = 10.0,
+        routing_id: bytes = b"",
+        properties: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.sock.sendall(_greeting())
         self._exactly(64)  # the daemon's greeting
         ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        if routing_id:  # chosen, as zmq.ROUTING_ID does
+            ready += b"\x08Identity" + struct.pack(">I", len(routing_id)) + routing_id
+        for name, value in properties:  # any other metadata a peer may claim
+            ready += bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
         self.sock.sendall(frame(ready, command=True))
+        # As a ZeroMQ peer does, nothing is sent before the daemon's READY: until then the
+        # daemon may still be deciding on the connection (gate.py), and takes no message.
+        _, command, body = self._frame()
+        if not (command and body.startswith(b"\x05READY")):
+            raise ConnectionError(f"the daemon did not answer READY: {body[:20]!r}")
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.sendall(
@@ -44,20 +61,28 @@ class RawPeer:
         )
 
     def receive(self) -> list[bytes]:
-        """The next message (commands such as READY and heartbeats are skipped)."""
+        """The next message (commands such as READY and heartbeats are skipped); raises
+        ConnectionRefusedError with the reason of an ERROR command."""
         parts: list[bytes] = []
         while True:
-            flags = self._exactly(1)[0]
-            if flags & _LONG:
-                (size,) = struct.unpack(">Q", self._exactly(8))
-            else:
-                size = self._exactly(1)[0]
-            body = self._exactly(size)
-            if flags & _COMMAND:
+            more, command, body = self._frame()
+            if command:
                 continue
             parts.append(body)
-            if not flags & _MORE:
+            if not more:
                 return parts
+
+    def _frame(self) -> tuple[bool, bool, bytes]:
+        """The next frame: (more follows, is a command, body)."""
+        flags = self._exactly(1)[0]
+        if flags & _LONG:
+            (size,) = struct.unpack(">Q", self._exactly(8))
+        else:
+            size = self._exactly(1)[0]
+        body = self._exactly(size)
+        if flags & _COMMAND and body.startswith(b"\x05ERROR"):  # refused, and why
+            raise ConnectionRefusedError(body[7 : 7 + body[6]].decode(errors="replace"))
+        return bool(flags & _MORE), bool(flags & _COMMAND), body
 
     def close(self) -> None:
         self.sock.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
 import pytest
 
 from dalid.protocol import Error, ErrorCode
+from dalid.server.credentials import PeerCredentials, parse_peer_address
 from dalid.server.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
 
 
@@ -46,6 +48,8 @@ def is_cut(theirs: socket.socket) -> bool:
         return False
 
 
+# What ZeroMQ attaches to a message of a connection of this process (a socketpair's peer).
+ME = PeerCredentials(os.getpid(), os.getuid(), os.getgid())
 REFUSED = Error(ErrorCode.NOT_WELCOMED, "send hello first")
 
 
@@ -55,7 +59,7 @@ def test_refusals_over_the_burst_cut_the_connection_after_telling_it(
     clock = Clock()
     intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=1.0), clock=clock)
     fd, theirs = connect(intake, pairs)
-    assert intake.admit(b"a", fd, 10) is Verdict.PROCESS
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.PROCESS
     assert intake.credentials(b"a") is not None
     for _ in range(3):
         assert intake.refused(b"a", REFUSED) is None
@@ -63,7 +67,7 @@ def test_refusals_over_the_burst_cut_the_connection_after_telling_it(
     assert isinstance(notice, Error) and notice.code is ErrorCode.RESOURCE_EXHAUSTED
     assert "4 requests" in notice.message and "closes this connection" in notice.message
     assert "send hello first" in notice.message
-    assert intake.admit(b"a", fd, 10) is Verdict.DROP  # told: the rest is not read
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.DROP  # told: the rest is not read
     intake.cut_due()
     assert not is_cut(theirs)  # the error leaves first
     assert intake.next_cut() == pytest.approx(CUT_GRACE_S)
@@ -83,7 +87,7 @@ def test_a_cut_connection_its_peer_closes_during_the_grace_counts_as_cut(
     clock = Clock()
     intake = Intake(IntakeLimits(max_message_bytes=1000), clock=clock)
     fd, _ = connect(intake, pairs)
-    assert isinstance(intake.admit(b"a", fd, 1001), Error)
+    assert isinstance(intake.admit(b"a", fd, 1001, ME), Error)
     assert intake.cuts == 0
     assert intake.closed(fd) == b"a"
     assert intake.cuts == 1
@@ -99,7 +103,7 @@ def test_refusals_at_a_sustainable_rate_are_never_cut(
     clock = Clock()
     intake = Intake(IntakeLimits(refusal_burst=3, refusals_per_second=2.0), clock=clock)
     fd, theirs = connect(intake, pairs)
-    intake.admit(b"a", fd, 10)
+    intake.admit(b"a", fd, 10, ME)
     for _ in range(100):
         clock.now += 0.5
         assert intake.refused(b"a", REFUSED) is None
@@ -112,10 +116,10 @@ def test_another_users_process_is_told_and_cut(
     clock = Clock()
     intake = Intake(IntakeLimits(), uids=frozenset({12345}), clock=clock)
     fd, theirs = connect(intake, pairs)
-    notice = intake.admit(b"a", fd, 10)
+    notice = intake.admit(b"a", fd, 10, ME)
     assert isinstance(notice, Error) and notice.code is ErrorCode.NOT_WELCOMED
     assert "uid 12345 only" in notice.message and "closes this connection" in notice.message
-    assert intake.admit(b"a", fd, 10) is Verdict.DROP
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.DROP
     clock.now += CUT_GRACE_S
     intake.cut_due()
     assert is_cut(theirs)
@@ -139,8 +143,8 @@ def test_a_message_over_the_limit_is_refused_and_its_connection_cut(
     clock = Clock()
     intake = Intake(IntakeLimits(max_message_bytes=1000), clock=clock)
     fd, theirs = connect(intake, pairs)
-    assert intake.admit(b"a", fd, 1000) is Verdict.PROCESS
-    notice = intake.admit(b"a", fd, 1001)
+    assert intake.admit(b"a", fd, 1000, ME) is Verdict.PROCESS
+    notice = intake.admit(b"a", fd, 1001, ME)
     assert isinstance(notice, Error) and "1001 bytes" in notice.message
     clock.now += CUT_GRACE_S
     intake.cut_due()
@@ -162,7 +166,7 @@ def test_a_peer_that_reads_nothing_is_cut_at_once(
 ) -> None:
     intake = Intake(IntakeLimits())
     fd, theirs = connect(intake, pairs)
-    intake.admit(b"a", fd, 10)
+    intake.admit(b"a", fd, 10, ME)
     intake.unreachable(b"a")
     assert is_cut(theirs)
     intake.unreachable(b"a")  # once is enough
@@ -173,9 +177,9 @@ def test_a_late_message_of_a_closed_connection_is_dropped(
 ) -> None:
     intake = Intake(IntakeLimits())
     fd, _ = connect(intake, pairs)
-    intake.admit(b"a", fd, 10)
+    intake.admit(b"a", fd, 10, ME)
     assert intake.closed(fd) == b"a"
-    assert intake.admit(b"a", fd, 10) is Verdict.DROP
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.DROP
     assert intake.credentials(b"a") is None
 
 
@@ -184,8 +188,81 @@ def test_a_descriptor_reused_unreported_is_a_new_connection(
 ) -> None:
     intake = Intake(IntakeLimits())
     fd, _ = connect(intake, pairs)
-    intake.admit(b"a", fd, 10)
+    intake.admit(b"a", fd, 10, ME)
     # Accepted again with no close reported: the identity that sent on it is gone.
     assert intake.accepted(fd) == b"a"
-    assert intake.admit(b"b", fd, 10) is Verdict.PROCESS
+    assert intake.admit(b"b", fd, 10, ME) is Verdict.PROCESS
     assert intake.closed(fd) == b"b"
+
+
+def test_the_credentials_zeromq_attaches_are_read_and_nothing_else() -> None:
+    assert parse_peer_address("localhost:1000:100:4242") == PeerCredentials(4242, 1000, 100)
+    assert parse_peer_address(":0:0:1") == PeerCredentials(1, 0, 0)
+    for unreadable in ("", "localhost", "localhost:1:2", "localhost:a:1:2", "1:2:-3:4"):
+        assert parse_peer_address(unreadable) is None, unreadable
+
+
+def test_a_message_whose_sender_cannot_be_told_is_refused(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # Its process closed the connection before the daemon read it, say: fail closed.
+    clock = Clock()
+    intake = Intake(IntakeLimits(), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    notice = intake.admit(b"a", fd, 10, None)
+    assert isinstance(notice, Error) and notice.code is ErrorCode.NOT_WELCOMED
+    assert "cannot tell which process" in notice.message
+    # Nothing it sends later is acted on, whatever credentials it comes with.
+    assert intake.admit(b"a", fd, 10, None) is Verdict.DROP
+    assert intake.admit(b"a", fd, 10, ME) is not Verdict.PROCESS
+    # The descriptor is not known to be the sender's: its connection is left alone.
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert not is_cut(theirs)
+
+
+def test_another_users_message_is_refused_whatever_its_descriptor_says(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    # The descriptor, read late, names a connection of the daemon's user (the stranger's
+    # closed and its number was reused): the message's own credentials decide.
+    clock = Clock()
+    intake = Intake(IntakeLimits(), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    stranger = PeerCredentials(4242, ME.uid + 1, ME.gid)
+    notice = intake.admit(b"s", fd, 10, stranger)
+    assert isinstance(notice, Error) and notice.code is ErrorCode.NOT_WELCOMED
+    assert f"uid {stranger.uid} is refused" in notice.message
+    assert intake.admit(b"s", fd, 10, stranger) is Verdict.DROP
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert not is_cut(theirs)  # the connection on that descriptor now is not the stranger's
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.PROCESS  # and is served
+
+
+def test_an_identity_is_bound_to_the_connection_and_process_it_first_came_from(
+    pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(), clock=clock)
+    fd, theirs = connect(intake, pairs)
+    other_fd, other = connect(intake, pairs)
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.PROCESS
+    # The same routing id on another connection (a peer that chose it), or from another
+    # process: refused, each time.
+    for descriptor, sender in (
+        (other_fd, ME),
+        (fd, PeerCredentials(ME.pid + 1, ME.uid, ME.gid)),
+        (fd, PeerCredentials(ME.pid, ME.uid + 1, ME.gid)),
+        (fd, None),
+    ):
+        refusal = intake.admit(b"a", descriptor, 10, sender)
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.NOT_WELCOMED
+        assert "routing id is another connection's" in refusal.message
+    assert intake.impostors == 4
+    # The connection it belongs to is served as before, and neither is cut.
+    assert intake.admit(b"a", fd, 10, ME) is Verdict.PROCESS
+    assert intake.credentials(b"a") == ME
+    clock.now += CUT_GRACE_S
+    intake.cut_due()
+    assert not is_cut(theirs) and not is_cut(other)
