@@ -213,8 +213,8 @@ OPTIONS: tuple[Option, ...] = (
         parse_operator_names,
         "",
         "DALI operators the repository's pipelines may use beyond the daemon's allow-list "
-        "(server/operators.py; fn.python_function is PythonFunction), comma-separated, or "
-        "'any'",
+        "(docs/security.md lists it; fn.python_function is PythonFunction), comma-separated, "
+        "or 'any'",
         "NAMES|any",
         default_text="none: the allow-list",
     ),

@@ -12,11 +12,18 @@ The next daemon on the socket reads what its predecessor left marked: those runs
 flight when it died. It refuses each of those graphs to those trainers (``suspected``), naming
 why, and keeps the list in ``<socket>.suspects`` for as long as the trainers live, so that a
 crash of its own does not lose it.
+
+Only a death the daemon brought on itself counts: a fatal signal of its own (a segfault, a bus
+error, an abort: Python's ``faulthandler`` writes it to ``<socket>.fault``, which stays empty
+otherwise) or the kernel's OOM killer (the daemon's cgroup counted an ``oom_kill`` since the
+daemon started). A daemon killed by an operator, a test or a node drain ran nothing that a
+trainer should answer for: its jobs reconnect to the next daemon with their pipelines as ever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import json
 import logging
@@ -63,7 +70,10 @@ class FlightRecorder:
     def __init__(self, socket: Path) -> None:
         self.path = socket.with_name(socket.name + ".inflight")
         self._suspects_path = socket.with_name(socket.name + ".suspects")
-        self.suspects = self._load(self._left_by_predecessor())
+        self._fault_path = socket.with_name(socket.name + ".fault")
+        self._oom_path = socket.with_name(socket.name + ".oom")
+        cause = self._how_predecessor_died()
+        self.suspects = self._load(self._left_by_predecessor(cause))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, 0)
@@ -71,6 +81,12 @@ class FlightRecorder:
             self._map: mmap.mmap | None = mmap.mmap(fd, SLOTS * _SLOT.size)
         finally:
             os.close(fd)
+        _write_private(self._oom_path, str(oom_kills()))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        # The file stays open for the daemon's life: faulthandler writes to its descriptor from
+        # the signal handler, which can open nothing.
+        self._fault = os.fdopen(os.open(self._fault_path, flags, 0o600), "w")
+        faulthandler.enable(self._fault, all_threads=True)
 
     def suspected(self, key: bytes, pid: int) -> Suspect | None:
         return self.suspects.get((key.hex(), pid))
@@ -96,11 +112,27 @@ class FlightRecorder:
         """A clean stop: nothing was in flight. Idempotent."""
         if self._map is None:
             return
+        faulthandler.disable()
+        self._fault.close()
         self._map.close()
         self._map = None
-        self.path.unlink(missing_ok=True)
+        for path in (self.path, self._fault_path, self._oom_path):
+            path.unlink(missing_ok=True)
 
-    def _left_by_predecessor(self) -> list[Suspect]:
+    def _how_predecessor_died(self) -> str | None:
+        """Why the previous daemon died, where it brought that on itself; None for a clean
+        stop, a first start or a kill from outside."""
+        with contextlib.suppress(OSError):
+            fault = self._fault_path.read_text(errors="replace").strip()
+            if fault:
+                log.warning("the previous daemon died of a fatal signal:\n%s", fault)
+                return fault.splitlines()[0]
+        with contextlib.suppress(OSError, ValueError):
+            if oom_kills() > int(self._oom_path.read_text()):
+                return "the kernel's OOM killer ended a process of the daemon's cgroup"
+        return None
+
+    def _left_by_predecessor(self, cause: str | None) -> list[Suspect]:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -110,7 +142,14 @@ class FlightRecorder:
             data = os.read(fd, SLOTS * _SLOT.size)
         finally:
             os.close(fd)
-        found = []
+        found: list[Suspect] = []
+        if cause is None:
+            if any(data):
+                log.info(
+                    "the previous daemon was killed with runs in flight, not by a fault of its "
+                    "own: their graphs are served as before"
+                )
+            return found
         for offset in range(0, len(data) - _SLOT.size + 1, _SLOT.size):
             key, *pids, name = _SLOT.unpack_from(data, offset)
             if any(key):
@@ -122,8 +161,9 @@ class FlightRecorder:
                 ]  # fmt: skip
         for suspect in found:
             log.warning(
-                "the previous daemon died while pipeline %r ran for trainer pid %d: that graph "
-                "is refused to that trainer",
+                "the previous daemon died (%s) while pipeline %r ran for trainer pid %d: that "
+                "graph is refused to that trainer",
+                cause,
                 suspect.name,
                 suspect.pid,
             )
@@ -147,6 +187,32 @@ class FlightRecorder:
         else:
             self._suspects_path.unlink(missing_ok=True)
         return kept
+
+
+def oom_kills() -> int:
+    """How many processes the kernel's OOM killer has ended in this process's memory cgroup
+    (v2's ``memory.events``, else v1's ``memory.oom_control``), 0 where neither can be read."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                counters = Path("/sys/fs/cgroup", path.lstrip("/"), "memory.events")
+            elif "memory" in controllers.split(","):
+                counters = Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.oom_control")
+            else:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                for entry in counters.read_text().splitlines():
+                    name, _, value = entry.partition(" ")
+                    if name == "oom_kill":
+                        return int(value)
+    return 0
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
 
 
 def refusal(suspect: Suspect) -> str:

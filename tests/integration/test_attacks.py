@@ -508,7 +508,10 @@ def test_a_graph_running_when_the_daemon_died_is_refused_to_its_trainer_after() 
         sock.close(linger=0)
         # The next daemon on the socket (the supervisor's restart, here by hand).
         daemon = start_daemon(directory)
-        assert "died while pipeline 'crasher' ran for trainer pid" in daemon.log_text()
+        log = daemon.log_text()
+        assert "the previous daemon died of a fatal signal" in log
+        assert "Segmentation fault" in log
+        assert "while pipeline 'crasher' ran for trainer pid" in log
         sock, _ = trainer()
         refusal = register(sock, CRASHER)
         assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_PIPELINE

@@ -193,6 +193,8 @@ def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_
             "cpu.sock",
             "cpu.sock.lock",
             "cpu.sock.inflight",
+            "cpu.sock.fault",
+            "cpu.sock.oom",
         }
         with dalid.connect(socket=runtime / "cpu.sock", autostart=False, name="told"):
             stop = _dalid("stop", "--runtime-dir", str(runtime))

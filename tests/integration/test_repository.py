@@ -121,7 +121,11 @@ def test_a_daemon_without_a_repository_says_how_to_give_it_one(daemon: DaemonPro
 def test_a_pipeline_that_cannot_be_shared_is_logged_in_dalids_words(short_tmp: Path) -> None:
     """The INFO line says what it means for the user (the pipeline runs, for its job alone);
     DALI's own text, an assert on an operator's schema, is only at DEBUG."""
-    daemon = start_daemon(short_tmp, "--pipelines", str(REPOSITORY), "--log-level", "DEBUG")
+    daemon = start_daemon(
+        short_tmp,
+        *("--pipelines", str(REPOSITORY), "--repository-operators", "PythonFunction"),
+        *("--log-level", "DEBUG"),
+    )
     try:
         with dalid.connect(socket=daemon.socket, autostart=False) as session:
             proxy = session.proxy(dalid.named_pipeline("scaled", batch_size=BATCH, factor=3))
