@@ -15,7 +15,7 @@ mixed run again one by one, so that a bad sample of one job never fails or skips
 samples; a batch that fails alone is answered by its job's on_error policy
 (``badsamples.py``), and that job's next batches run alone for a while.
 
-Why one module of some 460 lines: it is one class, the loop of one thread and the recovery of
+Why one module of some 490 lines: it is one class, the loop of one thread and the recovery of
 its failed runs, which share that thread's state.
 """
 

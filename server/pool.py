@@ -1,5 +1,8 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
+Why one module of some 400 lines: the note below is the lifetime contract the pool enforces,
+and it reads best beside the code that keeps each of its rules.
+
 Note [Output buffer lifetime]
 -----------------------------
 The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer keeps its half in
