@@ -68,6 +68,16 @@ def parse_peer_address(address: str) -> PeerCredentials | None:
     return PeerCredentials(pid, uid, gid)
 
 
+def not_served(uids: frozenset[int], uid: int) -> str:
+    """Why a process of ``uid`` is refused by a daemon that serves ``uids``: said alike by the
+    handshake's gate and by the intake."""
+    served = " and ".join(str(each) for each in sorted(uids, reverse=True))
+    return (
+        f"this daemon serves the processes of uid {served} only (its socket is theirs); "
+        f"uid {uid} is refused"
+    )
+
+
 def read_peer(fd: int) -> tuple[SocketId, PeerCredentials] | None:
     """The socket behind descriptor ``fd`` and its peer's credentials; None if ``fd`` is no
     longer an open Unix socket."""

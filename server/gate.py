@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .credentials import parse_peer_address
+from .credentials import not_served, parse_peer_address
 
 log = logging.getLogger("dalid.server")
 
@@ -63,11 +63,7 @@ class Gate:
                 "serves no one it cannot tell"
             )
         if peer.uid not in self._uids:
-            served = " and ".join(str(uid) for uid in sorted(self._uids, reverse=True))
-            return b"400", (
-                f"this daemon serves the processes of uid {served} only (its socket is theirs); "
-                f"uid {peer.uid} is refused"
-            )
+            return b"400", not_served(self._uids, peer.uid)
         return b"200", "OK"
 
     def _serve(self) -> None:

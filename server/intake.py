@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from dalid.protocol import BatchFailed, Error, ErrorCode
 
-from .credentials import PeerCredentials, SocketId, read_peer, shut_down
+from .credentials import PeerCredentials, SocketId, not_served, read_peer, shut_down
 
 log = logging.getLogger("dalid.server")
 
@@ -298,11 +298,10 @@ class Intake:
 
     def _stranger_notice(self, connection: Connection) -> Error:
         assert connection.credentials is not None
-        served = " and ".join(str(uid) for uid in sorted(self._uids, reverse=True))
         return Error(
             ErrorCode.NOT_WELCOMED,
-            f"this daemon serves the processes of uid {served} only (its socket is theirs); "
-            f"uid {connection.credentials.uid} is refused, and the daemon closes this connection",
+            f"{not_served(self._uids, connection.credentials.uid)}, and the daemon closes this "
+            "connection",
         )
 
     def _impostor(
