@@ -8,6 +8,7 @@ dalid daemon of the pipeline's device (started on demand) instead of a thread of
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from .errors import InputError
@@ -35,7 +36,8 @@ class DALIServer:
     """DALI's ``DALIServer`` API, backed by the daemon for ``pipeline``'s device.
 
     The pipeline is registered with the daemon when ``proxy`` is first used or the server
-    starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once.
+    starts; leaving the ``with`` block (or ``stop_thread()``) ends the job at once, unless a
+    DataLoader of this server keeps persistent workers (see :meth:`stop_thread`).
 
     Beyond DALI's arguments (``proxy`` is a property there, so it takes none), keyword-only:
     ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``) and ``share_runs`` (False: this
@@ -83,6 +85,10 @@ class DALIServer:
         self._session: Session | None = None
         self._proxy: Proxy | None = None
         self._registered = False
+        # DataLoaders of this server with persistent workers, and whether a stop left the job
+        # open for them (Note [Persistent workers across a stop]).
+        self._persistent_loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+        self._paused = False
 
     @property
     def session(self) -> Session:
@@ -135,14 +141,37 @@ class DALIServer:
 
     def start_thread(self) -> None:
         """Connects to the daemon and registers the pipeline (DALI starts a thread here)."""
+        self._paused = False
         _ = self.proxy
 
     def stop_thread(self) -> None:
-        """Ends the job with the daemon; returns at once. Idempotent."""
+        """Ends the job with the daemon; returns at once. Idempotent.
+
+        While a DataLoader of this server has persistent workers running, which carry this
+        job's target, the job stays open instead, until the server starts again (the workers
+        go on submitting to it) or those workers end (Note [Persistent workers across a
+        stop])."""
+        if self._session is None:
+            return
+        if self._workers_carry_job():
+            self._paused = True
+            return
+        self._end_job()
+
+    def _end_job(self) -> None:
+        self._paused = False
         if self._session is not None:
             self._session.close()
         self._session = None
         self._registered = False
+
+    def _workers_carry_job(self) -> bool:
+        return any(loader.workers_running() for loader in self._persistent_loaders)
+
+    def _loader_gone(self) -> None:
+        # A persistent loader's workers ended: a job left open for them has no one left.
+        if self._paused and not self._workers_carry_job():
+            self._end_job()
 
     def __enter__(self) -> DALIServer:
         self.start_thread()
@@ -154,20 +183,46 @@ class DALIServer:
     def __del__(self) -> None:
         # The session's own finalizer also closes it; this just makes it prompt.
         if getattr(self, "_session", None) is not None:
-            self.stop_thread()
+            self._end_job()
 
 
 class DataLoader(_DataLoader):
-    """DALI's proxy ``DataLoader``: a torch DataLoader taking the DALIServer first."""
+    """DALI's proxy ``DataLoader``: a torch DataLoader taking the DALIServer first.
+
+    Note [Persistent workers across a stop]
+    ---------------------------------------
+    DALI's documented loop stops the server after each epoch, and the loader starts it again
+    when it is next iterated. A stop ends the dalid job (its memory goes back to the daemon),
+    and a start registers the pipeline with a new job, whose target workers started from
+    then on carry. Persistent workers (``persistent_workers=True``) are started once and
+    keep the target they were started with, so while they run, a stop leaves the job open
+    (the server is only marked stopped) and the next start carries on with it: the workers'
+    batches keep reaching their job, as with DALI's proxy, whose pipeline outlives its
+    thread. The job ends when the server stops with no such workers left, when the loader
+    that owns them is collected after a stop, or when the server is.
+    """
 
     def __init__(self, dali_server: DALIServer, *args: Any, **kwargs: Any) -> None:
         super().__init__(dali_server, *args, **kwargs)
         self.dali_server = dali_server
+        if self.persistent_workers:
+            dali_server._persistent_loaders.add(self)
+            weakref.finalize(self, _loader_collected, weakref.ref(dali_server))
+
+    def workers_running(self) -> bool:
+        """Whether this loader keeps worker processes between epochs, started already."""
+        return bool(self.persistent_workers and self.num_workers and self._iterator is not None)
 
     def __iter__(self) -> Any:
         # DALI's loader starts a stopped server when it is iterated (the documented use stops
         # it after each epoch). Here that registers the pipeline again and points the proxy at
         # the new job: it must happen before torch starts this epoch's workers, which carry the
-        # proxy's target from then on (persistent workers keep the one they started with).
+        # proxy's target from then on (persistent ones keep the job open across a stop, above).
         self.dali_server.start_thread()
         return super().__iter__()
+
+
+def _loader_collected(server: weakref.ref[DALIServer]) -> None:
+    found = server()
+    if found is not None:
+        found._loader_gone()

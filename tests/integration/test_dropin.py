@@ -346,6 +346,43 @@ def test_start_and_stop_thread_explicitly(dali_proxy: ModuleType) -> None:
     server.stop_thread()
 
 
+def test_persistent_workers_across_stops(dali_proxy: ModuleType, daemon: DaemonProcess) -> None:
+    # DALI's documented loop (the loader starts the server, each epoch ends with stop_thread())
+    # with workers that persist across epochs: they keep the job they were started with, so
+    # the stops leave it open, and it ends once the loader that owns them is gone.
+    server = dali_proxy.DALIServer(two_output_pipeline())
+    loader = dali_proxy.DataLoader(
+        server, ProxyDataset(server.proxy, 12), batch_size=BATCH, num_workers=2,
+        persistent_workers=True,
+    )  # fmt: skip
+    jobs = set()
+    for _ in range(3):
+        seen = []
+        for (_, shifted), indices in loader:
+            for row, index in enumerate(indices.tolist()):
+                np.testing.assert_array_equal(shifted[row].numpy(), sample(index) + 7)
+            seen.extend(indices.tolist())
+        assert seen == list(range(12))
+        jobs.add(server.session.job_id)
+        server.stop_thread()
+    assert len(jobs) == 1  # one job all along: the workers' target never went stale
+    assert [job.job_id for job in daemon.status().jobs] == list(jobs)
+    del loader
+    gc.collect()
+    assert not daemon.status().jobs, "the job outlived the loader's workers"
+    server.stop_thread()  # idempotent once ended
+
+
+def test_stop_without_persistent_workers_ends_the_job(
+    dali_proxy: ModuleType, daemon: DaemonProcess
+) -> None:
+    server = dali_proxy.DALIServer(two_output_pipeline())
+    _one_epoch(dali_proxy, server)
+    assert daemon.status().jobs
+    server.stop_thread()
+    assert not daemon.status().jobs
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_proxy_taken_before_a_restart_still_works(dali_proxy: ModuleType, num_workers: int) -> None:
     server = dali_proxy.DALIServer(two_output_pipeline())
