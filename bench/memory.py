@@ -70,16 +70,42 @@ def shm_mib(daemon_pid: int) -> float:
 
 def gpu_used_mib() -> float | None:
     """GPU memory in use on every GPU together (``nvidia-smi``), or None without one."""
+    reading = gpu_reading()
+    return None if reading is None else reading[0]
+
+
+def gpu_reading() -> tuple[float, float | None] | None:
+    """GPU memory in use on every GPU together, MiB, and how busy they were, % (the mean over
+    GPUs of ``utilization.gpu``: the share of the last sample period, 1/6 s to 1 s, in which
+    a kernel ran); None without ``nvidia-smi`` or when it fails."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-gpu=memory.used,utilization.gpu",
+             "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True,
         )  # fmt: skip
-        return float(sum(float(line) for line in out.stdout.split()))
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError):
         return None
+    return parse_gpu_reading(out.stdout)
+
+
+def parse_gpu_reading(text: str) -> tuple[float, float | None] | None:
+    """``MiB, %`` lines of ``nvidia-smi --query-gpu=memory.used,utilization.gpu`` (csv, no
+    header, no units), one per GPU; a utilisation it cannot read ([N/A]) leaves it None."""
+    if not text.strip():
+        return None
+    used, busy = 0.0, []
+    for line in text.strip().splitlines():
+        memory, _, utilization = (part.strip() for part in line.partition(","))
+        try:
+            used += float(memory)
+        except ValueError:
+            return None
+        with contextlib.suppress(ValueError):  # [N/A]: this GPU cannot say
+            busy.append(float(utilization))
+    return used, (sum(busy) / len(busy) if busy else None)
 
 
 def gpu_process_mib() -> dict[int, float] | None:
@@ -140,6 +166,9 @@ class MemorySample:
     trainers_gpu_mb: float | None = None
     daemon_gpu_mb: float | None = None
     all_gpu_mb: float | None = None
+    # How busy the GPUs were (nvidia-smi's utilization.gpu, %): what a daemon that keeps its
+    # GPU busy shows.
+    gpu_busy_pct: float | None = None
 
     @classmethod
     def take(
@@ -153,7 +182,8 @@ class MemorySample:
         daemon = process_memory(daemon_pid) if daemon_pid else None
         daemon_pss = daemon[1] if daemon else 0.0
         missing = trainers_pss is None or daemon_pss is None
-        gpu = gpu_used_mib() if gpu_baseline is not None else None
+        reading = gpu_reading() if gpu_baseline is not None else None
+        gpu, busy = reading if reading is not None else (None, None)
         processes = gpu_process_mib() if gpu_baseline is not None else None
         trainers_gpu, daemon_gpu, all_gpu = _gpu_shares(processes, pids, daemon_pid)
         return cls(
@@ -170,6 +200,7 @@ class MemorySample:
             trainers_gpu_mb=trainers_gpu,
             daemon_gpu_mb=daemon_gpu,
             all_gpu_mb=all_gpu,
+            gpu_busy_pct=busy,
         )
 
 
@@ -227,8 +258,12 @@ FIELDS = (
     "trainers_rss_mb", "trainers_pss_mb", "daemon_rss_mb", "daemon_pss_mb", "daemon_shm_mb",
     "gpu_mb", "all_pss_mb", "trainers_gpu_mb", "daemon_gpu_mb", "all_gpu_mb",
 )  # fmt: skip
-# The figures memory_metrics returns: each field's median in the window and its peak.
-METRICS = (*FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daemon_peak_rss_mb")
+# The figures memory_metrics returns: each field's median in the window and its peak, and
+# how busy the GPU was in the window (median).
+METRICS = (
+    *FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daemon_peak_rss_mb",
+    "gpu_busy_pct",
+)  # fmt: skip
 
 
 def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[str, Any]:
@@ -249,6 +284,8 @@ def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[s
         every = [s[name] for s in samples if s.get(name) is not None]
         metrics[name] = statistics.median(steady) if steady else None
         metrics[name.replace("_mb", "_peak_mb")] = max(every) if every else None
+    busy = [s["gpu_busy_pct"] for s in inside if s.get("gpu_busy_pct") is not None]
+    metrics["gpu_busy_pct"] = statistics.median(busy) if busy else None
     hwm = [s["daemon_hwm_mb"] for s in samples if s["daemon_hwm_mb"] is not None]
     metrics["daemon_peak_rss_mb"] = max(hwm) if hwm else None
     return metrics

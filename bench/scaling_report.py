@@ -94,8 +94,12 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "| jobs | contender | trainers PSS MiB (peak) | trainers RSS sum MiB "
         "| daemon RSS MiB (peak) | daemon PSS MiB | daemon /dev/shm MiB (peak) "
         "| all processes PSS MiB (peak) |"
-        + (" GPU MiB (peak) | GPU MiB, all processes (peak) | GPU MiB, daemon |" if gpu else ""),
-        "|--:|---|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if gpu else ""),
+        + (
+            " GPU MiB (peak) | GPU MiB, all processes (peak) | GPU MiB, daemon | GPU busy % |"
+            if gpu
+            else ""
+        ),
+        "|--:|---|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|--:|" if gpu else ""),
     ]
     for row in rows:
         daemon = CONTENDERS[row["kind"]].needs_daemon
@@ -112,6 +116,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
                 _memory(row, "gpu_mb", "gpu_peak_mb"),
                 _memory(row, "all_gpu_mb", "all_gpu_peak_mb"),
                 _memory(row, "daemon_gpu_mb") if daemon else "",
+                _memory(row, "gpu_busy_pct"),
             ]
         lines.append(
             f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | " + " | ".join(cells) + " |"
@@ -132,7 +137,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
         + (
             " GPU: memory in use over the reading before the run (nvidia-smi); all processes: "
             "what nvidia-smi charges each of the run's processes (--query-compute-apps), the "
-            "trainers, their workers and the daemon added up; daemon: its own share."
+            "trainers, their workers and the daemon added up; daemon: its own share. GPU "
+            "busy: nvidia-smi's utilization.gpu (the share of time a kernel ran), median over "
+            "the timed window's samples."
             if gpu
             else ""
         ),

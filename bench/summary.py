@@ -225,6 +225,8 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "daemon_peak_rss_mb": m["memory"].get("daemon_peak_rss_mb"),
                 "cpu_ms_per_sample": m["cpu_ms_per_sample"]["total"],
                 "all_gpu_mb": m["memory"].get("all_gpu_mb"),
+                "trainers_gpu_mb": m["memory"].get("trainers_gpu_mb"),
+                "gpu_busy_pct": m["memory"].get("gpu_busy_pct"),
                 **_handle_values(m["handles"]),
                 "weight_ratio": (m["weighted"] or {}).get("ratio"),
                 "weight_expected": (m["weighted"] or {}).get("expected"),

@@ -50,6 +50,10 @@ QA_KINDS = ("dali-qa", "dalid-qa")
 GPU_SHARED_JOBS = 8
 GPU_SHARED_TARGET = 1.2
 GPU_MEMORY_TARGET = 0.5
+# Each dalid job past the first adds at most this share of the GPU memory an in-process job
+# adds beyond its own CUDA context (a dalid trainer's GPU memory is its context: outputs it
+# maps through CUDA IPC are charged to the daemon that made them).
+GPU_ADDED_PER_JOB_TARGET = 0.5
 
 # The daemon's own threads (bench.threads: its I/O thread and its pipelines' executors, not
 # DALI's workers, nor the copies of output bytes into the jobs' memory, which grow with the
@@ -311,8 +315,43 @@ def gpu_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any
                 "ratio",
                 lambda ratio: ratio <= GPU_MEMORY_TARGET,
             ),
+            target(
+                f"{shared}: GPU memory each job past the first adds, beyond its trainer's CUDA "
+                f"context / what an {inprocess} job adds beyond its own ({n} jobs and 1)",
+                f"<= {GPU_ADDED_PER_JOB_TARGET:.0%}",
+                added_gpu_ratio(values, n),
+                "ratio",
+                lambda ratio: ratio <= GPU_ADDED_PER_JOB_TARGET,
+            ),
         ]
     return found
+
+
+def added_gpu_ratio(values: Values, jobs: int) -> dict[str, float]:
+    """Per repeat: ``(all(dalid x jobs) - all(dalid)) / (jobs - 1) - context`` over
+    ``all(dali) - context``, where ``all`` is the GPU memory of all of a run's processes and
+    ``context`` a dalid trainer's own (``trainers_gpu_mb`` of one dalid job: its CUDA context
+    and torch's, which an in-process job has too); over the repeats where all were read."""
+    many, one, alone = (
+        values.get(row_id("dalid", jobs), {}),
+        values.get("dalid", {}),
+        values.get("dali", {}),
+    )
+    ratios = []
+    for repeat, run in many.items():
+        figures = (
+            run.get("all_gpu_mb"),
+            one.get(repeat, {}).get("all_gpu_mb"),
+            one.get(repeat, {}).get("trainers_gpu_mb"),
+            alone.get(repeat, {}).get("all_gpu_mb"),
+        )
+        if jobs < 2 or any(figure is None for figure in figures):
+            continue
+        total, first, context, inprocess = (float(f) for f in figures)  # type: ignore[arg-type]
+        beyond_context = inprocess - context
+        if beyond_context > 0:
+            ratios.append(((total - first) / (jobs - 1) - context) / beyond_context)
+    return spread(ratios)
 
 
 def daemon_thread_targets(values: Values, labels: Mapping[str, str]) -> list[dict[str, Any]]:

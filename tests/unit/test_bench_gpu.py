@@ -12,7 +12,7 @@ from bench.__main__ import default_kinds, make_settings, parse_args, plan
 from bench.config import GPU, PROFILES, QUICK, Settings
 from bench.contenders import CONTENDERS, GPU_KINDS
 from bench.handles import job_handles, per_epoch, run_handles
-from bench.memory import _gpu_shares, parse_compute_apps
+from bench.memory import _gpu_shares, parse_compute_apps, parse_gpu_reading
 from bench.report import targets_table
 from bench.targets import all_targets
 
@@ -84,6 +84,14 @@ def test_gpu_memory_per_process_from_nvidia_smi() -> None:
     assert _gpu_shares(None, [1234], 99) == (None, None, None)
 
 
+def test_gpu_memory_and_busy_from_nvidia_smi() -> None:
+    # Two GPUs: memory adds up, utilisation is their mean; one that cannot say is left out.
+    assert parse_gpu_reading("1000, 80\n500, 40\n") == (1500.0, 60.0)
+    assert parse_gpu_reading("1000, [N/A]\n") == (1000.0, None)
+    assert parse_gpu_reading("") is None
+    assert parse_gpu_reading("[N/A], 5\n") is None
+
+
 def _run(rate: float, **more: float | None) -> dict[str, float | None]:
     return {"samples_per_s": rate, "fairness": 1.0, "all_pss_mb": None,
             "daemon_peak_rss_mb": None, **more}  # fmt: skip
@@ -107,6 +115,11 @@ def test_the_gpu_targets() -> None:
         "dali-x8": {0: _run(10_000.0, all_gpu_mb=8 * 2000.0)},
         "dalid-x8": {0: _run(12_500.0, all_gpu_mb=7000.0)},
     }
+    # One in-process job: 2,000 MiB, of which 500 its context (a dalid trainer's 500); one
+    # dalid job: 2,700 (daemon and trainer); eight: 7,000, so each job past the first adds
+    # 4,300 / 7 - 500 = 114 MiB beyond its context, 7.6% of the 1,500 an in-process job adds.
+    values["dali"][0]["all_gpu_mb"] = 2000.0
+    values["dalid"][0].update(all_gpu_mb=2700.0, trainers_gpu_mb=500.0)
     targets = _by_name(all_targets(values, {}, LABELS, gpu=True))
     one = targets["dalid (shared), 1 job: samples/s / DALI in-process, 1 job"]
     assert one["goal"] == ">= 98%" and one["met"] is True
@@ -116,6 +129,14 @@ def test_the_gpu_targets() -> None:
     assert eight["measured"]["median"] == pytest.approx(1.25) and eight["met"] is True
     memory = _find(targets, "8 jobs: GPU memory of all processes / DALI in-process, 8 jobs")
     assert memory["measured"]["median"] == pytest.approx(7000 / 16000) and memory["met"] is True
+    added = _find(targets, "GPU memory each job past the first adds")
+    assert added["measured"]["median"] == pytest.approx((4300 / 7 - 500) / 1500)
+    assert added["met"] is True
+    # A daemon that adds a whole in-process job's worth per job misses it.
+    values["dalid-x8"][0]["all_gpu_mb"] = 2700.0 + 7 * 2000.0
+    worse = _find(_by_name(all_targets(values, {}, LABELS, gpu=True)), "past the first adds")
+    assert worse["measured"]["median"] == pytest.approx(1.0) and worse["met"] is False
+    values["dalid-x8"][0]["all_gpu_mb"] = 7000.0
     handles = _find(targets, "1 job: slab handles opened / slabs of its pool (each opened once)")
     assert handles["met"] is True
     later = targets["dalid (shared), 1 job: slab handles opened after the warm-up epoch"]
