@@ -305,9 +305,10 @@ class PipelineExecutor:
             load = Load(
                 self.samples_run,
                 waiting,
-                cpu_busy=cpu,
+                cpu_busy=cpu[0] if cpu is not None else None,
                 cores=self._cpu.cores if cpu is not None else 0,
                 gpu_busy=self._gpu.read() if self._gpu is not None else None,
+                daemon_cpu=cpu[1] if cpu is not None else None,
             )
             change = controller.observe(now, count, load)
             if change is Change.ADD and not self._stopping.is_set() and self._room is not None:

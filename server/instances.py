@@ -5,8 +5,9 @@ daemon's copy-out and DALI's own scheduling between them. A shared pipeline's ex
 the same graph on several DALI instances, each with its threads, its slots of the fair
 scheduler and its runs in flight, all taking batches from the same members' queues. How many
 is decided here, by trying: while the pipeline's members keep batches waiting (demand above
-what it delivers) and the device has room (the daemon's CPU below the cores it may use, the
-GPU's utilisation below full), one more instance is started; after a measuring period its
+what it delivers) and the device has room (the cores the daemon may use not all busy, with
+whatever process: trainers and their workers compete for them too; the GPU's utilisation
+below full), one more instance is started; after a measuring period its
 samples/s are held against what one fewer delivered, and it stays only if it raised them by a
 margin; otherwise it goes, and no other is tried for a while. An instance also goes when the
 members' demand fits in one fewer (no batch waited, and fewer samples than one fewer
@@ -52,14 +53,16 @@ class Change(enum.Enum):
 @dataclass(frozen=True)
 class Load:
     """One look at the pipeline and its device: samples the pipeline delivered so far, whether
-    its members have batches waiting, the daemon's busy CPU cores of ``cores`` it may use
-    (None: not measured), the GPU's utilisation 0..1 (None: no GPU, or no NVML)."""
+    its members have batches waiting, the busy CPU cores of the ``cores`` the daemon may use
+    (any process's; None: not measured) and the daemon's own share of them, the GPU's
+    utilisation 0..1 (None: no GPU, or no NVML)."""
 
     samples: int
     waiting: bool
     cpu_busy: float | None = None
     cores: int = 0
     gpu_busy: float | None = None
+    daemon_cpu: float | None = None
 
 
 class InstanceController:
@@ -218,12 +221,14 @@ class _Window:
         self.cpu_busy: float | None = None
         self.cores = 0
         self.gpu_busy: float | None = None
+        self.daemon_cpu: float | None = None
 
     def look(self, load: Load) -> None:
         self.looks += 1
         self.waited += load.waiting
         # The latest meters' readings: each covers the time since its previous reading.
         self.cpu_busy, self.cores, self.gpu_busy = load.cpu_busy, load.cores, load.gpu_busy
+        self.daemon_cpu = load.daemon_cpu
 
     @property
     def waiting_share(self) -> float:
@@ -239,7 +244,8 @@ class _Window:
 def _device_text(load: Load, window: _Window) -> str:
     parts = []
     if window.cpu_busy is not None and window.cores:
-        parts.append(f"CPU {window.cpu_busy:.1f} of {window.cores} cores busy")
+        daemon = "" if window.daemon_cpu is None else f" (the daemon {window.daemon_cpu:.1f})"
+        parts.append(f"CPU {window.cpu_busy:.1f} of {window.cores} cores busy{daemon}")
     if window.gpu_busy is not None:
         parts.append(f"GPU {window.gpu_busy:.0%} busy")
     return ", ".join(parts) or "device load not measured"
@@ -254,20 +260,47 @@ def _s(count: int) -> str:
 
 
 class CpuMeter:
-    """The daemon process's busy CPU cores since the previous reading (all its threads, DALI's
-    included), and the cores it may use."""
+    """Since the previous reading: the busy cores among those the daemon may use (any process
+    on them, from the kernel's per-CPU counters in /proc/stat; without them, the daemon's own
+    figure stands in), and the daemon process's own (all its threads, DALI's included)."""
 
     def __init__(self) -> None:
-        self.cores = len(os.sched_getaffinity(0))
-        self._last = (time.monotonic(), time.process_time())
+        self._allowed = sorted(os.sched_getaffinity(0))
+        self.cores = len(self._allowed)
+        self._last = (time.monotonic(), time.process_time(), _busy_ticks(self._allowed))
 
-    def read(self) -> float | None:
-        wall, cpu = time.monotonic(), time.process_time()
-        last_wall, last_cpu = self._last
+    def read(self) -> tuple[float, float] | None:
+        """(busy cores, the daemon's cores), or None right after the previous reading."""
+        wall, cpu, ticks = time.monotonic(), time.process_time(), _busy_ticks(self._allowed)
+        last_wall, last_cpu, last_ticks = self._last
         if wall - last_wall < 0.2:
             return None  # too short a time to say
-        self._last = (wall, cpu)
-        return (cpu - last_cpu) / (wall - last_wall)
+        self._last = (wall, cpu, ticks)
+        own = (cpu - last_cpu) / (wall - last_wall)
+        if ticks is None or last_ticks is None:
+            return own, own
+        busy = (ticks - last_ticks) / _TICKS_PER_S / (wall - last_wall)
+        return min(max(busy, own), float(self.cores)), own
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_ticks(cpus: list[int]) -> int | None:
+    """The clock ticks the CPUs ``cpus`` spent busy (not idle, not waiting for I/O) since boot;
+    None where /proc/stat cannot be read."""
+    wanted = {f"cpu{number}" for number in cpus}
+    busy = 0
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    ticks = [int(value) for value in fields[1:8]]
+                    busy += sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy
 
 
 class _Utilization(ctypes.Structure):

@@ -154,7 +154,10 @@ def test_meters_read_this_process_and_no_gpu_without_nvml() -> None:
     assert sum(range(3_000_000)) > 0  # some CPU time
     # Busy cores over at least 0.2 s of wall time (a shorter wait says nothing).
     time.sleep(0.25)
-    busy = cpu.read()
-    assert busy is not None and 0.0 < busy <= cpu.cores
+    read = cpu.read()
+    assert read is not None
+    busy, own = read
+    assert 0.0 < own <= busy <= cpu.cores
+    assert cpu.read() is None  # right after a reading: too short a time to say
     assert GpuMeter(None).read() is None
     assert GpuMeter(0).read() is None or 0.0 <= (GpuMeter(0).read() or 0.0) <= 1.0
