@@ -30,6 +30,7 @@ recovery of their failed runs, which share that state.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -105,7 +106,7 @@ class PipelineExecutor:
         self,
         instance_id: int,
         name: str,
-        make_runner: Callable[[], PipelineRunner],
+        make_runner: Callable[..., PipelineRunner],
         first: Member,
         on_built: OnBuilt,
         *,
@@ -120,6 +121,7 @@ class PipelineExecutor:
         controller: InstanceController | None = None,
         room: InstanceRoom | None = None,
         device_id: int | None = None,
+        on_run: Callable[[bool], None] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.name = name
@@ -134,6 +136,9 @@ class PipelineExecutor:
         # Why a pipeline is not shared ("" for a shared one).
         self.private_reason = private_reason
         self._make_runner = make_runner
+        # Told when DALI holds runs of the pipeline, on any of its instances, and when none.
+        self._on_run = on_run
+        self._holding: set[int] = set()  # the instances whose DALI holds runs
         self._scheduler = scheduler
         self._own_stream = stream
         # The stream DALI hands outputs over on (the default executor only), or None: the host.
@@ -337,12 +342,26 @@ class PipelineExecutor:
         finally:
             self._looking.release()
 
+    def _holds_runs(self, instance: _Instance, running: bool) -> None:
+        """From an instance's runner: its DALI holds runs, or none. The pipeline holds runs
+        while any instance's does (flight.py attributes a crash to it)."""
+        if self._on_run is None:
+            return
+        with self._counting:
+            if running:
+                self._holding.add(instance.number)
+            else:
+                self._holding.discard(instance.number)
+            holding = bool(self._holding)
+        if running or not holding:
+            self._on_run(holding)
+
     def _run_more(self, instance: _Instance) -> None:
         """The thread of an instance past the first: builds its DALI pipeline of the same
         graph, then runs batches of the same queues until dropped or stopped."""
         try:
             try:
-                runner = self._make_runner()
+                runner = self._make_runner(on_run=functools.partial(self._holds_runs, instance))
             except PipelineBuildError as error:
                 log.warning(
                     "DALI pipeline %d: another instance could not be built: %s",
@@ -365,7 +384,7 @@ class PipelineExecutor:
     def _run(self, instance: _Instance) -> None:
         try:
             try:
-                runner = self._make_runner()
+                runner = self._make_runner(on_run=functools.partial(self._holds_runs, instance))
             except PipelineBuildError as error:
                 self.failed = True
                 self._built(error)

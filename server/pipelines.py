@@ -210,7 +210,6 @@ class PipelineBuilder:
                 run_batches=run_batches,
                 num_threads=threads or None,
                 max_threads=max_threads,
-                on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             ),
             member,
             on_built,
@@ -224,6 +223,7 @@ class PipelineBuilder:
             private_reason=plan.why_private,
             controller=controller,
             room=self,
+            on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             device_id=self._device_id,
         )
         with self._lock:
