@@ -50,7 +50,12 @@ def pipeline_figures(pipelines: Sequence[dict[str, Any]]) -> dict[str, Any] | No
         "pipelines": len(pipelines),
         "shared": sum(1 for p in pipelines if p["shared"]),
         "jobs_per_pipeline": max(len(p["jobs"]) for p in pipelines),
-        "threads": sum(p["threads"] for p in pipelines),
+        "threads": sum(p["threads"] * p.get("instances", 1) for p in pipelines),
+        # DALI instances of the shared pipelines (the most any had when read), and why.
+        "instances": max(p.get("instances", 1) for p in pipelines),
+        "instances_reasons": sorted(
+            {p["instances_reason"] for p in pipelines if p.get("instances_reason")}
+        ),
         "run_size": max(p["run_size"] for p in pipelines),
         "runs": runs,
         "samples": samples,

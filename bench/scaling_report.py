@@ -200,8 +200,8 @@ def _pipelines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = [
         "| jobs | contender | pipelines in the daemon | jobs per pipeline | DALI threads "
-        "| run size, samples | runs | mean run fill | mixed runs |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| DALI instances | run size, samples | runs | mean run fill | mixed runs |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in mine:
         figures = row["pipelines"]
@@ -213,6 +213,7 @@ def _pipelines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {row['jobs']} | {CONTENDERS[row['kind']].label} | {pipelines} | "
             f"{spread_text(figures['jobs_per_pipeline'])} | {spread_text(figures['threads'])} | "
+            f"{spread_text(figures['instances']) if 'instances' in figures else NONE} | "
             f"{spread_text(figures['run_size'])} | {spread_text(figures['runs'])} | "
             f"{_fill(row)} | {_fill(row, 'mixed_share')} |"
         )

@@ -30,8 +30,8 @@ from .weights import queue_figures, weight_ratio
 BASELINE = "dali"  # what the headline ratio compares dalid with
 # The daemon's pipelines in a dalid run (bench.fill), summed up over repeats.
 PIPELINE_FIGURES = (
-    "pipelines", "shared", "jobs_per_pipeline", "threads", "run_size", "runs", "mixed_runs",
-    "mean_fill", "mixed_share",
+    "pipelines", "shared", "jobs_per_pipeline", "threads", "instances", "run_size", "runs",
+    "mixed_runs", "mean_fill", "mixed_share",
 )  # fmt: skip
 PROBES = {
     "os_echo": "OS floor: 1 byte to an echo process over a Unix socketpair",

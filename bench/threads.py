@@ -62,7 +62,7 @@ class _Totals:
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
-        # Executors running (ident -> the executor) and what the ended ones used.
+        # Executors' instances running (ident -> the instance) and what the ended ones used.
         self.executors: dict[int, Any] = {}
         self.executor_cpu_done_s = 0.0
         self.executor_samples_done = 0
@@ -76,7 +76,7 @@ class _Totals:
             by_op = {op: list(figures) for op, figures in self.by_op.items()}
             copy_out = self.copy_out_cpu_s
         executor_cpu += sum(_thread_cpu_s(ident) for ident, _ in running)
-        samples += sum(executor.samples_run for _, executor in running)
+        samples += sum(instance.samples for _, instance in running)
         io = self.io_cpu_done_s + (_thread_cpu_s(self.io_ident) if self.io_ident else 0.0)
         return {
             "t_ns": time.monotonic_ns(),
@@ -154,20 +154,20 @@ def install() -> None:
     run_loop = PipelineExecutor._loop
 
     @functools.wraps(run_loop)
-    def executor_loop(self: Any, runner: Any) -> None:
+    def executor_loop(self: Any, instance: Any, runner: Any) -> None:
         ident = threading.get_ident()
         start = _thread_cpu_s(ident)  # the pipeline's build is not the loop's
         with TOTALS.lock:
             TOTALS.executor_cpu_done_s -= start
-            TOTALS.executors[ident] = self
+            TOTALS.executors[ident] = instance
         try:
-            run_loop(self, runner)
+            run_loop(self, instance, runner)
         finally:
             used = _thread_cpu_s(ident)
             with TOTALS.lock:
                 del TOTALS.executors[ident]
                 TOTALS.executor_cpu_done_s += used
-                TOTALS.executor_samples_done += self.samples_run
+                TOTALS.executor_samples_done += instance.samples
 
     def copying(method: Any) -> Any:
         @functools.wraps(method)

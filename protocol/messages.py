@@ -883,6 +883,12 @@ class PipelineStatus:
     private_reason: str = ""
     # The DALI threads its registration asked for, where the daemon gave fewer (0: as asked).
     threads_asked: int = 0
+    # DALI instances of the graph running side by side (each with ``threads``), and why that
+    # many: what the daemon measured, or the operator's setting ("" for a pipeline of its own).
+    instances: int = 1
+    instances_reason: str = ""
+    # The runs each of them ran so far, the first instance first.
+    instance_runs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
             enabled=settings["share_pipelines"],
             run_batches=settings["run_batches"],
             threads=settings["threads"] or usable_cores(),
+            instances=settings["instances"],
         ),
         gpu_outputs=settings["gpu_outputs"],
         metrics_port=settings["metrics_port"],

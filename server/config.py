@@ -119,6 +119,16 @@ def parse_gpu_outputs(text: str) -> str:
     return mode
 
 
+def parse_instances(text: str) -> int:
+    """``auto`` (0, as the supervisor passes it on) or a positive number."""
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        return parse_count(text)
+    except ValueError:
+        raise ValueError(f"expected auto or a positive whole number, got {text!r}") from None
+
+
 def parse_log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in logging.getLevelNamesMapping():
@@ -328,6 +338,16 @@ OPTIONS: tuple[Option, ...] = (
         "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
         "N",
         default_text="the CPU cores the daemon may use",
+    ),
+    Option(
+        "instances",
+        parse_instances,
+        0,
+        "DALI instances of each shared pipeline, running its runs side by side: 'auto' tries "
+        "one more while its jobs' batches wait and the device has room, and keeps it only if "
+        "samples/s rose; N pins the number (within --max-threads and --max-daemon-pipelines)",
+        "N|auto",
+        default_text="auto",
     ),
     Option(
         "malloc_arenas",

@@ -15,17 +15,27 @@ mixed run again one by one, so that a bad sample of one job never fails or skips
 samples; a batch that fails alone is answered by its job's on_error policy
 (``badsamples.py``), and that job's next batches run alone for a while.
 
-Why one module of some 490 lines: it is one class, the loop of one thread and the recovery of
-its failed runs, which share that thread's state.
+A shared pipeline may run on several DALI instances of its graph at once, each in a thread of
+its own with its own runner, runs in flight and scheduler slots, all taking batches from the
+same members' queues; how many is measured (``instances.py``) or pinned by the operator. A
+failure stays the instance's own: it rebuilds its DALI pipeline and runs its own failed runs
+again, while the others go on; one that cannot be rebuilt fails its own batches and ends,
+and the pipeline stops working only when its last instance does. A job's batches may finish
+out of order across instances (its trainer waits for each by its id).
+
+Why one module of some 700 lines: it is one class, the loop of its instances' threads and the
+recovery of their failed runs, which share that state.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from dalid.protocol import (
     BadSample,
@@ -37,6 +47,7 @@ from dalid.protocol import (
 )
 
 from .badsamples import recover, summary
+from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .outputs import OutputFailure, RunOutput, Stream
 from .paths import unseen_file
 from .pool import PoolClosed, PoolFull
@@ -48,6 +59,33 @@ from .scheduler import FairScheduler, ServiceClock
 log = logging.getLogger("dalid.server")
 
 OnBuilt = Callable[[PipelineSpec | PipelineBuildError], None]
+
+# How often an instance's thread looks at the load for the controller (instances.py).
+_LOOK_S = 0.25
+
+
+class InstanceRoom(Protocol):
+    """Where another DALI instance of a pipeline takes its threads from: ``take`` gives the
+    threads one more instance of pipeline ``instance_id`` may have (0: none fits), ``give``
+    returns them."""
+
+    def take(self, instance_id: int) -> int: ...
+
+    def give(self, instance_id: int, threads: int) -> None: ...
+
+
+class _Instance:
+    """One DALI instance of a pipeline: its thread, its runner once built, its threads."""
+
+    def __init__(self, number: int, threads: int = 0) -> None:
+        self.number = number
+        self.threads = threads  # taken from the InstanceRoom (0 for the first instance)
+        self.runner: PipelineRunner | None = None
+        self.thread: threading.Thread | None = None
+        # Dropped by the controller: it takes no more runs and ends once its own are done.
+        self.retiring = False
+        self.runs = 0  # runs it collected from DALI, and their samples
+        self.samples = 0
 
 
 class PipelineExecutor:
@@ -68,7 +106,7 @@ class PipelineExecutor:
         self,
         instance_id: int,
         name: str,
-        make_runner: Callable[[], PipelineRunner],
+        make_runner: Callable[..., PipelineRunner],
         first: Member,
         on_built: OnBuilt,
         *,
@@ -80,6 +118,10 @@ class PipelineExecutor:
         on_empty: Callable[[PipelineExecutor], None] | None = None,
         on_private: Callable[[PipelineExecutor], None] | None = None,
         private_reason: str = "",
+        controller: InstanceController | None = None,
+        room: InstanceRoom | None = None,
+        device_id: int | None = None,
+        on_run: Callable[[bool], None] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.name = name
@@ -94,6 +136,9 @@ class PipelineExecutor:
         # Why a pipeline is not shared ("" for a shared one).
         self.private_reason = private_reason
         self._make_runner = make_runner
+        # Told when DALI holds runs of the pipeline, on any of its instances, and when none.
+        self._on_run = on_run
+        self._holding: set[int] = set()  # the instances whose DALI holds runs
         self._scheduler = scheduler
         self._own_stream = stream
         # The stream DALI hands outputs over on (the default executor only), or None: the host.
@@ -105,19 +150,41 @@ class PipelineExecutor:
         self._waiting_for_build: list[tuple[Member, OnBuilt]] = []
         self._clock = ServiceClock()
         self._stopping = threading.Event()
-        # Members, their queues and the next run; its lock also guards the build's outcome.
+        # Members, their queues and the next run; its lock also guards the build's outcome and
+        # the instances. Every instance plans on it (the slots it holds are its thread's).
         self._planner = RunPlanner(scheduler, self._clock, self._stopping, max_image_pixels)
         self._planner.shared = self.shared
         self._changed = self._planner.changed
+        # How many DALI instances run the graph (shared pipelines only; None: one, always).
+        self._controller = controller if shared else None
+        self._room = room
+        self._cpu = CpuMeter()
+        self._gpu = GpuMeter(device_id) if self._controller is not None else None
+        self._looking = threading.Lock()
+        self._next_look = 0.0
+        self._counting = threading.Lock()
+        self._instances: list[_Instance] = []
+        self._next_number = 0
         self.join(first, on_built)
-        self._thread = threading.Thread(
-            target=self._run, name=f"dalid-pipeline-{instance_id}", daemon=True
-        )
-        self._thread.start()
+        self._start_instance(_Instance(0), self._run)
 
     @property
     def members(self) -> list[Member]:
         return self._planner.members
+
+    @property
+    def instances(self) -> int:
+        """DALI instances running the graph, or starting (not those ending)."""
+        with self._changed:
+            return sum(not instance.retiring for instance in self._instances)
+
+    def _instance_runs(self) -> tuple[int, ...]:
+        with self._changed:
+            return tuple(instance.runs for instance in self._instances if not instance.retiring)
+
+    @property
+    def instances_reason(self) -> str:
+        return self._controller.reason if self._controller is not None else ""
 
     @property
     def run_size(self) -> int:
@@ -143,6 +210,9 @@ class PipelineExecutor:
             mixed_runs=self.mixed_runs,
             private_reason=self.private_reason,
             threads_asked=runner.threads_asked if runner is not None else 0,
+            instances=max(self.instances, 1),
+            instances_reason=self.instances_reason,
+            instance_runs=self._instance_runs(),
         )
 
     # --- members ------------------------------------------------------------------------------
@@ -177,24 +247,144 @@ class PipelineExecutor:
         self._planner.submit(batch)
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Stops the thread, dropping batches not yet run; whether it stopped. Idempotent."""
+        """Stops the threads of every instance, dropping batches not yet run; whether they
+        stopped. Idempotent."""
         self._stopping.set()
         self._planner.wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        deadline = time.monotonic() + timeout
+        stopped = True
+        while True:
+            with self._changed:
+                threads = [i.thread for i in self._instances if i.thread is not None]
+            waiting = [t for t in threads if t is not threading.current_thread() and t.is_alive()]
+            if not waiting:
+                return stopped
+            for thread in waiting:
+                thread.join(max(deadline - time.monotonic(), 0.0))
+            if any(thread.is_alive() for thread in waiting):
                 log.warning(
                     "DALI pipeline %d did not stop within %.0f s", self.instance_id, timeout
                 )
                 return False
-        return True
+
+    # --- instances ------------------------------------------------------------------------------
+
+    def _start_instance(self, instance: _Instance, target: Callable[[_Instance], None]) -> None:
+        with self._changed:
+            instance.number = self._next_number
+            self._next_number += 1
+            suffix = f".{instance.number}" if instance.number else ""
+            instance.thread = threading.Thread(
+                target=target,
+                args=(instance,),
+                name=f"dalid-pipeline-{self.instance_id}{suffix}",
+                daemon=True,
+            )
+            self._instances.append(instance)
+        instance.thread.start()
+
+    def _ended(self, instance: _Instance) -> None:
+        """``instance``'s thread ends: its threads go back; the last one closes the stream."""
+        with self._changed:
+            if instance in self._instances:
+                self._instances.remove(instance)
+            last = not self._instances
+        if instance.threads and self._room is not None:
+            self._room.give(self.instance_id, instance.threads)
+        if last and self._own_stream is not None:
+            self._own_stream.close()
+
+    def _look(self) -> None:
+        """From any instance's thread, now and then: the controller's look at the load, and
+        the change it asks for."""
+        controller = self._controller
+        now = time.monotonic()
+        if controller is None or now < self._next_look or not self._looking.acquire(False):
+            return
+        try:
+            self._next_look = now + _LOOK_S
+            with self._changed:
+                waiting = any(member.queue for member in self.members)
+                count = sum(not instance.retiring for instance in self._instances)
+            cpu = self._cpu.read()
+            load = Load(
+                self.samples_run,
+                waiting,
+                cpu_busy=cpu[0] if cpu is not None else None,
+                cores=self._cpu.cores if cpu is not None else 0,
+                gpu_busy=self._gpu.read() if self._gpu is not None else None,
+                daemon_cpu=cpu[1] if cpu is not None else None,
+            )
+            change = controller.observe(now, count, load)
+            if change is Change.ADD and not self._stopping.is_set() and self._room is not None:
+                threads = self._room.take(self.instance_id)
+                if threads:
+                    log.info(
+                        "DALI pipeline %d %r: one more instance (%s)",
+                        self.instance_id,
+                        self.name,
+                        controller.reason,
+                    )
+                    self._start_instance(_Instance(0, threads), self._run_more)
+            elif change is Change.DROP:
+                with self._changed:
+                    extra = [i for i in self._instances if i.number and not i.retiring]
+                    if extra:
+                        extra[-1].retiring = True
+                if extra:
+                    log.info(
+                        "DALI pipeline %d %r: one instance fewer (%s)",
+                        self.instance_id,
+                        self.name,
+                        controller.reason,
+                    )
+                    self._planner.wake()
+        finally:
+            self._looking.release()
+
+    def _holds_runs(self, instance: _Instance, running: bool) -> None:
+        """From an instance's runner: its DALI holds runs, or none. The pipeline holds runs
+        while any instance's does (flight.py attributes a crash to it)."""
+        if self._on_run is None:
+            return
+        with self._counting:
+            if running:
+                self._holding.add(instance.number)
+            else:
+                self._holding.discard(instance.number)
+            holding = bool(self._holding)
+        if running or not holding:
+            self._on_run(holding)
+
+    def _run_more(self, instance: _Instance) -> None:
+        """The thread of an instance past the first: builds its DALI pipeline of the same
+        graph, then runs batches of the same queues until dropped or stopped."""
+        try:
+            try:
+                runner = self._make_runner(on_run=functools.partial(self._holds_runs, instance))
+            except PipelineBuildError as error:
+                log.warning(
+                    "DALI pipeline %d: another instance could not be built: %s",
+                    self.instance_id,
+                    error,
+                )
+                return
+            instance.runner = runner
+            if self._controller is not None:
+                self._controller.started(time.monotonic())
+            try:
+                self._loop(instance, runner)
+            finally:
+                runner.close()
+        finally:
+            self._ended(instance)
 
     # --- the thread -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, instance: _Instance) -> None:
         try:
             try:
-                runner = self._make_runner()
+                runner = self._make_runner(on_run=functools.partial(self._holds_runs, instance))
             except PipelineBuildError as error:
                 self.failed = True
                 self._built(error)
@@ -220,18 +410,18 @@ class PipelineExecutor:
                         why,
                     )
                     self.shared = self._planner.shared = False
+                    self._controller = None
                     self.private_reason = why
                     if self._on_private is not None:
                         self._on_private(self)
-            self.runner = runner
+            self.runner = instance.runner = runner
             self._built(runner.spec)
             try:
-                self._loop(runner)
+                self._loop(instance, runner)
             finally:
                 runner.close()
         finally:
-            if self._own_stream is not None:
-                self._own_stream.close()
+            self._ended(instance)
 
     def _built(self, outcome: PipelineSpec | PipelineBuildError) -> None:
         with self._changed:
@@ -245,7 +435,7 @@ class PipelineExecutor:
         for _, on_built in waiting:
             on_built(outcome)
 
-    def _loop(self, runner: PipelineRunner) -> None:
+    def _loop(self, instance: _Instance, runner: PipelineRunner) -> None:
         # Every run in ``in_flight`` holds a slot of the scheduler, taken before DALI gets it
         # and given back once DALI is done with it.
         in_flight: collections.deque[Run] = collections.deque()
@@ -273,7 +463,10 @@ class PipelineExecutor:
 
         try:
             while not self._stopping.is_set():
-                while len(in_flight) < depth:
+                self._look()
+                if instance.retiring and not retry and not in_flight:
+                    break  # dropped, and its own runs are done
+                while len(in_flight) < depth and (retry or not instance.retiring):
                     run = self._planner.next_run(retry, block=not in_flight)
                     if run is None:
                         break
@@ -305,30 +498,54 @@ class PipelineExecutor:
                     start_over(run, ErrorCode.PIPELINE_ERROR, error)
                     continue
                 self._account(run)
+                instance.runs += 1
+                instance.samples += run.samples
                 self._planner.give_slots(1, retry)
                 self._deliver(run, [RunOutput(i, output) for i, output in enumerate(outputs)])
                 del outputs
                 runner.release()
         except Exception as error:
             # Most likely the pipeline could not be rebuilt. Answer every batch it holds so that
-            # no trainer waits forever, and refuse new ones (see pipelines.executor_for).
-            log.exception("DALI pipeline %d stopped working", self.instance_id)
-            self.failed = True
+            # no trainer waits forever; with no other instance left, refuse new ones too (see
+            # pipelines.executor_for).
+            # (Only built instances count: one still building may yet fail too.)
+            with self._changed:
+                others = any(
+                    i is not instance and not i.retiring and i.runner is not None
+                    for i in self._instances
+                )
+            log.exception(
+                "DALI pipeline %d%s stopped working",
+                self.instance_id,
+                " (one of its instances; the others go on)" if others else "",
+            )
+            queued: list[PendingBatch] = []
+            if not others:
+                self.failed = True
+                queued = self._planner.take_queued()
             message = f"the pipeline stopped working and takes no more batches: {error}"
-            queued = self._planner.take_queued()
             for batch in [*(b for run in in_flight for b in run.batches), *retry, *queued]:
                 self._fail(batch, ErrorCode.PIPELINE_ERROR, message)
+            # An instance that ends while others go on is one fewer for the controller too.
+            instance.retiring = True
         finally:
-            self._planner.give_up()
+            with self._changed:
+                others = (
+                    any(i is not instance and not i.retiring for i in self._instances)
+                    and not self._stopping.is_set()
+                )
+            self._planner.give_up(last=not others)
 
     def _account(self, run: Run) -> None:
         """Learns from a run that came out of DALI: its service time, charged to its jobs."""
         samples = run.samples
-        service = self._clock.batch_done(samples, run.entered, time.monotonic())
-        self.runs += 1
-        self.samples_run += samples
-        if len({batch.member.job_id for batch in run.batches if batch.member}) > 1:
-            self.mixed_runs += 1
+        mixed = len({batch.member.job_id for batch in run.batches if batch.member}) > 1
+        # Instances run side by side: the clock then learns the pipeline's time per sample.
+        with self._counting:
+            service = self._clock.batch_done(samples, run.entered, time.monotonic())
+            self.runs += 1
+            self.samples_run += samples
+            self.mixed_runs += mixed
         if self._scheduler is None or samples == 0:
             return
         for batch in run.batches:

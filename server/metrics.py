@@ -40,6 +40,7 @@ PIPELINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_pipeline_run_size", "The most samples one run holds", "gauge", "run_size"),
     ("dalid_pipeline_mean_fill", "Samples of its runs over their run size", "gauge", "mean_fill"),
     ("dalid_pipeline_jobs", "Jobs whose registrations the pipeline runs", "gauge", "jobs"),
+    ("dalid_pipeline_instances", "DALI instances running the pipeline", "gauge", "instances"),
 )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ the allow-list and its outputs' declared sizes (``operators.py``), whether it wa
 the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
 and DALI threads.
 
-Why one module of some 440 lines: it holds the daemon's one table of pipelines, and what a
+Why one module of some 470 lines: it holds the daemon's one table of pipelines, and what a
 registration must pass to get a place in it.
 """
 
@@ -43,6 +43,7 @@ from dalid.protocol import (
 from .errors import RequestRefused
 from .executor import PipelineExecutor
 from .flight import FlightRecorder, graph_key, refusal
+from .instances import MAX_INSTANCES, InstanceController
 from .jobs import Job
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from .outputs import StreamFactory, no_streams
@@ -67,6 +68,8 @@ class Sharing:
     enabled: bool = True
     run_batches: int = 4
     threads: int = 0
+    # DALI instances of each shared pipeline (0: as many as measurement says pay, instances.py).
+    instances: int = 0
 
 
 SHARING = Sharing()
@@ -119,8 +122,11 @@ class PipelineBuilder:
         self._max_threads = max_threads or max(128, 8 * cores)
         self._thread_share = cores
         self._max_pipelines = max_pipelines
-        # The threads each running pipeline may have, by instance id.
+        # The threads each running pipeline may have, by instance id (all its DALI instances'),
+        # what one DALI instance of it has, and its instances past the first.
         self._threads: dict[int, int] = {}
+        self._instance_threads: dict[int, int] = {}
+        self._more_instances: dict[int, int] = {}
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -190,8 +196,12 @@ class PipelineBuilder:
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
-            self._threads[instance_id] = max_threads
+            self._threads[instance_id] = self._instance_threads[instance_id] = max_threads
             self._pids[instance_id] = {job.pid}
+        controller = None
+        if shared:
+            pinned = self._sharing.instances or None
+            controller = InstanceController(pinned=pinned, max_instances=pinned or MAX_INSTANCES)
         executor = PipelineExecutor(
             instance_id,
             plan.name,
@@ -200,7 +210,6 @@ class PipelineBuilder:
                 run_batches=run_batches,
                 num_threads=threads or None,
                 max_threads=max_threads,
-                on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             ),
             member,
             on_built,
@@ -212,6 +221,10 @@ class PipelineBuilder:
             on_empty=self._forget,
             on_private=self._unshare,
             private_reason=plan.why_private,
+            controller=controller,
+            room=self,
+            on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
+            device_id=self._device_id,
         )
         with self._lock:
             self.instances[instance_id] = executor
@@ -241,10 +254,33 @@ class PipelineBuilder:
         if suspect is not None:
             raise RequestRefused(ErrorCode.INVALID_PIPELINE, refusal(suspect))
 
+    def take(self, instance_id: int) -> int:
+        """The threads another DALI instance of pipeline ``instance_id`` gets (as many as its
+        first), or 0 where it does not fit in the daemon's pipelines and threads."""
+        with self._lock:
+            threads = self._instance_threads.get(instance_id, 0)
+            running = len(self._threads) + sum(self._more_instances.values())
+            if not threads or (self._max_pipelines and running >= self._max_pipelines):
+                return 0
+            if self._max_threads - sum(self._threads.values()) < threads:
+                return 0
+            self._threads[instance_id] += threads
+            self._more_instances[instance_id] = self._more_instances.get(instance_id, 0) + 1
+            return threads
+
+    def give(self, instance_id: int, threads: int) -> None:
+        """An instance past the first of pipeline ``instance_id`` ended: its threads go back."""
+        with self._lock:
+            if instance_id in self._threads:
+                self._threads[instance_id] -= threads
+            if self._more_instances.get(instance_id):
+                self._more_instances[instance_id] -= 1
+
     def _thread_room(self) -> int:
         """The DALI threads a new pipeline may have; refuses one that does not fit."""
         with self._lock:
-            running, used = len(self._threads), sum(self._threads.values())
+            running = len(self._threads) + sum(self._more_instances.values())
+            used = sum(self._threads.values())
         if self._max_pipelines and running >= self._max_pipelines:
             raise RequestRefused(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -266,6 +302,8 @@ class PipelineBuilder:
         with self._lock:
             self.instances.pop(executor.instance_id, None)
             self._threads.pop(executor.instance_id, None)
+            self._instance_threads.pop(executor.instance_id, None)
+            self._more_instances.pop(executor.instance_id, None)
             self._pids.pop(executor.instance_id, None)
             for key, shared in list(self._shared.items()):
                 if shared is executor:

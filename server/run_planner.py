@@ -39,8 +39,10 @@ class RunPlanner:
     weights hold inside runs. A batch that ran in a mixed run that failed, or of a job in
     quarantine, runs alone.
 
-    ``members`` and their queues are guarded by ``changed``, which a submission notifies; the
-    executor's thread alone forms runs and holds slots.
+    ``members`` and their queues are guarded by ``changed``, which a submission notifies. The
+    pipeline's DALI instances (``executor.py``) form runs from the same queues, each in a
+    thread of its own; the slots each holds, and the one kept for its next run, are its
+    thread's (``_Seat``), so one instance never gives back or waits on another's.
     """
 
     def __init__(
@@ -62,11 +64,29 @@ class RunPlanner:
         self._clock = clock
         self._stopping = stopping
         self._max_image_pixels = max_image_pixels
-        self._slots_held: list[int] = []  # the job each held slot was taken for, oldest first
-        # The job a slot is kept for (release(next_cost=...)), whose batch starts the next run.
-        self._reserved: int | None = None
-        # A member's batch waited because its job's memory was full: look again soon.
-        self._starved = False
+        self._seat = _Seat()
+
+    # What a DALI instance holds of the scheduler lives in its thread's seat.
+
+    @property
+    def _slots_held(self) -> list[int]:
+        return self._seat.slots_held
+
+    @property
+    def _reserved(self) -> int | None:
+        return self._seat.reserved
+
+    @_reserved.setter
+    def _reserved(self, job_id: int | None) -> None:
+        self._seat.reserved = job_id
+
+    @property
+    def _starved(self) -> bool:
+        return self._seat.starved
+
+    @_starved.setter
+    def _starved(self, starved: bool) -> None:
+        self._seat.starved = starved
 
     # --- members --------------------------------------------------------------------------------
 
@@ -306,9 +326,28 @@ class RunPlanner:
             else:
                 self._scheduler.release(job_id)
 
-    def give_up(self) -> None:
-        """Gives back every slot held or kept (the executor stops)."""
+    def give_up(self, last: bool = True) -> None:
+        """Gives back every slot the calling instance holds or keeps; ``last``: the pipeline
+        stops (no instance of it goes on), so every slot kept for its jobs goes back too."""
         self.give_slots(len(self._slots_held))
-        if self._scheduler is not None:
-            for job_id in {member.job_id for member in list(self.members)}:
-                self._scheduler.forfeit(job_id)
+        if self._scheduler is None:
+            return
+        if not last:
+            if self._reserved is not None:
+                self._scheduler.forfeit(self._reserved)
+                self._reserved = None
+            return
+        for job_id in {member.job_id for member in list(self.members)}:
+            self._scheduler.forfeit(job_id)
+
+
+class _Seat(threading.local):
+    """What one DALI instance of a pipeline holds of the scheduler, kept per thread: each
+    instance forms and runs its runs in a thread of its own."""
+
+    def __init__(self) -> None:
+        self.slots_held: list[int] = []  # the job each held slot was taken for, oldest first
+        # The job a slot is kept for (release(next_cost=...)), whose batch starts the next run.
+        self.reserved: int | None = None
+        # A member's batch waited because its job's memory was full: look again soon.
+        self.starved = False

@@ -137,7 +137,9 @@ PIPELINE_LINE = (
     "Below the table, a line per DALI pipeline the daemon runs (jobs that register the same "
     "pipeline share one): its number (the daemon's log names it so), its name, the jobs it runs "
     "for, the most samples one run takes, how full its runs were on average, and how many of "
-    "its runs mixed batches of two jobs or more; a pipeline that is not shared says why"
+    "its runs mixed batches of two jobs or more, and on how many DALI instances it runs and why "
+    "(what the daemon measured, or dalid serve --instances); a pipeline that is not shared says "
+    "why"
 )
 
 
@@ -160,6 +162,10 @@ def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
             )
         if pipeline.threads_asked:
             how += f"; {pipeline.threads} DALI threads of the {pipeline.threads_asked} asked"
+        if pipeline.instances_reason:
+            how += f"; {pipeline.instances_reason}"
+        elif pipeline.instances > 1:
+            how += f"; {pipeline.instances} DALI instances"
         line = f"DALI pipeline {pipeline.pipeline} {pipeline.name or 'unnamed'}: {how}"
         lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")
     return lines

@@ -93,3 +93,13 @@ def test_a_runs_pipelines_come_from_its_trainers_results() -> None:
                                                        {"job_id": 2, "batches_copied": 1}]}},
     ]  # fmt: skip
     assert run_pipelines(jobs)["batches_copied"] == 6
+
+
+def test_a_pipeline_on_several_instances_counts_their_threads_and_says_why() -> None:
+    reason = "2 instances: 1->2 raised 8,100 to 11,900 samples/s; CPU 1.9 of 2 cores busy"
+    shared = _pipeline(1, [1, 2], runs=10, samples=960)
+    shared.update(instances=2, instances_reason=reason)
+    figures = pipeline_figures([shared, _pipeline(2, [3], runs=5, samples=160, shared=False)])
+    assert figures is not None
+    assert figures["instances"] == 2 and figures["instances_reasons"] == [reason]
+    assert figures["threads"] == 2 * 2 + 2

@@ -196,3 +196,12 @@ def test_a_supervised_child_gets_every_option_the_supervisor_resolved(tmp_path: 
         if name not in PER_CHILD:
             assert child[name] == value, name
     assert child["memory_limit"] == 3 << 30 and child["max_inflight_batches"] == 7
+
+
+def test_instances_are_auto_by_default_or_a_number() -> None:
+    assert _serve()["instances"] == 0  # auto: decided from measurement
+    assert _serve("--instances", "auto")["instances"] == 0
+    assert _serve("--instances", "3")["instances"] == 3
+    assert _serve(environ={"DALID_INSTANCES": "2"})["instances"] == 2
+    with pytest.raises(ConfigError, match=r"\$DALID_INSTANCES: expected auto or a positive"):
+        _serve(environ={"DALID_INSTANCES": "many"})

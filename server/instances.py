@@ -1,0 +1,351 @@
+"""How many DALI instances a shared pipeline runs on, decided from what the daemon measures.
+
+One DALI pipeline may not keep a device busy: its runs go one after another, with the
+daemon's copy-out and DALI's own scheduling between them. A shared pipeline's executor can run
+the same graph on several DALI instances, each with its threads, its slots of the fair
+scheduler and its runs in flight, all taking batches from the same members' queues. How many
+is decided here, by trying: while the pipeline's members keep batches waiting (demand above
+what it delivers) and the device has room (the cores the daemon may use not all busy, with
+whatever process: trainers and their workers compete for them too; the GPU's utilisation
+below full), one more instance is started; after a measuring period its
+samples/s are held against what one fewer delivered, and it stays only if it raised them by a
+margin; otherwise it goes, and no other is tried for a while. An instance also goes when the
+members' demand fits in one fewer (no batch waited, and fewer samples than one fewer
+delivered). ``dalid serve --instances N`` pins the number instead.
+
+:class:`InstanceController` is the decision alone, fed measurements and the time (tests feed
+it both); :class:`CpuMeter` and :class:`GpuMeter` take the measurements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import time
+from dataclasses import dataclass
+
+# The most DALI instances measurement may give one pipeline.
+MAX_INSTANCES = 8
+# How long one measurement lasts, and how long a new instance runs before its is taken (its
+# build, and DALI's first runs, are not what it delivers).
+PERIOD_S = 5.0
+SETTLE_S = 2.0
+# A new instance stays if it raised samples/s by this share.
+MARGIN = 0.10
+# After an instance that did not pay, how long before another is tried.
+HOLD_OFF_S = 120.0
+# The share of a period's looks at the queues that must find batches waiting for demand to
+# count as above what the pipeline delivers; below ``IDLE_SHARE`` none waits to speak of.
+BUSY_SHARE = 0.5
+IDLE_SHARE = 0.05
+# The device counts as saturated past these: the CPU's busy cores over those the daemon may use,
+# the GPU's utilisation (0 to 1).
+CPU_SATURATED = 0.9
+GPU_SATURATED = 0.95
+
+
+class Change(enum.Enum):
+    ADD = "add"
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class Load:
+    """One look at the pipeline and its device: samples the pipeline delivered so far, whether
+    its members have batches waiting, the busy CPU cores of the ``cores`` the daemon may use
+    (any process's; None: not measured) and the daemon's own share of them, the GPU's
+    utilisation 0..1 (None: no GPU, or no NVML)."""
+
+    samples: int
+    waiting: bool
+    cpu_busy: float | None = None
+    cores: int = 0
+    gpu_busy: float | None = None
+    daemon_cpu: float | None = None
+
+
+class InstanceController:
+    """Decides, look after look, whether a shared pipeline gets one more DALI instance or one
+    fewer, and says why (``reason``).
+
+    ``pinned``: the number the operator asked for (None: decided from measurement), at most
+    ``max_instances``. The caller carries out each change ``observe`` returns and reports
+    ``instances`` (the count now running) on every look.
+    """
+
+    def __init__(
+        self,
+        *,
+        pinned: int | None = None,
+        max_instances: int = 1,
+        period_s: float = PERIOD_S,
+        settle_s: float = SETTLE_S,
+        margin: float = MARGIN,
+        hold_off_s: float = HOLD_OFF_S,
+    ) -> None:
+        self.max_instances = max(1, max_instances)
+        self.pinned = None if pinned is None else min(max(1, pinned), self.max_instances)
+        self.reason = (
+            f"{self.pinned} instance{_s(self.pinned)}: pinned by dalid serve --instances {pinned}"
+            if self.pinned is not None
+            else "1 instance: measuring"
+        )
+        self._period_s = period_s
+        self._settle_s = settle_s
+        self._margin = margin
+        self._hold_off_s = hold_off_s
+        self._window: _Window | None = None
+        # A trial: an instance added, measured once it settled, against ``_before``.
+        self._trial_from = 0
+        self._trial_since: float | None = None
+        self._before = 0.0
+        # samples/s each count of instances delivered while batches waited (its capacity).
+        self._capacity: dict[int, float] = {}
+        self._hold_until = 0.0
+        self._changed = False  # whether it has changed the count yet
+
+    def observe(self, now: float, instances: int, load: Load) -> Change | None:
+        """One look; the change to make now, if any (``reason`` then says why)."""
+        if self.pinned is not None:
+            return self._pinned(instances)
+        if self._trial_since is not None:
+            if instances <= self._trial_from:
+                # The new instance did not start (no room for it): no trial to judge.
+                self._trial_since = None
+                self._hold_until = now + self._hold_off_s
+                self.reason = (
+                    f"{instances} instance{_s(instances)}: another could not start (no room "
+                    "in --max-threads or --max-daemon-pipelines, or its build failed)"
+                )
+                self._window = None
+                return None
+            if now - self._trial_since < self._settle_s:
+                return None
+        window = self._window
+        if window is None:
+            self._window = _Window(now, load.samples)
+            return None
+        window.look(load)
+        if now - window.start < self._period_s:
+            return None
+        self._window = _Window(now, load.samples)
+        rate = (load.samples - window.samples) / (now - window.start)
+        device = _device_text(load, window)
+        if self._trial_since is not None:
+            return self._judge(now, instances, rate, window, device)
+        waiting = window.waiting_share
+        if waiting >= BUSY_SHARE:
+            self._capacity[instances] = rate
+        if (
+            waiting >= BUSY_SHARE
+            and instances < self.max_instances
+            and now >= self._hold_until
+            and not window.saturated
+        ):
+            self._trial_from, self._trial_since, self._before = instances, now, rate
+            self._changed = True
+            self.reason = (
+                f"{instances}->{instances + 1}: trying, batches waited at "
+                f"{_rate(rate)} samples/s; {device}"
+            )
+            return Change.ADD
+        fewer = self._capacity.get(instances - 1)
+        if (
+            instances > 1
+            and waiting <= IDLE_SHARE
+            and fewer is not None
+            and rate < fewer * (1 - self._margin)
+        ):
+            self.reason = (
+                f"{instances - 1} instance{_s(instances - 1)}: {instances}->{instances - 1}, "
+                f"demand of {_rate(rate)} samples/s fits in what {instances - 1} delivered "
+                f"({_rate(fewer)}); {device}"
+            )
+            return Change.DROP
+        if instances == 1 and not self._changed:
+            # Until a first change, the latest measurement says why there is one; after, the
+            # latest change does.
+            why = (
+                "the device is busy"
+                if window.saturated and waiting >= BUSY_SHARE
+                else "batches do not wait for it"
+            )
+            self.reason = f"1 instance: {why} ({_rate(rate)} samples/s); {device}"
+        return None
+
+    def started(self, now: float) -> None:
+        """The instance of the latest ADD is built and running: its settling starts now."""
+        if self._trial_since is not None:
+            self._trial_since = now
+            self._window = None
+
+    def _judge(
+        self, now: float, instances: int, rate: float, window: _Window, device: str
+    ) -> Change | None:
+        before, was = self._before, self._trial_from
+        self._trial_since = None
+        if rate >= before * (1 + self._margin):
+            if window.waiting_share >= BUSY_SHARE:
+                self._capacity[instances] = rate
+            self.reason = (
+                f"{instances} instances: {was}->{instances} raised {_rate(before)} to "
+                f"{_rate(rate)} samples/s; {device}"
+            )
+            return None
+        self._hold_until = now + self._hold_off_s
+        self.reason = (
+            f"{was} instance{_s(was)}: {was}->{instances} gave {_rate(rate)} samples/s against "
+            f"{_rate(before)} (under +{self._margin:.0%}), so back to {was}, next try in "
+            f"{self._hold_off_s:.0f} s; {device}"
+        )
+        return Change.DROP
+
+    def _pinned(self, instances: int) -> Change | None:
+        assert self.pinned is not None
+        if instances < self.pinned:
+            return Change.ADD
+        if instances > self.pinned:
+            return Change.DROP
+        return None
+
+
+class _Window:
+    """One measuring period: where it started, and what its looks found."""
+
+    def __init__(self, start: float, samples: int) -> None:
+        self.start = start
+        self.samples = samples
+        self.looks = 0
+        self.waited = 0
+        self.cpu_busy: float | None = None
+        self.cores = 0
+        self.gpu_busy: float | None = None
+        self.daemon_cpu: float | None = None
+
+    def look(self, load: Load) -> None:
+        self.looks += 1
+        self.waited += load.waiting
+        # The latest meters' readings: each covers the time since its previous reading.
+        self.cpu_busy, self.cores, self.gpu_busy = load.cpu_busy, load.cores, load.gpu_busy
+        self.daemon_cpu = load.daemon_cpu
+
+    @property
+    def waiting_share(self) -> float:
+        return self.waited / self.looks if self.looks else 0.0
+
+    @property
+    def saturated(self) -> bool:
+        if self.cpu_busy is not None and self.cores and self.cpu_busy >= CPU_SATURATED * self.cores:
+            return True
+        return self.gpu_busy is not None and self.gpu_busy >= GPU_SATURATED
+
+
+def _device_text(load: Load, window: _Window) -> str:
+    parts = []
+    if window.cpu_busy is not None and window.cores:
+        daemon = "" if window.daemon_cpu is None else f" (the daemon {window.daemon_cpu:.1f})"
+        parts.append(f"CPU {window.cpu_busy:.1f} of {window.cores} cores busy{daemon}")
+    if window.gpu_busy is not None:
+        parts.append(f"GPU {window.gpu_busy:.0%} busy")
+    return ", ".join(parts) or "device load not measured"
+
+
+def _rate(rate: float) -> str:
+    return f"{rate:,.0f}"
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+class CpuMeter:
+    """Since the previous reading: the busy cores among those the daemon may use (any process
+    on them, from the kernel's per-CPU counters in /proc/stat; without them, the daemon's own
+    figure stands in), and the daemon process's own (all its threads, DALI's included)."""
+
+    def __init__(self) -> None:
+        self._allowed = sorted(os.sched_getaffinity(0))
+        self.cores = len(self._allowed)
+        self._last = (time.monotonic(), time.process_time(), _busy_ticks(self._allowed))
+
+    def read(self) -> tuple[float, float] | None:
+        """(busy cores, the daemon's cores), or None right after the previous reading."""
+        wall, cpu, ticks = time.monotonic(), time.process_time(), _busy_ticks(self._allowed)
+        last_wall, last_cpu, last_ticks = self._last
+        if wall - last_wall < 0.2:
+            return None  # too short a time to say
+        self._last = (wall, cpu, ticks)
+        own = (cpu - last_cpu) / (wall - last_wall)
+        if ticks is None or last_ticks is None:
+            return own, own
+        busy = (ticks - last_ticks) / _TICKS_PER_S / (wall - last_wall)
+        return min(max(busy, own), float(self.cores)), own
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_ticks(cpus: list[int]) -> int | None:
+    """The clock ticks the CPUs ``cpus`` spent busy (not idle, not waiting for I/O) since boot;
+    None where /proc/stat cannot be read."""
+    wanted = {f"cpu{number}" for number in cpus}
+    busy = 0
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    ticks = [int(value) for value in fields[1:8]]
+                    busy += sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy
+
+
+class _Utilization(ctypes.Structure):
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
+class GpuMeter:
+    """A GPU's utilisation (0..1) over NVML's last sample period, read through
+    ``libnvidia-ml.so.1`` (the driver's; none on a machine without an NVIDIA driver: then
+    ``read`` returns None)."""
+
+    def __init__(self, device_id: int | None) -> None:
+        self._handle: ctypes.c_void_p | None = None
+        self._nvml: ctypes.CDLL | None = None
+        if device_id is None:
+            return
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return
+            handle = ctypes.c_void_p()
+            # CUDA's device order and NVML's agree unless CUDA_VISIBLE_DEVICES reorders them.
+            index = _visible_index(device_id)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                return
+        except (OSError, AttributeError):
+            return
+        self._nvml, self._handle = nvml, handle
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def read(self) -> float | None:
+        if self._nvml is None or self._handle is None:
+            return None
+        rates = _Utilization()
+        if self._nvml.nvmlDeviceGetUtilizationRates(self._handle, ctypes.byref(rates)) != 0:
+            return None
+        return float(rates.gpu) / 100.0
+
+
+def _visible_index(device_id: int) -> int:
+    """NVML's index of CUDA's device ``device_id``, where CUDA_VISIBLE_DEVICES lists indices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if device_id < len(visible) and visible[device_id].strip().isdigit():
+        return int(visible[device_id])
+    return device_id

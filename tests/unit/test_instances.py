@@ -1,0 +1,163 @@
+"""How many DALI instances a shared pipeline gets: the controller's decisions, fed a fake clock
+and fake measurements (the real path, a daemon with two instances, is in
+tests/integration/test_instances.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dalid.server.instances import Change, CpuMeter, GpuMeter, InstanceController, Load
+
+PERIOD = 5.0
+SETTLE = 2.0
+HOLD_OFF = 120.0
+LOOK = 0.5
+
+
+class Pipeline:
+    """A fake pipeline under the controller: it delivers ``rates[n]`` samples/s on n instances,
+    its members' batches wait or not, on a CPU of 2 cores ``cpu_busy`` busy. It carries out
+    what the controller asks, as the executor does."""
+
+    def __init__(self, controller: InstanceController, rates: dict[int, float]) -> None:
+        self.controller = controller
+        self.rates = rates
+        self.instances = 1
+        self.now = 0.0
+        self.samples = 0.0
+        self.waiting = True
+        self.cpu_busy: float | None = 1.0
+        self.gpu_busy: float | None = None
+        self.changes: list[tuple[float, Change, int]] = []
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.now += LOOK
+            self.samples += self.rates[self.instances] * LOOK
+            load = Load(int(self.samples), self.waiting, self.cpu_busy, 2, self.gpu_busy)
+            change = self.controller.observe(self.now, self.instances, load)
+            if change is Change.ADD:
+                self.instances += 1
+                self.controller.started(self.now)  # built at once
+            elif change is Change.DROP:
+                self.instances -= 1
+            if change is not None:
+                self.changes.append((self.now, change, self.instances))
+
+
+def controller(pinned: int | None = None) -> InstanceController:
+    return InstanceController(
+        pinned=pinned, max_instances=4, period_s=PERIOD, settle_s=SETTLE, hold_off_s=HOLD_OFF
+    )
+
+
+def test_an_instance_that_raises_throughput_stays_and_status_says_by_how_much() -> None:
+    pipeline = Pipeline(controller(), {1: 8100.0, 2: 11900.0, 3: 12000.0, 4: 12000.0})
+    pipeline.run(3 * PERIOD)
+    assert pipeline.instances == 2
+    assert pipeline.changes[0][1:] == (Change.ADD, 2)
+    reason = pipeline.controller.reason
+    # Past the trial of a second instance, a third was tried: it did not pay and went.
+    pipeline.run(2 * PERIOD)
+    assert [change for _, change, _ in pipeline.changes] == [Change.ADD, Change.ADD, Change.DROP]
+    assert pipeline.instances == 2
+    assert reason.startswith("2 instances: 1->2 raised 8,100 to 11,900 samples/s")
+    assert "CPU 1.0 of 2 cores busy" in reason
+    assert pipeline.controller.reason.startswith(
+        "2 instances: 2->3 gave 12,000 samples/s against 11,900 (under +10%), so back to 2, "
+        "next try in 120 s"
+    )
+
+
+def test_an_instance_that_does_not_pay_goes_and_none_is_tried_for_a_while() -> None:
+    pipeline = Pipeline(controller(), {1: 10000.0, 2: 10500.0})
+    pipeline.run(2 * PERIOD + SETTLE + LOOK)
+    assert [(change, n) for _, change, n in pipeline.changes] == [
+        (Change.ADD, 2),
+        (Change.DROP, 1),
+    ]
+    dropped_at = pipeline.changes[-1][0]
+    pipeline.run(HOLD_OFF - PERIOD)
+    assert len(pipeline.changes) == 2, "another instance was tried during the hold-off"
+    assert pipeline.controller.reason.startswith("1 instance: 1->2 gave 10,500 samples/s")
+    pipeline.run(2 * PERIOD)
+    assert pipeline.changes[2][1] is Change.ADD and pipeline.changes[2][0] >= dropped_at + HOLD_OFF
+
+
+def test_no_instance_is_added_while_batches_do_not_wait() -> None:
+    pipeline = Pipeline(controller(), {1: 5000.0, 2: 9000.0})
+    pipeline.waiting = False
+    pipeline.run(5 * PERIOD)
+    assert pipeline.changes == []
+    assert pipeline.controller.reason.startswith(
+        "1 instance: batches do not wait for it (5,000 samples/s); CPU 1.0 of 2 cores busy"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cpu_busy", "gpu_busy"), [(1.9, None), (0.5, 0.97)], ids=["cpu-busy", "gpu-busy"]
+)
+def test_no_instance_is_added_on_a_saturated_device(
+    cpu_busy: float, gpu_busy: float | None
+) -> None:
+    pipeline = Pipeline(controller(), {1: 5000.0, 2: 9000.0})
+    pipeline.cpu_busy, pipeline.gpu_busy = cpu_busy, gpu_busy
+    pipeline.run(5 * PERIOD)
+    assert pipeline.changes == []
+    assert pipeline.controller.reason.startswith("1 instance: the device is busy")
+    if gpu_busy is not None:
+        assert "GPU 97% busy" in pipeline.controller.reason
+
+
+def test_an_instance_goes_once_the_demand_fits_in_one_fewer() -> None:
+    pipeline = Pipeline(controller(), {1: 8000.0, 2: 14000.0, 3: 14000.0, 4: 14000.0})
+    pipeline.run(2 * PERIOD + SETTLE + LOOK)  # up to the end of the second's trial
+    assert pipeline.instances == 2
+    # A job left: the rest ask for less than one instance delivered, and nothing waits.
+    pipeline.waiting = False
+    pipeline.rates[1] = pipeline.rates[2] = 3000.0
+    pipeline.run(3 * PERIOD)
+    assert pipeline.instances == 1
+    assert pipeline.changes[-1][1] is Change.DROP
+    assert "2->1, demand of 3,000 samples/s fits in what 1 delivered (8,000)" in (
+        pipeline.controller.reason
+    )
+
+
+def test_a_pinned_count_is_reached_and_kept_whatever_is_measured() -> None:
+    pinned = controller(pinned=3)
+    pipeline = Pipeline(pinned, {1: 100.0, 2: 100.0, 3: 100.0})
+    pipeline.waiting = False
+    pipeline.run(4 * PERIOD)
+    assert pipeline.instances == 3
+    assert pinned.reason == "3 instances: pinned by dalid serve --instances 3"
+    assert [n for _, _, n in pipeline.changes] == [2, 3]
+
+
+def test_an_instance_that_cannot_start_is_no_trial_and_says_so() -> None:
+    pipeline = Pipeline(controller(), {1: 8000.0, 2: 16000.0})
+    decisions = []  # the executor found no threads for another: the count stays 1
+    for step in range(int(3 * PERIOD / LOOK)):
+        now = (step + 1) * LOOK
+        change = pipeline.controller.observe(now, 1, Load(int(8000 * now), True, 1.0, 2))
+        decisions.append(change)
+    assert decisions.count(Change.ADD) == 1
+    assert "another could not start" in pipeline.controller.reason
+
+
+def test_meters_read_this_process_and_no_gpu_without_nvml() -> None:
+    cpu = CpuMeter()
+    assert cpu.cores >= 1
+    assert sum(range(3_000_000)) > 0  # some CPU time
+    # Busy cores over at least 0.2 s of wall time (a shorter wait says nothing).
+    time.sleep(0.25)
+    read = cpu.read()
+    assert read is not None
+    busy, own = read
+    assert 0.0 < own <= busy <= cpu.cores
+    assert cpu.read() is None  # right after a reading: too short a time to say
+    assert GpuMeter(None).read() is None
+    assert GpuMeter(0).read() is None or 0.0 <= (GpuMeter(0).read() or 0.0) <= 1.0
