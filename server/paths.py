@@ -129,9 +129,9 @@ def check_paths(
         starts, stops = bounds[:-1], bounds[1:]
         # Sample i holds bytes starts[i] <= b < stops[i]; a NUL byte's sample is the first
         # whose stop lies past it.
-        nul = np.searchsorted(stops, np.flatnonzero(data == 0), side="right")
-        not_paths = np.union1d(np.flatnonzero(starts == stops), nul)
-        for position in not_paths.tolist():
+        empty_or_nul = starts == stops
+        empty_or_nul[np.searchsorted(stops, np.flatnonzero(data == 0), side="right")] = True
+        for position in np.flatnonzero(empty_or_nul).tolist():
             shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
             bad.setdefault(position, f"input {item.name!r}: {shown!r} is not a file path")
         for position in unreadable:
