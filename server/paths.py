@@ -162,8 +162,9 @@ def _directories(
 
     Found with numpy, in as many steps whatever the batch's size: each directory becomes one
     row of a byte matrix (its length, then its bytes, zero-padded to the longest), and the rows
-    are made unique by numpy's sort. Exact, and some ten times cheaper than hashing every byte
-    of the batch (a cumulative product per byte, 1.6 ms for 256 ImageNet-like paths).
+    are made unique by numpy's sort. Exact, and a third of the CPU or less of hashing every
+    byte of the batch (two cumulative products and a sum, per byte of the batch: 360 µs for
+    256 ImageNet-like paths against 100).
     """
     if not len(starts):
         return {}
