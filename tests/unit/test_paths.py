@@ -102,6 +102,12 @@ def test_each_directory_is_looked_at_once_whatever_the_batch_size(tmp_path: Path
     assert checks.lookups == 4
     check_paths(_batch(*reversed(paths)), ["paths"], [], checks)
     assert checks.lookups == 4  # seen lately: no os.access at all
+    # Known by their bytes, whatever else the batch holds: a longer directory beside them is
+    # the one new look.
+    deeper = tmp_path / "class_0" / "a_much_longer_subdirectory_name"
+    deeper.mkdir()
+    check_paths(_batch(*paths[:8], str(deeper / "img.jpg")), ["paths"], [], checks)
+    assert checks.lookups == 5
     again = DirectoryChecks(recheck_s=0.0)  # every batch looks again, still once a directory
     check_paths(_batch(*paths), ["paths"], [], again)
     check_paths(_batch(*paths), ["paths"], [], again)
