@@ -2,7 +2,8 @@
 
 The transport probe (:mod:`bench.transport`) times a tiny batch from the proxy call to its
 tensor. This breaks that time down. It runs tiny batches one at a time through the real client
-path against a daemon subprocess, twice:
+path against a daemon subprocess (``--files``: samples that are file paths, read in DALI, which
+adds the daemon's checks of paths), twice:
 
 - untraced, to read what each thread of both processes spends per round trip: CPU time
   (``/proc/<pid>/task/<tid>/stat``) and context switches (``.../status``), and the round trip's
@@ -23,6 +24,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -252,22 +254,29 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def _round_trips(
-    socket: Path, batch: int, n: int, daemon_pid: int
+    socket: Path, batch: int, n: int, daemon_pid: int, files: Path | None = None
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    """``n`` round trips (after a warm-up); their (start, end) stamps and the threads' use."""
+    """``n`` round trips (after a warm-up); their (start, end) stamps and the threads' use.
+    With ``files`` (a directory of :func:`_tiny_files`), each sample is a file's path."""
     import numpy as np
     from torch.utils.data import default_collate
 
     import dalid.client as dalid
 
-    from .pipelines import tiny_pipeline
+    from .pipelines import tiny_file_pipeline, tiny_pipeline
 
-    sample = np.arange(8, dtype=np.uint8)
+    if files is None:
+        samples = [np.arange(8, dtype=np.uint8)] * batch
+        pipeline = tiny_pipeline(batch)
+    else:
+        paths = sorted(str(path) for path in files.rglob("*.bin"))
+        samples = [np.frombuffer(path.encode(), np.int8) for path in paths]
+        pipeline = tiny_file_pipeline(batch)
     with dalid.connect(device="cpu", socket=socket, autostart=False, name="hops") as session:
-        proxy = session.proxy(tiny_pipeline(batch))
+        proxy = session.proxy(pipeline)
 
         def step() -> None:
-            refs = [proxy(sample) for _ in range(batch)]
+            refs = [proxy(sample) for sample in samples]
             output = session.produce_data(default_collate(refs))
             int(output[0, 0])
             del output
@@ -328,11 +337,32 @@ def hops(events: Events, steps: list[tuple[int, int]]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(batch: int, n: int) -> dict[str, Any]:
+FILE_DIRECTORIES = 4
+
+
+def _tiny_files(root: Path, count: int) -> Path:
+    """``count`` files of 8 bytes in :data:`FILE_DIRECTORIES` directories under ``root``; their
+    paths are of unequal lengths, as a dataset's are."""
+    files = root / "files"
+    for index in range(count):
+        directory = files / f"class{index % FILE_DIRECTORIES}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{'x' * (index % 7)}{index}.bin").write_bytes(bytes(range(8)))
+    return files
+
+
+def measure(batch: int, n: int, files: bool = False) -> dict[str, Any]:
     directory = Path(tempfile.mkdtemp(prefix="dalidh-", dir="/tmp"))
+    try:
+        return _measure(directory, batch, n, _tiny_files(directory, batch) if files else None)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _measure(directory: Path, batch: int, n: int, files: Path | None) -> dict[str, Any]:
     plain = _daemon(directory / "plain.sock", None)
     try:
-        _, untraced = _round_trips(directory / "plain.sock", batch, n, plain.pid)
+        _, untraced = _round_trips(directory / "plain.sock", batch, n, plain.pid, files)
     finally:
         _stop(plain)
     from dalid.client import connection  # noqa: F401  (imported before tracing it)
@@ -341,21 +371,25 @@ def measure(batch: int, n: int) -> dict[str, Any]:
     trace_file = directory / "trace.json"
     traced = _daemon(directory / "traced.sock", trace_file)
     try:
-        steps, _ = _round_trips(directory / "traced.sock", batch, n, traced.pid)
+        steps, _ = _round_trips(directory / "traced.sock", batch, n, traced.pid, files)
     finally:
         _stop(traced)
     events = EVENTS + [(t, name) for t, name in json.loads(trace_file.read_text())]
-    trace_file.unlink()
-    for leftover in directory.iterdir():
-        leftover.unlink()
-    directory.rmdir()
-    return {"batch": batch, "round_trips": n, "untraced": untraced, "hops": hops(events, steps)}
+    return {
+        "batch": batch,
+        "files": files is not None,
+        "round_trips": n,
+        "untraced": untraced,
+        "hops": hops(events, steps),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     untraced = result["untraced"]
     lines = [
-        f"Batch of {result['batch']} tiny sample(s), {result['round_trips']} round trips; "
+        f"Batch of {result['batch']} tiny sample(s)"
+        f"{' (paths of files of 8 bytes)' if result.get('files') else ''}, "
+        f"{result['round_trips']} round trips; "
         f"untraced p50 {untraced['p50_us']:,.0f} µs, p99 {untraced['p99_us']:,.0f} µs.",
         "",
         "| hop | median µs | ends at µs |",
@@ -382,9 +416,14 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hops", description=__doc__)
     parser.add_argument("--batch", type=int, default=1, help="samples per batch (default 1)")
     parser.add_argument("--iterations", type=int, default=2000, help="round trips (2000)")
+    parser.add_argument(
+        "--files",
+        action="store_true",
+        help="samples are paths of files of 8 bytes, read in DALI (the daemon's path checks)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = measure(args.batch, args.iterations)
+    result = measure(args.batch, args.iterations, args.files)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))

@@ -133,6 +133,18 @@ def tiny_pipeline(batch_size: int, gpu: bool = False) -> Any:
     return pipe()
 
 
+def tiny_file_pipeline(batch_size: int) -> Any:
+    """File paths in, each file's bytes out: what a file-path sample costs the daemon (its
+    checks, its list of views) beside the tiny pipeline, with as little DALI work as can be."""
+
+    @pipeline_def(**_options(batch_size, 1, False, prefetch_queue_depth=1))
+    def pipe() -> Any:
+        paths = fn.external_source(name=PATH_INPUT, no_copy=True)
+        return fn.io.file.read(paths)  # type: ignore[attr-defined]
+
+    return pipe()
+
+
 def patch_nvtx_for_cpu_torch() -> None:
     """Lets DALI's proxy import on a CPU-only torch.
 

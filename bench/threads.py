@@ -10,7 +10,8 @@ and the jobs' teardown:
 
 - the I/O thread (``Daemon._loop``): its CPU time, and for every message it took
   (``SharedSocket.receive`` then ``Daemon._receive``: receive, decode, handle, answer) the wall
-  time and the thread's CPU time, summed, and the CPU time of each operation's handler. Wall
+  time and the thread's CPU time, summed, and the CPU time of each operation's handler, and
+  of the heap trims that follow jobs' departures (``give_back_free_memory``). Wall
   over CPU per message is what the thread waited for meanwhile: the GIL while other threads
   held it (the convoy of a thread that gives up the GIL around each frame it receives), and on
   a machine with more runnable threads than cores, the cores;
@@ -50,7 +51,14 @@ def _thread_cpu_s(ident: int) -> float:
 
 
 class _Totals:
-    """The running totals; counters are written by one thread each, or under the lock."""
+    """The running totals; counters are written by one thread each, or under the lock.
+
+    A snapshot reads every clock under the lock, at one moment, and counts what is under way
+    then up to that moment (a message or an operation the I/O thread is handling, an output
+    copy): a total that grew only at the end of each would lag the threads' clocks by up to
+    one of them, a whole batch's copy or a job's goodbye, and a window's differences would be
+    off by as much (less than nothing, for the executors less their copies).
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -59,32 +67,58 @@ class _Totals:
         self.messages = 0
         self.message_wall_ns = 0
         self.message_cpu_ns = 0
+        # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns).
+        self.message_started: tuple[int, int] | None = None
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
+        # The operation under way: its name and start (thread_time, perf_counter).
+        self.op_started: tuple[str, float, float] | None = None
+        # The I/O thread's heap trims (heap.give_back_free_memory) after jobs or connections
+        # went: what a job's end costs, as its goodbye does.
+        self.departure_trim_cpu_s = 0.0
+        self.departures_trimmed = 0
+        self.daemon: Any = None
         # Executors' instances running (ident -> the instance) and what the ended ones used.
         self.executors: dict[int, Any] = {}
         self.executor_cpu_done_s = 0.0
         self.executor_samples_done = 0
         self.copy_out_cpu_s = 0.0
+        # Output copies under way: the copying thread -> its CPU time when the copy started.
+        self.copying: dict[int, float] = {}
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             running = list(self.executors.items())
             executor_cpu = self.executor_cpu_done_s
-            samples = self.executor_samples_done
-            by_op = {op: list(figures) for op, figures in self.by_op.items()}
+            executor_cpu += sum(_thread_cpu_s(ident) for ident, _ in running)
             copy_out = self.copy_out_cpu_s
-        executor_cpu += sum(_thread_cpu_s(ident) for ident, _ in running)
-        samples += sum(instance.samples for _, instance in running)
-        io = self.io_cpu_done_s + (_thread_cpu_s(self.io_ident) if self.io_ident else 0.0)
+            copy_out += sum(_thread_cpu_s(ident) - cpu for ident, cpu in self.copying.items())
+            samples = self.executor_samples_done
+            samples += sum(instance.samples for _, instance in running)
+            io_now = _thread_cpu_s(self.io_ident) if self.io_ident else 0.0
+            wall_now = time.perf_counter()
+            message_wall, message_cpu = self.message_wall_ns / 1e9, self.message_cpu_ns / 1e9
+            if self.message_started is not None and self.io_ident:
+                wall0, cpu0 = self.message_started
+                message_wall += wall_now - wall0 / 1e9
+                message_cpu += io_now - cpu0 / 1e9
+            by_op = {op: list(figures) for op, figures in self.by_op.items()}
+            if self.op_started is not None and self.io_ident:
+                op, cpu1, wall1 = self.op_started
+                figures = by_op.setdefault(op, [0, 0.0, 0.0])
+                figures[1] += io_now - cpu1
+                figures[2] += wall_now - wall1
+            messages = self.messages
+            trims = self.departure_trim_cpu_s
         return {
             "t_ns": time.monotonic_ns(),
-            "io_loop_cpu_s": io,
-            "messages": self.messages,
-            "message_wall_s": self.message_wall_ns / 1e9,
-            "message_cpu_s": self.message_cpu_ns / 1e9,
+            "io_loop_cpu_s": self.io_cpu_done_s + io_now,
+            "messages": messages,
+            "message_wall_s": message_wall,
+            "message_cpu_s": message_cpu,
             "by_op": by_op,
+            "departure_trim_cpu_s": trims,
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
             "executor_samples": samples,
@@ -97,6 +131,7 @@ TOTALS = _Totals()
 
 def install() -> None:
     """Wraps the daemon's thread functions in place (before the daemon starts)."""
+    from dalid.server import daemon as daemon_module
     from dalid.server.core import DaemonCore
     from dalid.server.daemon import Daemon
     from dalid.server.executor import PipelineExecutor
@@ -109,22 +144,26 @@ def install() -> None:
     def io_loop(self: Any) -> None:
         ident = threading.get_ident()
         start = _thread_cpu_s(ident)
-        TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
-        TOTALS.io_ident = ident
+        with TOTALS.lock:
+            TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
+            TOTALS.io_ident = ident
+            TOTALS.daemon = self
+            TOTALS.departures_trimmed = self._departures()
         try:
             loop(self)
         finally:
-            TOTALS.io_cpu_done_s += _thread_cpu_s(ident)
-            TOTALS.io_ident = None
+            with TOTALS.lock:
+                TOTALS.io_cpu_done_s += _thread_cpu_s(ident)
+                TOTALS.io_ident = None
 
     receive = SharedSocket.receive
     handle = Daemon._receive
-    # The receive of a message starts its span; the handling that follows ends it.
-    started: list[int] = [0, 0]
 
+    # The receive of a message starts its span; the handling that follows ends it.
     @functools.wraps(receive)
     def timed_receive(self: Any) -> Any:
-        started[0], started[1] = time.perf_counter_ns(), time.thread_time_ns()
+        with TOTALS.lock:
+            TOTALS.message_started = (time.perf_counter_ns(), time.thread_time_ns())
         return receive(self)
 
     @functools.wraps(handle)
@@ -132,56 +171,87 @@ def install() -> None:
         try:
             handle(self, frames)
         finally:
-            TOTALS.message_wall_ns += time.perf_counter_ns() - started[0]
-            TOTALS.message_cpu_ns += time.thread_time_ns() - started[1]
-            TOTALS.messages += 1
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            with TOTALS.lock:
+                if TOTALS.message_started is not None:
+                    wall0, cpu0 = TOTALS.message_started
+                    TOTALS.message_wall_ns += wall - wall0
+                    TOTALS.message_cpu_ns += cpu - cpu0
+                    TOTALS.messages += 1
+                TOTALS.message_started = None
 
     core_handle = DaemonCore.handle
 
     @functools.wraps(core_handle)
     def handle_op(self: Any, identity: bytes, message: Any, request_id: Any) -> Any:
+        op = type(message).OP
         cpu, wall = time.thread_time(), time.perf_counter()
+        with TOTALS.lock:
+            TOTALS.op_started = (op, cpu, wall)
         try:
             return core_handle(self, identity, message, request_id)
         finally:
             used, took = time.thread_time() - cpu, time.perf_counter() - wall
             with TOTALS.lock:
-                figures = TOTALS.by_op.setdefault(type(message).OP, [0, 0.0, 0.0])
+                TOTALS.op_started = None
+                figures = TOTALS.by_op.setdefault(op, [0, 0.0, 0.0])
                 figures[0] += 1
                 figures[1] += used
                 figures[2] += took
+
+    trim = daemon_module.give_back_free_memory  # type: ignore[attr-defined]
+
+    @functools.wraps(trim)
+    def timed_trim() -> None:
+        # A trim after jobs or connections went is their end's cost; one after input memory
+        # was freed (batches of large samples) is the loop's, and stays in its chores.
+        cpu = time.thread_time()
+        try:
+            trim()
+        finally:
+            used = time.thread_time() - cpu
+            daemon = TOTALS.daemon
+            departures = daemon._departures() if daemon is not None else 0
+            with TOTALS.lock:
+                if departures != TOTALS.departures_trimmed:
+                    TOTALS.departure_trim_cpu_s += used
+                    TOTALS.departures_trimmed = departures
 
     run_loop = PipelineExecutor._loop
 
     @functools.wraps(run_loop)
     def executor_loop(self: Any, instance: Any, runner: Any) -> None:
         ident = threading.get_ident()
-        start = _thread_cpu_s(ident)  # the pipeline's build is not the loop's
         with TOTALS.lock:
-            TOTALS.executor_cpu_done_s -= start
+            # The pipeline's build is not the loop's.
+            TOTALS.executor_cpu_done_s -= _thread_cpu_s(ident)
             TOTALS.executors[ident] = instance
         try:
             run_loop(self, instance, runner)
         finally:
-            used = _thread_cpu_s(ident)
             with TOTALS.lock:
                 del TOTALS.executors[ident]
-                TOTALS.executor_cpu_done_s += used
+                TOTALS.executor_cpu_done_s += _thread_cpu_s(ident)
                 TOTALS.executor_samples_done += instance.samples
 
     def copying(method: Any) -> Any:
         @functools.wraps(method)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ident = threading.get_ident()
             cpu = time.thread_time()
+            with TOTALS.lock:
+                TOTALS.copying[ident] = cpu
             try:
                 return method(self, *args, **kwargs)
             finally:
                 used = time.thread_time() - cpu
                 with TOTALS.lock:
+                    del TOTALS.copying[ident]
                     TOTALS.copy_out_cpu_s += used
 
         return timed
 
+    daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
@@ -275,8 +345,9 @@ DAEMON_THREAD_FIGURES = (
 def figures(used: dict[str, Any]) -> dict[str, float | None]:
     """The figures of what the threads used over a window (:func:`window`), per sample the
     executors ran (µs): the daemon's own threads' CPU (the I/O loop and the executors, not
-    DALI's workers; the I/O thread's handling of jobs starting and ending, LIFECYCLE_OPS,
-    apart in ``io_lifecycle_ms``) less the output copies (``daemon_own``), and with them
+    DALI's workers; the I/O thread's handling of jobs starting and ending, LIFECYCLE_OPS and
+    the heap trims after jobs went, apart in ``io_lifecycle_ms``) less the output copies
+    (``daemon_own``), and with them
     (``daemon_all``);
     each part, the I/O thread's split into the messages it took (per sample) and the rest of its
     loop (polls, the once-a-second reaping and status snapshot: ms per second of the window,
@@ -288,9 +359,11 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
     # [count, CPU s, wall s] of each operation (wall as CPU where a probe kept none).
     ops = [(f[0], f[1], f[2] if len(f) > 2 else f[1]) for op, f in
            (used.get("by_op") or {}).items() if op in LIFECYCLE_OPS]  # fmt: skip
-    lifecycle = sum(cpu for _, cpu, _ in ops)
+    lifecycle_ops = sum(cpu for _, cpu, _ in ops)
+    # The heap trims after jobs went are their end's too (not a message).
+    lifecycle = lifecycle_ops + (used.get("departure_trim_cpu_s") or 0.0)
     messages = (used.get("messages") or 0) - sum(count for count, _, _ in ops)
-    message_cpu = (used.get("message_cpu_s") or 0.0) - lifecycle
+    message_cpu = (used.get("message_cpu_s") or 0.0) - lifecycle_ops
     message_wall = (used.get("message_wall_s") or 0.0) - sum(wall for _, _, wall in ops)
     io = (used.get("io_loop_cpu_s") or 0.0) - lifecycle
     executor = used.get("executor_cpu_s") or 0.0

@@ -46,8 +46,12 @@ log = logging.getLogger("dalid.client")
 # may go unanswered before the daemon counts as gone. Where the daemon's pid means something
 # here (same pid namespace), a silent wait also checks every WATCH_EVERY_S that its process
 # lives, so a killed daemon is noticed at once; a daemon that lives but does not answer then
-# gets the longer PING_TIMEOUT_WATCHED_S, since a busy machine may delay a live daemon's pong.
+# gets the longer PING_TIMEOUT_WATCHED_S, since a busy machine may delay a live daemon's pong,
+# and is pinged only after PING_AFTER_WATCHED_S: every trainer and worker waiting for a batch
+# pinged each second, which with eight jobs of eight workers was most of what the daemon's
+# I/O thread received.
 PING_AFTER_S = 1.0
+PING_AFTER_WATCHED_S = 5.0
 PING_TIMEOUT_S = 5.0
 PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
@@ -261,10 +265,10 @@ class Connection:
                         if sock.poll(NOTICE_GRACE_MS):
                             continue  # its last words, a stop notice, may be on their way
                         raise self.gone_error("its process has exited (was it killed?)")
-                if ping and ping_id is None and silent > PING_AFTER_S:
+                if ping and ping_id is None and silent > self._ping_after:
                     ping_id = next(self._request_ids)
                     self._send(Ping(), ping_id)
-                elif ping and silent > PING_AFTER_S + self._ping_timeout:
+                elif ping and silent > self._ping_after + self._ping_timeout:
                     raise self.gone_error(
                         f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
                     )
@@ -311,6 +315,10 @@ class Connection:
         sock, self._socket = self._socket, None
         if sock is not None and self._pid == os.getpid():
             sock.close(linger=0)
+
+    @property
+    def _ping_after(self) -> float:
+        return PING_AFTER_WATCHED_S if self._watch_daemon else PING_AFTER_S
 
     @property
     def _ping_timeout(self) -> float:

@@ -47,8 +47,10 @@ from .worker import Proxy
 
 log = logging.getLogger("dalid.client")
 
-# How often the trainer tells the daemon how long it has waited for batches (for `dalid status`).
-PROGRESS_INTERVAL_S = 1.0
+# How often the trainer tells the daemon how long it has waited for batches (for `dalid status`):
+# its first wait at once, then every 5 s at most. Each second, it was with eight jobs most of
+# the messages the daemon's I/O thread took besides the batches' own.
+PROGRESS_INTERVAL_S = 5.0
 
 # A batch this late usually means the daemon's output pool is full of buffers the trainer still
 # holds through live tensors; say so once.

@@ -107,7 +107,8 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
-# How often the status snapshot that the metrics endpoint serves is refreshed.
+# How often the status snapshot that the metrics endpoint serves is refreshed (only while the
+# daemon serves metrics).
 SNAPSHOT_INTERVAL_S = 1.0
 
 
@@ -398,7 +399,8 @@ class Daemon:
                     give_back_free_memory()
                     departures = self._departures()
                     inputs_peak = held
-            if now >= next_snapshot:
+            if self._metrics is not None and now >= next_snapshot:
+                # Only the metrics endpoint reads it: without one, the status is made when asked.
                 self.snapshot = self.core.status()
                 next_snapshot = now + SNAPSHOT_INTERVAL_S
             if self.core.jobs:

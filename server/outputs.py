@@ -357,26 +357,35 @@ class RunOutput:
     def __init__(self, index: int, tensors: Any) -> None:
         self.index = index
         self.tensors = tensors
-        self.samples = [tuple(map(int, shape)) for shape in tensors.shape()]
+        # One row of extents per sample, as an array: the checks below are numpy operations
+        # on the whole run, not a Python step per sample.
+        shapes = tensors.shape()
+        ndim = len(shapes[0]) if shapes else 0
+        self.shapes = np.array(shapes, np.int64).reshape(len(shapes), ndim)
         self.dtype = _dtype_name(tensors.dtype)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.layout = tensors.layout() or ""
         self._dense: Any = None
 
+    @property
+    def samples(self) -> int:
+        return len(self.shapes)
+
     def shape_of(self, rows: range) -> tuple[int, ...]:
         """The shape of ``rows`` as one tensor; rows of different shapes cannot be one."""
-        selected = self.samples[rows.start : rows.stop]
-        if any(shape != selected[0] for shape in selected):
+        selected = self.shapes[rows.start : rows.stop]
+        if len(selected) and not (selected == selected[0]).all():
+            shown = [tuple(shape) for shape in selected[:4].tolist()]
             raise OutputFailure(
                 ErrorCode.INVALID_OUTPUT,
-                f"output {self.index} has samples of different shapes ({selected[:4]}...): "
+                f"output {self.index} has samples of different shapes ({shown}...): "
                 "a batch is delivered as one tensor, so resize, crop or pad to one shape",
             )
-        return (len(selected), *(selected[0] if selected else ()))
+        return (len(selected), *(selected[0].tolist() if len(selected) else ()))
 
     @property
     def whole(self) -> range:
-        return range(len(self.samples))
+        return range(len(self.shapes))
 
     def dense(self) -> Any:
         """The whole output as one contiguous DALI tensor, or None if its samples differ."""
@@ -386,7 +395,7 @@ class RunOutput:
 
     def row_bytes(self, rows: range) -> int:
         """Bytes of one of ``rows`` (rows of one shape)."""
-        return math.prod(self.samples[rows.start]) * self.itemsize if rows else 0
+        return math.prod(self.shapes[rows.start].tolist()) * self.itemsize if rows else 0
 
 
 OutputsFactory = Callable[[str, Limits], JobOutputs]

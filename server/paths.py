@@ -16,8 +16,8 @@ Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Before a batch runs (:func:`check_paths`) the daemon looks at its paths as arrays: empty ones,
 ones holding a NUL byte and those the trainer named are bad samples, and each *directory* of
-the batch (found with numpy: a hash of each path's bytes up to its last ``/``) must be one the
-daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
+the batch (found with numpy: each path's bytes up to its last ``/``, made unique) must be one
+the daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
 dataset the daemon does not see is so refused before its first batch runs, at the cost of one
 ``os.access`` per directory a second, not one per sample (19% of a GPU daemon's executor time
 went to one ``os.access`` per sample). What is left, a file of a directory the daemon enters
@@ -57,9 +57,8 @@ DIRECTORY_RECHECK_S = 1.0
 MAX_DIRECTORIES = 1 << 16
 
 _SLASH = ord("/")
-# The hash of a directory's bytes: sum of byte * P^i, modulo 2^64 (numpy's uint64 wraps).
-_P = np.uint64(0x100000001B3)
-_P_INVERSE = np.uint64(pow(int(_P), -1, 1 << 64))
+# The most bytes of directories compared as one matrix (_directories).
+_COMPARE_BYTES = 1 << 22
 
 
 class FilesUnseen(Exception):
@@ -70,29 +69,38 @@ class FilesUnseen(Exception):
 class DirectoryChecks:
     """The directories the daemon could enter lately (Note [Checking paths per directory]).
 
+    Time runs in periods of ``recheck_s``: a directory is looked at (one ``os.access``) the
+    first time a batch names it in a period, so at least once per ``recheck_s`` while batches
+    name it. A batch whose directories were all looked at in this period costs one set
+    difference.
+
     Thread-safe: the executors of several pipelines check their batches at once.
     """
 
     def __init__(self, recheck_s: float = DIRECTORY_RECHECK_S) -> None:
         self.recheck_s = recheck_s
         self.lookups = 0  # os.access calls made, for tests and the curious
-        self._seen: dict[bytes, float] = {}
+        self._fresh: set[bytes] = set()
+        self._period_start = time.monotonic()
         self._lock = threading.Lock()
 
-    def enterable(self, directory: bytes) -> bool:
-        """Whether the daemon may enter ``directory`` (b"" is its working directory)."""
+    def unchecked(self, directories: Collection[bytes]) -> set[bytes]:
+        """The ``directories`` not looked at in this period (starting the next one if due)."""
         now = time.monotonic()
         with self._lock:
-            checked = self._seen.get(directory)
-        if checked is not None and now - checked < self.recheck_s:
-            return True
+            if now - self._period_start >= self.recheck_s or len(self._fresh) >= MAX_DIRECTORIES:
+                self._fresh = set()
+                self._period_start = now
+            return set(directories) - self._fresh
+
+    def enterable(self, directory: bytes) -> bool:
+        """Whether the daemon may enter ``directory`` (b"" is its working directory); one that
+        it may is remembered for the rest of the period."""
         self.lookups += 1
         if not os.access(directory or b".", os.X_OK):
             return False
         with self._lock:
-            if len(self._seen) >= MAX_DIRECTORIES:
-                self._seen.clear()
-            self._seen[directory] = now
+            self._fresh.add(directory)
         return True
 
 
@@ -121,9 +129,9 @@ def check_paths(
         starts, stops = bounds[:-1], bounds[1:]
         # Sample i holds bytes starts[i] <= b < stops[i]; a NUL byte's sample is the first
         # whose stop lies past it.
-        nul = np.searchsorted(stops, np.flatnonzero(data == 0), side="right")
-        not_paths = np.union1d(np.flatnonzero(starts == stops), nul)
-        for position in not_paths.tolist():
+        empty_or_nul = starts == stops
+        empty_or_nul[np.searchsorted(stops, np.flatnonzero(data == 0), side="right")] = True
+        for position in np.flatnonzero(empty_or_nul).tolist():
             shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
             bad.setdefault(position, f"input {item.name!r}: {shown!r} is not a file path")
         for position in unreadable:
@@ -136,8 +144,10 @@ def check_paths(
         keep = np.ones(item.size, bool)
         keep[list(bad)] = False
         kept_starts, kept_stops = starts[keep], stops[keep]
-        for first, start, stop in _directories(data, kept_starts, kept_stops):
-            if not directories.enterable(data[start:stop].tobytes()):
+        found = _directories(data, kept_starts, kept_stops)
+        for directory in directories.unchecked(found.keys()):
+            first, _, _ = found[directory]
+            if not directories.enterable(directory):
                 path = data[kept_starts[first] : kept_stops[first]].tobytes()
                 raise FilesUnseen(unseen_message(os.fsdecode(path)))
     return bad
@@ -145,36 +155,50 @@ def check_paths(
 
 def _directories(
     data: np.ndarray, starts: np.ndarray, stops: np.ndarray
-) -> list[tuple[int, int, int]]:
-    """The distinct directories of the paths ``data[starts[i]:stops[i]]``: for each, its first
-    path ``i`` and the start and stop in ``data`` of that path's directory (up to its last "/",
-    or "/" itself).
+) -> dict[bytes, tuple[int, int, int]]:
+    """The distinct directories of the paths ``data[starts[i]:stops[i]]`` (each up to its last
+    "/", or "/" itself), by their bytes: for each, its first path ``i`` and the start and stop
+    of its bytes in ``data``.
 
-    Found with numpy, in as many steps whatever the batch's size: each directory's bytes are
-    hashed from prefix sums, and the hashes made unique. Two directories of one hash would be
-    checked as one; the check after a failure (:func:`unseen_file`) still sees each file.
+    Found with numpy, in as many steps whatever the batch's size: each directory becomes one
+    row of a byte matrix (its length, then its bytes, zero-padded to the longest), and the rows
+    are made unique by numpy's sort; only then is each distinct one made bytes. Exact, and a
+    third of the CPU or less of hashing every byte of the batch (two cumulative products and a
+    sum, per byte of the batch: 360 µs for 256 ImageNet-like paths against 100).
     """
     if not len(starts):
-        return []
+        return {}
     slashes = np.flatnonzero(data == _SLASH)
     index = np.searchsorted(slashes, stops) - 1
     last = np.where(index >= 0, slashes[np.maximum(index, 0)], -1)
     # "/a.jpg" is in "/", "a.jpg" in the working directory (b"").
     ends = np.where(last >= starts, np.maximum(last, starts + 1), starts)
-    powers = np.empty(len(data) + 1, np.uint64)
-    powers[0] = 1
-    powers[1:] = _P
-    np.cumprod(powers, out=powers)
-    inverse = np.empty(len(data) + 1, np.uint64)
-    inverse[0] = 1
-    inverse[1:] = _P_INVERSE
-    np.cumprod(inverse, out=inverse)
-    prefix = np.zeros(len(data) + 1, np.uint64)
-    np.cumsum((data.astype(np.uint64) + np.uint64(1)) * powers[:-1], out=prefix[1:])
-    hashes = (prefix[ends] - prefix[starts]) * inverse[starts]
-    keys = hashes ^ (ends - starts).astype(np.uint64)
-    _, first = np.unique(keys, return_index=True)
-    return list(zip(first.tolist(), starts[first].tolist(), ends[first].tolist(), strict=True))
+    lengths = ends - starts
+    width = int(lengths.max())
+    columns = np.arange(width)
+    # A batch of very long directories is compared in parts of at most _COMPARE_BYTES.
+    rows_at_once = max(1, _COMPARE_BYTES // (width + 8))
+    blob = data.tobytes()
+    found: dict[bytes, tuple[int, int, int]] = {}
+    for first_row in range(0, len(starts), rows_at_once):
+        part = slice(first_row, first_row + rows_at_once)
+        part_starts, part_lengths = starts[part], lengths[part]
+        rows = np.zeros((len(part_starts), 8 + width), np.uint8)
+        rows[:, :8] = part_lengths.astype("<u8")[:, None].view(np.uint8)
+        inside = columns < part_lengths[:, None]
+        rows[:, 8:][inside] = data[(part_starts[:, None] + columns)[inside]]
+        keys = rows.view(np.dtype((np.void, 8 + width))).ravel()
+        _, first = np.unique(keys, return_index=True)
+        where = zip(
+            (first + first_row).tolist(),
+            part_starts[first].tolist(),
+            (part_starts + part_lengths)[first].tolist(),
+            strict=True,
+        )
+        for row, start, stop in where:
+            # An earlier part's first path of a directory stays its first.
+            found.setdefault(blob[start:stop], (row, start, stop))
+    return found
 
 
 def unseen_file(

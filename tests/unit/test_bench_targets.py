@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import types
 from typing import Any
 
 import pytest
 
+from bench import threads
 from bench.contenders import CONTENDERS
 from bench.report import targets_table
 from bench.targets import (
@@ -224,3 +228,30 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     assert wall["met"] is False and wall["unit"] == "times"
     assert "not measured" not in "".join(targets_table({"targets": list(found.values())}))
     assert daemon_thread_targets({"dali": {0: one}}, LABELS) == []
+
+
+def test_a_snapshot_counts_a_copy_under_way_up_to_its_moment() -> None:
+    """An output copy is counted as it runs, as the executor's clock is: a window never holds
+    more copying than executor time (a copy counted only at its end did, by a whole batch's)."""
+    totals = threads._Totals()
+    ident = threading.get_ident()
+    totals.executors[ident] = types.SimpleNamespace(samples_run=0)
+    totals.copying[ident] = time.thread_time()
+    spent = time.thread_time() + 0.02
+    while time.thread_time() < spent:
+        pass
+    snapshot = totals.snapshot()
+    assert snapshot["copy_out_cpu_s"] >= 0.02
+    assert snapshot["executor_cpu_s"] >= snapshot["copy_out_cpu_s"]
+
+
+def test_heap_trims_after_departures_are_the_jobs_ends_not_the_loops_chores() -> None:
+    used = {"seconds": 10.0, "io_loop_cpu_s": 0.5, "messages": 10, "message_cpu_s": 0.1,
+            "message_wall_s": 0.1, "by_op": {"goodbye": [1, 0.05, 0.05]},
+            "departure_trim_cpu_s": 0.3, "executor_cpu_s": 0.0, "copy_out_cpu_s": 0.0,
+            "executor_samples": 1000}  # fmt: skip
+    found = figures(used)
+    assert found["io_lifecycle_ms"] == pytest.approx(350.0)
+    # The loop's own: 0.5 s less the goodbye and the trim, less the messages' 0.05 s.
+    assert found["io_chores_ms_per_s"] == pytest.approx(10.0)
+    assert found["io_messages_us_per_sample"] == pytest.approx(50.0)

@@ -14,6 +14,7 @@ from nvidia.dali.data_node import DataNode
 from dalid.client.paths import resolve_paths
 from dalid.protocol import InputBatch
 from dalid.protocol.file_inputs import path_inputs
+from dalid.server import paths as paths_module
 from dalid.server.paths import (
     DirectoryChecks,
     FilesUnseen,
@@ -101,6 +102,12 @@ def test_each_directory_is_looked_at_once_whatever_the_batch_size(tmp_path: Path
     assert checks.lookups == 4
     check_paths(_batch(*reversed(paths)), ["paths"], [], checks)
     assert checks.lookups == 4  # seen lately: no os.access at all
+    # Known by their bytes, whatever else the batch holds: a longer directory beside them is
+    # the one new look.
+    deeper = tmp_path / "class_0" / "a_much_longer_subdirectory_name"
+    deeper.mkdir()
+    check_paths(_batch(*paths[:8], str(deeper / "img.jpg")), ["paths"], [], checks)
+    assert checks.lookups == 5
     again = DirectoryChecks(recheck_s=0.0)  # every batch looks again, still once a directory
     check_paths(_batch(*paths), ["paths"], [], again)
     check_paths(_batch(*paths), ["paths"], [], again)
@@ -111,16 +118,28 @@ def test_each_directory_is_looked_at_once_whatever_the_batch_size(tmp_path: Path
         check_paths(_batch(*paths), ["paths"], [], again)
 
 
-def test_distinct_directories_are_found_as_arrays() -> None:
+# The whole batch compared at once, and in parts of one or two rows (very long directories).
+@pytest.mark.parametrize("compare_bytes", [1 << 22, 1, 20])
+def test_distinct_directories_are_found_as_arrays(
+    compare_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(paths_module, "_COMPARE_BYTES", compare_bytes)
     paths = [b"/a/b/1", b"/a/bc/2", b"/a/3", b"/a/b/4", b"5", b"/6", b"/a/bc/7", b"/b/a/8",
              b"/a/b/9", b"/ab/10"]  # fmt: skip
     item = _batch(*paths)[0]
     data = np.frombuffer(item.data, np.uint8)
     bounds = item.sample_bytes()
     found = _directories(data, bounds[:-1], bounds[1:])
-    directories = {data[start:stop].tobytes(): first for first, start, stop in found}
+    directories = {data[start:stop].tobytes(): first for first, start, stop in found.values()}
     assert directories == {b"/a/b": 0, b"/a/bc": 1, b"/a": 2, b"": 4, b"/": 5, b"/b/a": 7,
                            b"/ab": 9}  # fmt: skip
+    assert len(found) == len(directories)
+    # Directories that differ only in a last NUL byte, or in bytes past the shorter one's end,
+    # are told apart (a padded row alone would not tell "/a" from "/a\0").
+    item = _batch(b"/a/1", b"/a\0/2", b"/a\0\0/3")[0]
+    data = np.frombuffer(item.data, np.uint8)
+    bounds = item.sample_bytes()
+    assert len(_directories(data, bounds[:-1], bounds[1:])) == 3
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root enters and reads whatever the modes say")
