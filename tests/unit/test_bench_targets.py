@@ -235,7 +235,7 @@ def test_a_snapshot_counts_a_copy_under_way_up_to_its_moment() -> None:
     more copying than executor time (a copy counted only at its end did, by a whole batch's)."""
     totals = threads._Totals()
     ident = threading.get_ident()
-    totals.executors[ident] = types.SimpleNamespace(samples_run=0)
+    totals.executors[ident] = types.SimpleNamespace(samples=0)
     totals.copying[ident] = time.thread_time()
     spent = time.thread_time() + 0.02
     while time.thread_time() < spent:
