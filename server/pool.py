@@ -18,7 +18,10 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
    fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
    ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
-   allows, and only then waits.
+   allows, and only then waits. It grows only as regions are leased at once, and the executors
+   lease only a few batches of a job at once (Note [A job's window] in ``run_planner.py``): a
+   growing pool holds those batches, in slabs of whole regions placed best-fit, and the quota
+   is an upper bound it reaches only for a trainer that keeps its outputs.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
    their names handed to the trainer (``take_retired``).
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
