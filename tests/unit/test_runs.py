@@ -212,3 +212,15 @@ def test_a_trainer_that_keeps_its_outputs_overflows_the_window_until_it_releases
     overflows.append(plan.member.overflow)
     assert overflows == [True, False]
     assert plan.take() is None
+
+
+def test_a_job_whose_window_is_full_is_passed_over_on_a_shared_pipeline() -> None:
+    plan = Planner({1: 1.0, 2: 1.0}, run_batches=1)
+    plan.planner.window = WINDOW
+    plan.submit(1, 4)
+    assert [plan.run(), plan.run()] == [[1], [1]]
+    plan.submit(2, 2)
+    # Job 1's trainer holds its window: job 2 runs on, and job 1 waits without a slot.
+    assert [plan.run(), plan.run()] == [[2], [2]]
+    assert plan.planner.next_run(collections.deque(), block=False) is None
+    assert plan.members[1].held == WINDOW and len(plan.members[1].queue) == 2
