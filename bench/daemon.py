@@ -74,8 +74,8 @@ def _answers(socket: Path) -> bool:
 
 def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The daemon's pipelines (``StatusReport.pipelines``, as ``dalid status --json`` shows
-    them) and, of each job, its id, slabs and output path, from the daemon on ``socket``; a
-    status request needs no hello."""
+    them) and, of each job, its id, slabs, their peak bytes and output path, from the daemon
+    on ``socket``; a status request needs no hello."""
     context: zmq.Context[Any] = zmq.Context()
     sock = transport.make_socket(context, zmq.DEALER, endpoint(socket), bind=False)
     try:
@@ -96,6 +96,7 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
                 "waiting": job.waiting,
                 "samples_done": job.samples_done,
                 "batches_copied": job.batches_copied,
+                "peak_slab_bytes": job.peak_slab_bytes,
             }
             for job in report.jobs
         ]

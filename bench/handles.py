@@ -21,7 +21,8 @@ def per_epoch(cumulative: Sequence[int]) -> list[int]:
 
 def job_handles(result: dict[str, Any], warmup_epochs: int) -> dict[str, Any] | None:
     """One trainer's figures: opens per epoch, in all and after the warm-up, batch events
-    opened per epoch, and its job's slabs (None where the daemon's status was not read)."""
+    opened per epoch, and its job's slabs and their peak bytes (None where the daemon's status
+    was not read)."""
     handles = result.get("handles")
     if not handles:
         return None
@@ -34,6 +35,7 @@ def job_handles(result: dict[str, Any], warmup_epochs: int) -> dict[str, Any] | 
         "opens": sum(opens),
         "timed_opens": sum(opens[warmup_epochs:]),
         "slabs": mine[0]["slabs"] if mine else None,
+        "peak_slab_bytes": mine[0].get("peak_slab_bytes") if mine else None,
         "output_path": mine[0].get("output_path", "") if mine else "",
     }
 
@@ -44,6 +46,7 @@ def run_handles(results: Sequence[dict[str, Any]], warmup_epochs: int) -> dict[s
     if not jobs:
         return None
     slabs = [job["slabs"] for job in jobs]
+    peaks = [job["peak_slab_bytes"] for job in jobs if job["peak_slab_bytes"] is not None]
 
     def summed(name: str) -> list[int]:
         return [sum(epoch) for epoch in zip(*(job[name] for job in jobs), strict=True)]
@@ -54,5 +57,7 @@ def run_handles(results: Sequence[dict[str, Any]], warmup_epochs: int) -> dict[s
         "opens": sum(job["opens"] for job in jobs),
         "timed_opens": sum(job["timed_opens"] for job in jobs),
         "slabs": None if None in slabs else sum(s for s in slabs if s is not None),
+        # The most bytes of slabs a job's pools held at once, the mean over the run's jobs.
+        "peak_slab_bytes_per_job": sum(peaks) / len(peaks) if peaks else None,
         "output_paths": sorted({job["output_path"] for job in jobs if job["output_path"]}),
     }

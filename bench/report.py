@@ -169,15 +169,18 @@ def _handles(rows: list[dict[str, Any]]) -> list[str]:
     if not counted:
         return []
     lines = [
-        "| contender | slab handles opened, each epoch | slabs of the pools | batch events "
-        "opened, each epoch | output path |",
-        "|---|---|--:|---|---|",
+        "| contender | slab handles opened, each epoch | slabs of the pools | pool MiB per job, "
+        "peak | batch events opened, each epoch | output path |",
+        "|---|---|--:|--:|---|---|",
     ]
     for row in counted:
         run = row["handles_per_run"][0]
         slabs = NONE if run["slabs"] is None else str(run["slabs"])
+        peak = run.get("peak_slab_bytes_per_job")
+        pool = NONE if peak is None else f"{peak / (1 << 20):,.0f}"
         lines.append(
             f"| {row['label']} | {', '.join(map(str, run['opens_per_epoch']))} | {slabs} | "
+            f"{pool} | "
             f"{', '.join(map(str, run['events_per_epoch']))} | "
             f"{', '.join(run['output_paths']) or NONE} |"
         )
@@ -188,7 +191,8 @@ def _handles(rows: list[dict[str, Any]]) -> list[str]:
         "cudaIpcOpenMemHandle), each of the daemon's batch events opened once: after the "
         "pools have filled, an epoch opens none. Counted by every trainer at the end of each "
         "epoch, summed over the run's jobs; slabs: the jobs' pools as their timed windows "
-        "ended (`dalid status`).",
+        "ended (`dalid status`); pool MiB per job: the most bytes of slabs a job's pools held "
+        "at once, the mean over the run's jobs.",
         "",
     ]
 

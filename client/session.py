@@ -30,6 +30,7 @@ from dalid.protocol import (
     Limits,
     ScheduleBatch,
     TrainerProgress,
+    WantBatch,
     parse_device,
     socket_path,
 )
@@ -369,10 +370,15 @@ class Session:
         progress.batches += 1
         generation = self._daemon.generation
         link = self._daemon.link
+        # The regions of tensors that died go back before each batch, not only while waiting:
+        # the daemon holds a few batches of the job at once, released ones included.
+        self._flush_releases()
         result = generation.results.pop(batch_id, None)
         if result is not None:
             progress.report(link)
             return result
+        # The daemon runs it before the job's other batches (SPEC.md, "Batches in flight").
+        link.notify(WantBatch(batch_id))
 
         def is_result(envelope: Envelope) -> bool:
             message = envelope.message

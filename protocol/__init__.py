@@ -62,6 +62,7 @@ from .messages import (
     StatusRequest,
     SubmitBatch,
     TrainerProgress,
+    WantBatch,
     Welcome,
 )
 from .release import installation, release
@@ -116,6 +117,7 @@ __all__ = [
     "StatusRequest",
     "SubmitBatch",
     "TrainerProgress",
+    "WantBatch",
     "Welcome",
     "decode",
     "device_label",

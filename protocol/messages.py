@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import ErrorCode
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped only when a meaning changes: a change a peer of the previous version would misread.
 Quoted in SPEC.md, whose "Versions" section has the rule.
 
@@ -35,6 +35,10 @@ nor does a new operation that changes no existing message (a peer that lacks it 
 ``unknown_operation``: so ``reload_repository`` and ``repository_report`` came in version 4).
 A new enum value (an error code, a policy), a field older peers must not ignore, or a change
 to what a field means does need one.
+
+Version 8 adds the trainer's ``want_batch``: a daemon of this version holds only a few batches
+of a job at once and relies on the trainer naming the one it waits for, which a version 7
+trainer never does (its job could stall on batches that arrived out of its order).
 
 Version 7 sends each input of a batch as one frame of its samples' bytes and one of their
 shapes (``InputBatch.data`` and ``shapes``, with ``size`` and ``ndim``), checked and viewed as
@@ -660,6 +664,15 @@ class ScheduleBatch(Message):
 
 
 @dataclass(frozen=True)
+class WantBatch(Message):
+    """A notification from the trainer: it is about to wait for ``batch_id``, whose result has
+    not come; the daemon runs it before the job's other batches (SPEC.md, "Batches in flight")."""
+
+    OP: ClassVar[str] = "want_batch"
+    batch_id: int
+
+
+@dataclass(frozen=True)
 class OutputDescriptor:
     """Where one pipeline output of a batch lies: a region of a slab.
 
@@ -858,6 +871,10 @@ class JobStatus:
     # How its outputs reach the trainer: "shm" (CPU outputs only), "cuda_ipc" or "staged" for
     # GPU outputs (see OutputPath).
     output_path: str = ""
+    # The bytes of its output memory's slabs now, and the most they have been at once (every
+    # kind of memory together).
+    slab_bytes: int = 0
+    peak_slab_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -974,6 +991,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     SubmitBatch,
     BatchAccepted,
     ScheduleBatch,
+    WantBatch,
     BatchReady,
     BatchFailed,
     ReleaseRegions,
@@ -1028,5 +1046,6 @@ __all__ = [
     "StatusRequest",
     "SubmitBatch",
     "TrainerProgress",
+    "WantBatch",
     "Welcome",
 ]

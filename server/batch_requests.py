@@ -26,6 +26,7 @@ from dalid.protocol import (
     Role,
     ScheduleBatch,
     SubmitBatch,
+    WantBatch,
 )
 
 from .errors import RequestRefused
@@ -180,6 +181,15 @@ class BatchRequests:
         assert member.executor is not None
         member.executor.submit(batch)
         return Ok()
+
+    def on_want_batch(self, identity: bytes, request: WantBatch, _request_id: int | None) -> None:
+        """The trainer waits for a batch: each of the job's pipelines moves it to the front if
+        it has it queued (Note [A job's window] in run_planner.py). A want for a batch the job
+        does not hold changes nothing; none is answered."""
+        job = self.peers[identity].job
+        for member in job.pipelines.values():
+            if member.executor is not None:
+                member.executor.want(member, request.batch_id)
 
     def on_release_regions(
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None

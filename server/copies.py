@@ -4,9 +4,12 @@ Note [Private copies]
 ---------------------
 A trainer that keeps its outputs (``kept.append(batch)``: validation metrics, embeddings) holds
 the regions they view for as long as it keeps them; DALI's proxy gives it new tensors each step,
-so such a loop works there and must work here. A job's output memory grows up to its quota
-(``memory_bytes``); when a batch does not fit and no region comes back for
-``PRIVATE_COPY_AFTER_S``, the batch is delivered as a private copy instead of waiting for ever:
+so such a loop works there and must work here. A job normally holds a few batches at once (Note
+[A job's window] in run_planner.py); a trainer that holds them all and waits for another one
+for ``PRIVATE_COPY_AFTER_S`` makes its batches pass that window (point 4 there), and its output
+memory grows up to its quota (``memory_bytes``); when a batch does not fit and no region comes
+back for ``PRIVATE_COPY_AFTER_S``, the batch is delivered as a private copy instead of waiting
+for ever. A loop that releases its batches never gets one:
 
 1. Its outputs are copied into host buffers of their own (a GPU output through the host) and
    travel as frames of its ``batch_ready`` (``copies``, one per output, in output order); their

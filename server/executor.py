@@ -51,7 +51,7 @@ from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .outputs import OutputFailure, RunOutput, Stream
 from .paths import unseen_file
 from .pool import PoolClosed, PoolFull
-from .run_planner import RunPlanner
+from .run_planner import TRAINER_HOLDS, RunPlanner
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
@@ -246,6 +246,10 @@ class PipelineExecutor:
     def submit(self, batch: PendingBatch) -> None:
         self._planner.submit(batch)
 
+    def want(self, member: Member, batch_id: int) -> None:
+        """``member``'s trainer waits for ``batch_id`` (Note [A job's window])."""
+        self._planner.want(member, batch_id)
+
     def stop(self, timeout: float = 10.0) -> bool:
         """Stops the threads of every instance, dropping batches not yet run; whether they
         stopped. Idempotent."""
@@ -429,6 +433,8 @@ class PipelineExecutor:
                 self.spec = outcome
                 self._planner.run_size = self.run_size
                 self._planner.path_inputs = outcome.path_inputs
+                # Note [A job's window] in run_planner.py.
+                self._planner.window = outcome.prefetch_queue_depth + TRAINER_HOLDS
             else:
                 self._build_error = outcome
             waiting, self._waiting_for_build = self._waiting_for_build, []
@@ -612,7 +618,13 @@ class PipelineExecutor:
                 batch, ErrorCode.INTERNAL_ERROR, f"its outputs could not be written: {error}"
             )
             return
-        # The regions are now leased to the trainer (Note [Output buffer lifetime]).
+        # The regions are now leased to the trainer (Note [Output buffer lifetime]); the batch
+        # leaves its job's window once they all come back, or now if it holds none.
+        leased = [descriptor.region_id for descriptor in descriptors if descriptor.region_id]
+        if leased:
+            member.outputs.when_released(
+                leased, functools.partial(self._planner.settle, batch, released=True)
+            )
         member.answer(
             batch,
             BatchReady(
@@ -625,6 +637,8 @@ class PipelineExecutor:
                 copies=copies,
             ),
         )
+        if not leased:
+            self._planner.settle(batch)
 
     def _fail(
         self,
@@ -647,6 +661,7 @@ class PipelineExecutor:
             batch,
             BatchFailed(batch.batch_id, member.pipeline_id, code, message, tuple(bad_samples)),
         )
+        self._planner.settle(batch)
 
     # --- bad samples ----------------------------------------------------------------------------
 

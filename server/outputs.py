@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -29,6 +30,16 @@ from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
 from .copies import private_copy
 from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
+
+
+class _LeasedBatch:
+    """A delivered batch's regions still leased, and what to call when none is."""
+
+    __slots__ = ("released", "remaining")
+
+    def __init__(self, remaining: int, released: Callable[[], None]) -> None:
+        self.remaining = remaining
+        self.released = released
 
 
 class OutputFailure(Exception):
@@ -111,6 +122,9 @@ class JobOutputs:
         # How long a batch waits for memory before it goes as a private copy; None: it waits
         # for ever (a trainer that takes no copies). Note [Private copies] in copies.py.
         self.copy_after: float | None = None
+        # Delivered batches by their leased region ids: what to call once all are released.
+        self._batches: dict[int, _LeasedBatch] = {}
+        self._batches_lock = threading.Lock()
 
     @property
     def stream(self) -> int | None:
@@ -223,6 +237,26 @@ class JobOutputs:
             )
         return tuple(descriptors), tuple(frames)
 
+    def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
+        """Calls ``released`` once the trainer has released every one of ``region_ids`` (a
+        delivered batch's; registered before its ``batch_ready`` goes)."""
+        batch = _LeasedBatch(len(region_ids), released)
+        with self._batches_lock:
+            for region_id in region_ids:
+                self._batches[region_id] = batch
+
+    def _batches_released(self, region_ids: Sequence[int]) -> None:
+        done = []
+        with self._batches_lock:
+            for region_id in region_ids:
+                batch = self._batches.pop(region_id, None)
+                if batch is not None:
+                    batch.remaining -= 1
+                    if not batch.remaining:
+                        done.append(batch.released)
+        for released in done:
+            released()
+
     def take_retired(self) -> tuple[str, ...]:
         """Slabs freed since the last call, for the trainer to unmap."""
         return tuple(name for store in self.stores for name in store.pool.take_retired())
@@ -298,6 +332,8 @@ class JobOutputs:
         for store in self.stores:
             if unknown:
                 unknown = store.pool.release(unknown)
+        if self._batches:
+            self._batches_released(region_ids)
         if closed_slabs:
             for store in ordered:
                 store.peer_unmapped(closed_slabs)
@@ -317,6 +353,8 @@ class JobOutputs:
         if self.closed:
             return False
         self.closed = True
+        with self._batches_lock:
+            self._batches.clear()
         lingering = [store.close(unmap) for store in self.stores]
         return any(lingering)
 
@@ -345,6 +383,16 @@ class JobOutputs:
     @property
     def slab_count(self) -> int:
         return sum(store.pool.slab_count for store in self.stores)
+
+    @property
+    def slab_bytes(self) -> int:
+        """The bytes of the job's slabs now, of every kind of memory."""
+        return sum(store.pool.slab_bytes_total for store in self.stores)
+
+    @property
+    def peak_slab_bytes(self) -> int:
+        """The most bytes of slabs each store has held at once, summed over the stores."""
+        return sum(store.pool.peak_slab_bytes for store in self.stores)
 
 
 class RunOutput:

@@ -1,6 +1,6 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 400 lines: the note below is the lifetime contract the pool enforces,
+Why one module of some 430 lines: the note below is the lifetime contract the pool enforces,
 and it reads best beside the code that keeps each of its rules.
 
 Note [Output buffer lifetime]
@@ -18,7 +18,10 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
    fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
    ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
-   allows, and only then waits.
+   allows, and only then waits. It grows only as regions are leased at once, and the executors
+   lease only a few batches of a job at once (Note [A job's window] in ``run_planner.py``): a
+   growing pool holds those batches, in slabs of whole regions placed best-fit, and the quota
+   is an upper bound it reaches only for a trainer that keeps its outputs.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
    their names handed to the trainer (``take_retired``).
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
@@ -44,8 +47,8 @@ from typing import Any, Protocol
 
 ALIGNMENT = 256
 PAGE = mmap.PAGESIZE
-# A slab of a growing pool holds this many regions of the size that asked for it (at most
-# ``slab_bytes``): small outputs get small slabs, and room for a few batches at a time.
+# A slab of a growing pool holds at most this many regions of the size that asked for it (and
+# what fits in ``slab_bytes``): small outputs get small slabs, and room for a few batches.
 GROWTH_REGIONS = 4
 
 
@@ -125,16 +128,27 @@ class _SlabSpace:
         self.free: list[tuple[int, int]] = [(0, slab.size)]  # (offset, size), sorted by offset
         self.leased = 0
 
-    def take(self, size: int) -> int | None:
-        for index, (offset, free_size) in enumerate(self.free):
-            if free_size >= size:
-                if free_size == size:
-                    del self.free[index]
-                else:
-                    self.free[index] = (offset + size, free_size - size)
-                self.leased += 1
-                return offset
-        return None
+    def fit(self, size: int) -> int | None:
+        """The index of the smallest free block that holds ``size`` bytes, or None."""
+        best: int | None = None
+        for index, (_, free_size) in enumerate(self.free):
+            if free_size >= size and (best is None or free_size < self.free[best][1]):
+                best = index
+        return best
+
+    def take(self, size: int, index: int | None = None) -> int | None:
+        """Leases ``size`` bytes from the free block ``index`` (the best fit if None)."""
+        if index is None:
+            index = self.fit(size)
+            if index is None:
+                return None
+        offset, free_size = self.free[index]
+        if free_size == size:
+            del self.free[index]
+        else:
+            self.free[index] = (offset + size, free_size - size)
+        self.leased += 1
+        return offset
 
     def give_back(self, offset: int, size: int) -> None:
         index = bisect.bisect_left(self.free, (offset, 0))
@@ -182,6 +196,8 @@ class RegionPool:
         # itertools.count is atomic in CPython, so pools may share one across threads.
         self._region_ids = region_ids if region_ids is not None else itertools.count(1)
         self._next_slab_number = 0
+        # The most bytes of slabs the pool has held at once.
+        self.peak_slab_bytes = 0
         self._condition = threading.Condition()
         self._closed = False
         self._retired: list[str] = []
@@ -356,15 +372,26 @@ class RegionPool:
             space.give_back(offset, size)
 
     def _place(self, size: int) -> tuple[_SlabSpace, int] | None:
+        # Best fit over every slab: a small output (labels) takes the smallest free block that
+        # holds it, not the start of an empty slab that the next batch's images need whole, so
+        # a pool sized for a few batches holds them without growing (Note [A job's window] in
+        # run_planner.py).
+        best: tuple[int, _SlabSpace, int] | None = None
         for space in self._spaces:
-            offset = space.take(size)
-            if offset is not None:
-                return space, offset
+            index = space.fit(size)
+            if index is not None and (best is None or space.free[index][1] < best[0]):
+                best = (space.free[index][1], space, index)
+        if best is not None:
+            _, space, index = best
+            offset = space.take(size, index)
+            assert offset is not None
+            return space, offset
         slab_size = self._make_room(_align(size, PAGE))
         if slab_size is None:
             return None
         space = _SlabSpace(self._backend.create(self._next_slab_name(), slab_size))
         self._spaces.append(space)
+        self.peak_slab_bytes = max(self.peak_slab_bytes, self.slab_bytes_total)
         offset = space.take(size)
         assert offset == 0
         return space, offset
@@ -373,13 +400,14 @@ class RegionPool:
         """The size of a new slab holding ``needed`` bytes, freeing empty slabs if need be.
 
         Slabs are ``slab_bytes`` (or ``needed`` if larger); near the limit, a smaller one. A
-        growing pool sizes a slab for ``GROWTH_REGIONS`` regions of ``needed`` and raises its
-        limit to make it, or just ``needed``, if its growth allows. None when there is no room
-        until regions are released.
+        growing pool sizes a slab for as many whole regions of ``needed`` as ``slab_bytes``
+        holds, at most ``GROWTH_REGIONS`` and at least one, and raises its limit to make it, or
+        just ``needed``, if its growth allows. None when there is no room until regions are
+        released.
         """
         preferred = max(self.slab_bytes, needed)
         if self._growth is not None:
-            preferred = max(needed, min(self.slab_bytes, needed * GROWTH_REGIONS))
+            preferred = needed * max(1, min(GROWTH_REGIONS, self.slab_bytes // needed))
         room = self.limit_bytes - self.slab_bytes_total
         if room >= preferred:
             return preferred

@@ -1,5 +1,39 @@
 """Which waiting batches of a pipeline's members form its next run, in the fair scheduler's
-order; the batches, members and runs themselves are in :mod:`dalid.server.runs`.
+order, and how many of a job's batches the daemon holds at once (Note [A job's window]); the
+batches, members and runs themselves are in :mod:`dalid.server.runs`.
+
+Why one module of some 430 lines: the window decides which batch may run next, so it lives
+beside the choice it limits, in the one planner that several executors of a graph would share.
+
+Note [A job's window]
+---------------------
+A DataLoader keeps ``workers x prefetch_factor`` batches submitted, and they reach the daemon out
+of the trainer's order (each worker sends its own). Run in arrival order, they would fill the
+job's output memory with batches the trainer cannot take yet, and the one it waits for would
+find no room. So:
+
+1. A member holds at most ``window`` batches at once (``Member.held``): from the moment a batch
+   is taken into a run until it is answered without a lease (failed, a private copy, its job
+   gone) or the trainer has released every region of it. ``window`` is the pipeline's
+   ``prefetch_queue_depth`` (what DALI in-process holds) plus ``TRAINER_HOLDS``, the batch the
+   trainer holds while it waits for the next. A member whose window is full is passed over,
+   so no executor blocks in an allocation for it and other jobs run on.
+2. The trainer names the batch it is about to wait for (``want_batch``). That batch goes to the
+   front of its member's queue (or there when it arrives, if it comes later), and passes a full
+   window: batches that arrived early cannot keep out the one the trainer needs. It may pass by
+   ``TRAINER_HOLDS + 1`` batches: at an epoch's start the early batches can fill the whole
+   window while the trainer holds none, and then it holds the batch it just had while it
+   waits for the next one.
+3. So the job's output memory holds ``window + 1`` batches in steady state (a batch in order
+   passes a window the trainer's batch and DALI's prefetch fill), ``window + 2`` at most, and
+   its pool grows no further (point 3 of Note [Output buffer lifetime] in pool.py); the quota
+   stays the bound.
+4. A trainer that keeps its outputs (Note [Private copies] in copies.py) holds the whole window
+   and still waits: once its wanted batch has waited ``copy_after`` for the window, the member
+   *overflows*: its batches pass the window, up to the pool's quota and then as private copies,
+   until the trainer releases a batch again. A trainer that takes no copies waits.
+5. A want is one integer per member, replaced by the next: a want for a batch the job does not
+   have, has delivered, or another job's, finds nothing to move and grows nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +52,9 @@ from .scheduler import FairScheduler, ServiceClock
 # again when a job's batch waited only for that job's memory (a release does not wake it).
 _IDLE_WAIT_S = 1.0
 _IDLE_POLL_S = 0.05
+
+# The batch a trainer holds while it waits for its next one (Note [A job's window], point 1).
+TRAINER_HOLDS = 1
 
 
 def _any_batch(batch: PendingBatch) -> bool:
@@ -60,6 +97,8 @@ class RunPlanner:
         self.path_inputs: tuple[str, ...] = ()
         # Output sizes per sample of the last run, by output: (device, bytes).
         self.sample_sizes: list[tuple[str, int]] = []
+        # The most batches of a member held at once (Note [A job's window]); 0: no limit.
+        self.window = 0
         self._scheduler = scheduler
         self._clock = clock
         self._stopping = stopping
@@ -103,10 +142,79 @@ class RunPlanner:
             return not self.members
 
     def submit(self, batch: PendingBatch) -> None:
-        assert batch.member is not None
+        member = batch.member
+        assert member is not None
         with self.changed:
-            batch.member.queue.append(batch)
+            if batch.batch_id == member.wanted:
+                member.queue.appendleft(batch)  # its trainer waits for it already
+            else:
+                member.queue.append(batch)
             self.changed.notify()
+
+    # --- the window (Note [A job's window]) -----------------------------------------------------
+
+    def want(self, member: Member, batch_id: int) -> None:
+        """``member``'s trainer waits for ``batch_id``: it goes to the front of the queue, now
+        or when it arrives (point 2); a batch the member does not have queued moves nothing."""
+        with self.changed:
+            if member not in self.members:
+                return
+            member.wanted = batch_id
+            member.want_blocked_since = None
+            for index, batch in enumerate(member.queue):
+                if batch.batch_id == batch_id:
+                    if index:
+                        del member.queue[index]
+                        member.queue.appendleft(batch)
+                    self.changed.notify()
+                    break
+
+    def settle(self, batch: PendingBatch, released: bool = False) -> None:
+        """``batch`` leaves its job's window: answered without a lease, or (``released``) its
+        trainer released its regions, which also ends the member's overflow (point 4)."""
+        member = batch.member
+        assert member is not None
+        with self.changed:
+            if not batch.held:
+                return
+            batch.held = False
+            member.held -= 1
+            if released:
+                member.overflow = False
+            self.changed.notify()
+
+    @staticmethod
+    def _hold(batch: PendingBatch) -> None:
+        """Counts a batch just taken off its queue into its member's window (under
+        ``changed``)."""
+        member = batch.member
+        assert member is not None
+        batch.held = True
+        member.held += 1
+        if batch.batch_id == member.wanted:
+            member.wanted = None
+            member.want_blocked_since = None
+
+    def _in_window(self, member: Member, head: PendingBatch) -> bool:
+        """Whether ``member``'s queue head may be taken now, as far as its window goes."""
+        window = self.window
+        if not window or member.held < window or member.overflow:
+            return True
+        if head.batch_id != member.wanted:
+            return False
+        if member.held < window + TRAINER_HOLDS + 1:
+            return True  # what the trainer waits for passes a full window (point 2)
+        copy_after = member.outputs.copy_after
+        if copy_after is None:
+            return False  # a trainer that takes no copies waits for its releases
+        now = time.monotonic()
+        if member.want_blocked_since is None:
+            member.want_blocked_since = now
+        if now - member.want_blocked_since >= copy_after:
+            member.overflow = True  # it keeps its outputs (point 4)
+            return True
+        self._starved = True
+        return False
 
     def wake(self) -> None:
         with self.changed:
@@ -196,7 +304,8 @@ class RunPlanner:
                 taken = bool(batch.member.queue) and batch.member.queue[0] is batch
                 if taken:
                     batch.member.queue.popleft()
-            if not taken:  # its job left meanwhile
+                    self._hold(batch)
+            if not taken:  # its job left meanwhile or its queue changed
                 self.give_slots(1)
                 return None
         self.prepare(batch)
@@ -233,8 +342,9 @@ class RunPlanner:
             taken = bool(member.queue) and member.queue[0] is head
             if taken:
                 member.queue.popleft()
+                self._hold(head)
         if not taken:
-            return None  # its job left meanwhile
+            return None  # its job left meanwhile, or a want changed its queue
         return head
 
     def _mixes(self, first: PendingBatch) -> bool:
@@ -250,9 +360,11 @@ class RunPlanner:
         )
 
     def _may_take(self, member: Member, head: PendingBatch) -> bool:
-        """Whether ``member``'s next batch may run now. On a pipeline other jobs share, only if
-        the job's output memory has room for it: a job whose trainer holds all its buffers
-        waits for them, and must not stop the pipeline while it does."""
+        """Whether ``member``'s next batch may run now: within its window, and on a pipeline
+        other jobs share, only if the job's output memory has room for it: a job whose trainer
+        holds all its buffers waits for them, and must not stop the pipeline while it does."""
+        if not self._in_window(member, head):
+            return False
         if not self.shared or len(self.members) < 2 or not self.sample_sizes:
             return True
         sizes = [(device, size * head.size) for device, size in self.sample_sizes]

@@ -52,6 +52,8 @@ class PendingBatch:
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
     alone: bool = False
+    # It counts in its job's window (taken into a run, its regions not yet all released).
+    held: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
     @property
@@ -89,6 +91,14 @@ class Member:
     alone: int = 0
     # Since when its batches wait for its job's memory (None: they do not).
     starved_since: float | None = None
+    # Its batches in the window (Note [A job's window] in run_planner.py): taken into a run and
+    # not yet answered, or delivered and not yet released; the batch its trainer waits for, as
+    # its last ``want_batch`` named it; since when that batch waits for a full window; and
+    # whether its batches pass the window until the trainer releases a batch again.
+    held: int = 0
+    wanted: int | None = None
+    want_blocked_since: float | None = None
+    overflow: bool = False
     writing: threading.Lock = field(default_factory=threading.Lock)
 
     @property

@@ -88,6 +88,8 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         regions_held=job.outputs.leased_regions,
         bytes_held=job.outputs.leased_bytes,
         slabs=job.outputs.slab_count,
+        slab_bytes=job.outputs.slab_bytes,
+        peak_slab_bytes=job.outputs.peak_slab_bytes,
         memory_bytes=job.outputs.store("cpu").pool.limit_bytes,
         connected_seconds=now - job.connected_at,
         output_path=job.outputs.path,

@@ -31,7 +31,10 @@ SIDE = 96
 
 
 def heavy_pipeline(batch: int, window: int = 15) -> Pipeline:
-    @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5)
+    # The daemon holds a job's prefetch_queue_depth batches and the one its trainer holds at
+    # once (Note [A job's window] in dalid.server.run_planner): a deep prefetch keeps a job
+    # whose batches are cheap busy while another job's long runs hold the daemon's one slot.
+    @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5, prefetch_queue_depth=4)
     def blur() -> tuple[DataNode, DataNode]:
         data = fn.external_source(name="data", no_copy=True, layout="HWC")
         return fn.gaussian_blur(data, window_size=window, sigma=window / 5), data

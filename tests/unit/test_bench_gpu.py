@@ -51,7 +51,12 @@ def test_which_contenders_each_profile_runs() -> None:
 
 
 def _result(job_id: int, opened: list[int], events: list[int], slabs: int | None) -> dict[str, Any]:
-    jobs = [] if slabs is None else [{"job_id": job_id, "slabs": slabs, "output_path": "cuda_ipc"}]
+    jobs: list[dict[str, Any]] = []
+    if slabs is not None:
+        peak = slabs << 20
+        jobs.append(
+            {"job_id": job_id, "slabs": slabs, "output_path": "cuda_ipc", "peak_slab_bytes": peak}
+        )
     return {
         "handles": {"job_id": job_id, "slabs_opened": opened, "events_opened": events},
         "pipelines": {"t_ns": 1, "pipelines": [], "jobs": jobs},
@@ -69,6 +74,7 @@ def test_slab_handles_per_epoch_and_of_a_run() -> None:
     assert run is not None
     assert run["opens_per_epoch"] == [4, 0, 1] and run["timed_opens"] == 1 and run["slabs"] == 5
     assert run["output_paths"] == ["cuda_ipc"]
+    assert run["peak_slab_bytes_per_job"] == 2.5 * (1 << 20)  # the mean of the jobs' peaks
     assert run_handles([_result(1, [1], [1], None)], 1)["slabs"] is None  # type: ignore[index]
     assert run_handles([{"loop": {}}], 1) is None  # contenders without a session
 

@@ -54,6 +54,7 @@ from dalid.protocol import (
     StatusRequest,
     SubmitBatch,
     TrainerProgress,
+    WantBatch,
     Welcome,
     codec,
     decode,
@@ -217,6 +218,7 @@ def _examples() -> list[tuple[Message, int | None]]:
         (_submit_batch(), 8),
         (BatchAccepted(batch_id=11), 8),
         (ScheduleBatch(batch_id=11), 9),
+        (WantBatch(batch_id=11), None),
         (
             BatchReady(
                 batch_id=11,

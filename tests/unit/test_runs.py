@@ -114,3 +114,113 @@ def test_an_image_over_the_pixel_limit_starts_a_run_of_its_own() -> None:
     plan.planner.give_slots(1)
     second = plan.planner.next_run(collections.deque(), block=False)
     assert second is not None and len(second.batches) == 1 and second.batches[0].oversized
+
+
+# --- Note [A job's window] ------------------------------------------------------------------
+
+WINDOW = 2
+
+
+class Windowed:
+    """A pipeline of one job's own, with a window of ``WINDOW`` batches and no scheduler."""
+
+    def __init__(self, copy_after: float | None = None) -> None:
+        self.planner = RunPlanner(None, ServiceClock(), threading.Event(), 1000)
+        self.planner.window = WINDOW
+        self.member = _member(1)
+        self.member.outputs.copy_after = copy_after
+        self.planner.add(self.member)
+        self.taken: dict[int, PendingBatch] = {}
+
+    def submit(self, *numbers: int) -> None:
+        for number in numbers:
+            self.planner.submit(_batch(self.member, number))
+
+    def take(self) -> int | None:
+        """The batch id of the next run, or None when nothing may run now."""
+        run = self.planner.next_run(collections.deque(), block=False)
+        if run is None:
+            return None
+        (batch,) = run.batches
+        self.taken[batch.batch_id] = batch
+        return batch.batch_id
+
+
+def test_a_full_window_holds_a_jobs_batches_back_until_one_is_settled() -> None:
+    plan = Windowed()
+    plan.submit(1, 2, 3, 4)
+    assert [plan.take(), plan.take(), plan.take()] == [1, 2, None]
+    assert plan.member.held == WINDOW
+    plan.planner.settle(plan.taken[1], released=True)
+    assert plan.take() == 3
+    plan.planner.settle(plan.taken[1], released=True)  # settled once only
+    assert plan.member.held == WINDOW
+    assert plan.take() is None
+
+
+def test_the_wanted_batch_goes_first_and_passes_a_full_window() -> None:
+    plan = Windowed()
+    plan.submit(1, 2, 3, 4, 5, 6)
+    assert [plan.take(), plan.take()] == [1, 2]  # arrived early: the trainer wants 6 first
+    plan.planner.want(plan.member, 6)
+    assert plan.take() == 6
+    plan.planner.want(plan.member, 5)  # the trainer still holds 6 while it waits for 5
+    assert plan.take() == 5
+    plan.planner.want(plan.member, 4)
+    assert plan.take() is None  # window + 2: it waits for a release (it takes no copies)
+    plan.planner.settle(plan.taken[6], released=True)
+    assert plan.take() == 4
+    assert [b.batch_id for b in plan.member.queue] == [3]
+
+
+def test_a_batch_wanted_before_it_arrives_goes_first_when_it_does() -> None:
+    plan = Windowed()
+    plan.submit(1, 2)
+    assert [plan.take(), plan.take()] == [1, 2]
+    plan.planner.want(plan.member, 9)
+    plan.submit(7, 8, 9)
+    assert [b.batch_id for b in plan.member.queue] == [9, 7, 8]
+    assert plan.take() == 9
+
+
+def test_wants_for_batches_the_job_does_not_have_queued_change_nothing() -> None:
+    plan = Windowed()
+    plan.submit(1, 2, 3)
+    assert [plan.take(), plan.take()] == [1, 2]
+    other = _member(2)  # another job's registration of another pipeline
+    for batch_id in [*range(1000, 11000), 1, 2]:  # unknown, then delivered already
+        plan.planner.want(plan.member, batch_id)
+        plan.planner.want(other, batch_id)
+    assert [b.batch_id for b in plan.member.queue] == [3]
+    assert plan.member.held == WINDOW
+    assert plan.take() is None  # the window still holds
+    assert other.held == 0 and not other.queue and other.wanted is None
+
+
+def test_a_trainer_that_keeps_its_outputs_overflows_the_window_until_it_releases() -> None:
+    plan = Windowed(copy_after=0.0)
+    plan.submit(*range(1, 9))
+    assert [plan.take(), plan.take()] == [1, 2]
+    for wanted in (3, 4):
+        plan.planner.want(plan.member, wanted)
+        assert plan.take() == wanted
+    plan.planner.want(plan.member, 5)
+    assert plan.take() == 5  # held window + 2 and waited copy_after: it overflows
+    overflows = [plan.member.overflow]
+    assert plan.take() == 6  # and its other batches pass too (its pool, then copies)
+    plan.planner.settle(plan.taken[1], released=True)
+    overflows.append(plan.member.overflow)
+    assert overflows == [True, False]
+    assert plan.take() is None
+
+
+def test_a_job_whose_window_is_full_is_passed_over_on_a_shared_pipeline() -> None:
+    plan = Planner({1: 1.0, 2: 1.0}, run_batches=1)
+    plan.planner.window = WINDOW
+    plan.submit(1, 4)
+    assert [plan.run(), plan.run()] == [[1], [1]]
+    plan.submit(2, 2)
+    # Job 1's trainer holds its window: job 2 runs on, and job 1 waits without a slot.
+    assert [plan.run(), plan.run()] == [[2], [2]]
+    assert plan.planner.next_run(collections.deque(), block=False) is None
+    assert plan.members[1].held == WINDOW and len(plan.members[1].queue) == 2

@@ -1,0 +1,147 @@
+"""A job's window (Note [A job's window] in dalid.server.run_planner): the daemon holds a few
+batches of a job at once, runs the one the trainer names first, and its output memory stays the
+size of those few batches, with no private copies, whatever order the batches arrive in."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import dalid.client as dalid
+from dalid.protocol import WantBatch
+from dalid.server.run_planner import TRAINER_HOLDS
+
+from ..daemons import DaemonProcess, start_daemon
+from .helpers import BATCH, run_in_process, two_output_pipeline
+
+MiB = 1 << 20
+PREFETCH = 1
+WINDOW = PREFETCH + TRAINER_HOLDS
+# Each output of a batch is 8 samples of 128 KiB: one MiB, and one slab (--slab-bytes 1M).
+BATCH_BYTES = 2 * MiB
+BATCHES = 10
+
+
+def big_sample(index: int) -> np.ndarray:
+    return np.full((256, 128), index, dtype=np.int32)
+
+
+def submit(proxy: Any, first: int) -> Any:
+    """One batch's references, submitted by this process (as a DataLoader worker does)."""
+    return torch.utils.data.default_collate([proxy(big_sample(first + i)) for i in range(BATCH)])
+
+
+def start(directory: Path) -> DaemonProcess:
+    return start_daemon(directory, "--slab-bytes", "1M")
+
+
+def test_batches_the_trainer_takes_in_the_reverse_order_arrive_without_copies(
+    short_tmp: Path,
+) -> None:
+    daemon = start(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="reversed") as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            batches = [submit(proxy, number * BATCH) for number in range(BATCHES)]
+            # The first batches submitted are the last the trainer takes: they fill the window
+            # while the batch the trainer waits for is still queued behind them.
+            for number in reversed(range(BATCHES)):
+                # produce_data fills the collated list in place: popped, it dies with the step.
+                # The last step's tensors live on while the trainer waits, as in a loop.
+                scaled, shifted = session.produce_data(batches.pop())
+                first = number * BATCH
+                expected = np.stack([big_sample(first + i) for i in range(BATCH)])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+                np.testing.assert_array_equal(scaled.numpy(), expected * 0.5 + 1.0)
+            del scaled, shifted
+            (job,) = daemon.status().jobs
+            assert job.batches_done == BATCHES
+            assert job.batches_copied == 0
+            # The window, the batch the trainer holds and the one it waits for (point 3); in
+            # arrival order the daemon would have run all ten into its 1 GiB of output memory.
+            assert job.peak_slab_bytes <= (WINDOW + TRAINER_HOLDS + 1) * BATCH_BYTES
+            assert job.slab_bytes == job.peak_slab_bytes
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
+def test_a_dataloader_with_many_workers_gets_every_batch_without_copies(short_tmp: Path) -> None:
+    daemon = start(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="workers") as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            loader = dalid.DataLoader(
+                session, BigDataset(proxy, 4 * BATCHES * BATCH), batch_size=BATCH, num_workers=4
+            )
+            seen = []
+            for (_, shifted), indices in loader:
+                expected = np.stack([big_sample(int(i)) for i in indices])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+                seen.extend(indices.tolist())
+            assert seen == list(range(4 * BATCHES * BATCH))
+            (job,) = daemon.status().jobs
+            assert job.batches_copied == 0
+            assert job.peak_slab_bytes <= (WINDOW + TRAINER_HOLDS + 1) * BATCH_BYTES
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
+class BigDataset(torch.utils.data.Dataset[tuple[Any, int]]):
+    def __init__(self, proxy: Any, length: int) -> None:
+        self.proxy = proxy
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.proxy(big_sample(index)), index
+
+
+def test_wants_for_batches_the_job_does_not_hold_are_ignored(short_tmp: Path) -> None:
+    daemon = start(short_tmp)
+    try:
+        with (
+            dalid.connect(socket=daemon.socket, autostart=False, name="other") as other,
+            dalid.connect(socket=daemon.socket, autostart=False, name="wanting") as session,
+        ):
+            theirs = submit(other.proxy(two_output_pipeline()), 0)
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            delivered = submit(proxy, 0)
+            wanted = [
+                theirs[0].pipe_run_ref.batch_id,  # another job's
+                delivered[0].pipe_run_ref.batch_id,  # delivered already
+                0,
+                2**63 - 1,
+            ]
+            session.produce_data(delivered)
+            del delivered
+            link = session._daemon.link
+            for batch_id in wanted:
+                link.notify(WantBatch(batch_id))
+            rss = daemon.rss_bytes()
+            for batch_id in range(1, 20001):  # a flood of wants for batches it never sent
+                link.notify(WantBatch(batch_id * 7919))
+            gc.collect()
+            # It serves on: the next batches come, in order, right.
+            for number in range(3):
+                scaled, shifted = session.produce_data(submit(proxy, number * BATCH))
+                (expected,) = run_in_process(
+                    two_output_pipeline(),
+                    [{"data": [big_sample(number * BATCH + i) for i in range(BATCH)]}],
+                )
+                np.testing.assert_array_equal(scaled.numpy(), expected[0])
+            assert daemon.rss_bytes() - rss < 32 * MiB  # nothing grew with the wants
+            other.produce_data(theirs)
+            del theirs, scaled, shifted
+            status = {job.name: job for job in daemon.status().jobs}
+            assert status["wanting"].batches_done == 4
+            assert status["wanting"].batches_failed == 0
+            assert status["other"].batches_done == 1
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+    assert "Traceback" not in daemon.log_text()
