@@ -285,7 +285,17 @@ class PipelineExecutor:
                 daemon=True,
             )
             self._instances.append(instance)
+            self._size_windows()
         instance.thread.start()
+
+    def _size_windows(self) -> None:
+        """Each job's window: the prefetch of every instance running the graph, and the batch
+        its trainer holds (Note [A job's window] in run_planner.py, point 1). Under
+        ``_changed``, or before any thread runs."""
+        if self.spec is None:
+            return
+        running = max(1, sum(not instance.retiring for instance in self._instances))
+        self._planner.window = self.spec.prefetch_queue_depth * running + TRAINER_HOLDS
 
     def _ended(self, instance: _Instance) -> None:
         """``instance``'s thread ends: its threads go back; the last one closes the stream."""
@@ -293,6 +303,7 @@ class PipelineExecutor:
             if instance in self._instances:
                 self._instances.remove(instance)
             last = not self._instances
+            self._size_windows()
         if instance.threads and self._room is not None:
             self._room.give(self.instance_id, instance.threads)
         if last and self._own_stream is not None:
@@ -335,6 +346,7 @@ class PipelineExecutor:
                     extra = [i for i in self._instances if i.number and not i.retiring]
                     if extra:
                         extra[-1].retiring = True
+                        self._size_windows()
                 if extra:
                     log.info(
                         "DALI pipeline %d %r: one instance fewer (%s)",
@@ -433,8 +445,7 @@ class PipelineExecutor:
                 self.spec = outcome
                 self._planner.run_size = self.run_size
                 self._planner.path_inputs = outcome.path_inputs
-                # Note [A job's window] in run_planner.py.
-                self._planner.window = outcome.prefetch_queue_depth + TRAINER_HOLDS
+                self._size_windows()
             else:
                 self._build_error = outcome
             waiting, self._waiting_for_build = self._waiting_for_build, []

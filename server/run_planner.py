@@ -15,9 +15,11 @@ find no room. So:
 1. A member holds at most ``window`` batches at once (``Member.held``): from the moment a batch
    is taken into a run until it is answered without a lease (failed, a private copy, its job
    gone) or the trainer has released every region of it. ``window`` is the pipeline's
-   ``prefetch_queue_depth`` (what DALI in-process holds) plus ``TRAINER_HOLDS``, the batch the
-   trainer holds while it waits for the next. A member whose window is full is passed over,
-   so no executor blocks in an allocation for it and other jobs run on.
+   ``prefetch_queue_depth`` (what DALI in-process holds) for each DALI instance running
+   the graph (``instances.py``: a job alone keeps them all busy only so) plus
+   ``TRAINER_HOLDS``, the batch the trainer holds while it waits for the next. A member whose
+   window is full is passed over, so no executor blocks in an allocation for it and other
+   jobs run on.
 2. The trainer names the batch it is about to wait for (``want_batch``). That batch goes to the
    front of its member's queue (or there when it arrives, if it comes later), and passes a full
    window: batches that arrived early cannot keep out the one the trainer needs. It may pass by
