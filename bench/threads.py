@@ -19,7 +19,10 @@ and the jobs' teardown:
   time and the samples they ran; and of that, the CPU time spent copying outputs into the
   jobs' memory (``JobOutputs.write_batch`` and ``private_copies``), which grows with the
   outputs' bytes, not with the Python per batch (on a CPU daemon a memcpy of every output
-  byte; on a GPU one, a device copy queued).
+  byte; on a GPU one, a device copy queued), and the CPU time of its calls into DALI
+  (``PipelineRunner.schedule`` and ``collect``: the inputs fed, the run started, its outputs
+  taken), DALI's own work done on the thread that asks, as an in-process job does it on its
+  own.
 
 DALI's own worker threads are what the process used beyond these. A live thread's CPU time is
 read from its own clock (``pthread_getcpuclockid``), so nothing outside the daemon has to tell
@@ -86,6 +89,10 @@ class _Totals:
         self.copy_out_cpu_s = 0.0
         # Output copies under way: the copying thread -> its CPU time when the copy started.
         self.copying: dict[int, float] = {}
+        # The executors' calls into DALI (PipelineRunner.schedule and .collect: feeding the
+        # inputs, starting the run, taking its outputs), done and under way, as for the copies.
+        self.dali_calls_cpu_s = 0.0
+        self.calling_dali: dict[int, float] = {}
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -94,6 +101,9 @@ class _Totals:
             executor_cpu += sum(_thread_cpu_s(ident) for ident, _ in running)
             copy_out = self.copy_out_cpu_s
             copy_out += sum(_thread_cpu_s(ident) - cpu for ident, cpu in self.copying.items())
+            dali_calls = self.dali_calls_cpu_s + sum(
+                _thread_cpu_s(ident) - cpu for ident, cpu in self.calling_dali.items()
+            )
             samples = self.executor_samples_done
             samples += sum(instance.samples for _, instance in running)
             io_now = _thread_cpu_s(self.io_ident) if self.io_ident else 0.0
@@ -121,6 +131,7 @@ class _Totals:
             "departure_trim_cpu_s": trims,
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
+            "dali_calls_cpu_s": dali_calls,
             "executor_samples": samples,
             "process_cpu_s": sum(os.times()[:2]),
         }
@@ -136,6 +147,7 @@ def install() -> None:
     from dalid.server.daemon import Daemon
     from dalid.server.executor import PipelineExecutor
     from dalid.server.outputs import JobOutputs
+    from dalid.server.runner import PipelineRunner
     from dalid.server.shared_socket import SharedSocket
 
     loop = Daemon._loop
@@ -234,22 +246,31 @@ def install() -> None:
                 TOTALS.executor_cpu_done_s += _thread_cpu_s(ident)
                 TOTALS.executor_samples_done += instance.samples
 
-    def copying(method: Any) -> Any:
+    def accounted(method: Any, under_way: dict[int, float], total: str) -> Any:
+        """``method`` with its thread's CPU time counted into ``TOTALS.<total>``, and while it
+        runs, ``under_way`` holding when it started (a snapshot counts it up to its moment)."""
+
         @functools.wraps(method)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
             ident = threading.get_ident()
             cpu = time.thread_time()
             with TOTALS.lock:
-                TOTALS.copying[ident] = cpu
+                under_way[ident] = cpu
             try:
                 return method(self, *args, **kwargs)
             finally:
                 used = time.thread_time() - cpu
                 with TOTALS.lock:
-                    del TOTALS.copying[ident]
-                    TOTALS.copy_out_cpu_s += used
+                    del under_way[ident]
+                    setattr(TOTALS, total, getattr(TOTALS, total) + used)
 
         return timed
+
+    def copying(method: Any) -> Any:
+        return accounted(method, TOTALS.copying, "copy_out_cpu_s")
+
+    def calling_dali(method: Any) -> Any:
+        return accounted(method, TOTALS.calling_dali, "dali_calls_cpu_s")
 
     daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
     Daemon._loop = io_loop  # type: ignore[method-assign]
@@ -259,6 +280,8 @@ def install() -> None:
     PipelineExecutor._loop = executor_loop  # type: ignore[method-assign]
     JobOutputs.write_batch = copying(JobOutputs.write_batch)  # type: ignore[method-assign]
     JobOutputs.private_copies = copying(JobOutputs.private_copies)  # type: ignore[method-assign]
+    PipelineRunner.schedule = calling_dali(PipelineRunner.schedule)  # type: ignore[method-assign]
+    PipelineRunner.collect = calling_dali(PipelineRunner.collect)  # type: ignore[method-assign]
 
 
 def _write_snapshots(path: Path, stop: threading.Event) -> None:
@@ -337,6 +360,7 @@ DAEMON_THREAD_FIGURES = (
     "io_lifecycle_ms",
     "executor_us_per_sample",
     "copy_out_us_per_sample",
+    "dali_calls_us_per_sample",
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
 )
@@ -351,7 +375,9 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
     (``daemon_all``);
     each part, the I/O thread's split into the messages it took (per sample) and the rest of its
     loop (polls, the once-a-second reaping and status snapshot: ms per second of the window,
-    a cost of time, not of samples); the I/O thread's CPU per message it took (µs), and its
+    a cost of time, not of samples); of the executors', their calls into DALI (feeding a run,
+    starting it, taking its outputs: DALI's own work on the executor's thread, which an
+    in-process job does on its own); the I/O thread's CPU per message it took (µs), and its
     wall time per message over its CPU time."""
     samples = used.get("executor_samples") or 0
     if not samples:
@@ -383,6 +409,7 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "io_lifecycle_ms": 1e3 * lifecycle,
         "executor_us_per_sample": per_sample(executor - copy_out),
         "copy_out_us_per_sample": per_sample(copy_out),
+        "dali_calls_us_per_sample": per_sample(used.get("dali_calls_cpu_s") or 0.0),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
     }

@@ -199,7 +199,8 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     snapshots = [
         {"t_ns": t, "io_loop_cpu_s": 0.001 * k, "messages": 5 * k, "message_wall_s": 0.0015 * k,
          "message_cpu_s": 0.001 * k, "by_op": {"submit_batch": [k, 0.0001 * k]},
-         "executor_cpu_s": 0.25 * k, "copy_out_cpu_s": 0.248 * k, "executor_samples": 500 * k}
+         "executor_cpu_s": 0.25 * k, "copy_out_cpu_s": 0.248 * k, "dali_calls_cpu_s": 0.001 * k,
+         "executor_samples": 500 * k}
         for k, t in enumerate([0, 10, 20, 30, 40])
     ]  # fmt: skip
     # The window's start and end fall between snapshots: the ones around them are taken.
@@ -210,6 +211,7 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     assert one["daemon_own_us_per_sample"] == pytest.approx(6.0)
     assert one["daemon_all_us_per_sample"] == pytest.approx(502.0)
     assert one["copy_out_us_per_sample"] == pytest.approx(496.0)
+    assert one["dali_calls_us_per_sample"] == pytest.approx(2.0)
     assert one["io_messages_us_per_sample"] == pytest.approx(2.0)
     assert one["io_chores_ms_per_s"] == pytest.approx(0.0)
     assert one["io_cpu_us_per_message"] == pytest.approx(200.0)
