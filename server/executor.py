@@ -158,7 +158,8 @@ class PipelineExecutor:
         # How many DALI instances run the graph (shared pipelines only; None: one, always).
         self._controller = controller if shared else None
         self._room = room
-        self._cpu = CpuMeter()
+        # The load the controller looks at; nothing to read for a pipeline without one.
+        self._cpu = CpuMeter() if self._controller is not None else None
         self._gpu = GpuMeter(device_id) if self._controller is not None else None
         self._looking = threading.Lock()
         self._next_look = 0.0
@@ -176,7 +177,11 @@ class PipelineExecutor:
     def instances(self) -> int:
         """DALI instances running the graph, or starting (not those ending)."""
         with self._changed:
-            return sum(not instance.retiring for instance in self._instances)
+            return self._running()
+
+    def _running(self) -> int:
+        """The instances not ending (under ``_changed``)."""
+        return sum(not instance.retiring for instance in self._instances)
 
     def _instance_runs(self) -> tuple[int, ...]:
         with self._changed:
@@ -294,7 +299,7 @@ class PipelineExecutor:
         ``_changed``, or before any thread runs."""
         if self.spec is None:
             return
-        running = max(1, sum(not instance.retiring for instance in self._instances))
+        running = max(1, self._running())
         self._planner.window = self.spec.prefetch_queue_depth * running + TRAINER_HOLDS
 
     def _ended(self, instance: _Instance) -> None:
@@ -314,13 +319,18 @@ class PipelineExecutor:
         the change it asks for."""
         controller = self._controller
         now = time.monotonic()
-        if controller is None or now < self._next_look or not self._looking.acquire(False):
+        if (
+            controller is None
+            or self._cpu is None
+            or now < self._next_look
+            or not self._looking.acquire(False)
+        ):
             return
         try:
             self._next_look = now + _LOOK_S
             with self._changed:
                 waiting = any(member.queue for member in self.members)
-                count = sum(not instance.retiring for instance in self._instances)
+                count = self._running()
             cpu = self._cpu.read()
             load = Load(
                 self.samples_run,
@@ -388,12 +398,17 @@ class PipelineExecutor:
             instance.runner = runner
             if self._controller is not None:
                 self._controller.started(time.monotonic())
-            try:
-                self._loop(instance, runner)
-            finally:
-                runner.close()
+            self._serve(instance, runner)
         finally:
             self._ended(instance)
+
+    def _serve(self, instance: _Instance, runner: PipelineRunner) -> None:
+        """An instance's runs, on its built runner, until it is dropped or the pipeline stops;
+        then its DALI pipeline goes."""
+        try:
+            self._loop(instance, runner)
+        finally:
+            runner.close()
 
     # --- the thread -----------------------------------------------------------------------------
 
@@ -432,10 +447,7 @@ class PipelineExecutor:
                         self._on_private(self)
             self.runner = instance.runner = runner
             self._built(runner.spec)
-            try:
-                self._loop(instance, runner)
-            finally:
-                runner.close()
+            self._serve(instance, runner)
         finally:
             self._ended(instance)
 
