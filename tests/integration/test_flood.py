@@ -91,22 +91,29 @@ class Steady:
 
 
 class Peak:
-    """Samples a process's private memory every 50 ms; ``peak`` is the most seen."""
+    """Samples a process's private memory every 10 ms, and once more when stopped; ``peak`` is
+    the most seen. A flooder's batches are held for a fraction of a second (from its job's share
+    filling to its cut's grace ending): a coarser sampler on a loaded machine can miss it."""
 
     def __init__(self, pid: int) -> None:
+        self._pid = pid
         self.peak = anon_rss(pid)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(pid,), daemon=True)
         self._thread.start()
 
     def _run(self, pid: int) -> None:
-        while not self._done.wait(0.05):
-            with contextlib.suppress(OSError, AssertionError):
-                self.peak = max(self.peak, anon_rss(pid))
+        while not self._done.wait(0.01):
+            self._sample(pid)
+
+    def _sample(self, pid: int) -> None:
+        with contextlib.suppress(OSError, AssertionError):
+            self.peak = max(self.peak, anon_rss(pid))
 
     def stop(self) -> int:
         self._done.set()
         self._thread.join(5)
+        self._sample(self._pid)
         return self.peak
 
 
