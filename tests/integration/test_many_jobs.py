@@ -118,8 +118,11 @@ def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp: 
     jobs: list[subprocess.Popen[str]] = []
     try:
         # The same images, batch and weight; a blur four times wider makes a heavy sample cost
-        # the daemon several times a light one.
-        for name, window, workers in (("light", "31", "3"), ("heavy", "121", "2")):
+        # the daemon several times a light one. Both blurs are wide enough that a light batch
+        # costs the daemon far more than its trainer's check: with narrower ones (31 and 121) a
+        # loaded machine slowed the light trainer's releases until its window, not the daemon's
+        # order, set its share (0.58 of the heavy job's time).
+        for name, window, workers in (("light", "61", "3"), ("heavy", "241", "2")):
             jobs.append(
                 start_job(
                     "load_job",
