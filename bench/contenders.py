@@ -34,7 +34,9 @@ from .measure import EpochFactory
 from .weights import JOB_WEIGHTS, WEIGHTS
 
 
-def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -> Any:
+def _loader(
+    settings: Settings, dataset: Dataset[Any], make: Any = DataLoader, **options: Any
+) -> Any:
     """A DataLoader (``make``: torch's, DALI's or dalid's) with the shared settings; in the
     weighted run, each job's workers keep batches in flight by its weight."""
     prefetch = settings.job_prefetch
@@ -46,6 +48,7 @@ def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -
         drop_last=True,
         persistent_workers=settings.workers > 0,
         **({"prefetch_factor": prefetch} if prefetch is not None else {}),
+        **options,
     )
 
 
@@ -231,6 +234,34 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
         yield DalidEpochs(session, loader)
 
 
+# The cohort of the ``dalid-cohort`` runs: a sweep's jobs, same pipeline, data and sampler seed.
+COHORT = "bench-sweep"
+
+
+@contextlib.contextmanager
+def dalid_cohort(settings: Settings) -> Iterator[EpochFactory]:
+    """``dalid_client`` as a member of one cohort, whose DataLoader shuffles with the same
+    seed as every other member's: their batches are the same, each run once in the daemon."""
+    import dalid.client as dalid
+
+    pipe = _path_pipeline(settings)
+    name = f"bench job {settings.job}"
+    with dalid.connect(
+        settings.device,
+        settings.socket,
+        autostart=False,
+        name=name,
+        weight=settings.job_weight,
+        cohort=COHORT,
+    ) as session:
+        dataset = PathDataset(session.proxy(pipe), settings.dataset_root, settings.job_passes)
+        sampler_seed = torch.Generator().manual_seed(settings.seed)
+        loader = _loader(
+            settings, dataset, functools.partial(dalid.DataLoader, session), generator=sampler_seed
+        )
+        yield DalidEpochs(session, loader)
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 
@@ -284,6 +315,15 @@ CONTENDERS: dict[str, Contender] = {
             "register it share one pipeline in the daemon (the default)",
             dalid_client,
             needs_daemon=True,
+        ),
+        Contender(
+            "dalid-cohort",
+            "dalid (cohort)",
+            "as dalid, its jobs members of one cohort with the same sampler seed: each batch "
+            "runs once in the daemon and every job gets its outputs",
+            dalid_cohort,
+            needs_daemon=True,
+            watch_queues=True,
         ),
         Contender(
             "dalid-private",
