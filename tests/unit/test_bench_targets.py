@@ -276,5 +276,5 @@ def test_the_cohort_targets_compare_a_cohort_with_as_many_in_process_jobs() -> N
     on_gpu = _by_name(all_targets(values, {}, LABELS, gpu=True))
     eight = f"{LABELS['dalid-cohort']}, 8 jobs: samples/s / {LABELS['dali']}, 8 jobs"
     assert on_gpu[eight]["met"] is None  # 8 jobs did not run
-    readings = [{"cohorts": []}, {"cohorts": [{"hit_rate": 0.5}]}, {"cohorts": []}]
+    readings: list[dict[str, Any]] = [{"cohorts": []}, {"cohorts": [{"hit_rate": 0.5}]}]
     assert cohort_hit_rate(readings) == 0.5 and cohort_hit_rate([]) is None
