@@ -94,7 +94,7 @@ class BatchRequests:
         if request.cohort:
             # Refused before anything starts if it cannot join (cohorts.py).
             def check(key: Hashable) -> None:
-                self.cohorts.check(request.cohort, key, request.deterministic)
+                self.cohorts.check(request.cohort, key, request.deterministic, job.job_id)
                 cohort_key.append(key)
 
         member = self.pipelines.start(

@@ -563,8 +563,9 @@ class Cohorts:
         self._cohorts: dict[str, Cohort] = {}
         self._numbers = itertools.count(1)
 
-    def check(self, name: str, key: Hashable, deterministic: bool) -> None:
-        """Refuses a registration that cannot join cohort ``name`` (as data: RequestRefused)."""
+    def check(self, name: str, key: Hashable, deterministic: bool, job_id: int = 0) -> None:
+        """Refuses a registration of job ``job_id`` that cannot join cohort ``name`` (as data:
+        RequestRefused)."""
         if deterministic:
             raise RequestRefused(
                 ErrorCode.INVALID_PIPELINE,
@@ -578,6 +579,12 @@ class Cohorts:
                 "could not be read), so it cannot join a cohort",
             )
         cohort = self._cohorts.get(name)
+        if cohort is not None and job_id in cohort.members:
+            raise RequestRefused(
+                ErrorCode.INVALID_PIPELINE,
+                f"cohort {name!r}: job {job_id} is a member already (a job joins a cohort with "
+                "one pipeline)",
+            )
         if cohort is not None and cohort.key != key:
             raise RequestRefused(
                 ErrorCode.INVALID_PIPELINE,

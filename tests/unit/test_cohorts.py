@@ -283,5 +283,7 @@ def test_a_registration_of_another_graph_or_deterministic_is_refused() -> None:
         cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), deterministic=True)
     cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), deterministic=False)
     cohorts.check("another", ("serialized", b"other", ("data",), 1, 8), deterministic=False)
+    with pytest.raises(RequestRefused, match="member already"):
+        cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), False, member.job_id)
     cohorts.leave(member, pid=0, namespace=0)
     assert cohorts.status() == ()
