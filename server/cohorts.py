@@ -206,6 +206,9 @@ class Cohort:
         """``member``'s job ended (its executor has let it go): its followers and queued runs
         pass to other members, its leases end now or with its trainer process."""
         resubmit: list[PendingBatch] = []
+        # A pipeline of the job's own stopped with it, dropping the runs it held; a shared one
+        # still delivers those it took (the others see them published).
+        stopped = member.executor is None or not member.executor.members
         with self._lock:
             job_id = member.job_id
             self.members.pop(job_id, None)
@@ -217,8 +220,12 @@ class Cohort:
                         continue
                     entry.followers = [f for f in entry.followers if f.member is not member]
                     producer = entry.producer
-                    if producer is not None and producer.member is member and not producer.held:
-                        # Dropped from its queue with its job: a follower runs it instead.
+                    if (
+                        producer is not None
+                        and producer.member is member
+                        and (stopped or not producer.held)
+                    ):
+                        # Dropped with its job: a follower runs it instead.
                         if entry.followers:
                             entry.producer = entry.followers.pop(0)
                             entry.producer.cohort_entry = entry

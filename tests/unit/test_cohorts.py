@@ -54,6 +54,7 @@ class _Executor:
 
     def __init__(self) -> None:
         self.submitted: list[PendingBatch] = []
+        self.members: list[object] = [object()]  # the members it still runs for
 
     def submit(self, batch: PendingBatch) -> None:
         self.submitted.append(batch)
@@ -234,6 +235,23 @@ def test_a_member_leaving_hands_its_queued_run_to_a_follower(outputs: JobOutputs
     assert second.executor.submitted == [following]
     assert following.cohort_entry is queued.cohort_entry
     assert cohort.status().jobs == (2,)
+
+
+def test_a_run_taken_by_a_pipeline_that_stopped_with_its_job_passes_to_a_follower(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running, following = first.batch(0), second.batch(0)
+    cohort.take(running)
+    cohort.take(following)
+    running.held = True  # taken into a run
+    first.member.closed = True
+    first.executor.members = []  # its pipeline was its own: it stopped with it
+    cohort.leave(first.member, pid=0, namespace=0)
+    assert second.executor.submitted == [following]
 
 
 def test_a_gone_members_leases_end_with_its_process(outputs: JobOutputs) -> None:
