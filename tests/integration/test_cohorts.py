@@ -150,6 +150,44 @@ def test_a_member_with_another_graph_is_refused_naming_the_cohort(daemon: Daemon
         assert cohort is not None and cohort.jobs == (first.job_id,)
 
 
+def test_a_bad_sample_is_answered_by_each_members_own_policy(daemon: DaemonProcess) -> None:
+    from .test_bad_samples import as_array, encode
+    from .test_shared_pipelines import decoding
+
+    indices = list(range(BATCH))
+    jpegs = [encode(i) for i in indices]
+    jpegs[2] = jpegs[2][: len(jpegs[2]) // 3]  # truncated: a bad sample
+    with (
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-e") as skipping,
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-e") as raising,
+    ):
+        proxies = [skipping.proxy(decoding(), on_error="skip"), raising.proxy(decoding())]
+        refs = [
+            torch.utils.data.default_collate([proxy(as_array(jpeg)) for jpeg in jpegs])
+            for proxy in proxies
+        ]
+        images = skipping.produce_data(refs[0])
+        kept = [as_array(jpeg) for i, jpeg in enumerate(jpegs) if i != 2]
+        np.testing.assert_array_equal(
+            images.numpy(), run_in_process(decoding(), [{"jpegs": kept}])[0][0]
+        )
+        assert [bad.position for bad in skipping.last_bad_samples] == [2]
+        with pytest.raises(dalid.BatchError) as failed:
+            raising.produce_data(refs[1])
+        assert failed.value.code is ErrorCode.BAD_SAMPLES
+        del images
+        # A clean batch after it is shared again.
+        good = [as_array(encode(i)) for i in indices]
+        refs = [
+            torch.utils.data.default_collate([proxy(jpeg) for jpeg in good]) for proxy in proxies
+        ]
+        first, second = (s.produce_data(r) for s, r in zip((skipping, raising), refs, strict=True))
+        np.testing.assert_array_equal(first.numpy(), second.numpy())
+        del first, second
+        cohort = _cohort(daemon, "sweep-e")
+        assert cohort is not None and cohort.hits >= 1
+
+
 def _lines(job: subprocess.Popen[str]) -> list[dict[str, Any]]:
     out, _ = job.communicate(timeout=120)
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
