@@ -60,7 +60,9 @@ def test_members_on_a_gpu_daemon_share_the_run_and_get_their_own_copies(
                 del scaled, shifted
         report = gpu_daemon.status()
         (cohort,) = [c for c in report.cohorts if c.name == "gpu"]
-        assert (cohort.runs, cohort.hits, cohort.copied) == (batches, batches, batches)
-        # One pipeline in the daemon ran each batch once for both members.
+        # A batch that arrived before its twin had run was served a copy of that run; one that
+        # arrived later ran again (nothing waits in the cohort's memory for GPU outputs).
+        assert cohort.hits >= 1 and cohort.runs + cohort.hits == 2 * batches
+        assert cohort.copied == cohort.runs
         (pipeline,) = [p for p in report.pipelines if first.job_id in p.jobs]
-        assert pipeline.samples == batches * BATCH
+        assert pipeline.samples == cohort.runs * BATCH
