@@ -30,7 +30,8 @@ from dalid.protocol import (
     WantBatch,
 )
 
-from .cohorts import COHORT_REGION_BASE, Cohorts, Outcome
+from .cohort_registry import Cohorts
+from .cohorts import COHORT_REGION_BASE, Outcome
 from .errors import RequestRefused
 from .inputs import InputMemory, InputRefused
 from .jobs import Job, JobRegistry, Peer

@@ -30,13 +30,18 @@ Note [Cohort outputs]
    shares nothing: its followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that were waiting for it (its
    producer and followers); a later hit from the cache is served without a charge.
+
+The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
+compared, ``cohort_matching.py``.
+
+Why one module of some 520 lines: the note above is the lifetime contract of a cohort's
+regions, and the one class here keeps every point of it under one lock.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import logging
 import threading
@@ -44,19 +49,16 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from dalid.protocol import (
     BatchFailed,
     BatchReady,
     CohortStatus,
     ErrorCode,
     InputBatch,
-    Limits,
     OutputDescriptor,
 )
 
-from .errors import RequestRefused
+from .cohort_matching import batch_digest, same_inputs
 from .outputs import JobOutputs, OutputFailure, RunOutput
 from .pool import PoolClosed, PoolFull
 
@@ -69,49 +71,7 @@ log = logging.getLogger("dalid.server")
 COHORT_REGION_BASE = 1 << 48
 
 Settle = Callable[[], None]
-MakeOutputs = Callable[[str, Limits], JobOutputs]
 Alive = Callable[[int, int], bool]
-
-
-def batch_digest(inputs: Sequence[InputBatch], unreadable: Sequence[int] = ()) -> bytes:
-    """A digest of a batch's inputs, per batch: each input's frames are hashed whole (hashlib
-    lets go of the GIL for buffers this large), never sample by sample."""
-    digest = hashlib.blake2b(digest_size=16)
-    for item in sorted(inputs, key=lambda item: item.name):
-        digest.update(f"{item.name}\0{item.dtype}\0{item.ndim}\0{item.size}\0".encode())
-        digest.update(item.shapes)
-        digest.update(item.data)
-    digest.update(repr(tuple(unreadable)).encode())
-    return digest.digest()
-
-
-def _same_bytes(a: memoryview, b: memoryview) -> bool:
-    return a.nbytes == b.nbytes and bool(
-        np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
-    )
-
-
-def same_inputs(
-    a: Sequence[InputBatch],
-    b: Sequence[InputBatch],
-    a_unreadable: Sequence[int] = (),
-    b_unreadable: Sequence[int] = (),
-) -> bool:
-    """Whether two batches feed the pipeline exactly the same samples (compared byte for byte,
-    one numpy call per frame): the digest only finds candidates."""
-    if tuple(a_unreadable) != tuple(b_unreadable) or len(a) != len(b):
-        return False
-    by_name = {item.name: item for item in b}
-    for item in a:
-        other = by_name.get(item.name)
-        if (
-            other is None
-            or (item.dtype, item.ndim, item.size) != (other.dtype, other.ndim, other.size)
-            or not _same_bytes(item.shapes, other.shapes)
-            or not _same_bytes(item.data, other.data)
-        ):
-            return False
-    return True
 
 
 @dataclass(eq=False)
@@ -556,99 +516,3 @@ def resubmit(batches: Sequence[PendingBatch]) -> None:
     """Batches whose cohort run was abandoned: each runs for its own job."""
     for batch in batches:
         _resubmit(batch)
-
-
-class Cohorts:
-    """The daemon's cohorts by name. ``make_outputs(prefix, limits)`` makes a cohort's CPU
-    output memory; ``memory_bytes``: the most output memory of one cohort (0: the pool bytes of
-    the job that starts it), of which half may wait for trailing members."""
-
-    def __init__(self, make_outputs: MakeOutputs, memory_bytes: int, alive: Alive) -> None:
-        self._make_outputs = make_outputs
-        self.memory_bytes = memory_bytes
-        self._alive = alive
-        self._cohorts: dict[str, Cohort] = {}
-        self._numbers = itertools.count(1)
-
-    def check(self, name: str, key: Hashable, deterministic: bool, job_id: int = 0) -> None:
-        """Refuses a registration of job ``job_id`` that cannot join cohort ``name`` (as data:
-        RequestRefused)."""
-        if deterministic:
-            raise RequestRefused(
-                ErrorCode.INVALID_PIPELINE,
-                f"cohort {name!r}: a deterministic pipeline cannot join a cohort (its trainer "
-                "orders its batches; a cohort's members share the runs of whoever submits first)",
-            )
-        if key is None:
-            raise RequestRefused(
-                ErrorCode.INVALID_PIPELINE,
-                f"cohort {name!r}: the pipeline cannot be compared with other jobs' (its graph "
-                "could not be read), so it cannot join a cohort",
-            )
-        cohort = self._cohorts.get(name)
-        if cohort is not None and job_id in cohort.members:
-            raise RequestRefused(
-                ErrorCode.INVALID_PIPELINE,
-                f"cohort {name!r}: job {job_id} is a member already (a job joins a cohort with "
-                "one pipeline)",
-            )
-        if cohort is not None and cohort.key != key:
-            raise RequestRefused(
-                ErrorCode.INVALID_PIPELINE,
-                f"cohort {name!r} runs another pipeline: {_difference(cohort.key, key)}; every "
-                "member of a cohort registers the same graph with the same inputs, outputs and "
-                "batch size",
-            )
-
-    def join(self, name: str, key: Hashable, member: Member, limits: Limits, prefix: str) -> Cohort:
-        cohort = self._cohorts.get(name)
-        if cohort is None:
-            memory = self.memory_bytes or limits.pool_bytes
-            outputs = self._make_outputs(
-                f"{prefix}-c{next(self._numbers)}",
-                dataclasses.replace(limits, pool_bytes=memory),
-            )
-            cohort = Cohort(name, key, outputs, memory // 2, self._alive)
-            self._cohorts[name] = cohort
-            log.info("cohort %r started, %d MiB of output memory", name, memory >> 20)
-        cohort.join(member)
-        log.info("job %d joined cohort %r (%d members)", member.job_id, name, len(cohort.members))
-        return cohort
-
-    def leave(self, member: Member, pid: int, namespace: int) -> None:
-        cohort = member.cohort
-        if cohort is None:
-            return
-        cohort.leave(member, pid, namespace)
-        if cohort.empty and self._cohorts.get(cohort.name) is cohort:
-            del self._cohorts[cohort.name]
-            cohort.close()
-            log.info("cohort %r ended with its last member", cohort.name)
-
-    def reap(self) -> None:
-        for cohort in list(self._cohorts.values()):
-            cohort.reap()
-
-    def status(self) -> tuple[CohortStatus, ...]:
-        return tuple(cohort.status() for cohort in list(self._cohorts.values()))
-
-    def close(self) -> None:
-        cohorts, self._cohorts = list(self._cohorts.values()), {}
-        for cohort in cohorts:
-            cohort.close()
-
-
-def _difference(theirs: Hashable, ours: Hashable) -> str:
-    """What differs between two cohort keys, in words."""
-    names: tuple[str, ...] = ("kind", "graph", "inputs", "outputs", "batch size")
-    if isinstance(theirs, tuple) and theirs and theirs[0] == "named":
-        names = ("kind", "pipeline name", "parameters", "batch size")
-    if isinstance(theirs, tuple) and isinstance(ours, tuple) and len(theirs) == len(ours):
-        differ = [
-            names[i] if i < len(names) else f"field {i}"
-            for i, (a, b) in enumerate(zip(theirs, ours, strict=True))
-            if a != b
-        ]
-        if differ:
-            return "its members' " + " and ".join(differ) + " differ from this registration's"
-    return "its members' graph differs from this registration's"

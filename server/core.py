@@ -58,7 +58,7 @@ from dalid.protocol import (
 )
 
 from .batch_requests import BatchRequests
-from .cohorts import Cohorts
+from .cohort_registry import Cohorts
 from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused

@@ -17,14 +17,9 @@ import pytest
 from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import BatchFailed, BatchReady, InputBatch, Limits, OnError, SubmitBatch
-from dalid.server.cohorts import (
-    COHORT_REGION_BASE,
-    Cohort,
-    Cohorts,
-    Outcome,
-    batch_digest,
-    same_inputs,
-)
+from dalid.server.cohort_matching import batch_digest, same_inputs
+from dalid.server.cohort_registry import Cohorts
+from dalid.server.cohorts import COHORT_REGION_BASE, Cohort, Outcome
 from dalid.server.errors import RequestRefused
 from dalid.server.outputs import JobOutputs, RunOutput
 from dalid.server.pool import PAGE
