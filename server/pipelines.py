@@ -14,7 +14,7 @@ the allow-list and its outputs' declared sizes (``operators.py``), whether it wa
 the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
 and DALI threads.
 
-Why one module of some 470 lines: it holds the daemon's one table of pipelines, and what a
+Why one module of some 500 lines: it holds the daemon's one table of pipelines, and what a
 registration must pass to get a place in it.
 """
 
