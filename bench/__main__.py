@@ -129,7 +129,9 @@ def default_kinds(settings: Settings) -> list[str]:
     GPU profile's contenders in quick mode only (their code runs; their figures mean nothing
     on a CPU)."""
     # The cohort runs (N jobs reading the same data) only when asked: --only cohort.
-    kinds = [kind for kind in KINDS if kind not in (COHORT_RUNS, "dalid-cohort")]
+    kinds = [
+        kind for kind in KINDS if kind not in (COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing")
+    ]
     if settings.profile == "gpu":
         return [kind for kind in kinds if kind not in ("torch-pil", "dalid-private")]
     if settings.quick:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +237,24 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
 
 # The cohort of the ``dalid-cohort`` runs: a sweep's jobs, same pipeline, data and sampler seed.
 COHORT = "bench-sweep"
+# The cohort runs' memory (dalid serve --cohort-memory), half of it for trailing members: a few
+# batches, so that a member slowed by TRAILING_S a batch falls past it within a run.
+COHORT_MEMORY = ("--cohort-memory", "256M")
+TRAILING_S = 0.1
+
+
+class TrailingEpochs(DalidEpochs):
+    """The epochs of a member that waits ``wait_s`` before each batch it takes: it trails the
+    other members, further and further."""
+
+    def __init__(self, session: Any, loader: Any, wait_s: float) -> None:
+        super().__init__(session, loader)
+        self._wait_s = wait_s
+
+    def __call__(self) -> Iterator[Any]:
+        for batch in super().__call__():
+            time.sleep(self._wait_s)
+            yield batch
 
 
 @contextlib.contextmanager
@@ -259,7 +278,14 @@ def dalid_cohort(settings: Settings) -> Iterator[EpochFactory]:
         loader = _loader(
             settings, dataset, functools.partial(dalid.DataLoader, session), generator=sampler_seed
         )
-        yield DalidEpochs(session, loader)
+        if settings.trailing_s and settings.job == 0:
+            yield TrailingEpochs(session, loader, settings.trailing_s)
+        else:
+            yield DalidEpochs(session, loader)
+
+
+def _trailing(settings: Settings) -> Settings:
+    return settings.with_(trailing_s=TRAILING_S)
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -323,6 +349,19 @@ CONTENDERS: dict[str, Contender] = {
             "runs once in the daemon and every job gets its outputs",
             dalid_cohort,
             needs_daemon=True,
+            daemon_args=COHORT_MEMORY,
+            watch_queues=True,
+        ),
+        Contender(
+            "dalid-cohort-trailing",
+            "dalid (cohort, one trailing)",
+            "as dalid (cohort), its first job waiting 0.1 s before each batch: a member that "
+            "falls further and further behind, past the cohort's window; what it costs the "
+            "others",
+            dalid_cohort,
+            needs_daemon=True,
+            daemon_args=COHORT_MEMORY,
+            configure=_trailing,
             watch_queues=True,
         ),
         Contender(

@@ -115,6 +115,10 @@ def weighted_metrics(
     }
 
 
+def _mean_rate(rates: Sequence[float]) -> float | None:
+    return sum(rates) / len(rates) if rates else None
+
+
 def cohort_hit_rate(readings: Sequence[dict[str, Any]]) -> float | None:
     """The hit rate of the cohort the run's jobs joined, from the last status reading that
     showed it (None: no cohort ran)."""
@@ -244,6 +248,10 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 **(m["daemon_threads"] or {}),
                 "batches_copied": (m["pipelines"] or {}).get("batches_copied"),
                 "hit_rate": m["hit_rate"],
+                # The mean samples/s of the jobs that do not trail (a trailing run's job 0 does).
+                "members_per_job": _mean_rate(
+                    m["per_job_samples_per_s"][1 if run.kind.endswith("-trailing") else 0 :]
+                ),
             }
             for run, m in zip(good, metrics, strict=True)
         }

@@ -65,6 +65,9 @@ COHORT_PSS_TARGET = 0.60
 GPU_COHORT_JOBS = 8
 GPU_COHORT_TARGET = 5.0
 COHORT_HIT_SHARE = 0.9  # of the ideal (N-1)/N, at least
+# One member trailing past the window (``dalid-cohort-trailing``): the others' samples/s per job
+# over the cohort's without it, at least.
+TRAILING_TARGET = 0.9
 
 # The daemon's own threads (bench.threads: its I/O thread and its pipelines' executors, not
 # DALI's workers, nor the copies of output bytes into the jobs' memory, which grow with the
@@ -436,6 +439,21 @@ def cohort_targets(
                 at_most(COHORT_PSS_TARGET),
             )
         )
+    found.append(
+        target(
+            f"{labels['dalid-cohort-trailing']}, {n} jobs: samples/s per job of the others / "
+            f"{cohort}, {n} jobs",
+            f">= {TRAILING_TARGET:.0%}",
+            paired_ratio(
+                values,
+                row_id("dalid-cohort-trailing", n),
+                row_id("dalid-cohort", n),
+                "members_per_job",
+            ),
+            "ratio",
+            at_least(TRAILING_TARGET),
+        )
+    )
     ideal = (n - 1) / n
     found.append(
         target(
@@ -460,7 +478,7 @@ def all_targets(
         found += sharing_targets(values, labels)
     found += handle_targets(values, labels)
     found += daemon_thread_targets(values, labels)
-    if any(row_kind(row) == "dalid-cohort" for row in values):
+    if any(row_kind(row).startswith("dalid-cohort") for row in values):
         found += cohort_targets(values, labels, gpu)
     if gpu:
         found += gpu_targets(values, labels)

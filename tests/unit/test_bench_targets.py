@@ -264,7 +264,10 @@ def test_the_cohort_targets_compare_a_cohort_with_as_many_in_process_jobs() -> N
 
     values: dict[str, dict[int, dict[str, float | None]]] = {
         "dali-x4": {0: _run(300.0, pss=4000.0)},
-        "dalid-cohort-x4": {0: {**_run(1000.0, pss=2000.0), "hit_rate": 0.74}},
+        "dalid-cohort-x4": {
+            0: {**_run(1000.0, pss=2000.0), "hit_rate": 0.74, "members_per_job": 250.0}
+        },
+        "dalid-cohort-trailing-x4": {0: {**_run(800.0), "members_per_job": 200.0}},
     }
     found = _by_name(all_targets(values, {}, LABELS))
     name = f"{LABELS['dalid-cohort']}, 4 jobs: samples/s / {LABELS['dali']}, 4 jobs"
@@ -273,6 +276,11 @@ def test_the_cohort_targets_compare_a_cohort_with_as_many_in_process_jobs() -> N
     assert pss["met"] is True
     hits = found[f"{LABELS['dalid-cohort']}, 4 jobs: batches served from another job's run"]
     assert hits["met"] is True  # 0.74 of the ideal 0.75, at least 90% of it
+    trailing = found[
+        f"{LABELS['dalid-cohort-trailing']}, 4 jobs: samples/s per job of the others / "
+        f"{LABELS['dalid-cohort']}, 4 jobs"
+    ]
+    assert trailing["met"] is False and trailing["measured"]["median"] == pytest.approx(0.8)
     on_gpu = _by_name(all_targets(values, {}, LABELS, gpu=True))
     eight = f"{LABELS['dalid-cohort']}, 8 jobs: samples/s / {LABELS['dali']}, 8 jobs"
     assert on_gpu[eight]["met"] is None  # 8 jobs did not run
