@@ -19,11 +19,11 @@ from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
 from .report import RESULTS_DIR, markdown, write
 from .runner import Outcome, run_once
-from .scaling import SCALED, SCALING, add_scaling_runs, parse_job_counts
+from .scaling import COHORT_KINDS, COHORT_RUNS, SCALED, SCALING, add_scaling_runs, parse_job_counts
 from .summary import row_label, run_metrics, summarize
 from .weights import JOB_WEIGHTS, WEIGHTS
 
-KINDS = [*CONTENDERS, "transport", SCALING]
+KINDS = [*CONTENDERS, "transport", SCALING, COHORT_RUNS]
 REDO_DISTURBED = 2  # with --wait-idle, times a run that other processes disturbed is redone
 
 
@@ -128,11 +128,15 @@ def default_kinds(settings: Settings) -> list[str]:
     private pipelines (a short stay on a GPU has no time for them); on the CPU profile, the
     GPU profile's contenders in quick mode only (their code runs; their figures mean nothing
     on a CPU)."""
+    # The cohort runs (N jobs reading the same data) only when asked: --only cohort.
+    kinds = [
+        kind for kind in KINDS if kind not in (COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing")
+    ]
     if settings.profile == "gpu":
-        return [kind for kind in KINDS if kind not in ("torch-pil", "dalid-private")]
+        return [kind for kind in kinds if kind not in ("torch-pil", "dalid-private")]
     if settings.quick:
-        return KINDS
-    return [kind for kind in KINDS if kind not in GPU_KINDS]
+        return kinds
+    return [kind for kind in kinds if kind not in GPU_KINDS]
 
 
 def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], Settings]:
@@ -146,11 +150,21 @@ def plan(settings: Settings, only: str | None) -> tuple[list[tuple[str, int]], S
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {KINDS}")
     scaled = [kind for kind in SCALED if kind in settings.scaled]
     # The weighted run is its jobs together; any other contender runs one job, then --jobs.
-    runs = [(kind, len(JOB_WEIGHTS) if kind == WEIGHTS else 1) for kind in kinds if kind != SCALING]
+    runs = [
+        (kind, len(JOB_WEIGHTS) if kind == WEIGHTS else 1)
+        for kind in kinds
+        if kind not in (SCALING, COHORT_RUNS)
+    ]
     if settings.jobs > 1:
         runs += [(kind, settings.jobs) for kind in scaled if kind in kinds]
-    if SCALING not in kinds:
+    if COHORT_RUNS in kinds:
+        # N jobs with the same pipeline, data and sampler seed: in-process, through dalid, and
+        # through dalid as one cohort, at each job count.
+        runs = add_scaling_runs(runs, settings.scaling_jobs, COHORT_KINDS)
+    if SCALING not in kinds and COHORT_RUNS not in kinds:
         return runs, settings.with_(scaling_jobs=())
+    if SCALING not in kinds:
+        return runs, settings
     return add_scaling_runs(runs, settings.scaling_jobs, scaled), settings
 
 

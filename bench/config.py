@@ -60,6 +60,9 @@ class Settings:
     weights: tuple[float, ...] = ()
     gpu: bool = False
     quick: bool = False
+    # Seconds job 0 of a run waits before each batch it takes: a cohort member that trails the
+    # others (the dalid-cohort-trailing runs); 0: none waits.
+    trailing_s: float = 0.0
     # Filled in per trainer by the orchestrator.
     dataset_root: str = ""
     socket: str = ""

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ from .measure import EpochFactory
 from .weights import JOB_WEIGHTS, WEIGHTS
 
 
-def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -> Any:
+def _loader(
+    settings: Settings, dataset: Dataset[Any], make: Any = DataLoader, **options: Any
+) -> Any:
     """A DataLoader (``make``: torch's, DALI's or dalid's) with the shared settings; in the
     weighted run, each job's workers keep batches in flight by its weight."""
     prefetch = settings.job_prefetch
@@ -46,6 +49,7 @@ def _loader(settings: Settings, dataset: Dataset[Any], make: Any = DataLoader) -
         drop_last=True,
         persistent_workers=settings.workers > 0,
         **({"prefetch_factor": prefetch} if prefetch is not None else {}),
+        **options,
     )
 
 
@@ -231,6 +235,59 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
         yield DalidEpochs(session, loader)
 
 
+# The cohort of the ``dalid-cohort`` runs: a sweep's jobs, same pipeline, data and sampler seed.
+COHORT = "bench-sweep"
+# The cohort runs' memory (dalid serve --cohort-memory), half of it for trailing members: a few
+# batches, so that a member slowed by TRAILING_S a batch falls past it within a run.
+COHORT_MEMORY = ("--cohort-memory", "256M")
+TRAILING_S = 0.1
+
+
+class TrailingEpochs(DalidEpochs):
+    """The epochs of a member that waits ``wait_s`` before each batch it takes: it trails the
+    other members, further and further."""
+
+    def __init__(self, session: Any, loader: Any, wait_s: float) -> None:
+        super().__init__(session, loader)
+        self._wait_s = wait_s
+
+    def __call__(self) -> Iterator[Any]:
+        for batch in super().__call__():
+            time.sleep(self._wait_s)
+            yield batch
+
+
+@contextlib.contextmanager
+def dalid_cohort(settings: Settings) -> Iterator[EpochFactory]:
+    """``dalid_client`` as a member of one cohort, whose DataLoader shuffles with the same
+    seed as every other member's: their batches are the same, each run once in the daemon."""
+    import dalid.client as dalid
+
+    pipe = _path_pipeline(settings)
+    name = f"bench job {settings.job}"
+    with dalid.connect(
+        settings.device,
+        settings.socket,
+        autostart=False,
+        name=name,
+        weight=settings.job_weight,
+        cohort=COHORT,
+    ) as session:
+        dataset = PathDataset(session.proxy(pipe), settings.dataset_root, settings.job_passes)
+        sampler_seed = torch.Generator().manual_seed(settings.seed)
+        loader = _loader(
+            settings, dataset, functools.partial(dalid.DataLoader, session), generator=sampler_seed
+        )
+        if settings.trailing_s and settings.job == 0:
+            yield TrailingEpochs(session, loader, settings.trailing_s)
+        else:
+            yield DalidEpochs(session, loader)
+
+
+def _trailing(settings: Settings) -> Settings:
+    return settings.with_(trailing_s=TRAILING_S)
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 
@@ -284,6 +341,28 @@ CONTENDERS: dict[str, Contender] = {
             "register it share one pipeline in the daemon (the default)",
             dalid_client,
             needs_daemon=True,
+        ),
+        Contender(
+            "dalid-cohort",
+            "dalid (cohort)",
+            "as dalid, its jobs members of one cohort with the same sampler seed: each batch "
+            "runs once in the daemon and every job gets its outputs",
+            dalid_cohort,
+            needs_daemon=True,
+            daemon_args=COHORT_MEMORY,
+            watch_queues=True,
+        ),
+        Contender(
+            "dalid-cohort-trailing",
+            "dalid (cohort, one trailing)",
+            "as dalid (cohort), its first job waiting 0.1 s before each batch: a member that "
+            "falls further and further behind, past the cohort's window; what it costs the "
+            "others",
+            dalid_cohort,
+            needs_daemon=True,
+            daemon_args=COHORT_MEMORY,
+            configure=_trailing,
+            watch_queues=True,
         ),
         Contender(
             "dalid-private",

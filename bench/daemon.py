@@ -100,7 +100,11 @@ def status_reading(socket: Path, timeout: float = STATUS_TIMEOUT_S) -> dict[str,
             }
             for job in report.jobs
         ]
-        return {"pipelines": [dataclasses.asdict(p) for p in report.pipelines], "jobs": jobs}
+        return {
+            "pipelines": [dataclasses.asdict(p) for p in report.pipelines],
+            "jobs": jobs,
+            "cohorts": [dataclasses.asdict(c) for c in report.cohorts],
+        }
     finally:
         sock.close(linger=0)
         context.term()
@@ -122,8 +126,10 @@ class QueueWatch:
         while not self._stop.is_set():
             t_ns = time.monotonic_ns()
             with contextlib.suppress(DaemonFailed, ProtocolError, zmq.ZMQError, OSError):
-                jobs = status_reading(self.socket, timeout=max(1.0, self.interval_s))["jobs"]
-                self.readings.append({"t_ns": t_ns, "jobs": jobs})
+                reading = status_reading(self.socket, timeout=max(1.0, self.interval_s))
+                self.readings.append(
+                    {"t_ns": t_ns, "jobs": reading["jobs"], "cohorts": reading["cohorts"]}
+                )
             self._stop.wait(self.interval_s)
 
     @contextlib.contextmanager

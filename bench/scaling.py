@@ -15,6 +15,11 @@ from collections.abc import Iterable, Sequence
 SCALING = "scaling"  # the --only key that adds the scaling runs
 # The contenders run once per job count, and as the multi-job contenders (--jobs).
 SCALED = ("dali", "dalid", "dalid-private")
+# --only cohort: jobs that read the same data through the same pipeline, in-process, through
+# dalid, and through dalid as one cohort (each batch run once), also with one member trailing,
+# at every --scaling-jobs count.
+COHORT_RUNS = "cohort"
+COHORT_KINDS = ("dali", "dalid", "dalid-cohort", "dalid-cohort-trailing")
 
 
 def jain_index(rates: Sequence[float]) -> float:

@@ -115,6 +115,19 @@ def weighted_metrics(
     }
 
 
+def _mean_rate(rates: Sequence[float]) -> float | None:
+    return sum(rates) / len(rates) if rates else None
+
+
+def cohort_hit_rate(readings: Sequence[dict[str, Any]]) -> float | None:
+    """The hit rate of the cohort the run's jobs joined, from the last status reading that
+    showed it (None: no cohort ran)."""
+    for reading in reversed(readings):
+        for cohort in reading.get("cohorts") or ():
+            return float(cohort["hit_rate"])
+    return None
+
+
 def run_metrics(outcome: Outcome) -> dict[str, Any]:
     """One run's figures; the daemon's CPU and memory are read over the union of the jobs'
     windows."""
@@ -161,6 +174,8 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
         "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
+        # A cohort's batches served from another member's run, as the daemon last counted them.
+        "hit_rate": cohort_hit_rate(outcome.queues),
         # The daemon's own threads over the union of the jobs' timed windows (bench.threads).
         "daemon_threads": (
             daemon_thread_figures(
@@ -232,6 +247,11 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "weight_expected": (m["weighted"] or {}).get("expected"),
                 **(m["daemon_threads"] or {}),
                 "batches_copied": (m["pipelines"] or {}).get("batches_copied"),
+                "hit_rate": m["hit_rate"],
+                # The mean samples/s of the jobs that do not trail (a trailing run's job 0 does).
+                "members_per_job": _mean_rate(
+                    m["per_job_samples_per_s"][1 if run.kind.endswith("-trailing") else 0 :]
+                ),
             }
             for run, m in zip(good, metrics, strict=True)
         }

@@ -55,6 +55,20 @@ GPU_MEMORY_TARGET = 0.5
 # maps through CUDA IPC are charged to the daemon that made them).
 GPU_ADDED_PER_JOB_TARGET = 0.5
 
+# Jobs that read the same data through the same pipeline as one cohort (``dalid-cohort``: each
+# batch runs once in the daemon) against as many in-process DALI jobs, at COHORT_JOBS jobs on a
+# CPU (throughput and all processes' PSS) and GPU_COHORT_JOBS on a GPU (CoorDL's 5.7x for 8
+# jobs is the anchor); and the share of batches served without a run.
+COHORT_JOBS = 4
+COHORT_THROUGHPUT_TARGET = 3.0
+COHORT_PSS_TARGET = 0.60
+GPU_COHORT_JOBS = 8
+GPU_COHORT_TARGET = 5.0
+COHORT_HIT_SHARE = 0.9  # of the ideal (N-1)/N, at least
+# One member trailing past the window (``dalid-cohort-trailing``): the others' samples/s per job
+# over the cohort's without it, at least.
+TRAILING_TARGET = 0.9
+
 # The daemon's own threads (bench.threads: its I/O thread and its pipelines' executors, not
 # DALI's workers, nor the copies of output bytes into the jobs' memory, which grow with the
 # outputs and not with the Python per batch), held at batch 256 with file-path samples, with
@@ -398,6 +412,61 @@ def daemon_thread_targets(values: Values, labels: Mapping[str, str]) -> list[dic
     return found
 
 
+def cohort_targets(
+    values: Values, labels: Mapping[str, str], gpu: bool = False
+) -> list[dict[str, Any]]:
+    """A cohort's jobs against as many in-process DALI jobs: throughput, memory (CPU) and the
+    share of batches served without a run (not measured where the rows did not run)."""
+    cohort, inprocess = labels["dalid-cohort"], labels["dali"]
+    n = GPU_COHORT_JOBS if gpu else COHORT_JOBS
+    goal = GPU_COHORT_TARGET if gpu else COHORT_THROUGHPUT_TARGET
+    found = [
+        target(
+            f"{cohort}, {n} jobs: samples/s / {inprocess}, {n} jobs",
+            f">= {goal:.1f}x",
+            paired_ratio(values, row_id("dalid-cohort", n), row_id("dali", n), "samples_per_s"),
+            "times",
+            at_least(goal),
+        )
+    ]
+    if not gpu:
+        found.append(
+            target(
+                f"{cohort}, {n} jobs: all processes' PSS / {inprocess}, {n} jobs",
+                f"<= {COHORT_PSS_TARGET:.0%}",
+                paired_ratio(values, row_id("dalid-cohort", n), row_id("dali", n), "all_pss_mb"),
+                "ratio",
+                at_most(COHORT_PSS_TARGET),
+            )
+        )
+    found.append(
+        target(
+            f"{labels['dalid-cohort-trailing']}, {n} jobs: samples/s per job of the others / "
+            f"{cohort}, {n} jobs",
+            f">= {TRAILING_TARGET:.0%}",
+            paired_ratio(
+                values,
+                row_id("dalid-cohort-trailing", n),
+                row_id("dalid-cohort", n),
+                "members_per_job",
+            ),
+            "ratio",
+            at_least(TRAILING_TARGET),
+        )
+    )
+    ideal = (n - 1) / n
+    found.append(
+        target(
+            f"{cohort}, {n} jobs: batches served from another job's run",
+            f">= {COHORT_HIT_SHARE * ideal:.0%}",
+            figure(values, row_id("dalid-cohort", n), "hit_rate"),
+            "ratio",
+            at_least(COHORT_HIT_SHARE * ideal),
+        )
+    )
+    return found
+
+
 def all_targets(
     values: Values, transport: Mapping[str, Any], labels: Mapping[str, str], gpu: bool = False
 ) -> list[dict[str, Any]]:
@@ -409,6 +478,8 @@ def all_targets(
         found += sharing_targets(values, labels)
     found += handle_targets(values, labels)
     found += daemon_thread_targets(values, labels)
+    if any(row_kind(row).startswith("dalid-cohort") for row in values):
+        found += cohort_targets(values, labels, gpu)
     if gpu:
         found += gpu_targets(values, labels)
     return found

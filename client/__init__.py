@@ -48,6 +48,7 @@ def connect(
     memory_bytes: int | None = None,
     max_inflight_batches: int | None = None,
     reconnect: bool = False,
+    cohort: str = "",
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
@@ -64,6 +65,8 @@ def connect(
     ``RequestError`` that says what it can give.
 
     With ``reconnect``, the job carries on across a restart of the daemon, losing no batch.
+
+    ``cohort``: the cohort the session's pipelines join (see :meth:`Session.proxy`).
     """
     if device is None:
         # An explicit socket wins; the device then only says which daemon autostart starts.
@@ -85,6 +88,7 @@ def connect(
         memory_bytes=memory_bytes,
         max_inflight_batches=max_inflight_batches,
         reconnect=reconnect,
+        cohort=cohort,
     )
 
 

@@ -92,12 +92,15 @@ def registration_request(
     *,
     deterministic: bool = False,
     share_runs: bool = True,
+    cohort: str = "",
 ) -> RegisterPipeline | RegisterNamedPipeline:
     """The message that registers ``pipeline``: a DALI pipeline (sent serialized), or one of
     the daemon's repository (a :class:`RepositoryPipeline`, or its name). ``deterministic``:
     the daemon runs it for this job alone, one batch at a time; ``share_runs=False``: the job's
-    batches never share a run with other jobs' batches. Bad arguments raise
-    :class:`InputError` before anything is sent."""
+    batches never share a run with other jobs' batches; ``cohort``: the cohort the job joins
+    with it ("" for none). Bad arguments raise :class:`InputError` before anything is sent."""
+    if not isinstance(cohort, str) or len(cohort) > 256:
+        raise InputError(f"cohort must be a name of at most 256 characters, got {cohort!r}")
     try:
         policy = OnError(on_error)
     except ValueError:
@@ -112,6 +115,7 @@ def registration_request(
             on_error=policy,
             deterministic=deterministic,
             share_runs=share_runs,
+            cohort=cohort,
         )
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
@@ -137,4 +141,5 @@ def registration_request(
         deterministic=deterministic,
         path_inputs=path_inputs(pipeline),
         share_runs=share_runs,
+        cohort=cohort,
     )

@@ -40,8 +40,9 @@ class DALIServer:
     DataLoader of this server keeps persistent workers (see :meth:`stop_thread`).
 
     Beyond DALI's arguments (``proxy`` is a property there, so it takes none), keyword-only:
-    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``) and ``share_runs`` (False: this
-    job's batches never share a DALI run with other jobs'), see :meth:`Session.proxy`,
+    ``on_error`` (``"raise"``, ``"skip"`` or ``"replace"``), ``share_runs`` (False: this
+    job's batches never share a DALI run with other jobs') and ``cohort`` (jobs of one cohort
+    that submit the same inputs get the outputs of one run), see :meth:`Session.proxy`,
     ``socket`` and ``autostart``, and the job options of :func:`dalid.client.connect`:
     ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches`` and ``reconnect`` (the job
     carries on across a restart of the daemon, see ``Session``).
@@ -54,6 +55,7 @@ class DALIServer:
         *,
         on_error: str = "raise",
         share_runs: bool = True,
+        cohort: str = "",
         socket: str | os.PathLike[str] | None = None,
         autostart: bool = True,
         name: str | None = None,
@@ -80,6 +82,7 @@ class DALIServer:
         self._deterministic = deterministic
         self._on_error = on_error
         self._share_runs = share_runs
+        self._cohort = cohort
         self._socket = socket
         self._autostart = autostart
         self._session: Session | None = None
@@ -120,6 +123,7 @@ class DALIServer:
                 self._on_error,
                 share_runs=self._share_runs,
                 proxy=self._proxy,
+                cohort=self._cohort,
             )
             self._registered = True
         assert self._proxy is not None

@@ -108,7 +108,10 @@ class Session:
         memory_bytes: int | None = None,
         max_inflight_batches: int | None = None,
         reconnect: bool = False,
+        cohort: str = "",
     ) -> None:
+        # The cohort the session's pipelines join unless a registration names another.
+        self.cohort = cohort
         check_job_options(
             name=name,
             weight=weight,
@@ -195,6 +198,7 @@ class Session:
         *,
         share_runs: bool = True,
         proxy: Proxy | None = None,
+        cohort: str | None = None,
     ) -> Proxy:
         """Registers ``pipeline`` with the daemon and returns its picklable proxy callable.
 
@@ -220,10 +224,20 @@ class Session:
 
         ``proxy``: a proxy made for the same pipeline earlier (by a session since closed), to
         point at this registration instead of making a new one; it is the one returned.
+
+        ``cohort`` (None: the session's, see :func:`dalid.client.connect`): a name shared by
+        jobs that read the same data through the same pipeline, such as the runs of a
+        hyper-parameter sweep. Batches of the same inputs that members submit run once, and
+        every member gets the same outputs, random augmentation included (README, "Cohorts").
+        Every member must register the same pipeline; another is refused naming the cohort.
         """
         registration = self._daemon.register(
             registration_request(
-                pipeline, on_error, deterministic=deterministic, share_runs=share_runs
+                pipeline,
+                on_error,
+                deterministic=deterministic,
+                share_runs=share_runs,
+                cohort=self.cohort if cohort is None else cohort,
             ),
             deterministic,
         )

@@ -6,7 +6,7 @@ added here is on the wire with no other change. ``memoryview`` fields travel as 
 Checks that a type cannot express live in ``__post_init__`` and run on both sides, so a bad
 message is refused by the sender before it is sent and by the receiver when it arrives.
 
-Why one module of some 1,030 lines: it is the one definition of every message of the protocol,
+Why one module of some 1,090 lines: it is the one definition of every message of the protocol,
 and the schema the codec reads; a reader checks any message, or a change to one, against its
 neighbours of the same family here.
 """
@@ -405,9 +405,13 @@ class RegisterPipeline(Message):
     # its own, built as registered), so operators that depend on a sample's place in its run
     # give what they give in the trainer's own pipeline.
     share_runs: bool = True
+    # The cohort the job joins with this pipeline ("" for none): jobs of one cohort that submit
+    # batches of the same inputs get the outputs of one run (see SPEC.md, "Cohorts").
+    cohort: str = ""
 
     def __post_init__(self) -> None:
         _check(0 < len(self.input_names) <= MAX_INPUTS, f"1 to {MAX_INPUTS} input names")
+        _check(len(self.cohort) <= MAX_NAME_LENGTH, "cohort name is too long")
         _check(set(self.path_inputs) <= set(self.input_names), "path_inputs must be inputs")
         for input_name in self.input_names:
             _check_name(input_name, "an input name")
@@ -441,9 +445,11 @@ class RegisterNamedPipeline(Message):
     earlier_ids: tuple[EarlierPipeline, ...] = ()
     deterministic: bool = False
     share_runs: bool = True
+    cohort: str = ""
 
     def __post_init__(self) -> None:
         _check_name(self.name, "a pipeline name")
+        _check(len(self.cohort) <= MAX_NAME_LENGTH, "cohort name is too long")
         try:
             parameters = json.loads(self.parameters)
         except ValueError:
@@ -909,6 +915,34 @@ class PipelineStatus:
 
 
 @dataclass(frozen=True)
+class CohortStatus:
+    """One cohort: jobs that registered the same graph under one name, whose batches of the
+    same inputs run once (see SPEC.md, "Cohorts").
+
+    ``runs`` counts the batches of its members that ran, ``hits`` those served from another
+    member's run without one; ``hit_rate`` is ``hits`` over both. ``lag_batches``: how many
+    more batches its leading member has been served than its trailing one. ``held_bytes``: the
+    output memory held for trailing members (outputs some member has not had yet and none
+    holds), at most ``window_bytes``; ``leased_bytes``: what members' tensors view now;
+    ``dropped``: outputs dropped unserved to stay within the window.
+    """
+
+    name: str
+    jobs: tuple[int, ...]
+    runs: int
+    hits: int
+    hit_rate: float
+    lag_batches: int
+    held_bytes: int
+    window_bytes: int
+    leased_bytes: int = 0
+    dropped: int = 0
+    # Batches run once and then copied into each member's own memory (outputs the cohort's
+    # shared memory cannot hold: GPU outputs, or a full cohort memory).
+    copied: int = 0
+
+
+@dataclass(frozen=True)
 class StatusReport(Message):
     """The daemon and its jobs, at one moment."""
 
@@ -926,6 +960,8 @@ class StatusReport(Message):
     jobs: tuple[JobStatus, ...]
     # The pipelines the jobs' registrations run on (several jobs may share one).
     pipelines: tuple[PipelineStatus, ...] = ()
+    # The cohorts of jobs whose batches of the same inputs run once.
+    cohorts: tuple[CohortStatus, ...] = ()
 
 
 # --- Repository family --------------------------------------------------------------------------
@@ -1014,6 +1050,7 @@ __all__ = [
     "BatchAccepted",
     "BatchFailed",
     "BatchReady",
+    "CohortStatus",
     "EarlierJob",
     "EarlierPipeline",
     "Error",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Hashable, Sequence
 
 from dalid.protocol import (
     BatchAccepted,
@@ -29,10 +30,12 @@ from dalid.protocol import (
     WantBatch,
 )
 
+from .cohort_registry import Cohorts
+from .cohorts import COHORT_REGION_BASE, Outcome
 from .errors import RequestRefused
 from .inputs import InputMemory, InputRefused
 from .jobs import Job, JobRegistry, Peer
-from .outputs import ReleaseRefused
+from .outputs import JobOutputs, ReleaseRefused
 from .pipelines import PipelineBuilder, Push, check_batch, executor_for
 from .quotas import Quotas
 from .runs import PendingBatch
@@ -51,7 +54,13 @@ class BatchRequests:
         pipelines: PipelineBuilder,
         inputs: InputMemory,
         push: Push,
+        *,
+        cohorts: Cohorts | None = None,
+        prefix: str = "dalid",
     ) -> None:
+        # The cohorts jobs join by name, whose output slabs are named after ``prefix``.
+        self.cohorts = cohorts if cohorts is not None else Cohorts(_no_outputs, 0, _alive)
+        self.prefix = prefix
         self.registry = registry
         self.quotas = quotas
         self.pipelines = pipelines
@@ -80,9 +89,20 @@ class BatchRequests:
                 "pipeline once",
             )
         peer.job.check_earlier_ids(request)
-        self.pipelines.start(
-            peer.job, request, request_id, functools.partial(self._batch_answered, peer.job)
+        job = peer.job
+        cohort_key: list[Hashable] = []
+        check = None
+        if request.cohort:
+            # Refused before anything starts if it cannot join (cohorts.py).
+            def check(key: Hashable) -> None:
+                self.cohorts.check(request.cohort, key, request.deterministic, job.job_id)
+                cohort_key.append(key)
+
+        member = self.pipelines.start(
+            job, request, request_id, functools.partial(self._batch_answered, job), check=check
         )
+        if cohort_key:
+            self.cohorts.join(request.cohort, cohort_key[0], member, job.limits, self.prefix)
         return None  # answered once the pipeline is built
 
     def on_submit_batch(
@@ -129,6 +149,14 @@ class BatchRequests:
             self.inputs.take(job.job_id, nbytes, holder=batch)
         except InputRefused as refusal:
             raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+        if member.cohort is not None and not request.deferred:
+            # Served from another member's run of the same inputs, now or when it ends, the
+            # batch takes none of the job's turns (Note [Cohort outputs] in cohorts.py).
+            outcome, ready = member.cohort.take(batch)
+            if ready is not None:
+                member.answer(batch, ready)
+            if outcome != Outcome.RUN:
+                return BatchAccepted(batch.batch_id)
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
             # could hold back the very batch the trainer waits for.
@@ -195,8 +223,11 @@ class BatchRequests:
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
     ) -> Message | None:
         job = self.peers[identity].job
+        region_ids: Sequence[int] = request.region_ids
+        if any(region_id >= COHORT_REGION_BASE for region_id in region_ids):
+            region_ids = self._release_cohort_regions(job, region_ids)
         try:
-            unknown = job.outputs.release(request.region_ids, request.event, request.closed_slabs)
+            unknown = job.outputs.release(region_ids, request.event, request.closed_slabs)
         except ReleaseRefused as refusal:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, f"{request.OP}: {refusal}") from None
         if unknown:
@@ -205,3 +236,21 @@ class BatchRequests:
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
         return None
+
+    def _release_cohort_regions(self, job: Job, region_ids: Sequence[int]) -> list[int]:
+        """Ends the job's leases of its cohorts' regions among ``region_ids``; the job's own
+        ids, and those no cohort leased to it (refused with them), are left."""
+        own = [region_id for region_id in region_ids if region_id < COHORT_REGION_BASE]
+        shared = [region_id for region_id in region_ids if region_id >= COHORT_REGION_BASE]
+        for cohort in {id(m.cohort): m.cohort for m in job.pipelines.values() if m.cohort}.values():
+            if shared:
+                shared = cohort.release(job.job_id, shared)
+        return own + shared
+
+
+def _no_outputs(prefix: str, limits: object) -> JobOutputs:
+    raise RequestRefused(ErrorCode.INVALID_PIPELINE, "this daemon has no memory for cohorts")
+
+
+def _alive(pid: int, namespace: int) -> bool:
+    return True

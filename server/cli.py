@@ -158,6 +158,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         max_image_pixels=settings["max_image_pixels"],
         max_threads=settings["max_threads"] or 0,
         max_daemon_pipelines=settings["max_daemon_pipelines"],
+        cohort_bytes=settings["cohort_memory"] or 0,
     )
     return DaemonConfig(
         device=settings["device"],

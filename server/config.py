@@ -256,6 +256,15 @@ OPTIONS: tuple[Option, ...] = (
         "SIZE",
         default_text="the size of /dev/shm",
     ),
+    Option(
+        "cohort_memory",
+        parse_size,
+        None,
+        "output memory of one cohort (jobs that share the runs of batches of the same inputs), "
+        "half of which may hold outputs for its trailing members; counted in --memory-limit",
+        "SIZE",
+        default_text="--pool-bytes",
+    ),
     Option("max_jobs", parse_positive_int, 64, "jobs served at once", "N"),
     Option(
         "max_jobs_per_process",

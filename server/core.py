@@ -10,7 +10,7 @@ flight (``admission.py``), its output memory (``outputs.py``), the fair share be
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
-Why one module of some 490 lines: it holds the one table of every request and the handlers of
+Why one module of some 530 lines: it holds the one table of every request and the handlers of
 a job's life from its hello to its end, which read best in one place.
 """
 
@@ -32,6 +32,7 @@ from dalid.protocol import (
     Goodbye,
     Hello,
     IpcProbeResult,
+    Limits,
     Message,
     Ok,
     Ping,
@@ -57,6 +58,7 @@ from dalid.protocol import (
 )
 
 from .batch_requests import BatchRequests
+from .cohort_registry import Cohorts
 from .copies import PRIVATE_COPY_AFTER_S
 from .credentials import PeerCredentials
 from .errors import RequestRefused
@@ -64,13 +66,14 @@ from .flight import FlightRecorder
 from .inputs import InputMemory
 from .jobs import Job, JobRegistry, Peer
 from .operators import ALLOW_LIST, OperatorPolicy
-from .outputs import OutputsFactory, StreamFactory, no_streams
+from .outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
 from .pipelines import SHARING, PipelineBuilder, Sharing
 from .quotas import QuotaRefused, Quotas, grant
 from .reload import LiveRepository
 from .repository import PipelineRepository
 from .reservations import OutputMemory
 from .scheduler import FairScheduler
+from .shm import SharedMemoryStore
 from .status import status_report
 
 if TYPE_CHECKING:
@@ -155,8 +158,18 @@ class DaemonCore:
             max_pipelines=quotas.max_daemon_pipelines,
             recorder=recorder,
         )
+        # Jobs that share the runs of batches of the same inputs (cohorts.py).
+        self.cohorts = Cohorts(self._cohort_outputs, quotas.cohort_bytes, self.registry.alive)
         # A job's pipelines and batches: registrations, submissions, releases, results.
-        self.batches = BatchRequests(self.registry, quotas, self.pipelines, self.inputs, push)
+        self.batches = BatchRequests(
+            self.registry,
+            quotas,
+            self.pipelines,
+            self.inputs,
+            push,
+            cohorts=self.cohorts,
+            prefix=f"dalid-{self._instance}",
+        )
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
@@ -219,6 +232,20 @@ class DaemonCore:
     def malformed(error: ProtocolError) -> Error:
         return Error(error.code, error.message, op=error.op)
 
+    def _cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
+        """A cohort's output memory: shared memory only (its GPU outputs go to each member's
+        own memory), reserved as it grows against the daemon's --memory-limit."""
+        outputs = JobOutputs([SharedMemoryStore(name_prefix, limits, region_ids())])
+        try:
+            reservation = self.output_memory["cpu"].growing(limits.pool_bytes)
+        except QuotaRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+        outputs.stores[0].pool.grow_within(reservation)
+        # A cohort's run never waits for a member's trainer: with no room, it goes to each
+        # member's own memory instead (Note [Cohort outputs] in cohorts.py).
+        outputs.copy_after = 0.0
+        return outputs
+
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
         for identity in self.registry.dead_workers():
@@ -232,6 +259,7 @@ class DaemonCore:
                 "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
             )
             job.outputs.free()
+        self.cohorts.reap()
         return [job.job_id for job in dead]
 
     def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
@@ -249,7 +277,10 @@ class DaemonCore:
             share.passed_over,
         )
         self.scheduler.remove_job(job.job_id)
+        in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
         waiting, lingering = job.close()
+        for member in in_cohorts:
+            self.cohorts.leave(member, job.pid, job.pid_namespace)
         for batch in waiting:
             # Its sender still waits for the acceptance; tell it why none comes.
             self._push(
@@ -317,6 +348,7 @@ class DaemonCore:
             self.close_job(job, daemon_stopping=True)
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
+        self.cohorts.close()
         if self.paths is not None:
             self.paths.close()
 

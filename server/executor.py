@@ -47,6 +47,7 @@ from dalid.protocol import (
 )
 
 from .badsamples import recover, summary
+from .cohorts import resubmit
 from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .outputs import OutputFailure, RunOutput, Stream
 from .paths import unseen_file
@@ -578,8 +579,13 @@ class PipelineExecutor:
         if self._scheduler is None or samples == 0:
             return
         for batch in run.batches:
-            if batch.member is not None:
-                self._scheduler.charge(batch.member.job_id, service * batch.size / samples)
+            if batch.member is None:
+                continue
+            share = service * batch.size / samples
+            # A cohort's run is charged once, split among the jobs waiting for it (cohorts.py).
+            payers = batch.cohort_entry.payers() if batch.cohort_entry is not None else []
+            for job_id in payers or [batch.member.job_id]:
+                self._scheduler.charge(job_id, share / max(len(payers), 1))
 
     # --- outputs --------------------------------------------------------------------------------
 
@@ -589,12 +595,52 @@ class PipelineExecutor:
         for batch, rows in run.rows():
             member = batch.member
             assert member is not None
+            if batch.cohort_entry is not None:
+                self._deliver_to_cohort(batch, outputs, rows)
+                continue
             with member.writing:
                 if member.closed:
                     continue  # its job ended while the run was in DALI
                 self._write(batch, outputs, rows)
                 if member.alone:
                     member.alone -= 1
+
+    def _deliver_to_cohort(
+        self, batch: PendingBatch, outputs: Sequence[RunOutput], rows: range
+    ) -> None:
+        """A batch's rows of a run, for every member of its cohort waiting for the same inputs:
+        into the cohort's memory, or else into each one's own (Note [Cohort outputs] in
+        cohorts.py). Its own job may have ended: the others still get them."""
+        entry = batch.cohort_entry
+        assert entry is not None
+        cohort = entry.cohort
+        descriptors = cohort.write(outputs, rows, self._stream)
+        if descriptors is not None:
+            settle = functools.partial(self._planner.settle, batch, released=True)
+            for recipient, ready in cohort.publish(entry, descriptors, settle):
+                member = recipient.member
+                assert member is not None
+                member.answer(recipient, ready)
+                if member.alone:
+                    member.alone -= 1
+            if batch.member is not None and batch.member.closed:
+                self._planner.settle(batch)
+            return
+        for recipient in cohort.take_recipients(entry):
+            member = recipient.member
+            assert member is not None
+            with member.writing:
+                if not member.closed:
+                    self._write(recipient, outputs, rows)
+
+    def _abandon_cohort(self, batch: PendingBatch) -> None:
+        """``batch`` ran for its cohort and failed or had bad samples: the members that waited
+        for it run their own (cohorts.py, Note [Cohort outputs], point 4)."""
+        entry = batch.cohort_entry
+        if entry is None:
+            return
+        batch.cohort_entry = None
+        resubmit(entry.cohort.abandon(entry))
 
     def _learn_sizes(self, outputs: Sequence[RunOutput]) -> None:
         sizes = []
@@ -672,6 +718,7 @@ class PipelineExecutor:
     ) -> None:
         member = batch.member
         assert member is not None
+        self._abandon_cohort(batch)
         log.warning(
             "job %d pipeline %d batch %d failed (on DALI pipeline %d): %s",
             member.job_id,
@@ -700,6 +747,7 @@ class PipelineExecutor:
         job's on_error policy (``badsamples.recover``); that job's next batches run alone."""
         member = batch.member
         assert member is not None
+        self._abandon_cohort(batch)
         path_inputs = self.spec.path_inputs if self.spec is not None else ()
         if error is not None and path_inputs:
             # A file the daemon may not read, in a directory it enters, fails the run: checked

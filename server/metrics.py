@@ -43,6 +43,18 @@ PIPELINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_pipeline_instances", "DALI instances running the pipeline", "gauge", "instances"),
 )  # fmt: skip
 
+COHORT_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("dalid_cohort_jobs", "Jobs in the cohort", "gauge", "jobs"),
+    ("dalid_cohort_runs", "Batches of the cohort's members that ran", "counter", "runs"),
+    ("dalid_cohort_hits", "Batches served from another member's run", "counter", "hits"),
+    ("dalid_cohort_hit_rate", "Hits over all batches of the cohort", "gauge", "hit_rate"),
+    ("dalid_cohort_lag_batches", "Batches the leading member is ahead", "gauge", "lag_batches"),
+    ("dalid_cohort_held_bytes", "Output memory held for trailing members", "gauge", "held_bytes"),
+    ("dalid_cohort_window_bytes", "The most held for trailing members", "gauge", "window_bytes"),
+    ("dalid_cohort_leased_bytes", "Cohort memory tensors view", "gauge", "leased_bytes"),
+    ("dalid_cohort_dropped", "Outputs dropped unserved", "counter", "dropped"),
+)  # fmt: skip
+
 
 class StatusCollector:
     """A Prometheus collector over the latest :class:`StatusReport` that ``snapshot`` returns."""
@@ -89,6 +101,19 @@ class StatusCollector:
                 value = getattr(pipeline, field)
                 family.add_metric(
                     [report.device, str(pipeline.pipeline), pipeline.name, str(pipeline.shared)],
+                    float(len(value) if isinstance(value, tuple) else value),
+                )
+            yield family
+        for name, text, kind, field in COHORT_METRICS:
+            family = (
+                CounterMetricFamily(name, text, labels=["device", "cohort"])
+                if kind == "counter"
+                else GaugeMetricFamily(name, text, labels=["device", "cohort"])
+            )
+            for cohort in report.cohorts:
+                value = getattr(cohort, field)
+                family.add_metric(
+                    [report.device, cohort.name],
                     float(len(value) if isinstance(value, tuple) else value),
                 )
             yield family

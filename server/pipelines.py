@@ -14,7 +14,7 @@ the allow-list and its outputs' declared sizes (``operators.py``), whether it wa
 the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
 and DALI threads.
 
-Why one module of some 470 lines: it holds the daemon's one table of pipelines, and what a
+Why one module of some 500 lines: it holds the daemon's one table of pipelines, and what a
 registration must pass to get a place in it.
 """
 
@@ -88,6 +88,9 @@ class Plan:
     name: str
     # What names the graph for crash attribution (flight.py).
     flight_key: bytes = b""
+    # Equal for registrations that may be members of one cohort (cohorts.py): the same graph,
+    # inputs, outputs and batch size, shared with other jobs or not.
+    cohort_key: Hashable = None
 
 
 class PipelineBuilder:
@@ -142,12 +145,20 @@ class PipelineBuilder:
         self._shared: dict[Hashable, PipelineExecutor] = {}
 
     def start(
-        self, job: Job, request: Registration, request_id: int | None, answer: Answer
+        self,
+        job: Job,
+        request: Registration,
+        request_id: int | None,
+        answer: Answer,
+        check: Callable[[Hashable], None] | None = None,
     ) -> Member:
         """Registers the pipeline for ``job``: joins the pipeline in the daemon that runs the
         same graph, or starts one. The trainer's reply leaves once it is built; ``answer``
-        gets its batches' results."""
+        gets its batches' results. ``check`` is given the graph's cohort key (``Plan``) and
+        may refuse the registration before anything starts."""
         plan = self._plan(job, request)
+        if check is not None:
+            check(plan.cohort_key)
         with self._lock:
             shared = self._shared.get(plan.key) if plan.key is not None else None
             if shared is not None and shared.failed:
@@ -379,6 +390,13 @@ class PipelineBuilder:
             if not spec.name and graph.origin:
                 spec = dataclasses.replace(spec, name=graph.origin)
             why_private = why_private or graph.unshareable()
+            cohort_key: Hashable = (
+                "serialized",
+                graph.key,
+                spec.input_names,
+                spec.num_outputs,
+                spec.max_batch_size,
+            )
             if not why_private:
                 key = (
                     "serialized",
@@ -389,7 +407,7 @@ class PipelineBuilder:
                     spec.exec_dynamic,
                 )
             runner = functools.partial(PipelineRunner, spec, self._device_id)
-            return Plan(runner, key, why_private, spec.name, flight_key)
+            return Plan(runner, key, why_private, spec.name, flight_key, cohort_key)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -414,8 +432,14 @@ class PipelineBuilder:
             on_error=request.on_error,
             operators=self._operators,
         )
+        named_cohort: Hashable = (
+            "named",
+            request.name,
+            json.dumps(parameters, sort_keys=True),
+            request.batch_size,
+        )
         if why_private:
-            return Plan(make_runner, None, why_private, request.name, flight_key)
+            return Plan(make_runner, None, why_private, request.name, flight_key, named_cohort)
         # One definition of the repository (a reload makes another), called alike; whether its
         # operators allow sharing is known once it is built (PipelineExecutor).
         named_key = (
@@ -425,7 +449,7 @@ class PipelineBuilder:
             request.batch_size,
             request.prefetch_queue_depth,
         )
-        return Plan(make_runner, named_key, "", request.name, flight_key)
+        return Plan(make_runner, named_key, "", request.name, flight_key, named_cohort)
 
     def _why_private(self, request: Registration) -> str:
         if not self._sharing.enabled:

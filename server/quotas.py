@@ -47,6 +47,9 @@ class Quotas:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_threads: int = 0
     max_daemon_pipelines: int = 128
+    # The output memory of one cohort (0: the pool bytes of the job that starts it), half of
+    # which may hold outputs for its trailing members (cohorts.py).
+    cohort_bytes: int = 0
 
 
 class QuotaRefused(Exception):

@@ -26,6 +26,7 @@ from dalid.protocol import BatchFailed, BatchReady, OnError, SubmitBatch
 from .outputs import JobOutputs
 
 if TYPE_CHECKING:
+    from .cohorts import Cohort, Entry
     from .executor import PipelineExecutor
 
 # After one of its batches had bad samples, a job's next batches of the pipeline run alone,
@@ -55,6 +56,9 @@ class PendingBatch:
     # It counts in its job's window (taken into a run, its regions not yet all released).
     held: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    # The cohort's entry this batch runs for (its outputs serve every member that submits the
+    # same inputs: cohorts.py), or None.
+    cohort_entry: Entry | None = None
 
     @property
     def size(self) -> int:
@@ -100,6 +104,8 @@ class Member:
     want_blocked_since: float | None = None
     overflow: bool = False
     writing: threading.Lock = field(default_factory=threading.Lock)
+    # The cohort the job joined with this registration (cohorts.py), or None.
+    cohort: Cohort | None = None
 
     @property
     def queued(self) -> int:

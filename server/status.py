@@ -114,4 +114,5 @@ def status_report(core: DaemonCore, uptime: float) -> StatusReport:
             job_status(job, core.scheduler.stats(job.job_id), now) for job in core.jobs.values()
         ),
         pipelines=core.pipelines.status(),
+        cohorts=core.cohorts.status(),
     )

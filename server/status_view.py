@@ -171,6 +171,33 @@ def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
     return lines
 
 
+COHORT_LINE = (
+    "Then a line per cohort (jobs that registered the same pipeline under one cohort name, whose "
+    "batches of the same inputs run once): its jobs, the batches that ran and those served from "
+    "another member's run (hits), how many batches the leading member is ahead of the trailing "
+    "one, and the output memory held for trailing members, of the most it may hold"
+)
+
+
+def cohort_lines(report: StatusReport, width: int = 200) -> list[str]:
+    """A line per cohort: its members, hit rate, lag and memory held for trailing members."""
+    lines = []
+    for cohort in report.cohorts:
+        jobs = ",".join(str(job) for job in cohort.jobs) or "none"
+        line = (
+            f"cohort {cohort.name}: jobs {jobs}; {cohort.runs} batches ran, {cohort.hits} served "
+            f"from another member's run ({cohort.hit_rate:.0%} hits); members {cohort.lag_batches} "
+            f"batches apart; {cohort.held_bytes >> 20} MiB held for trailing members of "
+            f"{cohort.window_bytes >> 20} MiB"
+        )
+        if cohort.dropped:
+            line += f"; {cohort.dropped} outputs dropped unserved"
+        if cohort.copied:
+            line += f"; {cohort.copied} runs copied to each member's own memory"
+        lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")
+    return lines
+
+
 def table(report: StatusReport, where: str, width: int = 200) -> Any:
     """A rich renderable, at most ``width`` columns wide: the headline and a row per job."""
     from rich.console import Group
@@ -197,10 +224,11 @@ def table(report: StatusReport, where: str, width: int = 200) -> Any:
     hidden = [COLUMNS[index].header for index in range(len(COLUMNS)) if index not in kept]
     below = [Text(f"not shown: {', '.join(hidden)}")] if hidden else []
     below += [Text(line) for line in pipeline_lines(report, width)]
+    below += [Text(line) for line in cohort_lines(report, width)]
     return Group(*lines, jobs, *below)
 
 
 def legend() -> str:
     """What each column means, and the pipeline lines, for ``dalid status --help``."""
     columns = "; ".join(f"{column.header}: {column.meaning}" for column in COLUMNS)
-    return f"{columns}. {PIPELINE_LINE}"
+    return f"{columns}. {PIPELINE_LINE}. {COHORT_LINE}"

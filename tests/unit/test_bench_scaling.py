@@ -147,3 +147,15 @@ def test_memory_each_job_adds_is_the_growth_from_one_job_over_the_jobs_added() -
     ]
     assert added_per_job(rows, "all_pss_mb") == {("dali", 8): 400.0, ("dalid", 8): 250.0}
     assert added_per_job(rows, "daemon_peak_rss_mb") == {("dalid", 8): 50.0}
+
+
+def test_the_cohort_runs_are_in_process_dalid_and_a_cohort_at_each_job_count() -> None:
+    runs, planned = plan(Settings(scaling_jobs=(2, 4)), "cohort")
+    assert runs == [
+        ("dali", 2), ("dalid", 2), ("dalid-cohort", 2), ("dalid-cohort-trailing", 2),
+        ("dali", 4), ("dalid", 4), ("dalid-cohort", 4), ("dalid-cohort-trailing", 4),
+    ]  # fmt: skip
+    assert planned.scaling_jobs == (2, 4)
+    # Not part of a run that does not ask for them.
+    default, _ = plan(Settings(scaling_jobs=(2, 4)), None)
+    assert not [kind for kind, _ in default if kind.startswith("dalid-cohort")]

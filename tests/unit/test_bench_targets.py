@@ -257,3 +257,32 @@ def test_heap_trims_after_departures_are_the_jobs_ends_not_the_loops_chores() ->
     # The loop's own: 0.5 s less the goodbye and the trim, less the messages' 0.05 s.
     assert found["io_chores_ms_per_s"] == pytest.approx(10.0)
     assert found["io_messages_us_per_sample"] == pytest.approx(50.0)
+
+
+def test_the_cohort_targets_compare_a_cohort_with_as_many_in_process_jobs() -> None:
+    from bench.summary import cohort_hit_rate
+
+    values: dict[str, dict[int, dict[str, float | None]]] = {
+        "dali-x4": {0: _run(300.0, pss=4000.0)},
+        "dalid-cohort-x4": {
+            0: {**_run(1000.0, pss=2000.0), "hit_rate": 0.74, "members_per_job": 250.0}
+        },
+        "dalid-cohort-trailing-x4": {0: {**_run(800.0), "members_per_job": 200.0}},
+    }
+    found = _by_name(all_targets(values, {}, LABELS))
+    name = f"{LABELS['dalid-cohort']}, 4 jobs: samples/s / {LABELS['dali']}, 4 jobs"
+    assert found[name]["met"] is True and found[name]["measured"]["median"] == pytest.approx(10 / 3)
+    pss = found[f"{LABELS['dalid-cohort']}, 4 jobs: all processes' PSS / {LABELS['dali']}, 4 jobs"]
+    assert pss["met"] is True
+    hits = found[f"{LABELS['dalid-cohort']}, 4 jobs: batches served from another job's run"]
+    assert hits["met"] is True  # 0.74 of the ideal 0.75, at least 90% of it
+    trailing = found[
+        f"{LABELS['dalid-cohort-trailing']}, 4 jobs: samples/s per job of the others / "
+        f"{LABELS['dalid-cohort']}, 4 jobs"
+    ]
+    assert trailing["met"] is False and trailing["measured"]["median"] == pytest.approx(0.8)
+    on_gpu = _by_name(all_targets(values, {}, LABELS, gpu=True))
+    eight = f"{LABELS['dalid-cohort']}, 8 jobs: samples/s / {LABELS['dali']}, 8 jobs"
+    assert on_gpu[eight]["met"] is None  # 8 jobs did not run
+    readings: list[dict[str, Any]] = [{"cohorts": []}, {"cohorts": [{"hit_rate": 0.5}]}]
+    assert cohort_hit_rate(readings) == 0.5 and cohort_hit_rate([]) is None

@@ -1,0 +1,302 @@
+"""A cohort's matching and leases (server/cohorts.py): which batches match, who gets which
+regions, when a region goes back to the cohort's pool, the window for trailing members, and
+what a member's departure hands on.
+
+Outputs are real DALI tensors written into a real shared-memory pool; the whole path, with real
+jobs, is tests/integration/test_cohorts.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from nvidia.dali.tensors import TensorListCPU
+
+from dalid.protocol import BatchFailed, BatchReady, InputBatch, Limits, OnError, SubmitBatch
+from dalid.server.cohort_matching import batch_digest, same_inputs
+from dalid.server.cohort_registry import Cohorts
+from dalid.server.cohorts import COHORT_REGION_BASE, Cohort, Outcome
+from dalid.server.errors import RequestRefused
+from dalid.server.outputs import JobOutputs, RunOutput
+from dalid.server.pool import PAGE
+from dalid.server.runs import Member, PendingBatch
+from dalid.server.shm import host_outputs
+
+LIMITS = Limits(
+    max_batch_size=64, max_message_bytes=1 << 20, pool_bytes=64 * PAGE, slab_bytes=16 * PAGE
+)
+# One batch's outputs: 4 samples of one page each.
+SAMPLES = 4
+BATCH_BYTES = SAMPLES * PAGE
+
+
+def _inputs(seed: int, corrupt: bool = False) -> tuple[InputBatch, ...]:
+    samples = [np.full(7, seed * 10 + i, np.uint8) for i in range(SAMPLES)]
+    if corrupt:
+        samples[-1][-1] ^= 1
+    return (InputBatch.of("data", samples),)
+
+
+class _Executor:
+    """Stands for a member's executor where a batch is handed on to run (the real one runs in
+    the integration tests): records what it is given."""
+
+    failed = False
+
+    def __init__(self) -> None:
+        self.submitted: list[PendingBatch] = []
+        self.members: list[object] = [object()]  # the members it still runs for
+
+    def submit(self, batch: PendingBatch) -> None:
+        self.submitted.append(batch)
+
+
+class _Job:
+    def __init__(self, job_id: int) -> None:
+        self.answers: list[tuple[PendingBatch, Any]] = []
+        self.executor = _Executor()
+        self.member = Member(
+            job_id,
+            1,
+            JobOutputs([]),
+            lambda batch, result: self.answers.append((batch, result)),
+            OnError.RAISE,
+        )
+        self.member.executor = self.executor  # type: ignore[assignment]
+        self._numbers = iter(range(1, 1000))
+
+    def batch(self, seed: int, corrupt: bool = False) -> PendingBatch:
+        number = next(self._numbers)
+        request = SubmitBatch(1, _inputs(seed, corrupt), batch_id=number)
+        return PendingBatch(number, request, self.member)
+
+
+@pytest.fixture
+def outputs() -> Iterator[JobOutputs]:
+    made = host_outputs()(f"dalid-unittest-{os.getpid()}-{os.urandom(3).hex()}", LIMITS)
+    made.copy_after = 0.0
+    yield made
+    made.close()
+    made.free()
+
+
+def _cohort(outputs: JobOutputs, window: int = 16 * PAGE, alive: bool = False) -> Cohort:
+    return Cohort("sweep", ("key",), outputs, window, lambda pid, namespace: alive)
+
+
+def _run(cohort: Cohort, batch: PendingBatch, value: float, settled: list[int]) -> list[Any]:
+    """The run of ``batch``'s entry, published: the results it gives."""
+    run = [RunOutput(0, TensorListCPU(np.full((SAMPLES, PAGE // 4), value, np.float32)))]
+    descriptors = cohort.write(run, run[0].whole, None)
+    assert descriptors is not None and batch.cohort_entry is not None
+    return cohort.publish(batch.cohort_entry, descriptors, lambda: settled.append(batch.batch_id))
+
+
+def _ids(ready: BatchReady) -> list[int]:
+    return [descriptor.region_id for descriptor in ready.outputs]
+
+
+def test_the_same_inputs_match_byte_for_byte_and_anything_else_does_not() -> None:
+    same, other = _inputs(1), _inputs(1)
+    assert batch_digest(same) == batch_digest(other) and same_inputs(same, other)
+    corrupt = _inputs(1, corrupt=True)
+    assert batch_digest(corrupt) != batch_digest(same) and not same_inputs(same, corrupt)
+    reordered = (InputBatch.of("data", [s.copy() for s in reversed(same[0].arrays())]),)
+    assert not same_inputs(same, reordered)
+    assert not same_inputs(same, other, (), (2,))  # a file the submitter could not read
+    assert batch_digest(same, (2,)) != batch_digest(same)
+
+
+def test_a_follower_gets_the_same_regions_under_ids_of_its_own(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running, following = first.batch(0), second.batch(0)
+    assert cohort.take(running) == (Outcome.RUN, None)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    settled: list[int] = []
+    results = _run(cohort, running, 3.0, settled)
+    assert [batch for batch, _ in results] == [running, following]
+    (mine,), (theirs,) = (ready.outputs for _, ready in results)
+    assert (mine.slab, mine.offset) == (theirs.slab, theirs.offset)
+    assert mine.region_id != theirs.region_id and min(mine.region_id, theirs.region_id) >= (
+        COHORT_REGION_BASE
+    )
+    assert outputs.leased_regions == 1
+    # A member releases only its own ids; the region goes back once both have.
+    assert cohort.release(1, [theirs.region_id]) == [theirs.region_id]
+    assert cohort.release(1, [mine.region_id]) == [] and settled == [running.batch_id]
+    assert outputs.leased_regions == 1
+    assert cohort.release(2, [theirs.region_id]) == []
+    assert outputs.leased_regions == 0
+    status = cohort.status()
+    assert (status.runs, status.hits, status.hit_rate, status.lag_batches) == (1, 1, 0.5, 0)
+
+
+def test_a_late_member_is_served_from_the_cache_and_never_its_own_outputs_again(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running = first.batch(0)
+    cohort.take(running)
+    ((_, ready),) = _run(cohort, running, 1.0, [])
+    assert cohort.status().held_bytes == 0  # leased by the first member, not only held
+    cohort.release(1, _ids(ready))
+    assert cohort.status().held_bytes == BATCH_BYTES and cohort.status().lag_batches == 1
+    outcome, hit = cohort.take(second.batch(0))
+    assert outcome == Outcome.HIT and hit is not None
+    assert hit.outputs[0].slab == ready.outputs[0].slab
+    # Served to every member: out of the cache. The first member's next epoch runs again.
+    assert cohort.status().held_bytes == 0
+    again = first.batch(0)
+    assert cohort.take(again) == (Outcome.RUN, None) and again.cohort_entry is not None
+    cohort.release(2, _ids(hit))
+    assert outputs.leased_regions == 0
+
+
+def test_outputs_held_for_a_trailing_member_stay_within_the_window(outputs: JobOutputs) -> None:
+    window = 2 * BATCH_BYTES
+    cohort = _cohort(outputs, window=window)
+    leader, trailing = _Job(1), _Job(2)
+    cohort.join(leader.member)
+    cohort.join(trailing.member)
+    for seed in range(5):
+        batch = leader.batch(seed)
+        cohort.take(batch)
+        ((_, ready),) = _run(cohort, batch, float(seed), [])
+        cohort.release(1, _ids(ready))
+        assert cohort.status().held_bytes <= window
+    status = cohort.status()
+    assert status.dropped == 3 and status.lag_batches == 5
+    # The oldest went: the trailing member runs those itself, and is served the newest.
+    assert cohort.take(trailing.batch(0))[0] == Outcome.RUN
+    assert cohort.take(trailing.batch(4))[0] == Outcome.HIT
+
+
+def test_a_full_pool_drops_held_outputs_first_then_gives_up(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs, window=LIMITS.pool_bytes)
+    leader, trailing = _Job(1), _Job(2)
+    cohort.join(leader.member)
+    cohort.join(trailing.member)
+    held = LIMITS.pool_bytes // BATCH_BYTES
+    for seed in range(held + 2):
+        batch = leader.batch(seed)
+        cohort.take(batch)
+        ((_, ready),) = _run(cohort, batch, 1.0, [])
+        cohort.release(1, _ids(ready))
+    assert cohort.status().dropped >= 2
+    # Leased outputs cannot be dropped: with every byte leased, a run is not taken.
+    for seed in range(held):
+        cohort.take(trailing.batch(seed + 2))
+    batch = leader.batch(20)
+    cohort.take(batch)
+    run = [RunOutput(0, TensorListCPU(np.zeros((SAMPLES, PAGE // 4), np.float32)))]
+    assert cohort.write(run, run[0].whole, None) is None
+
+
+def test_a_failed_run_hands_its_followers_back_to_run_for_themselves(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running, following = first.batch(0), second.batch(0)
+    cohort.take(running)
+    cohort.take(following)
+    assert running.cohort_entry is not None
+    assert cohort.abandon(running.cohort_entry) == [following]
+    assert following.cohort_entry is None
+    # Nothing is left to match: the same inputs run anew.
+    assert cohort.take(second.batch(0))[0] == Outcome.RUN
+
+
+def test_a_member_leaving_hands_its_queued_run_to_a_follower(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    queued, following = first.batch(0), second.batch(0)
+    cohort.take(queued)
+    cohort.take(following)
+    first.member.closed = True
+    cohort.leave(first.member, pid=0, namespace=0)
+    assert second.executor.submitted == [following]
+    assert following.cohort_entry is queued.cohort_entry
+    assert cohort.status().jobs == (2,)
+
+
+def test_a_run_taken_by_a_pipeline_that_stopped_with_its_job_passes_to_a_follower(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running, following = first.batch(0), second.batch(0)
+    cohort.take(running)
+    cohort.take(following)
+    running.held = True  # taken into a run
+    first.member.closed = True
+    first.executor.members = []  # its pipeline was its own: it stopped with it
+    cohort.leave(first.member, pid=0, namespace=0)
+    assert second.executor.submitted == [following]
+
+
+def test_a_gone_members_leases_end_with_its_process(outputs: JobOutputs) -> None:
+    alive = [True]
+    cohort = Cohort("sweep", ("key",), outputs, 16 * PAGE, lambda pid, ns: alive[0])
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running = first.batch(0)
+    cohort.take(running)
+    ((_, ready),) = _run(cohort, running, 1.0, [])
+    cohort.take(second.batch(0))
+    cohort.release(2, [])
+    first.member.closed = True
+    cohort.leave(first.member, pid=12345, namespace=1)
+    cohort.reap()
+    assert outputs.leased_regions == 1  # its trainer may still view the region
+    alive[0] = False
+    cohort.reap()
+    assert cohort.release(1, _ids(ready)) == _ids(ready)  # ended already
+    assert outputs.leased_regions == 1  # the second member still holds it
+
+
+def test_a_member_whose_pipeline_failed_gets_its_batch_failed(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    queued, following = first.batch(0), second.batch(0)
+    cohort.take(queued)
+    cohort.take(following)
+    second.executor.failed = True
+    cohort.leave(first.member, pid=0, namespace=0)
+    ((batch, result),) = second.answers
+    assert batch is following and isinstance(result, BatchFailed)
+
+
+def test_a_registration_of_another_graph_or_deterministic_is_refused() -> None:
+    cohorts = Cohorts(lambda prefix, limits: JobOutputs([]), 0, lambda pid, ns: True)
+    member = _Job(1).member
+    cohorts.join("sweep", ("serialized", b"graph", ("data",), 1, 8), member, LIMITS, "dalid-x")
+    with pytest.raises(RequestRefused, match=r"cohort 'sweep' .*graph differ"):
+        cohorts.check("sweep", ("serialized", b"other", ("data",), 1, 8), deterministic=False)
+    with pytest.raises(RequestRefused, match=r"batch size differ"):
+        cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 16), deterministic=False)
+    with pytest.raises(RequestRefused, match="deterministic"):
+        cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), deterministic=True)
+    cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), deterministic=False)
+    cohorts.check("another", ("serialized", b"other", ("data",), 1, 8), deterministic=False)
+    with pytest.raises(RequestRefused, match="member already"):
+        cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), False, member.job_id)
+    cohorts.leave(member, pid=0, namespace=0)
+    assert cohorts.status() == ()
