@@ -12,7 +12,10 @@ pickle of its own (:class:`CarriedBatch`) in which each small plain CPU tensor i
 bytes; every other tensor, and anything torch's queue pickles in its own way (storages, file
 descriptors), is handed back to torch's pickler as it is. The trainer unpickles the batch as
 the user's ``collate_fn`` made it: same structure, same tensors (dtype, shape, strides,
-values), each small one in memory of its own instead of a shared-memory file.
+values), each small one in memory of its own instead of a shared-memory file. That includes
+the small tensors torch's ``default_collate`` puts in shared memory itself when it runs in a
+worker (labels that a dataset returns as tensors): what the trainer gets is a batch of its own
+either way, and no process but the trainer uses that memory once the batch is sent.
 """
 
 from __future__ import annotations
@@ -63,8 +66,6 @@ def _by_value(tensor: torch.Tensor) -> bool:
         and tensor.nbytes <= BY_VALUE_MAX_BYTES
         and tensor.is_contiguous()
         and tensor.untyped_storage().nbytes() == tensor.nbytes
-        # Memory shared already (a dataset's shared cache) stays shared, as torch sends it.
-        and not tensor.is_shared()
         and not tensor.is_conj()
         and not tensor.is_neg()
     )
