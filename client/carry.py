@@ -20,12 +20,14 @@ either way, and no process but the trainer uses that memory once the batch is se
 
 from __future__ import annotations
 
+import contextvars
 import io
 import pickle
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -33,25 +35,23 @@ from torch.utils.data import get_worker_info
 # shared-memory file and a connection to pass its descriptor.
 BY_VALUE_MAX_BYTES = 256 * 1024
 
-# Tensor dtypes numpy has (torch.Tensor.numpy works for exactly these).
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
+# Tensor dtypes numpy has (torch.Tensor.numpy works for exactly these), each with its code in a
+# pickled batch and the numpy dtype it is rebuilt with.
+_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
 )
-
-_BY_VALUE = 0
-_BY_TORCH = 1
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_NUMPY = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in _DTYPES)
 
 
 def _by_value(tensor: torch.Tensor) -> bool:
@@ -59,11 +59,11 @@ def _by_value(tensor: torch.Tensor) -> bool:
     is its whole storage, small, with nothing that torch's pickling would carry besides."""
     return (
         type(tensor) is torch.Tensor
-        and tensor.device.type == "cpu"
-        and tensor.layout is torch.strided
-        and tensor.dtype in _NUMPY_DTYPES
-        and not tensor.requires_grad
+        and tensor.dtype in _CODES
         and tensor.nbytes <= BY_VALUE_MAX_BYTES
+        and not tensor.requires_grad
+        and tensor.layout is torch.strided
+        and tensor.device.type == "cpu"
         and tensor.is_contiguous()
         and tensor.untyped_storage().nbytes() == tensor.nbytes
         and not tensor.is_conj()
@@ -71,37 +71,48 @@ def _by_value(tensor: torch.Tensor) -> bool:
     )
 
 
+def _tensor(data: bytearray, code: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of a batch, sent by value: its bytes, its dtype's code and its shape."""
+    return torch.from_numpy(np.frombuffer(data, _NUMPY[code]).reshape(shape))
+
+
+# While a batch is unpickled: what torch's pickler carried beside it (see _BatchPickler).
+_handed: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("dalid_handed")
+
+
+def _handed_over(index: int) -> Any:
+    return _handed.get()[index]
+
+
 class _BatchPickler(pickle.Pickler):
-    """Pickles a batch; what torch's pickler must see goes to ``handed`` instead."""
+    """Pickles a batch; what torch's pickler must see goes to ``handed`` instead.
+
+    ``reducer_override`` is not called for the builtin types (numbers, strings, lists, dicts,
+    tuples): it sees the batch's tensors and other objects only.
+    """
 
     def __init__(self, file: io.BytesIO, handed: list[Any]) -> None:
-        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
+        # Protocol 5: a tensor's bytes go in as one buffer, and come out as a bytearray.
+        super().__init__(file, protocol=5)
         self.handed = handed
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if _by_value(obj):
-                return (_BY_VALUE, obj.numpy())
+                data = pickle.PickleBuffer(obj.numpy().data)
+                return _tensor, (data, _CODES[obj.dtype], tuple(obj.shape))
         elif type(obj) not in ForkingPickler._extra_reducers:  # type: ignore[attr-defined]
-            return None
+            return NotImplemented
         self.handed.append(obj)
-        return (_BY_TORCH, len(self.handed) - 1)
-
-
-class _BatchUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, handed: tuple[Any, ...]) -> None:
-        super().__init__(file)
-        self.handed = handed
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, value = pid
-        if kind == _BY_VALUE:
-            return torch.from_numpy(value)
-        return self.handed[value]
+        return _handed_over, (len(self.handed) - 1,)
 
 
 def _unpickle_batch(payload: bytes, handed: tuple[Any, ...]) -> Any:
-    return _BatchUnpickler(io.BytesIO(payload), handed).load()
+    token = _handed.set(handed)
+    try:
+        return pickle.loads(payload)
+    finally:
+        _handed.reset(token)
 
 
 class CarriedBatch:

@@ -71,6 +71,31 @@ def test_small_tensors_arrive_as_copies_with_the_structure_kept() -> None:
 
 
 @pytest.mark.parametrize(
+    "tensor",
+    [
+        pytest.param(torch.tensor(3.5), id="0-d"),
+        pytest.param(torch.zeros(0, 3), id="empty"),
+        pytest.param(torch.tensor([1 + 2j, 3j]), id="complex"),
+        pytest.param(torch.arange(6, dtype=torch.float16).reshape(2, 3), id="float16"),
+        pytest.param(torch.zeros(BY_VALUE_MAX_BYTES // 4), id="at-the-limit"),
+    ],
+)
+def test_every_small_plain_tensor_arrives_the_same(tensor: torch.Tensor) -> None:
+    arrived = _through_queue([tensor])[0]
+    assert arrived.dtype == tensor.dtype and arrived.shape == tensor.shape
+    assert arrived.stride() == tensor.stride()
+    assert torch.equal(arrived, tensor) and not arrived.is_shared()
+
+
+def test_a_tensor_met_twice_arrives_as_one() -> None:
+    labels = torch.arange(4)
+    large = torch.zeros(BY_VALUE_MAX_BYTES)
+    got = _through_queue({"a": labels, "b": [labels, large], "c": large})
+    assert got["a"] is got["b"][0]
+    assert got["b"][1] is got["c"] and got["c"].is_shared()
+
+
+@pytest.mark.parametrize(
     "make",
     [
         pytest.param(lambda: torch.zeros(BY_VALUE_MAX_BYTES // 4 + 1), id="large"),
