@@ -82,7 +82,8 @@ class DataLoader(torchdata.DataLoader[Any]):
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self.collate_fn = CarryingCollate(self.collate_fn)
+        if not isinstance(self.collate_fn, CarryingCollate):  # a loader made again from another
+            self.collate_fn = CarryingCollate(self.collate_fn)
         self.session = session
         self.bad_samples: list[SampleReport] = []
         self._recorder: _RecordingSampler | None = None

@@ -22,6 +22,7 @@ import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from torch.utils.data import DataLoader, Dataset
 
 from dalid.client.carry import BY_VALUE_MAX_BYTES, CarriedBatch, CarryingCollate
+from dalid.client.loader import DataLoader as DalidLoader
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -152,3 +153,11 @@ def test_a_dataloader_with_the_carrying_collate_gives_the_same_batches(num_worke
         assert torch.equal(labels, expected)
         assert torch.equal(values, expected.float().repeat_interleave(2).reshape(4, 2))
         assert not labels.is_shared()
+
+
+def test_a_dalid_loader_made_from_another_wraps_the_collate_fn_once() -> None:
+    # Frameworks (Lightning) make a loader again from the attributes of another one.
+    first = DalidLoader(object(), _Labelled(), batch_size=4)  # type: ignore[arg-type]
+    again = DalidLoader(object(), _Labelled(), batch_size=4, collate_fn=first.collate_fn)  # type: ignore[arg-type]
+    assert isinstance(again.collate_fn, CarryingCollate)
+    assert not isinstance(again.collate_fn.collate_fn, CarryingCollate)
