@@ -55,6 +55,11 @@ PING_AFTER_WATCHED_S = 5.0
 PING_TIMEOUT_S = 5.0
 PING_TIMEOUT_WATCHED_S = 30.0
 WATCH_EVERY_S = 0.25
+# While a trainer waits for a batch, its ``idle`` work (returning the regions of tensors that
+# other threads dropped meanwhile, progress reports) runs this often. Each wake-up costs the
+# trainer CPU, and more of them the longer a batch takes: at 50 ms, four jobs sharing the
+# daemon woke each trainer several times a batch for nothing.
+IDLE_EVERY_S = 0.25
 # How often a socket that nothing listens on yet is tried again.
 CONNECT_RETRY_S = 0.05
 # A daemon found exited may have sent a stop notice just before: one last look for it.
@@ -62,6 +67,23 @@ NOTICE_GRACE_MS = 200
 
 _context: zmq.Context[Any] | None = None
 _context_pid = -1
+
+# This process's pid, kept current in a forked child: os.getpid() is a system call, and the
+# fork checks below run on every message a connection sends or receives.
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def this_pid() -> int:
+    """This process's pid (``os.getpid()``, without a system call)."""
+    return _pid
 
 
 def process_context() -> zmq.Context[Any]:
@@ -240,23 +262,24 @@ class Connection:
     ) -> Envelope | None:
         """Receives until a message satisfies ``done`` (returned) or ``timeout`` passes (None).
 
-        Other messages go to ``on_push``. ``idle`` runs between polls. With ``ping``, a daemon
-        that stays silent is pinged, and one that does not answer raises DaemonUnavailable.
+        Other messages go to ``on_push``. ``idle`` runs after each poll that found nothing (a
+        wait of IDLE_EVERY_S). With ``ping``, a daemon that stays silent is pinged, and one that
+        does not answer raises DaemonUnavailable.
         """
         sock = self._live_socket()
         deadline = None if timeout is None else time.monotonic() + timeout
         last_heard = last_watch = time.monotonic()
         ping_id: int | None = None
         while True:
-            if idle is not None:
-                idle()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return None
-            wait = 0.05 if idle is not None else 0.5
+            wait = IDLE_EVERY_S if idle is not None else 0.5
             if deadline is not None:
                 wait = min(wait, deadline - now)
             if not self._poller.poll(int(wait * 1000) + 1):
+                if idle is not None:
+                    idle()
                 now = time.monotonic()
                 silent = now - last_heard
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
@@ -337,7 +360,7 @@ class Connection:
     def _live_socket(self) -> zmq.Socket[Any]:
         if self._socket is None:
             raise DaemonUnavailable(f"the connection to {endpoint(self.path)} is closed")
-        if self._pid != os.getpid():
+        if self._pid != _pid:
             raise RuntimeError(
                 "a dalid connection was used in a forked child: each process opens its own"
             )

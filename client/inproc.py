@@ -41,6 +41,7 @@ from dalid.protocol import (
     pid_namespace,
 )
 
+from .connection import IDLE_EVERY_S
 from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 
 log = logging.getLogger("dalid.client")
@@ -250,12 +251,10 @@ class InprocLink:
         inbox = self._live_inbox()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if idle is not None:
-                idle()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return None
-            wait = 0.05 if idle is not None else 0.5
+            wait = IDLE_EVERY_S if idle is not None else 0.5
             if deadline is not None:
                 wait = min(wait, deadline - now)
             try:
@@ -263,6 +262,8 @@ class InprocLink:
             except queue.Empty:
                 if self._daemon.closed:
                     raise self.gone_error("it was stopped") from None
+                if idle is not None:
+                    idle()
                 continue
             try:
                 envelope = decode(frames)

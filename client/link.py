@@ -56,7 +56,8 @@ class Link(Protocol):
         idle: Callable[[], None] | None = None,
     ) -> Envelope | None:
         """Receives until a message satisfies ``done`` (returned) or ``timeout`` passes (None),
-        running ``idle`` between polls. Raises DaemonUnavailable when the daemon is gone."""
+        running ``idle`` after each wait that found nothing. Raises DaemonUnavailable when the
+        daemon is gone."""
         ...
 
     def close(self, goodbye: bool = True, kept_slabs: tuple[str, ...] = ()) -> None:

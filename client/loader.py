@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from torch.utils import data as torchdata
 
 from .badsamples import SampleReport
+from .carry import CarryingCollate
 
 
 class Producer(Protocol):
@@ -74,10 +75,15 @@ class DataLoader(torchdata.DataLoader[Any]):
     batches came back without, or with replaced (``on_error``), accumulate in ``bad_samples``
     with their dataset indices; a :class:`BatchError` for bad samples names those indices too
     (``dataset_indices``). Indices are known with a batch sampler and ``in_order=True``.
+
+    Small CPU tensors of a worker's batch (its labels, say) reach the trainer as copies rather
+    than through shared-memory files (:mod:`dalid.client.carry`).
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
+        if not isinstance(self.collate_fn, CarryingCollate):  # a loader made again from another
+            self.collate_fn = CarryingCollate(self.collate_fn)
         self.session = session
         self.bad_samples: list[SampleReport] = []
         self._recorder: _RecordingSampler | None = None

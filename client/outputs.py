@@ -114,8 +114,12 @@ class Outputs:
                 self._backend(output.device).copy(output, frame)
                 for output, frame in zip(result.outputs, result.copies, strict=True)
             )
+        outputs = result.outputs
+        device = outputs[0].device if outputs else "cpu"
+        if all(output.device == device for output in outputs):  # the usual batch: one backend
+            return tuple(self._backend(device).wrap(outputs, result.event))
         positions: dict[str, list[int]] = {}
-        for position, output in enumerate(result.outputs):
+        for position, output in enumerate(outputs):
             positions.setdefault(output.device, []).append(position)
         tensors: list[torch.Tensor | None] = [None] * len(result.outputs)
         for device, indices in positions.items():

@@ -19,6 +19,7 @@ import numpy as np
 
 # The dtypes DALI's file reader takes a path in.
 PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
+_SLASH = ord("/")
 
 
 def resolve_paths(
@@ -31,18 +32,20 @@ def resolve_paths(
     resolved = dict(call_args)
     unreadable: set[int] = set()
     base = os.fsencode(directory)
+    # One pass per input, a few operations per path: this runs for every sample a worker sends.
+    access, join, readable = os.access, os.path.join, os.R_OK
     for name in names:
         samples = list(call_args.get(name, ()))
         for position, sample in enumerate(samples):
-            if sample.dtype not in PATH_DTYPES or sample.ndim != 1 or not sample.size:
+            if sample.dtype not in PATH_DTYPES or sample.ndim != 1:
                 continue
             path = sample.tobytes()
-            if b"\0" in path:
+            if not path or b"\0" in path:
                 continue  # not a path; the daemon says so
-            if not os.path.isabs(path) and base:
-                path = os.path.join(base, path)
+            if path[0] != _SLASH and base:
+                path = join(base, path)
                 samples[position] = np.frombuffer(path, dtype=sample.dtype)
-            if not os.access(path, os.R_OK):
+            if not access(path, readable):
                 unreadable.add(position)
         resolved[name] = samples
     return resolved, tuple(sorted(unreadable))

@@ -88,6 +88,7 @@ from dalid.protocol import (
     Welcome,
 )
 
+from .connection import this_pid
 from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
 from .link import Link, dial
 from .outputs import Outputs
@@ -483,7 +484,7 @@ class WorkerLinks:
         """This process's link to the target's job, as the submitter of its batches; None
         while a job found unreachable waits for its next try (see ``lose``)."""
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != this_pid():
                 # Inherited across fork: the parent's sockets are not ours to use or close.
                 self._links = {}
                 self._lost = {}

@@ -95,33 +95,49 @@ class Proxy:
             ) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arguments = self._arguments(args, kwargs)
-        run = self._current_run()
-        if run.batch_size >= self._target.max_batch_size:
+        # Runs once per sample in every DataLoader worker: the common call (one input, one
+        # output) takes the fewest steps, and each step below is one the batch needs.
+        target = self._target
+        names = target.input_names
+        if len(args) == 1 and not kwargs and len(names) == 1:
+            arrays = {names[0]: as_sample(args[0], names[0])}
+            run = self._current_run()
+        else:
+            arguments = self._arguments(args, kwargs)
+            run = self._current_run()
+            # Check every input before adding any, so a refused call leaves the batch as it was.
+            arrays = {name: as_sample(arguments[name], name) for name in names}
+        if run.batch_size >= target.max_batch_size:
             run.drop_abandoned()  # Note [Abandoned samples] in refs.py
         index = run.batch_size
-        if index >= self._target.max_batch_size:
+        if index >= target.max_batch_size:
             raise InputError(
-                f"more than {self._target.max_batch_size} samples in one batch, the pipeline's "
+                f"more than {target.max_batch_size} samples in one batch, the pipeline's "
                 "max_batch_size: make the DataLoader's batch_size at most that"
             )
-        # Check every input before adding any, so a refused call leaves the batch as it was.
-        arrays = {name: as_sample(arguments[name], name) for name in self._target.input_names}
+        call_args = run.call_args
         for name, array in arrays.items():
-            samples = run.call_args.get(name)
+            samples = call_args.get(name)
             if samples and samples[0].dtype != array.dtype:
                 raise InputError(
                     f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample "
                     f"is {samples[0].dtype}; every sample of an input needs one dtype"
                 )
         for name, array in arrays.items():
-            run.call_args.setdefault(name, []).append(array)
+            samples = call_args.get(name)
+            if samples is None:
+                call_args[name] = [array]
+            else:
+                samples.append(array)
+        if target.num_outputs == 1:
+            ref = DALIOutputSampleRef(self, run, 0, index)
+            run.add_sample((ref,))
+            return ref
         refs = tuple(
-            DALIOutputSampleRef(self, run, output, index)
-            for output in range(self._target.num_outputs)
+            DALIOutputSampleRef(self, run, output, index) for output in range(target.num_outputs)
         )
         run.add_sample(refs)
-        return refs[0] if len(refs) == 1 else refs
+        return refs
 
     def _current_run(self) -> DALIPipelineRunRef:
         run: DALIPipelineRunRef | None = getattr(self._local, "run", None)

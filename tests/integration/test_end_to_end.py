@@ -55,6 +55,52 @@ def test_outputs_equal_in_process_run(session: dalid.Session, num_workers: int) 
     assert seen == list(range(LENGTH))
 
 
+class _WithFeatures(torch.utils.data.Dataset[dict[str, Any]]):
+    """Beside each proxy call, a label, a weight tensor and a feature tensor of 128 KiB."""
+
+    def __init__(self, proxy: dalid.Proxy, length: int) -> None:
+        self.proxy = proxy
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        features = torch.full((32768,), float(index))
+        weight = torch.tensor(index / 2)
+        return {
+            "outputs": self.proxy(sample(index)),
+            "label": index,
+            "weight": weight,
+            "features": features,
+        }
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_other_fields_of_a_batch_arrive_as_collated(
+    session: dalid.Session, num_workers: int
+) -> None:
+    # Through workers, the labels and weights (small; the weights collated into shared memory
+    # by torch in the worker) come as copies, and the features (1 MiB a batch of 8: past
+    # what is copied) as torch sends them; the values are the same either way.
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(
+        session, _WithFeatures(proxy, 20), batch_size=BATCH, num_workers=num_workers
+    )
+    seen = []
+    for batch in loader:
+        (_, shifted), labels, features = batch["outputs"], batch["label"], batch["features"]
+        indices = labels.tolist()
+        np.testing.assert_array_equal(shifted.numpy(), np.stack([sample(i) for i in indices]) + 7)
+        assert labels.dtype == torch.int64 and not labels.is_shared()
+        assert torch.equal(batch["weight"], labels / 2) and not batch["weight"].is_shared()
+        assert features.shape == (len(indices), 32768)
+        assert torch.equal(features[:, 0], labels.float())
+        assert features.is_shared() == (num_workers > 0)
+        seen.extend(indices)
+    assert seen == list(range(20))
+
+
 def test_several_inputs_are_keyword_arguments(session: dalid.Session) -> None:
     proxy = session.proxy(two_input_pipeline())
     loader = dalid.DataLoader(session, TwoInputDataset(proxy, 20), batch_size=BATCH, num_workers=2)
