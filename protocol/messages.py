@@ -531,15 +531,17 @@ class InputBatch:
             f"{rows * SHAPE_DTYPE.itemsize} bytes, their frame has {self.shapes.nbytes}",
         )
         extents = np.frombuffer(self.shapes, SHAPE_DTYPE).reshape(self.size, self.ndim)
-        _check(
-            not extents.size or int(extents.max()) <= MAX_EXTENT,
-            f"input {self.name!r}: an extent is over {MAX_EXTENT}",
-        )
+        top = int(extents.max()) if extents.size else 0
+        _check(top <= MAX_EXTENT, f"input {self.name!r}: an extent is over {MAX_EXTENT}")
         itemsize = ITEMSIZES[self.dtype]
         # In floating point first: a product of extents (none zero) over the frame's size
         # is refused before it is computed exactly, where it could overflow.
         limit = self.data.nbytes // itemsize
-        if self.ndim:
+        if self.ndim == 1 and top <= limit:
+            # One extent a sample (file paths, encoded images), none over the frame: the
+            # extents are the counts, with no product to take.
+            counts = extents[:, 0]
+        elif self.ndim:
             approx = extents.astype(np.float64).prod(axis=1)
             over = np.flatnonzero(approx > limit)
             if len(over):
@@ -554,7 +556,7 @@ class InputBatch:
             counts = np.ones(self.size, np.int64)
         # Each sample's first element, and the end of the last one, in elements.
         starts = np.zeros(self.size + 1, np.int64)
-        np.cumsum(counts, out=starts[1:])
+        np.cumsum(counts, dtype=np.int64, out=starts[1:])
         # The frame holds exactly the samples: a receiver views each in place by its shape.
         _check(
             int(starts[-1]) * itemsize == self.data.nbytes,

@@ -56,7 +56,22 @@ def from_message(frame: Any) -> PeerCredentials | None:
         address = frame.get("Peer-Address")
     except Exception:
         return None
-    return parse_peer_address(address) if isinstance(address, str) else None
+    if not isinstance(address, str):
+        return None
+    # Every message carries them: a connection's are parsed once (the same text always
+    # names the same credentials), not at each of its messages.
+    known = _PARSED.get(address)
+    if known is None:
+        if len(_PARSED) >= _PARSED_AT_MOST:
+            _PARSED.clear()
+        known = _PARSED[address] = parse_peer_address(address) or _UNPARSED
+    return None if known is _UNPARSED else known
+
+
+_UNPARSED = PeerCredentials(-1, -1, -1)
+# Peer-Address texts parsed lately (one per connection), and the most remembered at once.
+_PARSED: dict[str, PeerCredentials] = {}
+_PARSED_AT_MOST = 4096
 
 
 def parse_peer_address(address: str) -> PeerCredentials | None:

@@ -373,7 +373,7 @@ class Daemon:
             next_cut = self._intake.next_cut()
             wait_ms = 500 if next_cut is None else min(500, int(next_cut * 1000) + 1)
             # A message that waits already may have no news left to signal on the descriptor.
-            waiting = self._socket.readable()
+            waiting = self._socket.may_wait()
             events = dict(poller.poll(timeout=0 if waiting else wait_ms))
             if self._wake_fd in events:
                 with contextlib.suppress(BlockingIOError):

@@ -267,6 +267,10 @@ class CpuMeter:
     def __init__(self) -> None:
         self._allowed = sorted(os.sched_getaffinity(0))
         self.cores = len(self._allowed)
+        # Where the daemon may use every CPU, /proc/stat's first line is their sum: read
+        # alone, not each CPU's line (a look comes four times a second).
+        if self._allowed == list(range(os.cpu_count() or 0)):
+            self._allowed = []
         self._last = (time.monotonic(), time.process_time(), _busy_ticks(self._allowed))
 
     def read(self) -> tuple[float, float] | None:
@@ -287,20 +291,28 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _busy_ticks(cpus: list[int]) -> int | None:
-    """The clock ticks the CPUs ``cpus`` spent busy (not idle, not waiting for I/O) since boot;
-    None where /proc/stat cannot be read."""
-    wanted = {f"cpu{number}" for number in cpus}
-    busy = 0
+    """The clock ticks the CPUs ``cpus`` (empty: all of them) spent busy (not idle, not
+    waiting for I/O) since boot; None where /proc/stat cannot be read."""
     try:
-        with open("/proc/stat") as stat:
-            for line in stat:
-                fields = line.split()
-                if fields and fields[0] in wanted:
-                    ticks = [int(value) for value in fields[1:8]]
-                    busy += sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+        with open("/proc/stat", "rb") as stat:
+            text = stat.read()
+        if not cpus:
+            return _busy(text[: text.index(b"\n")].split())
+        wanted = {f"cpu{number}".encode() for number in cpus}
+        busy = 0
+        for line in text.splitlines():
+            fields = line.split()
+            if fields and fields[0] in wanted:
+                busy += _busy(fields)
     except (OSError, ValueError, IndexError):
         return None
     return busy
+
+
+def _busy(fields: list[bytes]) -> int:
+    """Busy ticks of a /proc/stat CPU line's fields: all but idle and iowait of the first 7."""
+    ticks = [int(value) for value in fields[1:8]]
+    return sum(ticks) - ticks[3] - ticks[4]
 
 
 class _Utilization(ctypes.Structure):

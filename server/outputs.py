@@ -405,15 +405,25 @@ class RunOutput:
     def __init__(self, index: int, tensors: Any) -> None:
         self.index = index
         self.tensors = tensors
+        self._dense: Any = None
+        # The one shape of every sample, where they have one (None: they differ).
+        self._sample_shape: tuple[int, ...] | None = None
         # One row of extents per sample, as an array: the checks below are numpy operations
-        # on the whole run, not a Python step per sample.
-        shapes = tensors.shape()
-        ndim = len(shapes[0]) if shapes else 0
-        self.shapes = np.array(shapes, np.int64).reshape(len(shapes), ndim)
+        # on the whole run, not a Python step per sample. A dense output (every sample of one
+        # shape, the common case) tells its shape at once; DALI's shape() makes a tuple per
+        # sample, then numpy an array of them (a fifth of the executor's Python per batch).
+        if tensors.is_dense_tensor():
+            self._dense = tensors.as_tensor()
+            samples, *shape = self._dense.shape()
+            self._sample_shape = tuple(shape)
+            self.shapes = np.broadcast_to(np.array(shape, np.int64), (samples, len(shape)))
+        else:
+            shapes = tensors.shape()
+            ndim = len(shapes[0]) if shapes else 0
+            self.shapes = np.array(shapes, np.int64).reshape(len(shapes), ndim)
         self.dtype = _dtype_name(tensors.dtype)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.layout = tensors.layout() or ""
-        self._dense: Any = None
 
     @property
     def samples(self) -> int:
@@ -421,6 +431,8 @@ class RunOutput:
 
     def shape_of(self, rows: range) -> tuple[int, ...]:
         """The shape of ``rows`` as one tensor; rows of different shapes cannot be one."""
+        if self._sample_shape is not None:
+            return (len(rows), *self._sample_shape)
         selected = self.shapes[rows.start : rows.stop]
         if len(selected) and not (selected == selected[0]).all():
             shown = [tuple(shape) for shape in selected[:4].tolist()]
@@ -443,6 +455,8 @@ class RunOutput:
 
     def row_bytes(self, rows: range) -> int:
         """Bytes of one of ``rows`` (rows of one shape)."""
+        if self._sample_shape is not None:
+            return math.prod(self._sample_shape) * self.itemsize if rows else 0
         return math.prod(self.shapes[rows.start].tolist()) * self.itemsize if rows else 0
 
 

@@ -240,7 +240,8 @@ class RunPlanner:
             return None
         assert first.member is not None
         run = Run([first], first.member.job_id)
-        if not self._mixes(first):
+        # Riders are other jobs' batches: a pipeline with one member has none to look for.
+        if len(self.members) < 2 or not self._mixes(first):
             return run
         room = self.run_size - first.size
         kinds = first.input_kinds()

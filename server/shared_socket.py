@@ -70,6 +70,10 @@ class SharedSocket:
         self._monitored = False
         # Once the loop runs: its messages always go through the outbox or ``send``.
         self._loop_thread: int | None = None
+        # The loop's last ``readable`` found no message, and the loop has not used the socket
+        # since (only a use takes in news without signalling the descriptor; the executors
+        # wake the loop for what their sends take in).
+        self._quiet = False
 
     def open(self, sock: zmq.Socket[Any]) -> None:
         """Takes ``sock``, which this object closes."""
@@ -141,9 +145,16 @@ class SharedSocket:
     def readable(self) -> bool:
         """Whether a message waits to be received."""
         with self._lock:
-            return self._socket is not None and bool(
+            waiting = self._socket is not None and bool(
                 int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN
             )
+        self._quiet = not waiting
+        return waiting
+
+    def may_wait(self) -> bool:
+        """Whether a message may wait unsignalled: ``readable``, unless its last answer was no
+        and the loop has not used the socket since (then the descriptor signals any news)."""
+        return not self._quiet and self.readable()
 
     def receive(self) -> list[zmq.Frame]:
         """The next message's frames, without waiting (raises zmq.Again if none waits)."""
@@ -155,6 +166,7 @@ class SharedSocket:
         """Sends ``message`` now, or hands it to ``undelivered``."""
         with self._lock:
             failure = self._send_locked(identity, message, request_id)
+        self._quiet = False
         if failure is not None:
             self._undelivered(identity, failure)
 
@@ -168,6 +180,7 @@ class SharedSocket:
                 identity, message, request_id = self._outbox.popleft()
                 if self._deliverable(identity, message):
                     failure = self._send_locked(identity, message, request_id)
+                    self._quiet = False
             if failure is not None:
                 self._undelivered(identity, failure)
 

@@ -120,6 +120,9 @@ class _HostTensor:
     def data_ptr(self) -> int:
         return int(self.array.ctypes.data)
 
+    def shape(self) -> list[int]:
+        return list(self.array.shape)
+
 
 class TensorListGPU:
     """Stands for DALI's GPU TensorList, its samples in host memory, for a :class:`FakeApi` with

@@ -118,7 +118,7 @@ def test_each_directory_is_looked_at_once_whatever_the_batch_size(tmp_path: Path
         check_paths(_batch(*paths), ["paths"], [], again)
 
 
-# The whole batch compared at once, and in parts of one or two rows (very long directories).
+# The whole batch laid out at once, and in parts of one or two rows (very long directories).
 @pytest.mark.parametrize("compare_bytes", [1 << 22, 1, 20])
 def test_distinct_directories_are_found_as_arrays(
     compare_bytes: int, monkeypatch: pytest.MonkeyPatch
@@ -129,17 +129,27 @@ def test_distinct_directories_are_found_as_arrays(
     item = _batch(*paths)[0]
     data = np.frombuffer(item.data, np.uint8)
     bounds = item.sample_bytes()
-    found = _directories(data, bounds[:-1], bounds[1:])
-    directories = {data[start:stop].tobytes(): first for first, start, stop in found.values()}
-    assert directories == {b"/a/b": 0, b"/a/bc": 1, b"/a": 2, b"": 4, b"/": 5, b"/b/a": 7,
-                           b"/ab": 9}  # fmt: skip
-    assert len(found) == len(directories)
-    # Directories that differ only in a last NUL byte, or in bytes past the shorter one's end,
-    # are told apart (a padded row alone would not tell "/a" from "/a\0").
-    item = _batch(b"/a/1", b"/a\0/2", b"/a\0\0/3")[0]
+    found = _directories(data, bounds[:-1], bounds[1:]).tolist()
+    # Each path's directory, in order, with its last "/" ("/" itself, b"": the working one).
+    assert found == [b"/a/b/", b"/a/bc/", b"/a/", b"/a/b/", b"", b"/", b"/a/bc/", b"/b/a/",
+                     b"/a/b/", b"/ab/"]  # fmt: skip
+    # Directories that differ only in bytes past the shorter one's end are told apart, and a
+    # directory's own bytes are kept whole (a padded row alone would not tell "/a" from "/a ").
+    item = _batch(b"/a/1", b"/a /2", b"/a  /3", b"/ab/4", b"/a/5")[0]
     data = np.frombuffer(item.data, np.uint8)
     bounds = item.sample_bytes()
-    assert len(_directories(data, bounds[:-1], bounds[1:])) == 3
+    found = _directories(data, bounds[:-1], bounds[1:]).tolist()
+    assert found == [b"/a/", b"/a /", b"/a  /", b"/ab/", b"/a/"]
+
+
+def test_a_path_with_a_nul_byte_is_a_bad_sample_whose_directory_is_not_looked_at(
+    tmp_path: Path,
+) -> None:
+    checks = DirectoryChecks()
+    good = str(tmp_path / "a.jpg")
+    bad = check_paths(_batch(good, b"/nowhere\0/x", b"/nowhere/\0"), ["paths"], [], checks)
+    assert sorted(bad) == [1, 2]
+    assert checks.lookups == 1  # tmp_path's alone: /nowhere would have failed the batch
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root enters and reads whatever the modes say")

@@ -243,3 +243,24 @@ def test_many_threads_sending_while_the_loop_receives_lose_nothing_and_keep_orde
         thread.join(10)
     assert got == {s: list(range(each)) for s in range(senders)}
     assert received >= 1
+
+
+def test_the_loop_asks_again_whether_a_message_waits_only_after_it_used_the_socket(
+    shared: SharedSocket, peer: zmq.Socket[Any]
+) -> None:
+    assert shared.may_wait()  # the ping waits
+    assert shared.receive()[0].bytes == PEER
+    assert not shared.readable()
+    # News that came since the look that found nothing is signalled on the descriptor, where
+    # the loop waits: it is not asked again.
+    transport.send(peer, Ping(), 2)
+    poller = zmq.Poller()
+    poller.register(shared.loop_starts(), zmq.POLLIN)
+    assert poller.poll(5000)
+    assert not shared.may_wait()
+    # The loop's own send may take the news in, leaving nothing to signal: it asks again.
+    shared.send(PEER, Pong(5), 3)
+    assert transport.recv(peer).message == Pong(5)
+    assert shared.may_wait()
+    assert shared.receive()[0].bytes == PEER
+    assert not shared.may_wait()
