@@ -53,6 +53,27 @@ def _thread_cpu_s(ident: int) -> float:
         return 0.0
 
 
+def _cpu_by_thread_name() -> dict[str, float]:
+    """CPU seconds of this process's live threads, added up by thread name (``comm``: DALI's
+    workers, CUDA's and ZeroMQ's threads, Python's own), from ``/proc/self/task/*/stat``. A
+    thread that ended is no longer counted, so a window's difference is a pointer to where a
+    process's CPU goes (which of DALI's threads, say), not an account."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for task in os.scandir("/proc/self/task"):
+        try:
+            with open(f"{task.path}/stat", "rb") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        # The name is between the first "(" and the last ")"; utime and stime are the 12th
+        # and 13th fields after it.
+        name = text[text.index(b"(") + 1 : text.rindex(b")")].decode(errors="replace")
+        fields = text[text.rindex(b")") + 2 :].split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
 class _Totals:
     """The running totals; counters are written by one thread each, or under the lock.
 
@@ -134,6 +155,7 @@ class _Totals:
             "dali_calls_cpu_s": dali_calls,
             "executor_samples": samples,
             "process_cpu_s": sum(os.times()[:2]),
+            "cpu_by_thread_name": _cpu_by_thread_name(),
         }
 
 
@@ -338,6 +360,11 @@ def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> d
         name: b[name] - a[name] for name in b if isinstance(b[name], int | float)
     }
     used["seconds"] = (b["t_ns"] - a["t_ns"]) / 1e9
+    names = b.get("cpu_by_thread_name") or {}
+    used["cpu_by_thread_name"] = {
+        name: round(cpu - (a.get("cpu_by_thread_name") or {}).get(name, 0.0), 2)
+        for name, cpu in names.items()
+    }
     used["by_op"] = {
         op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
         for op, now in b["by_op"].items()
