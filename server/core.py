@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
+    BATCH_IDS_PER_CONNECTION,
     PROTOCOL_VERSION,
     BatchFailed,
     Error,
@@ -249,6 +250,7 @@ class DaemonCore:
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
         for identity in self.registry.dead_workers():
+            self._worker_left(identity)
             self.registry.forget_peer(identity)
         dead = self.registry.dead_jobs()
         for job in dead:
@@ -323,6 +325,7 @@ class DaemonCore:
             self.close_job(peer.job)
             return
         job = peer.job
+        self._worker_left(identity)
         dropped = job.admission.drop_sender(identity)
         if dropped:
             log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, len(dropped))
@@ -492,8 +495,20 @@ class DaemonCore:
             peer.job.outputs.peer_leaving(goodbye.kept_slabs)
             self.close_job(peer.job)
         else:
+            self._worker_left(identity)
             self.registry.forget_peer(identity)
         return Ok()
+
+    def _worker_left(self, identity: bytes) -> None:
+        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py,
+        point 6): the trainer asks for none of them after the worker is gone."""
+        peer = self.peers.get(identity)
+        if peer is None or peer.role is Role.TRAINER:
+            return
+        base = peer.batch_ids.base
+        for member in peer.job.pipelines.values():
+            if member.executor is not None:
+                member.executor.sender_left(member, base, base + BATCH_IDS_PER_CONNECTION)
 
     def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())

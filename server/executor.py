@@ -256,6 +256,11 @@ class PipelineExecutor:
         """``member``'s trainer waits for ``batch_id`` (Note [A job's window])."""
         self._planner.want(member, batch_id)
 
+    def sender_left(self, member: Member, first_id: int, end_id: int) -> None:
+        """The worker of ``member``'s batch ids ``first_id <= id < end_id`` left (Note [A
+        job's window], point 6)."""
+        self._planner.sender_left(member, first_id, end_id)
+
     def stop(self, timeout: float = 10.0) -> bool:
         """Stops the threads of every instance, dropping batches not yet run; whether they
         stopped. Idempotent."""

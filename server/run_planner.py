@@ -36,6 +36,15 @@ find no room. So:
    until the trainer releases a batch again. A trainer that takes no copies waits.
 5. A want is one integer per member, replaced by the next: a want for a batch the job does not
    have, has delivered, or another job's, finds nothing to move and grows nothing.
+6. A worker that leaves takes its batches out of its job's window: those still queued are
+   dropped (``DaemonCore.peer_disconnected``), and those delivered stop counting, though their
+   memory stays leased until the trainer releases it or the job ends. A loop that leaves an
+   epoch early (``for batch in loader: break``, a sanity check of a few batches) drops its
+   iterator, whose workers leave with batches sent that the trainer will never ask for; the
+   ones delivered wait unclaimed in the trainer, and counted, a few such loops would fill the
+   window for good. A worker leaves at an epoch's end only after the trainer has asked for
+   every batch it sent, so a batch that stops counting then is one the trainer holds (point
+   1's ``TRAINER_HOLDS``) or keeps.
 """
 
 from __future__ import annotations
@@ -181,9 +190,24 @@ class RunPlanner:
                 return
             batch.held = False
             member.held -= 1
+            member.holding.pop(batch.batch_id, None)
             if released:
                 member.overflow = False
             self.changed.notify()
+
+    def sender_left(self, member: Member, first_id: int, end_id: int) -> None:
+        """The worker that sent ``member``'s batches ``first_id <= id < end_id`` left: those
+        held leave its window, their memory leased until released, and those still to run will
+        not count in it (point 6)."""
+        with self.changed:
+            member.senders_left.appendleft((first_id, end_id))
+            gone = [b for i, b in member.holding.items() if first_id <= i < end_id]
+            for batch in gone:
+                batch.held = False
+                member.held -= 1
+                del member.holding[batch.batch_id]
+            if gone:
+                self.changed.notify()
 
     @staticmethod
     def _hold(batch: PendingBatch) -> None:
@@ -191,11 +215,14 @@ class RunPlanner:
         ``changed``)."""
         member = batch.member
         assert member is not None
-        batch.held = True
-        member.held += 1
         if batch.batch_id == member.wanted:
             member.wanted = None
             member.want_blocked_since = None
+        if any(first <= batch.batch_id < end for first, end in member.senders_left):
+            return  # its worker left: nobody may ask for it (point 6)
+        batch.held = True
+        member.held += 1
+        member.holding[batch.batch_id] = batch
 
     def _in_window(self, member: Member, head: PendingBatch) -> bool:
         """Whether ``member``'s queue head may be taken now, as far as its window goes."""

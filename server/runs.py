@@ -73,6 +73,11 @@ Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
 """answer(batch, result): sends a batch's result on; called from the executor's thread."""
 
 
+# How many workers that left a member remembers (their batches still running or queued when
+# they left: a few epochs' worth of DataLoader workers).
+SENDERS_REMEMBERED = 256
+
+
 @dataclass(eq=False)
 class Member:
     """One job's registration of a pipeline: where its batches' outputs and results go.
@@ -100,6 +105,12 @@ class Member:
     # its last ``want_batch`` named it; since when that batch waits for a full window; and
     # whether its batches pass the window until the trainer releases a batch again.
     held: int = 0
+    # The batches counted in ``held``, by id, and the id ranges of the job's workers that left,
+    # the latest first: their batches count no more (Note [A job's window], point 6).
+    holding: dict[int, PendingBatch] = field(default_factory=dict)
+    senders_left: collections.deque[tuple[int, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=SENDERS_REMEMBERED)
+    )
     wanted: int | None = None
     want_blocked_since: float | None = None
     overflow: bool = False

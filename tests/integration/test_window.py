@@ -90,6 +90,33 @@ def test_a_dataloader_with_many_workers_gets_every_batch_without_copies(short_tm
         assert daemon.stop() == 0, daemon.log_text()
 
 
+def test_loops_that_leave_their_epoch_early_do_not_fill_the_window(short_tmp: Path) -> None:
+    # Each `for ... break` drops its iterator: its workers leave with batches submitted that the
+    # trainer never asks for. Those the daemon had delivered wait unclaimed in the trainer; as
+    # long as they counted in the window, a few such loops filled it, and the next loop's
+    # first batch waited for good.
+    daemon = start(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="breaks") as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            loader = dalid.DataLoader(
+                session, BigDataset(proxy, 4 * BATCHES * BATCH), batch_size=BATCH, num_workers=4
+            )
+            for _ in range(6):
+                for (_, shifted), indices in loader:
+                    expected = np.stack([big_sample(int(i)) for i in indices])
+                    np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+                    break
+            seen = []
+            for (_, shifted), indices in loader:
+                expected = np.stack([big_sample(int(i)) for i in indices])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+                seen.extend(indices.tolist())
+            assert seen == list(range(4 * BATCHES * BATCH))
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
 class BigDataset(torch.utils.data.Dataset[tuple[Any, int]]):
     def __init__(self, proxy: Any, length: int) -> None:
         self.proxy = proxy
