@@ -25,8 +25,8 @@ from .daemons import (
     STARTED_PIDS,
     DaemonProcess,
     alive,
+    module_daemon,
     own_directory,
-    start_daemon,
 )
 
 
@@ -171,16 +171,5 @@ def short_tmp() -> Iterator[Path]:
 def daemon() -> Iterator[DaemonProcess]:
     """A CPU daemon (under its supervisor) shared by the tests of one module; checked for a
     clean stop of both."""
-    directory = own_directory()
-    running = start_daemon(directory, supervised=True)
-    try:
+    with module_daemon(supervised=True) as running:
         yield running
-    finally:
-        code = running.stop()
-        segments = running.segments()
-        socket_left = running.socket.exists()
-        log = running.log_text()
-        shutil.rmtree(directory, ignore_errors=True)
-        assert code == 0, f"daemon exited with {code}:\n{log}"
-        assert not segments, f"daemon left shared memory: {segments}"
-        assert not socket_left, "daemon left its socket file"

@@ -7,13 +7,15 @@ supervisor, and the daemon is its child (``daemon_pid``), restarted when it cras
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,6 +213,25 @@ def start_daemon(
         daemon.stop()
         raise
     return daemon
+
+
+@contextlib.contextmanager
+def module_daemon(*args: str, supervised: bool = False) -> Iterator[DaemonProcess]:
+    """A daemon in a directory of its own for the tests of one module (a fixture yields from
+    it): stopped at the end, which must be clean (exit 0, no shared memory, no socket file)."""
+    directory = own_directory()
+    running = start_daemon(directory, *args, supervised=supervised)
+    try:
+        yield running
+    finally:
+        code = running.stop()
+        segments = running.segments()
+        socket_left = running.socket.exists()
+        log = running.log_text()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code == 0, f"daemon exited with {code}:\n{log}"
+    assert not segments, f"daemon left shared memory: {segments}"
+    assert not socket_left, "daemon left its socket file"
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -19,7 +19,13 @@ import torch
 import dalid.client as dalid
 from dalid.protocol import CohortStatus, ErrorCode
 
-from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, start_job
+from ..daemons import (
+    DaemonProcess,
+    kill_leftovers,
+    module_daemon,
+    own_directory,
+    start_job,
+)
 from ..daemons import wait_for as wait_until
 from .cohort_job import AHEAD, BATCH, augmenting, data, submit
 from .helpers import run_in_process, two_output_pipeline
@@ -32,31 +38,15 @@ BATCH_BYTES = BATCH * 96 * 96 * 8
 @pytest.fixture(scope="module")
 def small_window() -> Iterator[DaemonProcess]:
     """A daemon whose cohorts hold 8 MiB of outputs, 4 MiB of them for trailing members."""
-    directory = own_directory()
-    running = start_daemon(directory, "--cohort-memory", "8M")
-    try:
+    with module_daemon("--cohort-memory", "8M") as running:
         yield running
-    finally:
-        code = running.stop()
-        segments = running.segments()
-        shutil.rmtree(directory, ignore_errors=True)
-    assert code == 0
-    assert not segments
 
 
 @pytest.fixture(scope="module")
 def no_room() -> Iterator[DaemonProcess]:
     """A daemon whose cohorts' memory holds no batch of these tests."""
-    directory = own_directory()
-    running = start_daemon(directory, "--cohort-memory", "64K")
-    try:
+    with module_daemon("--cohort-memory", "64K") as running:
         yield running
-    finally:
-        code = running.stop()
-        segments = running.segments()
-        shutil.rmtree(directory, ignore_errors=True)
-    assert code == 0
-    assert not segments
 
 
 def test_a_run_the_cohorts_memory_cannot_hold_is_copied_to_each_member(

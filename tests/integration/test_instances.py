@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from dalid.protocol import PipelineStatus
 from ..daemons import (
     DaemonProcess,
     kill_leftovers,
-    own_directory,
+    module_daemon,
     start_daemon,
     start_job,
     wait_for,
@@ -51,16 +50,8 @@ def _pipelines(daemon: DaemonProcess, name: str) -> list[PipelineStatus]:
 
 @pytest.fixture(scope="module")
 def two_instances() -> Iterator[DaemonProcess]:
-    directory = own_directory()
-    running = start_daemon(directory, "--instances", "2", "--concurrency", "4")
-    try:
+    with module_daemon("--instances", "2", "--concurrency", "4") as running:
         yield running
-    finally:
-        code = running.stop()
-        segments = running.segments()
-        shutil.rmtree(directory, ignore_errors=True)
-    assert code == 0
-    assert not segments
 
 
 def test_jobs_sharing_a_pipeline_on_two_instances_get_every_batch_as_dali_makes_it(

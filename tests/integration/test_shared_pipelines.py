@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from dalid.protocol import PipelineStatus, StatusReport
 from ..daemons import (
     DaemonProcess,
     kill_leftovers,
-    own_directory,
+    module_daemon,
     start_daemon,
     start_job,
     wait_for,
@@ -78,16 +77,8 @@ def data(job: int, index: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def daemon_one_run() -> Iterator[DaemonProcess]:
-    directory = own_directory()
-    running = start_daemon(directory, "--concurrency", "1")
-    try:
+    with module_daemon("--concurrency", "1") as running:
         yield running
-    finally:
-        code = running.stop()
-        segments = running.segments()
-        shutil.rmtree(directory, ignore_errors=True)
-    assert code == 0
-    assert not segments
 
 
 def _submit(proxies: list[dalid.Proxy], batches: int) -> list[list[Any]]:
