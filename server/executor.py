@@ -23,7 +23,7 @@ again, while the others go on; one that cannot be rebuilt fails its own batches 
 and the pipeline stops working only when its last instance does. A job's batches may finish
 out of order across instances (its trainer waits for each by its id).
 
-Why one module of some 730 lines: it is one class, the loop of its instances' threads and the
+Why one module of some 800 lines: it is one class, the loop of its instances' threads and the
 recovery of their failed runs, which share that state.
 """
 
