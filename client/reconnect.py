@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dalid.protocol import (
+    BATCH_IDS_PER_CONNECTION,
     MAX_EARLIER_JOBS,
     BatchFailed,
     BatchReady,
@@ -86,6 +87,7 @@ from dalid.protocol import (
     RegisterPipeline,
     Role,
     Welcome,
+    WorkerLeft,
 )
 
 from .connection import this_pid
@@ -150,7 +152,11 @@ class Generation:
     results it sent that wait to be delivered. Closed once, or abandoned with the daemon."""
 
     def __init__(
-        self, link: Link, outputs: Outputs, results: dict[int, BatchReady | BatchFailed]
+        self,
+        link: Link,
+        outputs: Outputs,
+        results: dict[int, BatchReady | BatchFailed],
+        senders_left: dict[int, None],
     ) -> None:
         self.link = link
         self.outputs = outputs
@@ -159,6 +165,11 @@ class Generation:
         self.results = results
         # The ids of the batches the trainer submits itself, from its link's range.
         self._batch_ids = itertools.count(link.welcome.batch_id_base + 1)
+        # The batch id ranges (as ``batch_id // BATCH_IDS_PER_CONNECTION``) of workers that
+        # left, the latest last, filled by the link with ``results``; and the batches whose
+        # results the session let go of for it, with their pipelines (Session._drop_abandoned).
+        self.senders_left: dict[int, None] = senders_left
+        self.dropped: dict[int, int] = {}
 
     def next_batch_id(self) -> int:
         return next(self._batch_ids)
@@ -167,13 +178,14 @@ class Generation:
     def open(cls, dial: Dial, **options: Any) -> Generation:
         """Dials the daemon and maps its outputs; the generation owns the link from here on."""
         results: dict[int, BatchReady | BatchFailed] = {}
-        link = dial(on_push=functools.partial(_keep_result, results), **options)
+        senders_left: dict[int, None] = {}
+        link = dial(on_push=functools.partial(_keep_result, results, senders_left), **options)
         try:
             outputs = Outputs.for_daemon(link)
         except BaseException:
             link.close()
             raise
-        return cls(link, outputs, results)
+        return cls(link, outputs, results, senders_left)
 
     def abandon(self) -> None:
         """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
@@ -197,11 +209,24 @@ class Generation:
         self.outputs.close()
 
 
-def _keep_result(results: dict[int, BatchReady | BatchFailed], envelope: Envelope) -> None:
-    """Keeps a batch result that arrived while the session waited for another."""
+# How many workers that left a session remembers (a few epochs' worth of DataLoader workers).
+SENDERS_REMEMBERED = 256
+
+
+def _keep_result(
+    results: dict[int, BatchReady | BatchFailed],
+    senders_left: dict[int, None],
+    envelope: Envelope,
+) -> None:
+    """Keeps a batch result that arrived while the session waited for another, and the ranges
+    of workers that left."""
     message = envelope.message
     if isinstance(message, BatchReady | BatchFailed):
         results[message.batch_id] = message
+    elif isinstance(message, WorkerLeft):
+        senders_left[message.first_batch_id // BATCH_IDS_PER_CONNECTION] = None
+        if len(senders_left) > SENDERS_REMEMBERED:
+            del senders_left[next(iter(senders_left))]
     elif isinstance(message, Error):
         log.warning("dalid daemon: %s", message.message)
 

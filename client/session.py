@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from dalid.protocol import (
+    BATCH_IDS_PER_CONNECTION,
     BatchFailed,
     BatchReady,
     Device,
     Envelope,
+    ErrorCode,
     Limits,
     ScheduleBatch,
     TrainerProgress,
@@ -41,7 +43,7 @@ from .launcher import JobRequest, trainer_dial
 from .link import Link
 from .options import check_job_options
 from .pipelines import registration_request
-from .reconnect import Reconnector
+from .reconnect import Generation, Reconnector
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .worker import Proxy
@@ -52,6 +54,8 @@ log = logging.getLogger("dalid.client")
 # its first wait at once, then every 5 s at most. Each second, it was with eight jobs most of
 # the messages the daemon's I/O thread took besides the batches' own.
 PROGRESS_INTERVAL_S = 5.0
+# How many batches let go of (their workers left) a session remembers, to answer a late ask.
+MAX_DROPPED = 4096
 
 # A batch this late usually means the daemon's output pool is full of buffers the trainer still
 # holds through live tensors; say so once.
@@ -384,6 +388,8 @@ class Session:
         progress.batches += 1
         generation = self._daemon.generation
         link = self._daemon.link
+        if generation.senders_left:
+            self._drop_abandoned(generation, batch_id)
         # The regions of tensors that died go back before each batch, not only while waiting:
         # the daemon holds a few batches of the job at once, released ones included.
         self._flush_releases()
@@ -391,6 +397,15 @@ class Session:
         if result is not None:
             progress.report(link)
             return result
+        pipeline_id = generation.dropped.get(batch_id)
+        if pipeline_id is not None:
+            return BatchFailed(
+                batch_id,
+                pipeline_id,
+                ErrorCode.UNKNOWN_BATCH,
+                f"batch {batch_id} was let go of: the DataLoader worker that sent it left before "
+                "the trainer asked for it (its iterator was dropped, or the worker died)",
+            )
         # The daemon runs it before the job's other batches (SPEC.md, "Batches in flight").
         link.notify(WantBatch(batch_id))
 
@@ -421,6 +436,28 @@ class Session:
         progress.waited += time.monotonic() - started
         progress.report(link)
         return envelope.message
+
+    def _drop_abandoned(self, generation: Generation, asked: int) -> None:
+        """Lets go of the results that workers which left will never have asked for (SPEC.md,
+        "Batches in flight"): a worker leaves once the trainer has asked for every batch it
+        sent, unless its iterator was dropped (``for batch in loader: break``) or it died. Each
+        result's regions go back as those of any tensors that die; the batch being asked for
+        now is kept."""
+        left = generation.senders_left
+        abandoned = [
+            batch_id
+            for batch_id in generation.results
+            if batch_id != asked and batch_id // BATCH_IDS_PER_CONNECTION in left
+        ]
+        for batch_id in abandoned:
+            result = generation.results.pop(batch_id)
+            generation.dropped[batch_id] = result.pipeline_id
+            if len(generation.dropped) > MAX_DROPPED:
+                del generation.dropped[next(iter(generation.dropped))]
+            if isinstance(result, BatchReady):
+                generation.outputs.retire(result.retired_slabs)
+                # Wrapped and dropped at once: released as any tensors that died.
+                self._tensors(result)
 
     def _flush_releases(self) -> None:
         """Tells the daemon of the regions whose tensors died (and the slabs unmapped)."""

@@ -65,6 +65,7 @@ from .messages import (
     TrainerProgress,
     WantBatch,
     Welcome,
+    WorkerLeft,
 )
 from .release import installation, release
 
@@ -121,6 +122,7 @@ __all__ = [
     "TrainerProgress",
     "WantBatch",
     "Welcome",
+    "WorkerLeft",
     "decode",
     "device_label",
     "encode",

@@ -681,6 +681,17 @@ class WantBatch(Message):
 
 
 @dataclass(frozen=True)
+class WorkerLeft(Message):
+    """A push to a trainer: the worker connection whose batch ids are ``first_batch_id`` up to
+    (not including) ``end_batch_id`` left. The trainer lets go of the results of those batches
+    it has not asked for: it will not ask (SPEC.md, "Batches in flight")."""
+
+    OP: ClassVar[str] = "worker_left"
+    first_batch_id: int
+    end_batch_id: int
+
+
+@dataclass(frozen=True)
 class OutputDescriptor:
     """Where one pipeline output of a batch lies: a region of a slab.
 
@@ -1030,6 +1041,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     BatchAccepted,
     ScheduleBatch,
     WantBatch,
+    WorkerLeft,
     BatchReady,
     BatchFailed,
     ReleaseRegions,
@@ -1087,4 +1099,5 @@ __all__ = [
     "TrainerProgress",
     "WantBatch",
     "Welcome",
+    "WorkerLeft",
 ]

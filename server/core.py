@@ -52,6 +52,7 @@ from dalid.protocol import (
     TrainerProgress,
     WantBatch,
     Welcome,
+    WorkerLeft,
     device_label,
     installation,
     pid_namespace,
@@ -505,10 +506,14 @@ class DaemonCore:
         peer = self.peers.get(identity)
         if peer is None or peer.role is Role.TRAINER:
             return
-        base = peer.batch_ids.base
-        for member in peer.job.pipelines.values():
+        first, end = peer.batch_ids.base, peer.batch_ids.base + BATCH_IDS_PER_CONNECTION
+        job = peer.job
+        for member in job.pipelines.values():
             if member.executor is not None:
-                member.executor.sender_left(member, base, base + BATCH_IDS_PER_CONNECTION)
+                member.executor.sender_left(member, first, end)
+        if job.trainer in self.peers:
+            # Its results the trainer has not asked for wait there unclaimed otherwise.
+            self._push(job.trainer, WorkerLeft(first, end), None)
 
     def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())

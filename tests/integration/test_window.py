@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import dalid.client as dalid
-from dalid.protocol import WantBatch
+from dalid.protocol import ErrorCode, WantBatch
 from dalid.server.run_planner import TRAINER_HOLDS
 
-from ..daemons import DaemonProcess, start_daemon
+from ..daemons import DaemonProcess, start_daemon, wait_for
 from .helpers import BATCH, run_in_process, two_output_pipeline
 
 MiB = 1 << 20
@@ -92,9 +93,9 @@ def test_a_dataloader_with_many_workers_gets_every_batch_without_copies(short_tm
 
 def test_loops_that_leave_their_epoch_early_do_not_fill_the_window(short_tmp: Path) -> None:
     # Each `for ... break` drops its iterator: its workers leave with batches submitted that the
-    # trainer never asks for. Those the daemon had delivered wait unclaimed in the trainer; as
+    # trainer never asks for. Those the daemon had delivered waited unclaimed in the trainer; as
     # long as they counted in the window, a few such loops filled it, and the next loop's
-    # first batch waited for good.
+    # first batch waited for good. Now they leave the window, and the trainer lets them go.
     daemon = start(short_tmp)
     try:
         with dalid.connect(socket=daemon.socket, autostart=False, name="breaks") as session:
@@ -113,6 +114,50 @@ def test_loops_that_leave_their_epoch_early_do_not_fill_the_window(short_tmp: Pa
                 np.testing.assert_array_equal(shifted.numpy(), expected + 7)
                 seen.extend(indices.tolist())
             assert seen == list(range(4 * BATCHES * BATCH))
+            # The results the dropped iterators left unclaimed went back once their workers
+            # left: the job holds the last batch or two, and its memory never held more than a
+            # few loops' worth (kept, six loops left 48 batches and 92 regions behind).
+            (job,) = daemon.status().jobs
+            assert job.regions_held <= 2 * (WINDOW + TRAINER_HOLDS + 1), job
+            left_per_loop = 4 * 2  # workers x prefetch_factor
+            assert job.peak_slab_bytes <= (WINDOW + 2 + 3 * left_per_loop) * BATCH_BYTES, job
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
+def test_a_batch_asked_for_after_its_worker_left_and_its_result_was_let_go_fails(
+    short_tmp: Path,
+) -> None:
+    daemon = start(short_tmp)
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="late") as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            # torch's own loader: its workers submit, and the references reach this process
+            # as they are, unproduced.
+            loader = torch.utils.data.DataLoader(
+                BigDataset(proxy, 4 * BATCH), batch_size=BATCH, num_workers=2
+            )
+            iterator = iter(loader)
+            refs = [next(iterator) for _ in range(4)]
+            del iterator  # its workers leave, with no batch asked for yet
+            wait_for(
+                lambda: [(j.workers, j.batches_done) for j in daemon.status().jobs] == [(0, 4)],
+                60,
+                "the four batches to run and the workers to leave",
+            )
+            # A batch of the trainer's own, asked for last, so that everything the daemon sent
+            # before has been read: the four results and that their workers left.
+            session.produce_data(submit(proxy, 1000))
+            (_, shifted), indices = session.produce_data(refs[1])
+            np.testing.assert_array_equal(
+                shifted.numpy(), np.stack([big_sample(int(i)) for i in indices]) + 7
+            )
+            # Asking for that batch let go of the others: their workers will not ask.
+            with pytest.raises(dalid.BatchError, match="left before the trainer asked") as error:
+                session.produce_data(refs[0])
+            assert error.value.code is ErrorCode.UNKNOWN_BATCH
+            (job,) = daemon.status().jobs
+            assert job.regions_held <= 2 * 2, job  # the two batches above, at most
     finally:
         assert daemon.stop() == 0, daemon.log_text()
 

@@ -56,6 +56,7 @@ from dalid.protocol import (
     TrainerProgress,
     WantBatch,
     Welcome,
+    WorkerLeft,
     codec,
     decode,
     encode,
@@ -219,6 +220,7 @@ def _examples() -> list[tuple[Message, int | None]]:
         (BatchAccepted(batch_id=11), 8),
         (ScheduleBatch(batch_id=11), 9),
         (WantBatch(batch_id=11), None),
+        (WorkerLeft(first_batch_id=1 << 32, end_batch_id=2 << 32), None),
         (
             BatchReady(
                 batch_id=11,

@@ -35,6 +35,7 @@ from dalid.protocol import (
     SubmitBatch,
     TrainerProgress,
     Welcome,
+    WorkerLeft,
 )
 from dalid.server.core import DaemonCore, job_label
 from dalid.server.credentials import PeerCredentials
@@ -537,10 +538,18 @@ def test_held_back_batches_of_a_worker_that_left_fail_to_its_trainer(
         assert core.handle(WORKER, second, 4) is None  # held back
         core.peer_disconnected(WORKER)
         results: dict[int, BatchReady | BatchFailed] = {}
+        left: list[WorkerLeft] = []
         while len(results) < 2:
             peer, message, _ = core.pushed.get(timeout=30)
-            assert peer == TRAINER and isinstance(message, BatchReady | BatchFailed)
+            assert peer == TRAINER
+            if isinstance(message, WorkerLeft):
+                left.append(message)
+                continue
+            assert isinstance(message, BatchReady | BatchFailed)
             results[message.batch_id] = message
+        # The trainer is told which batches the worker that left had sent.
+        (told,) = left
+        assert told.first_batch_id < first.batch_id < second.batch_id < told.end_batch_id
         assert isinstance(results[first.batch_id], BatchReady)
         dropped = results[second.batch_id]
         assert isinstance(dropped, BatchFailed) and dropped.code is ErrorCode.UNKNOWN_BATCH
