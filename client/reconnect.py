@@ -8,7 +8,7 @@ back, and :func:`left_to_trainer`, which decides what becomes of a batch the dae
 The daemon's half is in ``dalid.server``: a new daemon welcomes a worker of an earlier job
 into the job of that job's trainer.
 
-Why one module of some 570 lines: the two sides keep one protocol, written once as the note
+Why one module of some 600 lines: the two sides keep one protocol, written once as the note
 below, and each side's code reads best beside it (the trainer's is about 300 lines, a worker's
 about 110).
 

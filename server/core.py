@@ -10,7 +10,7 @@ flight (``admission.py``), its output memory (``outputs.py``), the fair share be
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
-Why one module of some 530 lines: it holds the one table of every request and the handlers of
+Why one module of some 550 lines: it holds the one table of every request and the handlers of
 a job's life from its hello to its end, which read best in one place.
 """
 
