@@ -9,9 +9,9 @@ crash-attribution test (server/flight.py).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
+import threading
 from typing import Any
 
 CRASHER = "crasher"
@@ -26,7 +26,11 @@ def serve(argv: list[str]) -> int:
     def crashing(self: runner.PipelineRunner, inputs: Any) -> None:
         schedule(self, inputs)
         if self.spec.name == CRASHER:
-            os.kill(os.getpid(), signal.SIGSEGV)
+            # To this thread, so that it dies here, with the run in flight: a signal to the
+            # process may be taken by another thread later, after this one has collected the
+            # run and the flight record says no run is in DALI (seen on a loaded machine).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSEGV)
+            threading.Event().wait()  # never past this point, whichever thread takes it
 
     runner.PipelineRunner.schedule = crashing  # type: ignore[method-assign]
     return main(argv)
