@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,9 @@ def test_a_runtime_directory_planted_as_a_link_stops_the_trainer_before_it_conne
         with dalid.connect(socket=daemon.socket, autostart=False) as session:
             assert session.daemon_pid == daemon.pid
     finally:
-        assert daemon.stop() == 0
+        stopped = daemon.stop()
+        shutil.rmtree(victims, ignore_errors=True)
+    assert stopped == 0
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
