@@ -12,7 +12,7 @@ of the trainer's order (each worker sends its own). Run in arrival order, they w
 job's output memory with batches the trainer cannot take yet, and the one it waits for would
 find no room. So:
 
-1. A member holds at most ``window`` batches at once (``Member.held``): from the moment a batch
+1. A member holds at most ``window`` batches at once (``Member.holding``): from the moment a batch
    is taken into a run until it is answered without a lease (failed, a private copy, its job
    gone) or the trainer has released every region of it. ``window`` is the pipeline's
    ``prefetch_queue_depth`` (what DALI in-process holds) for each DALI instance running
@@ -54,9 +54,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from dalid.protocol import BATCH_IDS_PER_CONNECTION
+
 from .badsamples import oversized_images
 from .paths import FilesUnseen, check_paths
-from .runs import Member, PendingBatch, Run
+from .runs import SENDERS_REMEMBERED, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
 # How long an idle executor waits for a batch before it looks again, and how soon it looks
@@ -189,7 +191,6 @@ class RunPlanner:
             if not batch.held:
                 return
             batch.held = False
-            member.held -= 1
             member.holding.pop(batch.batch_id, None)
             if released:
                 member.overflow = False
@@ -200,11 +201,12 @@ class RunPlanner:
         held leave its window, their memory leased until released, and those still to run will
         not count in it (point 6)."""
         with self.changed:
-            member.senders_left.appendleft((first_id, end_id))
+            member.senders_left[first_id // BATCH_IDS_PER_CONNECTION] = None
+            if len(member.senders_left) > SENDERS_REMEMBERED:
+                del member.senders_left[next(iter(member.senders_left))]
             gone = [b for i, b in member.holding.items() if first_id <= i < end_id]
             for batch in gone:
                 batch.held = False
-                member.held -= 1
                 del member.holding[batch.batch_id]
             if gone:
                 self.changed.notify()
@@ -218,10 +220,9 @@ class RunPlanner:
         if batch.batch_id == member.wanted:
             member.wanted = None
             member.want_blocked_since = None
-        if any(first <= batch.batch_id < end for first, end in member.senders_left):
+        if batch.batch_id // BATCH_IDS_PER_CONNECTION in member.senders_left:
             return  # its worker left: nobody may ask for it (point 6)
         batch.held = True
-        member.held += 1
         member.holding[batch.batch_id] = batch
 
     def _in_window(self, member: Member, head: PendingBatch) -> bool:

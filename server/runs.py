@@ -100,23 +100,25 @@ class Member:
     alone: int = 0
     # Since when its batches wait for its job's memory (None: they do not).
     starved_since: float | None = None
-    # Its batches in the window (Note [A job's window] in run_planner.py): taken into a run and
-    # not yet answered, or delivered and not yet released; the batch its trainer waits for, as
-    # its last ``want_batch`` named it; since when that batch waits for a full window; and
-    # whether its batches pass the window until the trainer releases a batch again.
-    held: int = 0
-    # The batches counted in ``held``, by id, and the id ranges of the job's workers that left,
-    # the latest first: their batches count no more (Note [A job's window], point 6).
+    # Its batches in the window (Note [A job's window] in run_planner.py), by id: taken into a
+    # run and not yet answered, or delivered and not yet released; the id ranges of the job's
+    # workers that left (``batch_id // BATCH_IDS_PER_CONNECTION``, oldest first), whose batches
+    # count no more (point 6); the batch its
+    # trainer waits for, as its last ``want_batch`` named it; since when that batch waits for a
+    # full window; and whether its batches pass the window until the trainer releases a batch.
     holding: dict[int, PendingBatch] = field(default_factory=dict)
-    senders_left: collections.deque[tuple[int, int]] = field(
-        default_factory=lambda: collections.deque(maxlen=SENDERS_REMEMBERED)
-    )
+    senders_left: dict[int, None] = field(default_factory=dict)
     wanted: int | None = None
     want_blocked_since: float | None = None
     overflow: bool = False
     writing: threading.Lock = field(default_factory=threading.Lock)
     # The cohort the job joined with this registration (cohorts.py), or None.
     cohort: Cohort | None = None
+
+    @property
+    def held(self) -> int:
+        """How many batches its window holds."""
+        return len(self.holding)
 
     @property
     def queued(self) -> int:

@@ -78,12 +78,7 @@ def test_a_dataloader_with_many_workers_gets_every_batch_without_copies(short_tm
             loader = dalid.DataLoader(
                 session, BigDataset(proxy, 4 * BATCHES * BATCH), batch_size=BATCH, num_workers=4
             )
-            seen = []
-            for (_, shifted), indices in loader:
-                expected = np.stack([big_sample(int(i)) for i in indices])
-                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
-                seen.extend(indices.tolist())
-            assert seen == list(range(4 * BATCHES * BATCH))
+            assert checked_epoch(loader) == list(range(4 * BATCHES * BATCH))
             (job,) = daemon.status().jobs
             assert job.batches_copied == 0
             assert job.peak_slab_bytes <= (WINDOW + TRAINER_HOLDS + 1) * BATCH_BYTES
@@ -104,16 +99,8 @@ def test_loops_that_leave_their_epoch_early_do_not_fill_the_window(short_tmp: Pa
                 session, BigDataset(proxy, 4 * BATCHES * BATCH), batch_size=BATCH, num_workers=4
             )
             for _ in range(6):
-                for (_, shifted), indices in loader:
-                    expected = np.stack([big_sample(int(i)) for i in indices])
-                    np.testing.assert_array_equal(shifted.numpy(), expected + 7)
-                    break
-            seen = []
-            for (_, shifted), indices in loader:
-                expected = np.stack([big_sample(int(i)) for i in indices])
-                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
-                seen.extend(indices.tolist())
-            assert seen == list(range(4 * BATCHES * BATCH))
+                checked_epoch(loader, batches=1)
+            assert checked_epoch(loader) == list(range(4 * BATCHES * BATCH))
             # The results the dropped iterators left unclaimed went back once their workers
             # left: the job holds the last batch or two, and its memory never held more than a
             # few loops' worth (kept, six loops left 48 batches and 92 regions behind).
@@ -160,6 +147,19 @@ def test_a_batch_asked_for_after_its_worker_left_and_its_result_was_let_go_fails
             assert job.regions_held <= 2 * 2, job  # the two batches above, at most
     finally:
         assert daemon.stop() == 0, daemon.log_text()
+
+
+def checked_epoch(loader: Any, batches: int | None = None) -> list[int]:
+    """The dataset indices of a loop over ``loader`` (left after ``batches``, if given), each
+    batch's outputs checked against its samples."""
+    seen: list[int] = []
+    for step, ((_, shifted), indices) in enumerate(loader, start=1):
+        expected = np.stack([big_sample(int(i)) for i in indices])
+        np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+        seen.extend(indices.tolist())
+        if step == batches:
+            break
+    return seen
 
 
 class BigDataset(torch.utils.data.Dataset[tuple[Any, int]]):
