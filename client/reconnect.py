@@ -62,6 +62,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
@@ -501,6 +502,8 @@ class WorkerLinks:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._links: dict[_LinkKey, Submitter] = {}
+        # The process whose exit closes its links, once it opened one (see ``close_all``).
+        self._closes_at_exit: int | None = None
         # Jobs whose daemon was found gone, with when to try a hello again: until one is
         # welcomed, their batches are left for the trainer to submit.
         self._lost: dict[_LinkKey, float] = {}
@@ -531,6 +534,13 @@ class WorkerLinks:
                 hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
             )
             self._links[key] = submitter = Submitter(link)
+            if self._closes_at_exit != self._pid:
+                self._closes_at_exit = self._pid
+                # A DataLoader worker ends in os._exit (multiprocessing runs its finalizers, not
+                # atexit): the goodbye sends, in order, a batch submitted just before it that
+                # the socket had not written yet, and tells the daemon the worker left now
+                # rather than when it next looks for dead processes.
+                multiprocessing.util.Finalize(None, self.close_all, exitpriority=0)
             if retry_at is not None:
                 del self._lost[key]
                 log.info(
@@ -549,6 +559,15 @@ class WorkerLinks:
             submitter = self._links.pop((socket, job_id, job_token), None)
             if submitter is not None and self._pid == os.getpid():
                 submitter.link.close(goodbye=goodbye)
+
+    def close_all(self) -> None:
+        """Closes this process's links with a goodbye each (at its exit). Idempotent."""
+        with self._lock:
+            links, self._links = self._links, {}
+            if self._pid != os.getpid():
+                return  # inherited across fork: not ours to use or close
+        for submitter in links.values():
+            submitter.link.close()
 
     def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
         """Drops the link to a job its daemon cannot take batches for (gone, or restarted and
