@@ -6,6 +6,7 @@ waiting] in client/submitter.py), so a refusal reaches the trainer as the batch'
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,12 +29,14 @@ SMALL = 1000
 
 @pytest.fixture(scope="module")
 def small_daemon() -> Iterator[DaemonProcess]:
-    daemon = start_daemon(own_directory(), "--input-memory", INPUT_MEMORY)
+    directory = own_directory()
+    daemon = start_daemon(directory, "--input-memory", INPUT_MEMORY)
     try:
         yield daemon
     finally:
         assert daemon.stop() == 0
         assert not daemon.segments()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class FirstIsBig(torch.utils.data.Dataset[Any]):
