@@ -6,6 +6,7 @@ acceptance held back, until an earlier batch of the job is answered (backpressur
 sends its next batch only once its last one was accepted, so one that runs ahead of its
 trainer is slowed down, not refused). At most
 ``max_waiting_batches`` wait, each holding its samples in the daemon's memory; more are refused.
+The batch the trainer waits for passes the limit by one (``Admission.want``).
 """
 
 from __future__ import annotations
@@ -85,13 +86,36 @@ class Admission:
             return None
         with self._lock:
             self._inflight -= 1
-            admitted = self._waiting.popleft() if self._waiting and not self._closed else None
-            if admitted is not None:
+            admitted = None
+            # Under the limit again: a wanted batch may have passed it by one (``want``).
+            if self._waiting and not self._closed and self._inflight < self.max_inflight:
+                admitted = self._waiting.popleft()
                 self._inflight += 1
                 admitted.batch.counted = True
         if admitted is not None:
             admitted.executor.submit(admitted.batch)
         return admitted
+
+    def want(self, batch_id: int) -> WaitingBatch | None:
+        """The trainer waits for ``batch_id``: if it waits here, it is admitted now, past the
+        limit by one, and returned (handed to its executor; its sender is to be told).
+
+        The batches in flight may be ones the trainer takes later, delivered early and held
+        in the job's window, or queued behind it (Note [A job's window] in run_planner.py):
+        none of them is answered until the trainer releases a batch, which it does only once
+        it has the one it waits for. Admitted in arrival order, that one would wait for ever.
+        """
+        with self._lock:
+            if self._closed or self._inflight > self.max_inflight:
+                return None  # closing, or another wanted batch is over the limit already
+            wanted = next((w for w in self._waiting if w.batch.batch_id == batch_id), None)
+            if wanted is None:
+                return None
+            self._waiting.remove(wanted)
+            self._inflight += 1
+            wanted.batch.counted = True
+        wanted.executor.submit(wanted.batch)
+        return wanted
 
     def drop_sender(self, sender: bytes) -> list[WaitingBatch]:
         """Drops the waiting batches of a connection that closed; returns them."""

@@ -212,12 +212,16 @@ class BatchRequests:
 
     def on_want_batch(self, identity: bytes, request: WantBatch, _request_id: int | None) -> None:
         """The trainer waits for a batch: each of the job's pipelines moves it to the front if
-        it has it queued (Note [A job's window] in run_planner.py). A want for a batch the job
-        does not hold changes nothing; none is answered."""
+        it has it queued, or when it comes (Note [A job's window] in run_planner.py), and one
+        held back by the job's in-flight limit comes now. A want for a batch the job does not
+        hold changes nothing; none is answered."""
         job = self.peers[identity].job
         for member in job.pipelines.values():
             if member.executor is not None:
                 member.executor.want(member, request.batch_id)
+        admitted = job.admission.want(request.batch_id)
+        if admitted is not None:
+            self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)
 
     def on_release_regions(
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None

@@ -21,8 +21,9 @@ find no room. So:
    window is full is passed over, so no executor blocks in an allocation for it and other
    jobs run on.
 2. The trainer names the batch it is about to wait for (``want_batch``). That batch goes to the
-   front of its member's queue (or there when it arrives, if it comes later), and passes a full
-   window: batches that arrived early cannot keep out the one the trainer needs. It may pass by
+   front of its member's queue (or there when it arrives, if it comes later, or once admitted
+   if the job's in-flight limit held it back: ``Admission.want``), and passes a full window:
+   batches that arrived early cannot keep out the one the trainer needs. It may pass by
    ``TRAINER_HOLDS + 1`` batches: at an epoch's start the early batches can fill the whole
    window while the trainer holds none, and then it holds the batch it just had while it
    waits for the next one.

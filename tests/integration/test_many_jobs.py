@@ -350,7 +350,9 @@ def test_backpressure_holds_a_job_to_its_own_inflight_limit(short_tmp: Path) -> 
         session.close()
         assert daemon.stop() == 0
     assert samples
-    assert max(inflight for inflight, _ in samples) <= 1
+    # Its limit, and the batch its trainer waits for past it by one (SPEC.md, "Batches in
+    # flight"): the workers' other batches waited.
+    assert max(inflight for inflight, _ in samples) <= 1 + 1
     assert max(waiting for _, waiting in samples) >= 1, "the workers' batches never had to wait"
 
 

@@ -112,6 +112,38 @@ def test_loops_that_leave_their_epoch_early_do_not_fill_the_window(short_tmp: Pa
         assert daemon.stop() == 0, daemon.log_text()
 
 
+def test_the_batch_the_trainer_waits_for_passes_the_jobs_in_flight_limit(
+    short_tmp: Path,
+) -> None:
+    daemon = start(short_tmp)
+    try:
+        with dalid.connect(
+            socket=daemon.socket, autostart=False, name="limited", max_inflight_batches=1
+        ) as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=PREFETCH))
+            batches = [submit(proxy, number * BATCH) for number in range(WINDOW + 2)]
+            # The first batches ran and fill the window, delivered; the next one waits in it
+            # for a release, the job's one batch in flight; the last waits behind that limit.
+            wait_for(
+                lambda: (
+                    [(j.batches_done, j.queued, j.waiting) for j in daemon.status().jobs]
+                    == [(WINDOW, 1, 1)]
+                ),
+                60,
+                "the window and the in-flight limit to fill",
+            )
+            # The trainer takes the last first: it passes the limit and the window.
+            for number in reversed(range(WINDOW + 2)):
+                _, shifted = session.produce_data(batches.pop())
+                first = number * BATCH
+                expected = np.stack([big_sample(first + i) for i in range(BATCH)])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+            (job,) = daemon.status().jobs
+            assert job.batches_copied == 0, job
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
 def test_a_batch_asked_for_after_its_worker_left_and_its_result_was_let_go_fails(
     short_tmp: Path,
 ) -> None:
