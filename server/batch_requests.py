@@ -155,7 +155,7 @@ class BatchRequests:
             outcome, ready = member.cohort.take(batch)
             if ready is not None:
                 member.answer(batch, ready)
-            if outcome != Outcome.RUN:
+            if outcome not in (Outcome.RUN, Outcome.ALONE):
                 return BatchAccepted(batch.batch_id)
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
@@ -218,6 +218,9 @@ class BatchRequests:
         for member in job.pipelines.values():
             if member.executor is not None:
                 member.executor.want(member, request.batch_id)
+            if member.cohort is not None:
+                # Parked for room in the job's window, it passes it (cohorts.py, point 6).
+                member.cohort.want(job.job_id, request.batch_id)
 
     def on_release_regions(
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
