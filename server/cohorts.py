@@ -30,7 +30,11 @@ Note [Cohort outputs]
    shares nothing: its followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that consumed it: its producer
    and followers when it ends, and each member served it from the cache later, whose share is
-   taken back from the others' (the parts always add up to the run's service time).
+   taken back from the others' (the parts always add up to the run's service time). The
+   fair scheduler's tags move with the shares (``FairScheduler.share_run``): the producer's
+   slot paid for the whole run, and gets back what the others take on. Without that, a member
+   that leads (and so produces every run) would weigh as one job against a trailing member's
+   runs of its own, and the cohort as a whole would get no more of the daemon than that one.
 6. A member's window. The batches a member was served from other members' runs (hits and
    follows) count in its job's window (Note [A job's window] in run_planner.py) beside its own
    runs: a member whose window is full is not served more until its trainer releases some;
@@ -87,7 +91,8 @@ COHORT_REGION_BASE = 1 << 48
 
 Settle = Callable[[], None]
 Alive = Callable[[int, int], bool]
-# charge(job_id, seconds): counts (or, negative, takes back) a share of a run to a job.
+# charge(job_id, seconds): counts seconds of a run to a job's ``run_seconds``; share(job_id,
+# seconds) also moves its fair-share tag (FairScheduler.share_run); negative, takes back.
 Charge = Callable[[int, float], None]
 
 
@@ -171,6 +176,7 @@ class Cohort:
         alive: Alive,
         *,
         charge: Charge = no_charge,
+        share: Charge = no_charge,
     ) -> None:
         self.name = name
         self.key = key
@@ -178,6 +184,7 @@ class Cohort:
         self.window_bytes = window_bytes
         self._alive = alive
         self._charge = charge
+        self._share = share
         self._lock = threading.Lock()
         self.members: dict[int, Member] = {}
         self._by_digest: dict[bytes, list[Entry]] = {}
@@ -195,7 +202,7 @@ class Cohort:
         # own job (their entry went while they were parked), results to answer, charges.
         self._to_run: list[PendingBatch] = []
         self._to_answer: list[tuple[PendingBatch, BatchReady]] = []
-        self._charges: list[tuple[int, float]] = []
+        self._charges: list[tuple[int, float, bool]] = []  # (job, seconds, tag moves too)
         self.served: dict[int, int] = {}  # batches served to each member
         self.runs = 0
         self.hits = 0
@@ -355,11 +362,14 @@ class Cohort:
         """Charges ``seconds`` of service, the run of ``entry``, split among the jobs waiting
         for it (Note [Cohort outputs], point 5); members served it later take their share."""
         with self._lock:
-            entry.cost += seconds
             payers = list(dict.fromkeys(entry.payers()))
-            for job_id in payers:
-                self._charges.append((job_id, seconds / len(payers)))
-            entry.charged = payers
+            if payers:
+                # The producer's slot paid the run's tag; its share goes to the others.
+                entry.cost += seconds
+                self._charges.append((payers[0], seconds, False))
+                entry.charged = payers[:1]
+                for job_id in payers[1:]:
+                    self._share_charge(entry, job_id)
         self._flush()
 
     def publish(
@@ -692,8 +702,8 @@ class Cohort:
         before = len(entry.charged)
         after = before + 1
         for payer in entry.charged if before else ():
-            self._charges.append((payer, entry.cost / after - entry.cost / before))
-        self._charges.append((job_id, entry.cost / after))
+            self._charges.append((payer, entry.cost / after - entry.cost / before, True))
+        self._charges.append((job_id, entry.cost / after, True))
         entry.charged.append(job_id)
 
     def _flush(self) -> None:
@@ -702,8 +712,8 @@ class Cohort:
             charges, self._charges = self._charges, []
             answers, self._to_answer = self._to_answer, []
             to_run, self._to_run = self._to_run, []
-        for job_id, seconds in charges:
-            self._charge(job_id, seconds)
+        for job_id, seconds, tag in charges:
+            (self._share if tag else self._charge)(job_id, seconds)
         for batch, ready in answers:
             member = batch.member
             if member is not None and not member.closed:

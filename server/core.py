@@ -162,7 +162,11 @@ class DaemonCore:
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
         self.cohorts = Cohorts(
-            self._cohort_outputs, quotas.cohort_bytes, self.registry.alive, self.scheduler.charge
+            self._cohort_outputs,
+            quotas.cohort_bytes,
+            self.registry.alive,
+            charge=self.scheduler.charge,
+            share=self.scheduler.share_run,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(

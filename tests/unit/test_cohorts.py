@@ -9,6 +9,7 @@ jobs, is tests/integration/test_cohorts.py.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -393,7 +394,8 @@ def test_a_worker_that_left_takes_its_batches_out_of_the_members_window(
 def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
     outputs: JobOutputs,
 ) -> None:
-    charges: list[tuple[int, float]] = []
+    charges: list[tuple[int, float]] = []  # to run_seconds only: the producer's slot's tag
+    shares: list[tuple[int, float]] = []  # to run_seconds and the fair-share tag
     cohort = Cohort(
         "sweep",
         ("key",),
@@ -401,6 +403,7 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
         16 * PAGE,
         lambda pid, ns: False,
         charge=lambda job_id, seconds: charges.append((job_id, seconds)),
+        share=lambda job_id, seconds: shares.append((job_id, seconds)),
     )
     jobs = [_Job(job_id) for job_id in (1, 2, 3)]
     for job in jobs:
@@ -412,17 +415,19 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
     cohort.account(running.cohort_entry, 0.3)
     _run(cohort, running, 1.0, [])
 
-    def charged() -> dict[int, float]:
-        totals = {job.member.job_id: 0.0 for job in jobs}
-        for job_id, seconds in charges:
-            totals[job_id] += seconds
-        return totals
+    def totals(*lists: list[tuple[int, float]]) -> dict[int, float]:
+        summed = {job.member.job_id: 0.0 for job in jobs}
+        for job_id, seconds in itertools.chain(*lists):
+            summed[job_id] += seconds
+        return summed
 
-    assert charged() == pytest.approx({1: 0.15, 2: 0.15, 3: 0.0})
+    assert totals(charges, shares) == pytest.approx({1: 0.15, 2: 0.15, 3: 0.0})
+    # The producer's slot paid the whole run's tag: what the follower takes on comes back.
+    assert totals(shares) == pytest.approx({1: -0.15, 2: 0.15, 3: 0.0})
     # A member served it from the cache later takes its share from the others'.
     assert cohort.take(jobs[2].batch(0))[0] == Outcome.HIT
-    assert charged() == pytest.approx({1: 0.1, 2: 0.1, 3: 0.1})
-    assert sum(charged().values()) == pytest.approx(0.3)
+    assert totals(charges, shares) == pytest.approx({1: 0.1, 2: 0.1, 3: 0.1})
+    assert sum(totals(charges, shares).values()) == pytest.approx(0.3)
 
 
 def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
