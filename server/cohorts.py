@@ -52,8 +52,9 @@ Note [Cohort outputs]
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 520 lines: the note above is the lifetime contract of a cohort's
-regions, and the one class here keeps every point of it under one lock.
+Why one module of some 750 lines: the note above is the lifetime contract of a cohort's
+regions, and the one class here keeps every point of it under one lock: a member's window
+(point 6) decides which leases are made, and the charges (point 5) follow the leases.
 """
 
 from __future__ import annotations
