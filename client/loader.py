@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+import gc
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from torch.utils import data as torchdata
@@ -68,6 +69,28 @@ class _ProducingIterator:
         return len(self._inner)  # type: ignore[arg-type]
 
 
+class _FrozenHeap:
+    """A DataLoader worker's ``worker_init_fn``: freezes the heap the worker inherited before
+    running the user's own (``inner``).
+
+    A forked worker shares its trainer's pages until it writes to them, and a full garbage
+    collection writes to every object it walks: the worker's first one copies nearly all the
+    trainer's heap (torch's and DALI's imports, some 50 MiB), once per worker. Frozen, those
+    objects are left alone by the worker's collections (the worker's own still go), so its
+    pages stay shared. Frozen objects that become cyclic garbage in the worker are not
+    collected: the worker lives an epoch (or as long as the loader, persistent), and they are
+    the trainer's, shared. In a spawned worker it freezes what it imported: as long-lived.
+    """
+
+    def __init__(self, inner: Callable[[int], None] | None) -> None:
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        gc.freeze()
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
 class DataLoader(torchdata.DataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
@@ -77,13 +100,17 @@ class DataLoader(torchdata.DataLoader[Any]):
     (``dataset_indices``). Indices are known with a batch sampler and ``in_order=True``.
 
     Small CPU tensors of a worker's batch (its labels, say) reach the trainer as copies rather
-    than through shared-memory files (:mod:`dalid.client.carry`).
+    than through shared-memory files (:mod:`dalid.client.carry`). Each worker freezes the heap
+    it inherited (``gc.freeze``) before the ``worker_init_fn`` given, so that its garbage
+    collections leave the trainer's pages shared (:class:`_FrozenHeap`).
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         if not isinstance(self.collate_fn, CarryingCollate):  # a loader made again from another
             self.collate_fn = CarryingCollate(self.collate_fn)
+        if not isinstance(self.worker_init_fn, _FrozenHeap):
+            self.worker_init_fn = _FrozenHeap(self.worker_init_fn)
         self.session = session
         self.bad_samples: list[SampleReport] = []
         self._recorder: _RecordingSampler | None = None

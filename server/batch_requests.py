@@ -155,7 +155,7 @@ class BatchRequests:
             outcome, ready = member.cohort.take(batch)
             if ready is not None:
                 member.answer(batch, ready)
-            if outcome != Outcome.RUN:
+            if outcome not in (Outcome.RUN, Outcome.ALONE):
                 return BatchAccepted(batch.batch_id)
         if request.deferred:
             # A deferred batch takes no turn until the trainer schedules it, and a limit here
@@ -219,6 +219,9 @@ class BatchRequests:
         for member in job.pipelines.values():
             if member.executor is not None:
                 member.executor.want(member, request.batch_id)
+            if member.cohort is not None:
+                # Parked for room in the job's window, it passes it (cohorts.py, point 6).
+                member.cohort.want(job.job_id, request.batch_id)
         admitted = job.admission.want(request.batch_id)
         if admitted is not None:
             self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Hashable
 
 from dalid.protocol import CohortStatus, ErrorCode, Limits
 
-from .cohorts import Alive, Cohort
+from .cohorts import Alive, Charge, Cohort, no_charge
 from .errors import RequestRefused
 from .outputs import JobOutputs
 from .runs import Member
@@ -23,12 +23,23 @@ MakeOutputs = Callable[[str, Limits], JobOutputs]
 class Cohorts:
     """The daemon's cohorts by name. ``make_outputs(prefix, limits)`` makes a cohort's CPU
     output memory; ``memory_bytes``: the most output memory of one cohort (0: the pool bytes of
-    the job that starts it), of which half may wait for trailing members."""
+    the job that starts it), of which half may wait for trailing members; ``charge``
+    and ``share`` count a share of a cohort's run to a job (the scheduler's: cohorts.py,
+    point 5)."""
 
-    def __init__(self, make_outputs: MakeOutputs, memory_bytes: int, alive: Alive) -> None:
+    def __init__(
+        self,
+        make_outputs: MakeOutputs,
+        memory_bytes: int,
+        alive: Alive,
+        charge: Charge = no_charge,
+        share: Charge = no_charge,
+    ) -> None:
         self._make_outputs = make_outputs
         self.memory_bytes = memory_bytes
         self._alive = alive
+        self._charge = charge
+        self._share = share
         self._cohorts: dict[str, Cohort] = {}
         self._numbers = itertools.count(1)
 
@@ -70,7 +81,9 @@ class Cohorts:
                 f"{prefix}-c{next(self._numbers)}",
                 dataclasses.replace(limits, pool_bytes=memory),
             )
-            cohort = Cohort(name, key, outputs, memory // 2, self._alive)
+            cohort = Cohort(
+                name, key, outputs, memory // 2, self._alive, charge=self._charge, share=self._share
+            )
             self._cohorts[name] = cohort
             log.info("cohort %r started, %d MiB of output memory", name, memory >> 20)
         cohort.join(member)

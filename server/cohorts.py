@@ -22,20 +22,39 @@ Note [Cohort outputs]
    every member has been served it, or, oldest first, when the bytes waiting only for trailing
    members pass ``window_bytes`` or the pool needs their room for a new run. A trailing member
    whose batch finds no entry any more gets a run of its own (and that run is an entry for
-   members further behind). So a stalled member holds at most its own leases (as many batches
-   as its DataLoader has asked for) and a share of ``window_bytes``, and stalls no one.
+   members further behind). So a stalled member holds at most its own leases (point 6) and a
+   share of ``window_bytes``, and stalls no one.
 4. What is not shared. Outputs the pool cannot take (GPU outputs, or no room even after the
    cache is emptied) are written from the one run into each member's own memory: the
    preprocessing still ran once, the copy is the member's. A run that fails or has bad samples
    shares nothing: its followers run for themselves, each under its own ``on_error``.
-5. Charging. A run is charged once, split among the members that were waiting for it (its
-   producer and followers); a later hit from the cache is served without a charge.
+5. Charging. A run is charged once, split among the members that consumed it: its producer
+   and followers when it ends, and each member served it from the cache later, whose share is
+   taken back from the others' (the parts always add up to the run's service time). The
+   fair scheduler's tags move with the shares (``FairScheduler.share_run``): the producer's
+   slot paid for the whole run, and gets back what the others take on. Without that, a member
+   that leads (and so produces every run) would weigh as one job against a trailing member's
+   runs of its own, and the cohort as a whole would get no more of the daemon than that one.
+6. A member's window. The batches a member was served from other members' runs (hits and
+   follows) count in its job's window (Note [A job's window] in run_planner.py) beside its own
+   runs: a member whose window is full is not served more until its trainer releases some;
+   its batch waits, parked on the entry, in the cache (so within ``window_bytes``: dropped
+   from it, the batch runs for its job alone). The batch its trainer waits for
+   (``want_batch``) passes a full window by ``TRAINER_HOLDS + 1``, as a run does; past that,
+   it runs for its job alone, where the run path's window and private copies bound it. So a
+   trainer that keeps every output holds no more than its window of the cohort's memory.
+   The batches of a worker that left stop counting, and those parked are dropped (point 6 of
+   that note).
+7. Inputs. An entry keeps its producer's batch, and so its input frames (counted in
+   ``--input-memory`` as long as the batch lives: inputs.py), only while other members may
+   still match it; once it leaves the cache it lets go of both, and the count goes with them.
 
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 520 lines: the note above is the lifetime contract of a cohort's
-regions, and the one class here keeps every point of it under one lock.
+Why one module of some 750 lines: the note above is the lifetime contract of a cohort's
+regions, and the one class here keeps every point of it under one lock: a member's window
+(point 6) decides which leases are made, and the charges (point 5) follow the leases.
 """
 
 from __future__ import annotations
@@ -61,6 +80,7 @@ from dalid.protocol import (
 from .cohort_matching import batch_digest, same_inputs
 from .outputs import JobOutputs, OutputFailure, RunOutput
 from .pool import PoolClosed, PoolFull
+from .run_planner import TRAINER_HOLDS
 
 if TYPE_CHECKING:
     from .runs import Member, PendingBatch
@@ -72,6 +92,13 @@ COHORT_REGION_BASE = 1 << 48
 
 Settle = Callable[[], None]
 Alive = Callable[[int, int], bool]
+# charge(job_id, seconds): counts seconds of a run to a job's ``run_seconds``; share(job_id,
+# seconds) also moves its fair-share tag (FairScheduler.share_run); negative, takes back.
+Charge = Callable[[int, float], None]
+
+
+def no_charge(job_id: int, seconds: float) -> None:
+    pass
 
 
 @dataclass(eq=False)
@@ -82,6 +109,10 @@ class _Lease:
     job_id: int
     remaining: set[int]
     settle: Settle | None = None
+    batch_id: int = 0
+    # Counts in its job's window (Note [Cohort outputs], point 6): a hit's or a follow's lease,
+    # until released or its worker left; a producer's counts in the planner's window instead.
+    counted: bool = False
 
 
 @dataclass(eq=False)
@@ -101,9 +132,14 @@ class Entry:
     nbytes: int = 0
     leases: int = 0
     cached: bool = False
+    # Batches of members whose window was full, waiting for room (point 6).
+    parked: int = 0
+    # The service time of its run, and the jobs it has been charged to so far (point 5).
+    cost: float = 0.0
+    charged: list[int] = field(default_factory=list)
 
     def payers(self) -> list[int]:
-        """The jobs that share the charge of its run: its producer's and its followers'."""
+        """The jobs waiting for its run: its producer's and its followers'."""
         batches = [self.producer, *self.followers]
         return [b.member.job_id for b in batches if b is not None and b.member is not None]
 
@@ -114,6 +150,12 @@ class Outcome:
     RUN = "run"  # runs, as an entry other members may match
     FOLLOW = "follow"  # waits for another member's run of the same inputs
     HIT = "hit"  # served now, from the cache
+    PARKED = "parked"  # served from the cache once its job's window has room (point 6)
+    ALONE = "alone"  # runs for its job alone, as a batch of no cohort (point 6)
+
+
+# What a member's window lets a batch served from the cohort do (Note [Cohort outputs], point 6).
+_SERVE, _PARK, _ALONE = "serve", "park", "alone"
 
 
 class Cohort:
@@ -122,7 +164,8 @@ class Cohort:
     Thread-safe: the I/O thread submits, releases and removes members; executor threads write
     and publish runs. ``outputs``: the cohort's own CPU output memory; ``window_bytes``: the most
     bytes of outputs held for trailing members only (Note [Cohort outputs], point 3); ``alive``
-    tells whether a trainer process lives (pid, pid namespace).
+    tells whether a trainer process lives (pid, pid namespace); ``charge`` counts a share of a
+    run to a job (point 5).
     """
 
     def __init__(
@@ -132,12 +175,17 @@ class Cohort:
         outputs: JobOutputs,
         window_bytes: int,
         alive: Alive,
+        *,
+        charge: Charge = no_charge,
+        share: Charge = no_charge,
     ) -> None:
         self.name = name
         self.key = key
         self.outputs = outputs
         self.window_bytes = window_bytes
         self._alive = alive
+        self._charge = charge
+        self._share = share
         self._lock = threading.Lock()
         self.members: dict[int, Member] = {}
         self._by_digest: dict[bytes, list[Entry]] = {}
@@ -147,6 +195,15 @@ class Cohort:
         self._lingering: dict[int, tuple[int, int]] = {}
         self._ids = itertools.count(COHORT_REGION_BASE)
         self._retired: dict[int, list[str]] = {}
+        # Per member: its leases that count in its window, and its parked batches by id.
+        self._counted: collections.Counter[int] = collections.Counter()
+        self._parked: dict[int, dict[int, tuple[PendingBatch, Entry]]] = {}
+        self._wanted: dict[int, int] = {}  # the batch each member's trainer waits for
+        # Outside the lock, by the public method that filled them: batches to run for their
+        # own job (their entry went while they were parked), results to answer, charges.
+        self._to_run: list[PendingBatch] = []
+        self._to_answer: list[tuple[PendingBatch, BatchReady]] = []
+        self._charges: list[tuple[int, float, bool]] = []  # (job, seconds, tag moves too)
         self.served: dict[int, int] = {}  # batches served to each member
         self.runs = 0
         self.hits = 0
@@ -160,6 +217,7 @@ class Cohort:
             self.members[member.job_id] = member
             self.served.setdefault(member.job_id, 0)
             self._retired.setdefault(member.job_id, [])
+            self._parked.setdefault(member.job_id, {})
         member.cohort = self
 
     def leave(self, member: Member, pid: int, namespace: int) -> None:
@@ -174,6 +232,9 @@ class Cohort:
             self.members.pop(job_id, None)
             self.served.pop(job_id, None)
             self._retired.pop(job_id, None)
+            self._wanted.pop(job_id, None)
+            for _, entry in self._parked.pop(job_id, {}).values():
+                entry.parked -= 1
             for entries in list(self._by_digest.values()):
                 for entry in list(entries):
                     if entry.state != "pending":
@@ -201,6 +262,7 @@ class Cohort:
             self._uncache_served()
         for batch in resubmit:
             _resubmit(batch)
+        self._flush()
 
     def reap(self) -> None:
         """Ends the leases of members gone whose trainer process has exited since."""
@@ -218,42 +280,60 @@ class Cohort:
 
     def take(self, batch: PendingBatch) -> tuple[str, BatchReady | None]:
         """Matches a member's submitted batch: served now from the cache (HIT, with its
-        result), waiting for another member's run (FOLLOW: answered when it ends), or to run
-        (RUN: ``batch.cohort_entry`` is its entry)."""
+        result), waiting for another member's run (FOLLOW: answered when it ends) or for room
+        in its job's window (PARKED: answered then, or run alone), or to run (RUN:
+        ``batch.cohort_entry`` is its entry; ALONE: for its job only)."""
         member = batch.member
         assert member is not None
         request = batch.request
         digest = batch_digest(request.inputs, request.unreadable)
         with self._lock:
-            for entry in self._by_digest.get(digest, ()):
-                if member.job_id in entry.served or entry.state == "gone":
-                    continue  # a job never gets its own outputs again (a second epoch, say)
-                if entry.state == "ready" and not entry.cached:
-                    continue
-                if not same_inputs(
-                    entry.inputs, request.inputs, entry.unreadable, request.unreadable
-                ):
-                    continue
-                entry.served.add(member.job_id)
-                if entry.state == "pending":
-                    entry.followers.append(batch)
-                    return Outcome.FOLLOW, None
-                self.hits += 1
-                descriptors = self._lease(entry, member.job_id, None)
-                ready = self._ready(batch, descriptors)
-                self._uncache_served()
-                return Outcome.HIT, ready
-            entry = Entry(
-                self,
-                digest,
-                tuple(request.inputs),
-                tuple(request.unreadable),
-                batch,
-                served={member.job_id},
-            )
-            self._by_digest.setdefault(digest, []).append(entry)
-            batch.cohort_entry = entry
-            return Outcome.RUN, None
+            taken = self._take(batch, member, digest)
+        self._flush()
+        return taken
+
+    def _take(
+        self, batch: PendingBatch, member: Member, digest: bytes
+    ) -> tuple[str, BatchReady | None]:
+        """``take``, under the lock."""
+        request = batch.request
+        for entry in self._by_digest.get(digest, ()):
+            if member.job_id in entry.served or entry.state == "gone":
+                continue  # a job never gets its own outputs again (a second epoch, say)
+            if entry.state == "ready" and not entry.cached:
+                continue
+            if not same_inputs(entry.inputs, request.inputs, entry.unreadable, request.unreadable):
+                continue
+            entry.served.add(member.job_id)
+            if entry.state == "pending":
+                entry.followers.append(batch)
+                return Outcome.FOLLOW, None
+            admit = self._admit(member, batch.batch_id)
+            if admit == _PARK:
+                self._park(batch, entry)
+                return Outcome.PARKED, None
+            if admit == _ALONE:
+                return Outcome.ALONE, None
+            self.hits += 1
+            descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
+            ready = self._ready(batch, descriptors)
+            self._uncache_served()
+            return Outcome.HIT, ready
+        if member.overflow:
+            # Its trainer keeps its outputs (Note [A job's window], point 4): its runs go to its
+            # own memory, as private copies once that is full, not to the cohort's.
+            return Outcome.ALONE, None
+        entry = Entry(
+            self,
+            digest,
+            tuple(request.inputs),
+            tuple(request.unreadable),
+            batch,
+            served={member.job_id},
+        )
+        self._by_digest.setdefault(digest, []).append(entry)
+        batch.cohort_entry = entry
+        return Outcome.RUN, None
 
     # --- runs (executor threads) ----------------------------------------------------------------
 
@@ -272,10 +352,26 @@ class Cohort:
                 return descriptors
             except PoolFull:
                 with self._lock:
-                    if not self._evict_oldest():
-                        return None
+                    evicted = self._evict_oldest()
+                self._flush()  # batches parked on what went run for their own jobs
+                if not evicted:
+                    return None
             except (OutputFailure, PoolClosed):
                 return None
+
+    def account(self, entry: Entry, seconds: float) -> None:
+        """Charges ``seconds`` of service, the run of ``entry``, split among the jobs waiting
+        for it (Note [Cohort outputs], point 5); members served it later take their share."""
+        with self._lock:
+            payers = list(dict.fromkeys(entry.payers()))
+            if payers:
+                # The producer's slot paid the run's tag; its share goes to the others.
+                entry.cost += seconds
+                self._charges.append((payers[0], seconds, False))
+                entry.charged = payers[:1]
+                for job_id in payers[1:]:
+                    self._share_charge(entry, job_id)
+        self._flush()
 
     def publish(
         self, entry: Entry, descriptors: tuple[OutputDescriptor, ...], settle: Settle
@@ -296,12 +392,23 @@ class Cohort:
                 assert member is not None
                 if member.closed or member.job_id not in self.members:
                     continue
-                own = settle if batch is entry.producer else None
-                results.append((batch, self._ready(batch, self._lease(entry, member.job_id, own))))
+                if batch is entry.producer:
+                    leased = self._lease(entry, member.job_id, settle, batch.batch_id)
+                    results.append((batch, self._ready(batch, leased)))
+                    continue
+                admit = self._admit(member, batch.batch_id)
+                if admit == _PARK:
+                    self._park(batch, entry)
+                elif admit == _ALONE:
+                    self._to_run.append(batch)
+                else:
+                    leased = self._lease(entry, member.job_id, None, batch.batch_id)
+                    results.append((batch, self._ready(batch, leased)))
             entry.cached = True
             self._cache[id(entry)] = entry
             self._uncache_served()
             self._free_if_done(entry)
+        self._flush()
         return results
 
     def take_recipients(self, entry: Entry) -> list[PendingBatch]:
@@ -345,7 +452,45 @@ class Cohort:
                     self._end_lease(lease, settled)
         for settle in settled:
             settle()
+        with self._lock:
+            self._unpark(job_id)  # its window has room again (after the settles above)
+            self._uncache_served()
+        self._flush()
         return unknown
+
+    def want(self, job_id: int, batch_id: int) -> None:
+        """The trainer of ``job_id`` waits for ``batch_id``: parked, it passes the job's full
+        window, or runs for its job alone (Note [Cohort outputs], point 6)."""
+        with self._lock:
+            self._wanted[job_id] = batch_id
+            member = self.members.get(job_id)
+            parked = self._parked.get(job_id, {}).pop(batch_id, None)
+            if parked is not None and member is not None:
+                batch, entry = parked
+                entry.parked -= 1
+                if self._admit(member, batch_id) == _SERVE:
+                    self._serve(batch, entry)
+                else:
+                    self._to_run.append(batch)
+                self._uncache_served()
+        self._flush()
+
+    def sender_left(self, job_id: int, first_id: int, end_id: int) -> None:
+        """The worker that sent ``job_id``'s batches ``first_id <= id < end_id`` left: its
+        leases stop counting in the job's window, its parked batches are dropped (nobody will
+        ask for them: point 6 of Note [A job's window] in run_planner.py)."""
+        with self._lock:
+            for (owner, _), lease in self._leases.items():
+                if owner == job_id and lease.counted and first_id <= lease.batch_id < end_id:
+                    lease.counted = False
+                    self._counted[job_id] -= 1
+            parked = self._parked.get(job_id, {})
+            for batch_id in [i for i in parked if first_id <= i < end_id]:
+                _, entry = parked.pop(batch_id)
+                entry.parked -= 1
+            self._unpark(job_id)
+            self._uncache_served()
+        self._flush()
 
     def take_retired(self, job_id: int) -> tuple[str, ...]:
         """The cohort's slabs freed since ``job_id`` last heard, for its trainer to unmap."""
@@ -391,12 +536,17 @@ class Cohort:
         return list(entries.values())
 
     def _lease(
-        self, entry: Entry, job_id: int, settle: Settle | None
+        self, entry: Entry, job_id: int, settle: Settle | None, batch_id: int
     ) -> tuple[OutputDescriptor, ...]:
         ids = [next(self._ids) for _ in entry.descriptors]
-        lease = _Lease(entry, job_id, set(ids), settle)
+        # A producer's batch counts in its planner's window until ``settle``; another's here.
+        lease = _Lease(entry, job_id, set(ids), settle, batch_id, counted=settle is None)
         for region_id in ids:
             self._leases[(job_id, region_id)] = lease
+        if lease.counted:
+            self._counted[job_id] += 1
+        if entry.cost and job_id not in entry.charged:
+            self._share_charge(entry, job_id)
         entry.leases += 1
         self.served[job_id] = self.served.get(job_id, 0) + 1
         return tuple(
@@ -429,6 +579,9 @@ class Cohort:
     def _end_lease(self, lease: _Lease, settled: list[Settle]) -> None:
         entry = lease.entry
         entry.leases -= 1
+        if lease.counted:
+            lease.counted = False
+            self._counted[lease.job_id] -= 1
         if lease.settle is not None:
             settled.append(lease.settle)
         self._free_if_done(entry)
@@ -446,7 +599,7 @@ class Cohort:
     def _uncache_served(self) -> None:
         """Entries every member has been served leave the cache."""
         members = set(self.members)
-        for entry in [e for e in self._cache.values() if members <= e.served]:
+        for entry in [e for e in self._cache.values() if members <= e.served and not e.parked]:
             self._uncache(entry)
         self._fit_window()
 
@@ -473,6 +626,12 @@ class Cohort:
     def _uncache(self, entry: Entry) -> None:
         self._cache.pop(id(entry), None)
         entry.cached = False
+        if entry.parked:
+            # Its outputs go before the members parked on them had room: each runs its own.
+            for parked in self._parked.values():
+                for batch_id in [i for i, (_, e) in parked.items() if e is entry]:
+                    self._to_run.append(parked.pop(batch_id)[0])
+            entry.parked = 0
         self._forget(entry)
         self._free_if_done(entry)
 
@@ -486,11 +645,82 @@ class Cohort:
         self._forget(entry)
 
     def _forget(self, entry: Entry) -> None:
+        """No batch may match ``entry`` any more: it lets go of its inputs and its producer's
+        batch, whose input count goes with them (Note [Cohort outputs], point 7)."""
         entries = self._by_digest.get(entry.digest)
         if entries is not None and entry in entries:
             entries.remove(entry)
             if not entries:
                 del self._by_digest[entry.digest]
+        entry.inputs = ()
+        entry.producer = None
+
+    # --- a member's window (Note [Cohort outputs], point 6) -------------------------------------
+
+    def _admit(self, member: Member, batch_id: int) -> str:
+        """Whether ``member`` may be served one more batch now, as its job's window goes: as
+        the planner's window (Note [A job's window], points 1 and 2), counting its own runs
+        and the batches it was served from the cohort."""
+        window = member.executor.window if member.executor is not None else 0
+        held = member.held + self._counted[member.job_id]
+        if not window or held < window:
+            return _SERVE
+        if batch_id != self._wanted.get(member.job_id):
+            return _PARK
+        if held < window + TRAINER_HOLDS + 1:
+            return _SERVE
+        return _ALONE  # a trainer that keeps its outputs: the run path bounds it
+
+    def _park(self, batch: PendingBatch, entry: Entry) -> None:
+        member = batch.member
+        assert member is not None
+        self._parked[member.job_id][batch.batch_id] = (batch, entry)
+        entry.parked += 1
+
+    def _unpark(self, job_id: int) -> None:
+        """Serves ``job_id``'s parked batches, oldest first, while its window has room."""
+        member = self.members.get(job_id)
+        parked = self._parked.get(job_id)
+        while member is not None and parked:
+            batch_id, (batch, entry) = next(iter(parked.items()))
+            if self._admit(member, batch_id) != _SERVE:
+                return
+            del parked[batch_id]
+            entry.parked -= 1
+            self._serve(batch, entry)
+
+    def _serve(self, batch: PendingBatch, entry: Entry) -> None:
+        """A parked batch, served from ``entry`` now (answered by ``_flush``)."""
+        member = batch.member
+        assert member is not None
+        self.hits += 1
+        descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
+        self._to_answer.append((batch, self._ready(batch, descriptors)))
+
+    def _share_charge(self, entry: Entry, job_id: int) -> None:
+        """``job_id`` consumed the run of ``entry`` too: the run's cost, split once more, the
+        others' share taken back (Note [Cohort outputs], point 5)."""
+        before = len(entry.charged)
+        after = before + 1
+        for payer in entry.charged if before else ():
+            self._charges.append((payer, entry.cost / after - entry.cost / before, True))
+        self._charges.append((job_id, entry.cost / after, True))
+        entry.charged.append(job_id)
+
+    def _flush(self) -> None:
+        """What the lock's holders left to do outside it: charges, answers, runs."""
+        with self._lock:
+            charges, self._charges = self._charges, []
+            answers, self._to_answer = self._to_answer, []
+            to_run, self._to_run = self._to_run, []
+        for job_id, seconds, tag in charges:
+            (self._share if tag else self._charge)(job_id, seconds)
+        for batch, ready in answers:
+            member = batch.member
+            if member is not None and not member.closed:
+                member.answer(batch, ready)
+        for batch in to_run:
+            _resubmit(batch)
 
 
 def _resubmit(batch: PendingBatch) -> None:

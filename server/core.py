@@ -161,7 +161,13 @@ class DaemonCore:
             recorder=recorder,
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
-        self.cohorts = Cohorts(self._cohort_outputs, quotas.cohort_bytes, self.registry.alive)
+        self.cohorts = Cohorts(
+            self._cohort_outputs,
+            quotas.cohort_bytes,
+            self.registry.alive,
+            charge=self.scheduler.charge,
+            share=self.scheduler.share_run,
+        )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(
             self.registry,
@@ -511,6 +517,8 @@ class DaemonCore:
         for member in job.pipelines.values():
             if member.executor is not None:
                 member.executor.sender_left(member, first, end)
+            if member.cohort is not None:
+                member.cohort.sender_left(job.job_id, first, end)
         if job.trainer in self.peers:
             # Its results the trainer has not asked for wait there unclaimed otherwise.
             self._push(job.trainer, WorkerLeft(first, end), None)

@@ -252,6 +252,11 @@ class PipelineExecutor:
     def submit(self, batch: PendingBatch) -> None:
         self._planner.submit(batch)
 
+    @property
+    def window(self) -> int:
+        """The most batches a job holds at once (Note [A job's window] in run_planner.py)."""
+        return self._planner.window
+
     def want(self, member: Member, batch_id: int) -> None:
         """``member``'s trainer waits for ``batch_id`` (Note [A job's window])."""
         self._planner.want(member, batch_id)
@@ -587,10 +592,12 @@ class PipelineExecutor:
             if batch.member is None:
                 continue
             share = service * batch.size / samples
-            # A cohort's run is charged once, split among the jobs waiting for it (cohorts.py).
-            payers = batch.cohort_entry.payers() if batch.cohort_entry is not None else []
-            for job_id in payers or [batch.member.job_id]:
-                self._scheduler.charge(job_id, share / max(len(payers), 1))
+            entry = batch.cohort_entry
+            if entry is not None:
+                # Charged once, split among the jobs that consume it (cohorts.py, point 5).
+                entry.cohort.account(entry, share)
+            else:
+                self._scheduler.charge(batch.member.job_id, share)
 
     # --- outputs --------------------------------------------------------------------------------
 

@@ -244,6 +244,18 @@ class FairScheduler:
             if share is not None:
                 share.run_seconds += seconds
 
+    def share_run(self, job_id: int, seconds: float) -> None:
+        """Counts ``seconds`` of a run another job's slot paid for to the job, as if it had
+        run them (a cohort's run, split among the members it served: cohorts.py): its
+        ``run_seconds`` and its finish tag move on; negative, the payer's share shrinks and
+        both move back. A tag moved back below the virtual time changes nothing: a job cannot
+        save up a credit."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            if share is not None:
+                share.run_seconds += seconds
+                share.finish_tag += seconds / share.weight
+
     @property
     def free(self) -> int:
         with self._changed:

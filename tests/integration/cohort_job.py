@@ -5,7 +5,8 @@ a digest of its outputs.
 ``--start-when PATH``: registers, then waits for PATH to exist before its first batch (so that
 jobs started one after another begin together). ``--die-after N``: kills itself (SIGKILL)
 holding the outputs of batch N and the batches submitted ahead of it. ``--stall-after N``: stops
-consuming after batch N, holding what it has and has submitted, until it is killed.
+consuming after batch N, holding what it has and has submitted, until it is killed. ``--keep``:
+keeps every output it consumes (as a loop that stores its outputs does).
 ``--end-when PATH``: once done, stays in its cohort until PATH exists.
 """
 
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--stall-after", type=int, default=-1)
+    parser.add_argument("--keep", action="store_true")
     parser.add_argument("--start-when", type=Path)
     parser.add_argument("--end-when", type=Path)
     args = parser.parse_args()
@@ -75,6 +77,7 @@ def main() -> None:
         while args.start_when is not None and not args.start_when.exists():
             time.sleep(0.01)
         pending: collections.deque[tuple[int, Any]] = collections.deque()
+        kept: list[Any] = []
         submitted = 0
         for number in range(args.batches):
             while submitted < min(args.batches, number + AHEAD):
@@ -92,6 +95,8 @@ def main() -> None:
             if number == args.stall_after:
                 print(json.dumps({"stalled": number}), flush=True)
                 time.sleep(3600)
+            if args.keep:
+                kept.append((noisy, shifted))
             del noisy, shifted
         print(json.dumps({"done": args.batches}), flush=True)
         while args.end_when is not None and not args.end_when.exists():

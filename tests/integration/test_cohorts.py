@@ -312,3 +312,32 @@ def test_a_stalled_member_holds_no_more_than_its_bound_and_stalls_no_one(
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(end.parent, ignore_errors=True)
     wait_until(lambda: _cohort(small_window, "sweep-s") is None, 15, "the cohort to end")
+
+
+def test_a_member_that_keeps_its_outputs_holds_no_more_than_its_window_of_the_cohorts(
+    daemon: DaemonProcess,
+) -> None:
+    batches = 36
+    end = own_directory() / "end"
+    member = ("--cohort", "sweep-w", "--batches", str(batches), "--end-when", str(end))
+    jobs, directory = _start_together(daemon, (*member, "--keep"), member)
+    try:
+        results = [_lines_until_done(job) for job in jobs]
+        for lines in results:
+            assert not [line for line in lines if "wrong" in line]
+            assert len([line for line in lines if "digest" in line]) == batches
+        cohort = _cohort(daemon, "sweep-w")
+        assert cohort is not None and cohort.hits > 0
+        # The keeper holds all its outputs, but of the cohort's memory no more than its window
+        # of batches served from the others' runs and of its own runs (a few each), and the
+        # other member's last: the rest came to it in its own memory.
+        assert cohort.leased_bytes <= 16 * BATCH_BYTES < batches * BATCH_BYTES // 2
+        end.touch()
+        for job in jobs:
+            job.communicate(timeout=30)
+            assert job.returncode == 0
+    finally:
+        kill_leftovers(jobs)
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(end.parent, ignore_errors=True)
+    wait_until(lambda: _cohort(daemon, "sweep-w") is None, 15, "the cohort to end")

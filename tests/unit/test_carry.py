@@ -8,6 +8,7 @@ end path through workers is in tests/integration/test_dropin.py.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
 from collections import namedtuple
 from collections.abc import Iterator
@@ -161,3 +162,41 @@ def test_a_dalid_loader_made_from_another_wraps_the_collate_fn_once() -> None:
     again = DalidLoader(object(), _Labelled(), batch_size=4, collate_fn=first.collate_fn)  # type: ignore[arg-type]
     assert isinstance(again.collate_fn, CarryingCollate)
     assert not isinstance(again.collate_fn.collate_fn, CarryingCollate)
+
+
+_initialised: list[int] = []
+
+
+def _init_worker(worker_id: int) -> None:
+    _initialised.append(worker_id)
+
+
+class _FreezeCounts(Dataset[tuple[int, int]]):
+    """Each sample: how many objects its worker's garbage collector leaves alone (frozen), and
+    how many times the loader's own worker_init_fn ran in that worker."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return gc.get_freeze_count(), len(_initialised)
+
+
+class _Passing:
+    """A producer of DALI's kind whose batches hold no dalid references (there is nothing to
+    replace): the loader's worker set-up alone is under test here."""
+
+    def produce_data(self, batch: Any) -> Any:
+        return batch
+
+
+def test_a_dalid_loaders_workers_leave_the_heap_they_inherited_shared() -> None:
+    before = gc.get_freeze_count()
+    loader = DalidLoader(
+        _Passing(), _FreezeCounts(), batch_size=2, num_workers=2, worker_init_fn=_init_worker
+    )
+    for frozen, initialised in list(loader):
+        # The trainer's objects a worker inherited are frozen: its collections do not write
+        # to (and so copy) their pages. And the worker_init_fn given still ran, once.
+        assert (frozen > 10_000).all() and (initialised == 1).all()
+    assert gc.get_freeze_count() == before and not _initialised  # the trainer's own: untouched

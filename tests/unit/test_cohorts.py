@@ -8,6 +8,8 @@ jobs, is tests/integration/test_cohorts.py.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +23,7 @@ from dalid.server.cohort_matching import batch_digest, same_inputs
 from dalid.server.cohort_registry import Cohorts
 from dalid.server.cohorts import COHORT_REGION_BASE, Cohort, Outcome
 from dalid.server.errors import RequestRefused
+from dalid.server.inputs import InputMemory
 from dalid.server.outputs import JobOutputs, RunOutput
 from dalid.server.pool import PAGE
 from dalid.server.runs import Member, PendingBatch
@@ -46,6 +49,8 @@ class _Executor:
     the integration tests): records what it is given."""
 
     failed = False
+    # The job's window (Note [A job's window] in run_planner.py): 0, none.
+    window = 0
 
     def __init__(self) -> None:
         self.submitted: list[PendingBatch] = []
@@ -300,3 +305,151 @@ def test_a_registration_of_another_graph_or_deterministic_is_refused() -> None:
         cohorts.check("sweep", ("serialized", b"graph", ("data",), 1, 8), False, member.job_id)
     cohorts.leave(member, pid=0, namespace=0)
     assert cohorts.status() == ()
+
+
+def _served_by(cohort: Cohort, leader: _Job, seeds: range) -> list[BatchReady]:
+    """The leader's runs of ``seeds``, released at once: each waits in the cache."""
+    readies = []
+    for seed in seeds:
+        batch = leader.batch(seed)
+        cohort.take(batch)
+        ((_, ready),) = _run(cohort, batch, float(seed), [])
+        cohort.release(leader.member.job_id, _ids(ready))
+        readies.append(ready)
+    return readies
+
+
+def test_hits_count_in_the_members_window_and_wait_for_its_releases(outputs: JobOutputs) -> None:
+    cohort = _cohort(outputs, window=LIMITS.pool_bytes)
+    leader, member = _Job(1), _Job(2)
+    member.executor.window = 2
+    cohort.join(leader.member)
+    cohort.join(member.member)
+    _served_by(cohort, leader, range(6))
+    batches = [member.batch(seed) for seed in range(6)]
+    first, second = (cohort.take(batch) for batch in batches[:2])
+    assert first[0] == second[0] == Outcome.HIT
+    # Its window is full: the next wait, answered as its trainer releases a batch.
+    assert cohort.take(batches[2]) == (Outcome.PARKED, None)
+    assert cohort.take(batches[3]) == (Outcome.PARKED, None)
+    assert not member.answers and cohort.status().held_bytes >= 2 * BATCH_BYTES
+    assert first[1] is not None
+    cohort.release(2, _ids(first[1]))
+    ((answered, ready),) = member.answers
+    assert answered is batches[2] and isinstance(ready, BatchReady)
+    assert ready.outputs[0].slab  # the leader's run, from the cohort's memory
+    # The batch its trainer waits for passes the full window (by TRAINER_HOLDS + 1)...
+    for batch in batches[3:5]:
+        if batch is batches[4]:
+            assert cohort.take(batch) == (Outcome.PARKED, None)
+        cohort.want(2, batch.batch_id)
+        assert member.answers[-1][0] is batch
+    # ...and past that a trainer that keeps its outputs has its batch run for it alone, where
+    # the run path's window and private copies bound it.
+    assert cohort.take(batches[5]) == (Outcome.PARKED, None)
+    cohort.want(2, batches[5].batch_id)
+    assert member.executor.submitted == [batches[5]] and batches[5].cohort_entry is None
+    assert len(member.answers) == 3
+
+
+def test_a_follower_past_its_window_waits_and_a_dropped_entry_runs_it_alone(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs, window=BATCH_BYTES)
+    leader, member = _Job(1), _Job(2)
+    member.executor.window = 1
+    cohort.join(leader.member)
+    cohort.join(member.member)
+    _served_by(cohort, leader, range(1))
+    assert cohort.take(member.batch(0))[0] == Outcome.HIT
+    running, following = leader.batch(1), member.batch(1)
+    cohort.take(running)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    results = _run(cohort, running, 1.0, [])
+    assert [batch for batch, _ in results] == [running]  # the follower waits for room
+    cohort.release(1, _ids(results[0][1]))
+    # The outputs it waits on are dropped to keep the window of held bytes: it runs alone.
+    _served_by(cohort, leader, range(2, 4))
+    assert member.executor.submitted == [following] and cohort.status().dropped >= 1
+
+
+def test_a_worker_that_left_takes_its_batches_out_of_the_members_window(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs, window=LIMITS.pool_bytes)
+    leader, member = _Job(1), _Job(2)
+    member.executor.window = 1
+    cohort.join(leader.member)
+    cohort.join(member.member)
+    _served_by(cohort, leader, range(3))
+    early, parked, later = (member.batch(seed) for seed in range(3))
+    assert cohort.take(early)[0] == Outcome.HIT
+    assert cohort.take(parked) == (Outcome.PARKED, None)
+    # The worker of ``early`` and ``parked`` left: neither counts, nor is answered.
+    cohort.sender_left(2, early.batch_id, parked.batch_id + 1)
+    assert not member.answers
+    assert cohort.take(later)[0] == Outcome.HIT
+
+
+def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
+    outputs: JobOutputs,
+) -> None:
+    charges: list[tuple[int, float]] = []  # to run_seconds only: the producer's slot's tag
+    shares: list[tuple[int, float]] = []  # to run_seconds and the fair-share tag
+    cohort = Cohort(
+        "sweep",
+        ("key",),
+        outputs,
+        16 * PAGE,
+        lambda pid, ns: False,
+        charge=lambda job_id, seconds: charges.append((job_id, seconds)),
+        share=lambda job_id, seconds: shares.append((job_id, seconds)),
+    )
+    jobs = [_Job(job_id) for job_id in (1, 2, 3)]
+    for job in jobs:
+        cohort.join(job.member)
+    running, following = jobs[0].batch(0), jobs[1].batch(0)
+    cohort.take(running)
+    cohort.take(following)
+    assert running.cohort_entry is not None
+    cohort.account(running.cohort_entry, 0.3)
+    _run(cohort, running, 1.0, [])
+
+    def totals(*lists: list[tuple[int, float]]) -> dict[int, float]:
+        summed = {job.member.job_id: 0.0 for job in jobs}
+        for job_id, seconds in itertools.chain(*lists):
+            summed[job_id] += seconds
+        return summed
+
+    assert totals(charges, shares) == pytest.approx({1: 0.15, 2: 0.15, 3: 0.0})
+    # The producer's slot paid the whole run's tag: what the follower takes on comes back.
+    assert totals(shares) == pytest.approx({1: -0.15, 2: 0.15, 3: 0.0})
+    # A member served it from the cache later takes its share from the others'.
+    assert cohort.take(jobs[2].batch(0))[0] == Outcome.HIT
+    assert totals(charges, shares) == pytest.approx({1: 0.1, 2: 0.1, 3: 0.1})
+    assert sum(totals(charges, shares).values()) == pytest.approx(0.3)
+
+
+def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
+    outputs: JobOutputs,
+) -> None:
+    inputs = InputMemory(1 << 20)
+    cohort = _cohort(outputs)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    running = first.batch(0)
+    nbytes = sum(item.nbytes for item in running.request.inputs)
+    inputs.take(1, nbytes, holder=running)
+    cohort.take(running)
+    ((produced, ready),) = _run(cohort, running, 1.0, [])
+    cohort.release(1, _ids(ready))
+    gc.disable()  # the count must follow the memory by itself, not wait for a collection
+    try:
+        del running, produced, ready
+        assert inputs.held == nbytes  # kept, for the second member to match
+        assert cohort.take(second.batch(0))[0] == Outcome.HIT
+        # Served to every member: nothing can match it any more, and its inputs go.
+        assert inputs.held == 0
+    finally:
+        gc.enable()

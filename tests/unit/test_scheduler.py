@@ -259,3 +259,21 @@ def test_batches_riding_in_a_shared_run_are_charged_to_their_jobs_alone() -> Non
     assert scheduler.stats(2).granted == 3
     scheduler.remove_job(2)
     assert scheduler.start_tag(2) is None
+
+
+def test_a_run_shared_with_other_jobs_moves_each_ones_tag_by_its_share() -> None:
+    # A cohort's run (server/cohorts.py): job 1's slot paid for all of it, and jobs 2 and 3
+    # were served it too: each then weighs a third of it, job 1's tag moving back.
+    scheduler = FairScheduler(1)
+    for job_id in (1, 2, 3):
+        scheduler.add_job(job_id, weight=1.0)
+    assert scheduler.acquire(1, 0.9, block=False, cancelled=never)
+    scheduler.release(1)
+    for job_id in (2, 3):
+        scheduler.share_run(job_id, 0.3)
+    scheduler.share_run(1, -0.6)
+    assert [scheduler.start_tag(job_id) for job_id in (1, 2, 3)] == pytest.approx([0.3] * 3)
+    assert scheduler.stats(2).run_seconds == pytest.approx(0.3)
+    # A tag moved back below the virtual time saves up no credit.
+    scheduler.share_run(1, -5.0)
+    assert scheduler.start_tag(1) == pytest.approx(0.0)
