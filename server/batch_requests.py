@@ -214,15 +214,28 @@ class BatchRequests:
         """The trainer waits for a batch: each of the job's pipelines moves it to the front if
         it has it queued (Note [A job's window] in run_planner.py). A want for a batch the job
         does not hold changes nothing; none is answered."""
-        job = self.peers[identity].job
+        self._want(self.peers[identity].job, request.batch_id)
+
+    @staticmethod
+    def _want(job: Job, batch_id: int) -> None:
         for member in job.pipelines.values():
             if member.executor is not None:
-                member.executor.want(member, request.batch_id)
+                member.executor.want(member, batch_id)
 
     def on_release_regions(
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
     ) -> Message | None:
+        """The trainer's tensors of these regions died; a ``want_batch`` it carries is taken
+        after them, as its own message sent next would have been, even if they are refused."""
         job = self.peers[identity].job
+        try:
+            self._release(job, request)
+        finally:
+            if request.want_batch is not None:
+                self._want(job, request.want_batch)
+        return None
+
+    def _release(self, job: Job, request: ReleaseRegions) -> None:
         region_ids: Sequence[int] = request.region_ids
         if any(region_id >= COHORT_REGION_BASE for region_id in region_ids):
             region_ids = self._release_cohort_regions(job, region_ids)
@@ -235,7 +248,6 @@ class BatchRequests:
                 ErrorCode.UNKNOWN_REGION,
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
-        return None
 
     def _release_cohort_regions(self, job: Job, region_ids: Sequence[int]) -> list[int]:
         """Ends the job's leases of its cohorts' regions among ``region_ids``; the job's own
