@@ -577,7 +577,9 @@ def test_a_want_in_a_release_is_left_out_by_an_older_trainer_and_daemon() -> Non
     header, frames = _encoded_header(ReleaseRegions(region_ids=(1,), want_batch=7))
     del header["body"]["want_batch"]
     assert decode(_pack(header, *frames)).message == ReleaseRegions(region_ids=(1,))
-    header, frames = _encoded_header(dataclasses.replace(_first(Welcome), want_in_release=True))
+    newer = _first(Welcome)
+    assert isinstance(newer, Welcome)
+    header, frames = _encoded_header(dataclasses.replace(newer, want_in_release=True))
     del header["body"]["want_in_release"]
     welcome = decode(_pack(header, *frames)).message
     assert isinstance(welcome, Welcome)
