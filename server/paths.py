@@ -19,9 +19,10 @@ ones holding a NUL byte and those the trainer named are bad samples, and each *d
 the batch (found with numpy: each path's bytes up to its last ``/``, made a set) must be one
 the daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
 dataset the daemon does not see is so refused before its first batch runs, at the cost of one
-``os.access`` per directory a second, not one per sample (19% of a GPU daemon's executor time
-went to one ``os.access`` per sample). What is left, a file of a directory the daemon enters
-but may not read itself, makes DALI's read fail: the batch's failure is then checked file by
+``os.access`` per directory every ten seconds, not one per sample (19% of a GPU daemon's
+executor time went to one ``os.access`` per sample). What is left, a file of a directory the
+daemon enters but may not read itself (or a directory it could enter when last looked at and
+no longer can), makes DALI's read fail: the batch's failure is then checked file by
 file (:func:`unseen_file`, from ``executor.py``) before any bad sample is looked for, and it
 fails with the same :class:`FilesUnseen` as before. So the outcome of every batch is what it was
 with a check per file; only a batch that fails pays for one.
@@ -51,8 +52,11 @@ from dalid.protocol import InputBatch
 PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
 _PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
 
-# A directory the daemon could enter is looked at again after this long.
-DIRECTORY_RECHECK_S = 1.0
+# A directory the daemon could enter is looked at again after this long. Not 1 s: a dataset's
+# directories (ImageNet's 1,000) cost an os.access each per period, and the look decides no
+# batch's outcome (Note [Checking paths per directory]); it only finds a dataset the daemon
+# does not see before a run fails on it.
+DIRECTORY_RECHECK_S = 10.0
 # Directories remembered at most; past that the memory starts afresh.
 MAX_DIRECTORIES = 1 << 16
 
