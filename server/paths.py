@@ -240,11 +240,18 @@ def first_missing(path: str) -> str:
 SLASH = ord("/")
 
 
+# The longest path Linux opens, its NUL included (PATH_MAX).
+PATH_MAX = 4096
+# Padded paths take at most this many times the bytes of the paths as they came.
+PADDED_GROWTH = 4
+
+
 def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
     """Absolute paths of several lengths as one dense array, each left-padded to the longest
     with ``/``, which names the same file (a path's leading slashes are one root, as POSIX
     leaves only exactly two to the system and Linux reads two as one too); None unless every
-    sample is a non-empty 1-D path that starts with ``/``.
+    sample is a non-empty 1-D path that starts with ``/``, and the padding costs at most
+    :data:`PADDED_GROWTH` times the paths' bytes.
 
     Why: DALI takes a dense batch in one step, where a ``TensorListCPU`` of 256 paths of
     several lengths (a dataset's, ImageNet's say) costs it about 1.1 µs a sample, a third of the
@@ -252,17 +259,22 @@ def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
     ``fn.io.file.read`` reads (``PipelineRunner.padded_paths``): what it reads is the same file,
     and no other operator or output sees the padding. Made in a few numpy steps over the
     batch's bytes, none per sample in Python."""
-    if not samples or samples[0].ndim != 1:  # an input's samples have one rank
+    # An input's samples have one rank and one dtype: the first one's are every one's.
+    if not samples or samples[0].ndim != 1 or samples[0].dtype.itemsize != 1:
         return None
     dtype = samples[0].dtype
     data = np.frombuffer(b"".join(samples), np.uint8)  # type: ignore[arg-type]  # buffers
     lengths = np.fromiter(map(len, samples), np.int64, len(samples))
-    if dtype.itemsize != 1 or int(lengths.min()) == 0:
+    if int(lengths.min()) == 0:
+        return None
+    width = int(lengths.max())
+    if width > PATH_MAX or len(samples) * width > PADDED_GROWTH * data.size:
+        # A path no system call takes, or a long one among short ones: the padded array
+        # could be many times the batch (a hostile submitter's 256 x its longest sample).
         return None
     starts = np.cumsum(lengths) - lengths
     if (data[starts] != SLASH).any():
         return None  # a relative path would name another file once padded
-    width = int(lengths.max())
     padded = np.full((len(samples), width), SLASH, np.uint8)
     # Each byte's place: its row's start in ``padded``, the row's padding, its place in the row.
     shift = np.arange(len(samples)) * width + (width - lengths) - starts

@@ -328,8 +328,10 @@ def test_paths_of_several_lengths_that_only_name_files_go_as_one_array(tmp_path:
         [b"/data/a.jpg", b"data/bb.jpg"],  # relative: padded, it would name another file
         [b"/data/a.jpg", b""],
         [],
+        [b"/a"] * 7 + [b"/" + b"x" * 64],  # 8 x 65 bytes for 78: one long path among short
+        [b"/" + b"x" * 4096, b"/" + b"y" * 4095],  # longer than any path Linux opens
     ],
-    ids=["relative", "empty", "none"],
+    ids=["relative", "empty", "none", "one-long", "over-path-max"],
 )
 def test_paths_that_padding_would_change_are_not_padded(samples: list[bytes]) -> None:
     assert padded_paths([np.frombuffer(sample, np.uint8) for sample in samples]) is None
