@@ -13,6 +13,7 @@ options (``deterministic``, ``share_runs``, ``on_error``) read best beside the w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from dalid.protocol import (
     Envelope,
     ErrorCode,
     Limits,
+    ReleaseRegions,
     ScheduleBatch,
     TrainerProgress,
     WantBatch,
@@ -392,13 +394,14 @@ class Session:
             self._drop_abandoned(generation, batch_id)
         # The regions of tensors that died go back before each batch, not only while waiting:
         # the daemon holds a few batches of the job at once, released ones included.
-        self._flush_releases()
         result = generation.results.pop(batch_id, None)
         if result is not None:
+            self._flush_releases()
             progress.report(link)
             return result
         pipeline_id = generation.dropped.get(batch_id)
         if pipeline_id is not None:
+            self._flush_releases()
             return BatchFailed(
                 batch_id,
                 pipeline_id,
@@ -407,7 +410,7 @@ class Session:
                 "the trainer asked for it (its iterator was dropped, or the worker died)",
             )
         # The daemon runs it before the job's other batches (SPEC.md, "Batches in flight").
-        link.notify(WantBatch(batch_id))
+        self._flush_releases(want=batch_id)
 
         def is_result(envelope: Envelope) -> bool:
             message = envelope.message
@@ -459,8 +462,18 @@ class Session:
                 # Wrapped and dropped at once: released as any tensors that died.
                 self._tensors(result)
 
-    def _flush_releases(self) -> None:
-        """Tells the daemon of the regions whose tensors died (and the slabs unmapped)."""
+    def _flush_releases(self, want: int | None = None) -> None:
+        """Tells the daemon of the regions whose tensors died (and the slabs unmapped), and of
+        the batch ``want`` the trainer is about to wait for: in the last release, where there is
+        one and the daemon reads it there (one message a batch fewer), else on its own after
+        them."""
         link = self._daemon.link
-        for message in self._daemon.generation.outputs.releases():
+        releases = self._daemon.generation.outputs.releases()
+        messages: list[ReleaseRegions | WantBatch] = list(releases)
+        if want is not None:
+            if releases and link.welcome.want_in_release:
+                messages[-1] = dataclasses.replace(releases[-1], want_batch=want)
+            else:
+                messages.append(WantBatch(want))
+        for message in messages:
             link.notify(message)

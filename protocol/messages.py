@@ -273,6 +273,10 @@ class Welcome(Message):
     # trainer of another installation says so ("": a daemon that does not say).
     release: str = ""
     installation: str = ""
+    # The daemon reads ``ReleaseRegions.want_batch``: a trainer may name the batch it is about to
+    # wait for in the release it sends just before, one message where it sent two. False from an
+    # older daemon, which would ignore that field: its trainers send ``WantBatch``.
+    want_in_release: bool = False
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
@@ -813,6 +817,11 @@ class ReleaseRegions(Message):
     # Retired GPU slabs the trainer has unmapped (or never mapped): the daemon may now free
     # them. CUDA forbids freeing memory another process still maps.
     closed_slabs: tuple[str, ...] = ()
+    # The batch the trainer is about to wait for, as a ``WantBatch`` of it sent after this
+    # release would name it (None: none). Only to a daemon whose welcome says
+    # ``want_in_release``: an older one ignores it, and the trainer would wait behind batches it
+    # takes later.
+    want_batch: int | None = None
 
     def __post_init__(self) -> None:
         _check_handle(self.event, "release_regions.event", optional=True)

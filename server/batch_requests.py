@@ -215,21 +215,33 @@ class BatchRequests:
         it has it queued, or when it comes (Note [A job's window] in run_planner.py), and one
         held back by the job's in-flight limit comes now. A want for a batch the job does not
         hold changes nothing; none is answered."""
-        job = self.peers[identity].job
+        self._want(self.peers[identity].job, request.batch_id)
+
+    def _want(self, job: Job, batch_id: int) -> None:
         for member in job.pipelines.values():
             if member.executor is not None:
-                member.executor.want(member, request.batch_id)
+                member.executor.want(member, batch_id)
             if member.cohort is not None:
                 # Parked for room in the job's window, it passes it (cohorts.py, point 6).
-                member.cohort.want(job.job_id, request.batch_id)
-        admitted = job.admission.want(request.batch_id)
+                member.cohort.want(job.job_id, batch_id)
+        admitted = job.admission.want(batch_id)
         if admitted is not None:
             self._push(admitted.sender, BatchAccepted(admitted.batch.batch_id), admitted.request_id)
 
     def on_release_regions(
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
     ) -> Message | None:
+        """The trainer's tensors of these regions died; a ``want_batch`` it carries is taken
+        after them, as its own message sent next would have been, even if they are refused."""
         job = self.peers[identity].job
+        try:
+            self._release(job, request)
+        finally:
+            if request.want_batch is not None:
+                self._want(job, request.want_batch)
+        return None
+
+    def _release(self, job: Job, request: ReleaseRegions) -> None:
         region_ids: Sequence[int] = request.region_ids
         if any(region_id >= COHORT_REGION_BASE for region_id in region_ids):
             region_ids = self._release_cohort_regions(job, region_ids)
@@ -242,7 +254,6 @@ class BatchRequests:
                 ErrorCode.UNKNOWN_REGION,
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
-        return None
 
     def _release_cohort_regions(self, job: Job, region_ids: Sequence[int]) -> list[int]:
         """Ends the job's leases of its cohorts' regions among ``region_ids``; the job's own

@@ -419,6 +419,7 @@ class DaemonCore:
             batch_id_base=peer.batch_ids.base,
             release=self.release,
             installation=self.installation,
+            want_in_release=True,
         )
 
     def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:

@@ -20,6 +20,7 @@ from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
+from .paths import padded_paths
 from .sharing import read_graph
 
 log = logging.getLogger("dalid.server")
@@ -72,7 +73,7 @@ class PipelineBuildError(Exception):
         self.code = code
 
 
-def feedable(samples: np.ndarray | Sequence[np.ndarray]) -> Any:
+def feedable(samples: np.ndarray | Sequence[np.ndarray], paths: bool = False) -> Any:
     """One input's samples of a run as ``feed_input`` takes them fastest, with no Python step
     per sample here.
 
@@ -80,10 +81,16 @@ def feedable(samples: np.ndarray | Sequence[np.ndarray]) -> Any:
     it is: DALI takes a dense batch at once. A list (samples of several shapes) goes as a
     ``TensorListCPU`` made of it without gathering it into one buffer (``contiguous=False``):
     DALI builds that in C++ at about 1 µs a sample, where ``feed_input`` given the list itself
-    converts each sample in Python at 3 to 5 µs.
+    converts each sample in Python at 3 to 5 µs. ``paths``: the samples are absolute paths
+    that only ``fn.io.file.read`` reads; of several lengths, they go as one dense array
+    (:func:`padded_paths`).
     """
     if isinstance(samples, np.ndarray):
         return samples
+    if paths:
+        padded = padded_paths(samples)
+        if padded is not None:
+            return padded
     from nvidia.dali.tensors import TensorListCPU
 
     # (DALI's stubs lack the keyword.)
@@ -136,6 +143,8 @@ class PipelineRunner:
         if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
             pipeline = None
         self._build(pipeline)
+        # The path inputs fed as one dense array of padded paths (``padded_paths``).
+        self.padded_paths = self._read_as_files_only()
 
     @classmethod
     def from_definition(
@@ -241,11 +250,21 @@ class PipelineRunner:
         self._pipeline = pipeline
         self._fed.clear()
 
+    def _read_as_files_only(self) -> frozenset[str]:
+        """The path inputs that go to ``fn.io.file.read`` and nowhere else in the graph."""
+        if not self.spec.path_inputs:
+            return frozenset()
+        try:
+            graph = read_graph(self.spec.serialized or self._pipeline.serialize())
+        except Exception:  # Python operators cannot be serialized, for one: fed as they came
+            return frozenset()
+        return frozenset(name for name in self.spec.path_inputs if graph.read_as_files_only(name))
+
     def schedule(self, inputs: Mapping[str, np.ndarray | Sequence[np.ndarray]]) -> None:
         """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""
         fed = []
         for name in self.spec.input_names:
-            batch = feedable(inputs[name])
+            batch = feedable(inputs[name], name in self.padded_paths)
             self._pipeline.feed_input(name, batch)
             fed.append(batch)
         # An external_source with no_copy=True reads what it was fed when the run starts; a

@@ -26,6 +26,8 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dalid.protocol.file_inputs import FILE_READER
+
 # Operators (DALI schema names) whose output for a sample depends on that sample's inputs only.
 PER_SAMPLE_OPERATORS = frozenset(
     {
@@ -225,6 +227,20 @@ class Graph:
     operators: tuple[Operator, ...]
     key: bytes
     origin: str = ""
+    # The tensors the pipeline returns, by their names in the serialized pipeline.
+    outputs: tuple[bytes, ...] = ()
+
+    def read_as_files_only(self, name: str) -> bool:
+        """Whether the input ``name`` goes to ``fn.io.file.read`` and nowhere else: not to
+        another operator (as an argument either), not out of the pipeline. Its samples' bytes
+        then matter only as the file they name (``runner.padded_paths``)."""
+        tensor = name.encode()
+        readers = [op.schema for op in self.operators if tensor in op.inputs]
+        return (
+            bool(readers)
+            and all(schema == FILE_READER for schema in readers)
+            and tensor not in self.outputs
+        )
 
     def unshareable(self) -> str:
         """Why the graph's samples must not share a run with other jobs' samples ("" if they
@@ -240,6 +256,7 @@ class Graph:
 def read_graph(serialized: bytes) -> Graph:
     """The graph of a serialized pipeline (``Pipeline.serialize()``)."""
     operators: list[Operator] = []
+    outputs: list[bytes] = []
     canonical: list[bytes] = []
     # Tensors are named by their producer's position in the operator list and the output's
     # place, so that names DALI made up for intermediate tensors do not count; the pipeline's
@@ -254,6 +271,7 @@ def read_graph(serialized: bytes) -> Graph:
             canonical.append(b"external\0" + value)
             continue
         if number == 7:
+            outputs.append(_string(value, _IO_NAME))
             canonical.append(b"output\0" + _rename_io(value, renamed))
             continue
         operator = _read_operator(value)
@@ -273,7 +291,8 @@ def read_graph(serialized: bytes) -> Graph:
     if not operators:
         raise UnreadablePipeline("the serialized pipeline has no operators")
     origin = next((op.origin for op in operators if op.origin), "")
-    return Graph(tuple(operators), hashlib.sha256(b"\n".join(canonical)).digest(), origin)
+    key = hashlib.sha256(b"\n".join(canonical)).digest()
+    return Graph(tuple(operators), key, origin, tuple(outputs))
 
 
 def _read_operator(raw: bytes) -> Operator:

@@ -9,22 +9,36 @@ replaces it with a new core, as a daemon restart does. Nothing listens on the pa
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from pathlib import Path
 
 from dalid.client.inproc import InprocDaemon
-from dalid.protocol import JobStatus
+from dalid.protocol import JobStatus, Message, Welcome
 from dalid.server.core import DaemonCore
 from dalid.server.quotas import Quotas
 from dalid.server.shm import host_outputs
 
 
 class ServedCore:
-    """A CPU daemon core served in this process on ``path``. Use as a context manager."""
+    """A CPU daemon core served in this process on ``path``. Use as a context manager.
 
-    def __init__(self, path: Path, *, pool_bytes: int = 8 << 20, slab_bytes: int = 1 << 20) -> None:
+    ``received`` lists the messages it was sent, in order. ``older_welcome``: its welcome
+    leaves out what a daemon of an earlier release did not say (``want_in_release``), so that
+    its clients speak to it as to that daemon; the core itself is this release's."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        pool_bytes: int = 8 << 20,
+        slab_bytes: int = 1 << 20,
+        older_welcome: bool = False,
+    ) -> None:
         self.path = path
         self._quotas = Quotas(max_batch_size=64, pool_bytes=pool_bytes, slab_bytes=slab_bytes)
+        self._older_welcome = older_welcome
+        self.received: list[Message] = []
         self.restarts = 0
         self.core, self._served = self._start()
 
@@ -39,7 +53,15 @@ class ServedCore:
             instance=f"inproc-{uuid.uuid4().hex[:8]}",
             concurrency=2,
         )
-        served.serve(core.handle, core.peer_disconnected)
+
+        def handle(identity: bytes, message: Message, request_id: int | None) -> Message | None:
+            self.received.append(message)
+            reply = core.handle(identity, message, request_id)
+            if self._older_welcome and isinstance(reply, Welcome):
+                reply = dataclasses.replace(reply, want_in_release=False)
+            return reply
+
+        served.serve(handle, core.peer_disconnected)
         return core, served
 
     def stop(self) -> None:

@@ -154,6 +154,7 @@ def _examples() -> list[tuple[Message, int | None]]:
                 job_id=9,
                 job_token="89ab",
                 limits=Limits(4096, 1 << 31, 2 << 30, 64 << 20, max_image_pixels=89_478_485),
+                want_in_release=True,
             ),
             3,
         ),
@@ -337,6 +338,7 @@ def _examples() -> list[tuple[Message, int | None]]:
         (ReleaseRegions(), None),
         (ReleaseRegions(region_ids=(3,), event=GPU_EVENT), None),
         (ReleaseRegions(closed_slabs=("dalid-1-abc-j1-cuda-0",)), None),
+        (ReleaseRegions(region_ids=(4, 5), want_batch=(1 << 40) + 3), None),
         (
             Error(
                 ErrorCode.INVALID_BATCH,
@@ -569,6 +571,21 @@ def test_optional_fields_decode_as_none() -> None:
     assert hello.job_token is None
 
 
+def test_a_want_in_a_release_is_left_out_by_an_older_trainer_and_daemon() -> None:
+    """An older trainer's release names no batch (it sends ``want_batch``); an older daemon's
+    welcome does not say it reads one, so a trainer sends ``want_batch`` to it."""
+    header, frames = _encoded_header(ReleaseRegions(region_ids=(1,), want_batch=7))
+    del header["body"]["want_batch"]
+    assert decode(_pack(header, *frames)).message == ReleaseRegions(region_ids=(1,))
+    newer = _first(Welcome)
+    assert isinstance(newer, Welcome)
+    header, frames = _encoded_header(dataclasses.replace(newer, want_in_release=True))
+    del header["body"]["want_in_release"]
+    welcome = decode(_pack(header, *frames)).message
+    assert isinstance(welcome, Welcome)
+    assert welcome.want_in_release is False
+
+
 # --- Malformed input ----------------------------------------------------------------------------
 
 
@@ -729,6 +746,7 @@ def test_a_field_a_peer_of_an_earlier_version_leaves_out_takes_its_default() -> 
         ("release_regions", {"region_ids": 5}),  # scalar for array
         ("release_regions", {"region_ids": [1, "2"]}),
         ("release_regions", {"region_ids": {"a": 1}}),
+        ("release_regions", {"region_ids": [1], "want_batch": "7"}),
         (
             "welcome",
             {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline, SubmitBatch, decode, encode
+from dalid.server.paths import padded_paths
 from dalid.server.runner import (
     PipelineBuildError,
     PipelineRunner,
@@ -278,3 +281,64 @@ def test_samples_are_fed_as_one_batch_without_a_copy() -> None:
     assert type(fed).__name__ == "TensorListCPU" and len(fed) == BATCH
     for i in range(BATCH):
         np.testing.assert_array_equal(np.array(fed.at(i)), ragged[i])
+
+
+@pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
+def _files_pipeline() -> Any:
+    only_read = fn.external_source(name="only_read", dtype=types.DALIDataType.UINT8, ndim=1)
+    also_out = fn.external_source(name="also_out", dtype=types.DALIDataType.UINT8, ndim=1)
+    read = fn.io.file.read  # type: ignore[attr-defined]
+    return read(only_read), read(also_out), also_out
+
+
+def test_paths_of_several_lengths_that_only_name_files_go_as_one_array(tmp_path: Path) -> None:
+    """Paths that nothing but fn.io.file.read sees go to DALI as one dense array (each
+    left-padded with slashes), and read the same files; paths the pipeline also returns go as
+    they came, so its outputs hold the very bytes the trainer sent."""
+    files = []
+    for i in range(BATCH):
+        directory = tmp_path / ("d" * (i + 1))
+        directory.mkdir()
+        files.append(directory / f"{'x' * (3 * i)}{i}.bin")
+        files[-1].write_bytes(bytes([i]) * (i + 5))
+    paths = [np.frombuffer(str(file).encode(), np.uint8) for file in files]
+    spec = _spec(_files_pipeline(), ("only_read", "also_out"), 3)
+    spec = dataclasses.replace(spec, path_inputs=("only_read", "also_out"))
+    runner = PipelineRunner(spec, device_id=None)
+    try:
+        assert runner.padded_paths == {"only_read"}
+        inputs = _wire_inputs({"only_read": paths, "also_out": paths})
+        fed = feedable(inputs["only_read"], paths=True)
+        assert isinstance(fed, np.ndarray)
+        assert fed.shape == (BATCH, max(len(path) for path in paths))
+        for _ in range(2):
+            runner.schedule(inputs)
+            read_padded, read_as_sent, returned = _as_numpy(runner.collect())
+            contents = [file.read_bytes() for file in files]
+            assert [sample.tobytes() for sample in read_padded] == contents
+            assert [sample.tobytes() for sample in read_as_sent] == contents
+            assert [sample.tobytes() for sample in returned] == [bytes(p) for p in paths]
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [b"/data/a.jpg", b"data/bb.jpg"],  # relative: padded, it would name another file
+        [b"/data/a.jpg", b""],
+        [],
+        [b"/a"] * 7 + [b"/" + b"x" * 64],  # 8 x 65 bytes for 78: one long path among short
+        [b"/" + b"x" * 4096, b"/" + b"y" * 4095],  # longer than any path Linux opens
+    ],
+    ids=["relative", "empty", "none", "one-long", "over-path-max"],
+)
+def test_paths_that_padding_would_change_are_not_padded(samples: list[bytes]) -> None:
+    assert padded_paths([np.frombuffer(sample, np.uint8) for sample in samples]) is None
+
+
+def test_padded_paths_keep_their_dtype_and_bytes() -> None:
+    samples = [b"/a/b.jpg", b"/a/ccc/d.jpg", b"/e.jpg"]
+    padded = padded_paths([np.frombuffer(sample, np.int8) for sample in samples])
+    assert padded is not None and padded.dtype == np.int8
+    assert [row.tobytes() for row in padded] == [b"/////a/b.jpg", b"/a/ccc/d.jpg", b"///////e.jpg"]

@@ -23,6 +23,7 @@ from nvidia.dali import fn
 
 from dalid.client import DaemonUnavailable, Session
 from dalid.client.worker import Proxy
+from dalid.protocol import ReleaseRegions, WantBatch
 from tests.inproc import ServedCore
 
 from ..dali_typing import pipeline_def
@@ -86,6 +87,53 @@ def test_regions_go_back_to_the_daemon_when_their_tensors_die(daemon: ServedCore
         assert daemon.job(session.job_id).regions_held == 2  # the second's and the third's
         assert _values(second) == [2, 3] and _values(third) == [4, 5]
         assert session.slabs_opened == 1  # one slab, mapped once
+
+
+def _wants(daemon: ServedCore, since: int) -> tuple[list[int], list[int]]:
+    """The batches the daemon was told a trainer waits for after its ``since``-th message: in
+    releases, and in ``want_batch`` messages of their own."""
+    later = daemon.received[since:]
+    carried = [
+        m.want_batch for m in later if isinstance(m, ReleaseRegions) and m.want_batch is not None
+    ]
+    alone = [m.batch_id for m in later if isinstance(m, WantBatch)]
+    return carried, alone
+
+
+def _batch_ids(session: Session, batches: list[Any]) -> list[int]:
+    ids = [batch.pipe_run_ref.batch_id for batch in batches]
+    assert all(isinstance(batch_id, int) for batch_id in ids)
+    return ids
+
+
+def test_a_batch_waited_for_is_named_in_the_release_sent_before_it(daemon: ServedCore) -> None:
+    with _session(daemon) as session:
+        proxy = session.proxy(doubling())
+        assert _values(session.produce_data(_batch(proxy, 0))) == [0, 1]
+        since = len(daemon.received)
+        batches = [_batch(proxy, 10 * n) for n in range(1, 7)]
+        for n, batch in enumerate(batches, start=1):
+            # The last batch's tensor died: its region goes back before this one is waited for.
+            assert _values(session.produce_data(batch)) == [10 * n, 10 * n + 1]
+        carried, alone = _wants(daemon, since)
+        # A result that came while the trainer was busy is not waited for, nor wanted.
+        assert carried, "no batch was waited for"
+        assert set(carried) <= set(_batch_ids(session, batches))
+        assert alone == [], "a want went alone although a release went just before it"
+
+
+def test_an_older_daemon_is_told_of_a_batch_waited_for_on_its_own() -> None:
+    path = Path(f"/tmp/dalid-inproc-{uuid.uuid4().hex[:8]}.sock")
+    with ServedCore(path, older_welcome=True) as daemon, _session(daemon) as session:
+        proxy = session.proxy(doubling())
+        since = len(daemon.received)
+        batches = [_batch(proxy, 10 * n) for n in range(6)]
+        for n, batch in enumerate(batches):
+            assert _values(session.produce_data(batch)) == [10 * n, 10 * n + 1]
+        carried, alone = _wants(daemon, since)
+        assert carried == []  # it would not read them
+        assert alone, "no batch was waited for"
+        assert set(alone) <= set(_batch_ids(session, batches))
 
 
 def test_a_restarted_daemon_gets_the_undelivered_batches_again(
