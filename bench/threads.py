@@ -85,12 +85,19 @@ def _sched_by_thread() -> dict[str, list[Any]]:
         try:
             with open(f"{task.path}/schedstat", "rb") as stat:
                 on_cpu, waiting = (int(x) for x in stat.read().split()[:2])
-            with open(f"{task.path}/comm", "rb") as comm:
-                name = comm.read().strip().decode(errors="replace")
+            name = _THREAD_NAMES.get(task.name)
+            if name is None or name == "python":
+                # A thread's name is read once it is DALI's or the like (a file less a look).
+                with open(f"{task.path}/comm", "rb") as comm:
+                    name = _THREAD_NAMES[task.name] = comm.read().strip().decode(errors="replace")
         except (OSError, ValueError):
             continue
         threads[task.name] = [name, on_cpu / 1e9, waiting / 1e9]
     return threads
+
+
+# Thread names by id, read once named (a Python thread is "python" until DALI names its own).
+_THREAD_NAMES: dict[str, str] = {}
 
 
 class _Totals:
