@@ -74,6 +74,32 @@ def _cpu_by_thread_name() -> dict[str, float]:
     return totals
 
 
+def _sched_by_thread() -> dict[str, list[Any]]:
+    """By thread id: [name, seconds on a CPU, seconds runnable but waiting for one], from the
+    scheduler's ``/proc/self/task/*/schedstat``. What a window leaves over of its seconds, a
+    thread slept: DALI's workers waiting for work, not for a core, which tells a pipeline
+    starved of runs from a machine short of cores. By id, not name: DALI names its threads
+    only once they run."""
+    threads: dict[str, list[Any]] = {}
+    for task in os.scandir("/proc/self/task"):
+        try:
+            with open(f"{task.path}/schedstat", "rb") as stat:
+                on_cpu, waiting = (int(x) for x in stat.read().split()[:2])
+            name = _THREAD_NAMES.get(task.name)
+            if name is None or name == "python":
+                # A thread's name is read once it is DALI's or the like (a file less a look).
+                with open(f"{task.path}/comm", "rb") as comm:
+                    name = _THREAD_NAMES[task.name] = comm.read().strip().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        threads[task.name] = [name, on_cpu / 1e9, waiting / 1e9]
+    return threads
+
+
+# Thread names by id, read once named (a Python thread is "python" until DALI names its own).
+_THREAD_NAMES: dict[str, str] = {}
+
+
 class _Totals:
     """The running totals; counters are written by one thread each, or under the lock.
 
@@ -114,6 +140,12 @@ class _Totals:
         # inputs, starting the run, taking its outputs), done and under way, as for the copies.
         self.dali_calls_cpu_s = 0.0
         self.calling_dali: dict[int, float] = {}
+        # Wall time the executors spent waiting: in ``RunPlanner.next_run`` (for batches to run,
+        # or for room in the jobs' windows) and in ``PipelineRunner.collect`` (for DALI to
+        # finish a run); counted when each call returns.
+        self.next_run_wall_s = 0.0
+        self.collect_wall_s = 0.0
+        self.executor_runs_done = 0
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -127,6 +159,8 @@ class _Totals:
             )
             samples = self.executor_samples_done
             samples += sum(instance.samples for _, instance in running)
+            runs = self.executor_runs_done + sum(instance.runs for _, instance in running)
+            next_run_wall, collect_wall = self.next_run_wall_s, self.collect_wall_s
             io_now = _thread_cpu_s(self.io_ident) if self.io_ident else 0.0
             wall_now = time.perf_counter()
             message_wall, message_cpu = self.message_wall_ns / 1e9, self.message_cpu_ns / 1e9
@@ -154,8 +188,12 @@ class _Totals:
             "copy_out_cpu_s": copy_out,
             "dali_calls_cpu_s": dali_calls,
             "executor_samples": samples,
+            "executor_runs": runs,
+            "next_run_wall_s": next_run_wall,
+            "collect_wall_s": collect_wall,
             "process_cpu_s": sum(os.times()[:2]),
             "cpu_by_thread_name": _cpu_by_thread_name(),
+            "sched_by_thread": _sched_by_thread(),
         }
 
 
@@ -169,6 +207,7 @@ def install() -> None:
     from dalid.server.daemon import Daemon
     from dalid.server.executor import PipelineExecutor
     from dalid.server.outputs import JobOutputs
+    from dalid.server.run_planner import RunPlanner
     from dalid.server.runner import PipelineRunner
     from dalid.server.shared_socket import SharedSocket
 
@@ -267,6 +306,7 @@ def install() -> None:
                 del TOTALS.executors[ident]
                 TOTALS.executor_cpu_done_s += _thread_cpu_s(ident)
                 TOTALS.executor_samples_done += instance.samples
+                TOTALS.executor_runs_done += instance.runs
 
     def accounted(method: Any, under_way: dict[int, float], total: str) -> Any:
         """``method`` with its thread's CPU time counted into ``TOTALS.<total>``, and while it
@@ -288,6 +328,21 @@ def install() -> None:
 
         return timed
 
+    def waited(method: Any, total: str) -> Any:
+        """``method`` with its wall time added to ``TOTALS.<total>`` when it returns."""
+
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                used = time.perf_counter() - start
+                with TOTALS.lock:
+                    setattr(TOTALS, total, getattr(TOTALS, total) + used)
+
+        return timed
+
     def copying(method: Any) -> Any:
         return accounted(method, TOTALS.copying, "copy_out_cpu_s")
 
@@ -304,6 +359,8 @@ def install() -> None:
     JobOutputs.private_copies = copying(JobOutputs.private_copies)  # type: ignore[method-assign]
     PipelineRunner.schedule = calling_dali(PipelineRunner.schedule)  # type: ignore[method-assign]
     PipelineRunner.collect = calling_dali(PipelineRunner.collect)  # type: ignore[method-assign]
+    PipelineRunner.collect = waited(PipelineRunner.collect, "collect_wall_s")  # type: ignore[method-assign]
+    RunPlanner.next_run = waited(RunPlanner.next_run, "next_run_wall_s")  # type: ignore[method-assign]
 
 
 def _write_snapshots(path: Path, stop: threading.Event) -> None:
@@ -365,6 +422,20 @@ def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> d
         name: round(cpu - (a.get("cpu_by_thread_name") or {}).get(name, 0.0), 2)
         for name, cpu in names.items()
     }
+    # Threads alive at both ends, by their name at the end: [threads, CPU s, runnable-waiting s],
+    # over ``sched_seconds``. It ends at the last snapshot inside the window: a pipeline's
+    # threads end with its last job, often before the first snapshot after the window.
+    sched: dict[str, list[float]] = {}
+    earlier = a.get("sched_by_thread") or {}
+    inside = [s for s in snapshots if a["t_ns"] < s["t_ns"] <= end_ns] or [b]
+    used["sched_seconds"] = (inside[-1]["t_ns"] - a["t_ns"]) / 1e9
+    for tid, (name, cpu, waiting) in (inside[-1].get("sched_by_thread") or {}).items():
+        if tid in earlier:
+            figures = sched.setdefault(name, [0, 0.0, 0.0])
+            figures[0] += 1
+            figures[1] += cpu - earlier[tid][1]
+            figures[2] += waiting - earlier[tid][2]
+    used["sched_by_thread_name"] = sched
     used["by_op"] = {
         op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
         for op, now in b["by_op"].items()
@@ -390,7 +461,15 @@ DAEMON_THREAD_FIGURES = (
     "dali_calls_us_per_sample",
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
+    "samples_per_run",
+    "executors_waiting_for_batches",
+    "executors_waiting_for_dali",
+    "dali_workers_asleep",
+    "dali_workers_waiting_for_a_core",
 )
+
+# The names DALI gives its pipelines' worker threads (a thread pool's "[DALI][TP<i>]Exec").
+DALI_WORKER_PREFIX = "[DALI][TP"
 
 
 def figures(used: dict[str, Any]) -> dict[str, float | None]:
@@ -439,6 +518,36 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "dali_calls_us_per_sample": per_sample(used.get("dali_calls_cpu_s") or 0.0),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
+        **_feeding(used, samples),
+    }
+
+
+def _feeding(used: dict[str, Any], samples: int) -> dict[str, float | None]:
+    """Whether the pipelines' DALI threads were kept fed over a window: the samples of a run
+    (how full the runs were), the executors' seconds per second spent waiting for batches to
+    run (``RunPlanner.next_run``) and for DALI to finish a run (``PipelineRunner.collect``),
+    summed over executors, and the share of the window DALI's worker threads slept (no work:
+    a core left to others, or idle) and were runnable but waiting for a core."""
+    seconds = used.get("seconds") or 0.0
+    runs = used.get("executor_runs") or 0
+    workers = [
+        figures
+        for name, figures in (used.get("sched_by_thread_name") or {}).items()
+        if name.startswith(DALI_WORKER_PREFIX)
+    ]
+    span = sum(count for count, _, _ in workers) * (used.get("sched_seconds") or 0.0)
+    on_cpu = sum(cpu for _, cpu, _ in workers)
+    waiting = sum(wait for _, _, wait in workers)
+    return {
+        "samples_per_run": samples / runs if runs else None,
+        "executors_waiting_for_batches": (
+            used["next_run_wall_s"] / seconds if seconds and "next_run_wall_s" in used else None
+        ),
+        "executors_waiting_for_dali": (
+            used["collect_wall_s"] / seconds if seconds and "collect_wall_s" in used else None
+        ),
+        "dali_workers_asleep": max(0.0, 1 - (on_cpu + waiting) / span) if span else None,
+        "dali_workers_waiting_for_a_core": waiting / span if span else None,
     }
 
 

@@ -237,7 +237,7 @@ def test_a_snapshot_counts_a_copy_under_way_up_to_its_moment() -> None:
     more copying than executor time (a copy counted only at its end did, by a whole batch's)."""
     totals = threads._Totals()
     ident = threading.get_ident()
-    totals.executors[ident] = types.SimpleNamespace(samples=0)
+    totals.executors[ident] = types.SimpleNamespace(samples=0, runs=0)
     totals.copying[ident] = time.thread_time()
     spent = time.thread_time() + 0.02
     while time.thread_time() < spent:
@@ -286,3 +286,58 @@ def test_the_cohort_targets_compare_a_cohort_with_as_many_in_process_jobs() -> N
     assert on_gpu[eight]["met"] is None  # 8 jobs did not run
     readings: list[dict[str, Any]] = [{"cohorts": []}, {"cohorts": [{"hit_rate": 0.5}]}]
     assert cohort_hit_rate(readings) == 0.5 and cohort_hit_rate([]) is None
+
+
+def test_how_well_the_dali_threads_were_fed_over_a_window() -> None:
+    """Run fullness, the executors' waits and DALI's workers asleep or waiting for a core come
+    from the snapshots' scheduler figures, by thread, over the threads alive at both ends."""
+
+    def snapshot(t_ns: int, k: int, threads: dict[str, list[Any]]) -> dict[str, Any]:
+        return {
+            "t_ns": t_ns,
+            "by_op": {},
+            "executor_samples": 100 * k,
+            "executor_runs": k,
+            "next_run_wall_s": 0.1 * k,
+            "collect_wall_s": 0.5 * k,
+            "sched_by_thread": threads,
+        }
+
+    second = 1_000_000_000
+    snapshots = [
+        snapshot(0, 0, {"7": ["[DALI][TP0]Exec", 1.0, 1.0], "8": ["[DALI][TP1]Exec", 1.0, 1.0]}),
+        # A pipeline built inside the window (thread 9) is left out: it has no start.
+        snapshot(
+            second,
+            4,
+            {
+                "7": ["[DALI][TP0]Exec", 1.6, 1.3],
+                "8": ["[DALI][TP1]Exec", 1.5, 1.3],
+                "9": ["[DALI][TP0]Exec", 0.5, 0.0],
+            },
+        ),
+        # After the window the pipeline's threads are gone: its last snapshot inside counts.
+        snapshot(2 * second, 5, {}),
+    ]
+    used = window(snapshots, 0, 3 * second // 2)
+    assert used["seconds"] == pytest.approx(2.0) and used["sched_seconds"] == pytest.approx(1.0)
+    assert used["sched_by_thread_name"]["[DALI][TP0]Exec"] == pytest.approx([1, 0.6, 0.3])
+    found = figures(used)
+    assert found["samples_per_run"] == pytest.approx(100.0)
+    assert found["executors_waiting_for_batches"] == pytest.approx(0.25)
+    assert found["executors_waiting_for_dali"] == pytest.approx(1.25)
+    assert found["dali_workers_waiting_for_a_core"] == pytest.approx(0.3)
+    assert found["dali_workers_asleep"] == pytest.approx(0.15)
+
+
+def test_the_scheduler_figures_of_this_process_threads() -> None:
+    """Each live thread's time on a CPU and waiting for one, read from the kernel: a thread
+    that sleeps gains neither, one that spins gains CPU."""
+    before = threads._sched_by_thread()
+    spent = time.thread_time() + 0.02
+    while time.thread_time() < spent:
+        pass
+    after = threads._sched_by_thread()
+    me = str(threading.get_native_id())
+    assert after[me][1] - before[me][1] >= 0.02
+    assert all(cpu >= 0 and wait >= 0 for _, cpu, wait in after.values())
