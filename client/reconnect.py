@@ -21,11 +21,11 @@ seconds otherwise, and raises DaemonUnavailable):
 
 1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
    batch and the job its proxy names (``job_token``, unique to one job of one daemon
-   instance). With reconnect=True the ref also carries a :class:`Resubmission`: the batch's
-   inputs, kept until the trainer has delivered its outputs, and the job that accepted the
-   batch (``accepted_by``, the token of its link's welcome). A worker that finds the daemon
-   gone leaves the batch unsent (``batch_id`` None) and drops that job's link; the trainer
-   submits it.
+   instance). With reconnect=True the ref also carries a ``Resubmission`` (``refs.py``): the
+   batch's inputs, kept until the trainer has delivered its outputs, and the job that accepted
+   the batch (``accepted_by``, the token of its link's welcome). A worker that finds the
+   daemon gone leaves the batch unsent (``batch_id`` None) and drops that job's link; the
+   trainer submits it.
 2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
    whole: its link (no goodbye), its slab mappings and the results it had received but not
    yet delivered. Tensors already delivered stay valid: their pages stay mapped until the
@@ -100,7 +100,6 @@ from .target import ProxyTarget
 
 if TYPE_CHECKING:
     from .refs import DALIPipelineRunRef
-    from .worker import Proxy
 
 log = logging.getLogger("dalid.client")
 
@@ -115,21 +114,11 @@ REJOIN_HELLO_TIMEOUT_S = 1.0
 T = TypeVar("T")
 
 
-@dataclass
-class Resubmission:
-    """What a batch reference carries with reconnect=True, so that the trainer can submit the
-    batch again to a restarted daemon (points 1 and 3 of the note)."""
+class Retargetable(Protocol):
+    """A proxy made for a registration (``worker.Proxy``, whose module builds on this one)."""
 
-    # The token of the job that accepted the batch ("": none). Another job's than the ref's
-    # job_token when a worker rejoined its trainer's job on a restarted daemon.
-    accepted_by: str = ""
-    # The batch's inputs once collated, until the trainer has delivered its outputs.
-    inputs: dict[str, list[Any]] = field(default_factory=dict)
-
-    def accepted(self, job_token: str, inputs: dict[str, list[Any]]) -> None:
-        """The batch was collated, and accepted by the job with ``job_token`` ("": unsent)."""
-        self.accepted_by = job_token
-        self.inputs = inputs
+    def retarget(self, target: ProxyTarget) -> None:
+        """Points the proxy at another registration of the same pipeline (a new job)."""
 
 
 # --- the trainer's side ---------------------------------------------------------------------------
@@ -241,7 +230,7 @@ class Registration:
     # The daemon's answer to the latest registration: the pipeline as it built it.
     registered: PipelineRegistered | None = None
     # The proxies made for it, pointed at each new registration.
-    proxies: weakref.WeakSet[Proxy] = field(default_factory=weakref.WeakSet)
+    proxies: weakref.WeakSet[Retargetable] = field(default_factory=weakref.WeakSet)
 
 
 class Reconnector:

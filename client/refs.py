@@ -9,11 +9,32 @@ yields batch references, which pickle to the trainer.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .reconnect import Resubmission
-    from .worker import Proxy
+
+class Submits(Protocol):
+    """The proxy a sample reference came from (``worker.Proxy``, whose module builds on this
+    one): collating the batch's references submits the batch through it."""
+
+    def _submit(self, run: DALIPipelineRunRef) -> None: ...
+
+
+@dataclass
+class Resubmission:
+    """What a batch reference carries with reconnect=True, so that the trainer can submit the
+    batch again to a restarted daemon (Note [Daemon restarts] in reconnect.py, points 1 and 3)."""
+
+    # The token of the job that accepted the batch ("": none). Another job's than the ref's
+    # job_token when a worker rejoined its trainer's job on a restarted daemon.
+    accepted_by: str = ""
+    # The batch's inputs once collated, until the trainer has delivered its outputs.
+    inputs: dict[str, list[Any]] = field(default_factory=dict)
+
+    def accepted(self, job_token: str, inputs: dict[str, list[Any]]) -> None:
+        """The batch was collated, and accepted by the job with ``job_token`` ("": unsent)."""
+        self.accepted_by = job_token
+        self.inputs = inputs
 
 
 class DALIPipelineRunRef:
@@ -92,7 +113,7 @@ class DALIOutputSampleRef:
     """One output of one sample, before its batch is collated."""
 
     def __init__(
-        self, proxy: Proxy, pipe_run_ref: DALIPipelineRunRef, output_idx: int, sample_idx: int
+        self, proxy: Submits, pipe_run_ref: DALIPipelineRunRef, output_idx: int, sample_idx: int
     ) -> None:
         self.proxy = proxy
         self.pipe_run_ref = pipe_run_ref

@@ -20,8 +20,8 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .errors import DaemonUnavailable, InputError, RequestError
 from .link import Link
-from .reconnect import Resubmission, left_to_trainer, worker_links
-from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
+from .reconnect import left_to_trainer, worker_links
+from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef, Resubmission
 from .samples import as_sample
 from .target import ProxyTarget
 

@@ -21,8 +21,7 @@ from dalid.protocol import ErrorCode
 from .errors import RequestRefused
 
 if TYPE_CHECKING:
-    from .executor import PipelineExecutor
-    from .runs import PendingBatch
+    from .runs import Executor, PendingBatch
 
 
 @dataclass
@@ -32,7 +31,7 @@ class WaitingBatch:
     sender: bytes
     request_id: int | None
     batch: PendingBatch
-    executor: PipelineExecutor
+    executor: Executor
 
 
 class Admission:
@@ -56,7 +55,7 @@ class Admission:
     def submit(
         self,
         batch: PendingBatch,
-        executor: PipelineExecutor,
+        executor: Executor,
         sender: bytes,
         request_id: int | None,
     ) -> bool:

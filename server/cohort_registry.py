@@ -91,11 +91,12 @@ class Cohorts:
         return cohort
 
     def leave(self, member: Member, pid: int, namespace: int) -> None:
-        cohort = member.cohort
-        if cohort is None:
+        joined = member.cohort
+        if joined is None:
             return
-        cohort.leave(member, pid, namespace)
-        if cohort.empty and self._cohorts.get(cohort.name) is cohort:
+        joined.leave(member, pid, namespace)
+        cohort = self._cohorts.get(joined.name)
+        if cohort is joined and cohort.empty:
             del self._cohorts[cohort.name]
             cohort.close()
             log.info("cohort %r ended with its last member", cohort.name)

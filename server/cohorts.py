@@ -143,6 +143,27 @@ class Entry:
         batches = [self.producer, *self.followers]
         return [b.member.job_id for b in batches if b is not None and b.member is not None]
 
+    # Its run, as the executor that runs it sees it (runs.CohortRun): the cohort's to settle.
+
+    def write(
+        self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
+    ) -> tuple[OutputDescriptor, ...] | None:
+        return self.cohort.write(outputs, rows, source_stream)
+
+    def account(self, seconds: float) -> None:
+        self.cohort.account(self, seconds)
+
+    def publish(
+        self, descriptors: tuple[OutputDescriptor, ...], settle: Settle
+    ) -> list[tuple[PendingBatch, BatchReady]]:
+        return self.cohort.publish(self, descriptors, settle)
+
+    def take_recipients(self) -> list[PendingBatch]:
+        return self.cohort.take_recipients(self)
+
+    def abandon(self) -> list[PendingBatch]:
+        return self.cohort.abandon(self)
+
 
 class Outcome:
     """What a submitted batch of a member becomes (:meth:`Cohort.take`)."""

@@ -28,18 +28,26 @@ for ever. A loop that releases its batches never gets one:
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .outputs import RunOutput
 
 # How long a batch waits for the trainer to release a region before it goes as a copy.
 PRIVATE_COPY_AFTER_S = 1.0
 
 
-def private_copy(output: RunOutput, rows: range, nbytes: int) -> np.ndarray:
+class CopiedOutput(Protocol):
+    """What a copy reads of one output of a run (``outputs.RunOutput``, whose module builds on
+    this one to deliver private copies)."""
+
+    tensors: Any
+
+    def dense(self) -> Any: ...
+
+    def row_bytes(self, rows: range) -> int: ...
+
+
+def private_copy(output: CopiedOutput, rows: range, nbytes: int) -> np.ndarray:
     """The bytes of ``rows`` of one output of a run (CPU or GPU) in a new host buffer."""
     buffer = np.empty(nbytes, dtype=np.uint8)
     if not nbytes:

@@ -595,7 +595,7 @@ class PipelineExecutor:
             entry = batch.cohort_entry
             if entry is not None:
                 # Charged once, split among the jobs that consume it (cohorts.py, point 5).
-                entry.cohort.account(entry, share)
+                entry.account(share)
             else:
                 self._scheduler.charge(batch.member.job_id, share)
 
@@ -625,11 +625,10 @@ class PipelineExecutor:
         cohorts.py). Its own job may have ended: the others still get them."""
         entry = batch.cohort_entry
         assert entry is not None
-        cohort = entry.cohort
-        descriptors = cohort.write(outputs, rows, self._stream)
+        descriptors = entry.write(outputs, rows, self._stream)
         if descriptors is not None:
             settle = functools.partial(self._planner.settle, batch, released=True)
-            for recipient, ready in cohort.publish(entry, descriptors, settle):
+            for recipient, ready in entry.publish(descriptors, settle):
                 member = recipient.member
                 assert member is not None
                 member.answer(recipient, ready)
@@ -638,7 +637,7 @@ class PipelineExecutor:
             if batch.member is not None and batch.member.closed:
                 self._planner.settle(batch)
             return
-        for recipient in cohort.take_recipients(entry):
+        for recipient in entry.take_recipients():
             member = recipient.member
             assert member is not None
             with member.writing:
@@ -652,7 +651,7 @@ class PipelineExecutor:
         if entry is None:
             return
         batch.cohort_entry = None
-        resubmit(entry.cohort.abandon(entry))
+        resubmit(entry.abandon())
 
     def _learn_sizes(self, outputs: Sequence[RunOutput]) -> None:
         sizes = []

@@ -54,7 +54,7 @@ from .admission import Admission, WaitingBatch
 from .batch_ids import BatchIds
 from .errors import RequestRefused
 from .outputs import JobOutputs
-from .status import RateMeter
+from .rates import RateMeter
 
 if TYPE_CHECKING:
     from .runs import Member, PendingBatch

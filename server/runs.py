@@ -15,19 +15,18 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from dalid.protocol import BatchFailed, BatchReady, OnError, SubmitBatch
+from dalid.protocol import BatchFailed, BatchReady, OnError, OutputDescriptor, SubmitBatch
 
-from .outputs import JobOutputs
+from .outputs import JobOutputs, RunOutput
 
 if TYPE_CHECKING:
-    from .cohorts import Cohort, Entry
-    from .executor import PipelineExecutor
+    from .runner import PipelineSpec
 
 # After one of its batches had bad samples, a job's next batches of the pipeline run alone,
 # not mixed with other jobs' samples, so that another bad one costs no other job a rerun.
@@ -58,7 +57,7 @@ class PendingBatch:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     # The cohort's entry this batch runs for (its outputs serve every member that submits the
     # same inputs: cohorts.py), or None.
-    cohort_entry: Entry | None = None
+    cohort_entry: CohortRun | None = None
 
     @property
     def size(self) -> int:
@@ -93,7 +92,7 @@ class Member:
     answer: Answer
     on_error: OnError
     deterministic: bool = False
-    executor: PipelineExecutor | None = None
+    executor: Executor | None = None
     queue: collections.deque[PendingBatch] = field(default_factory=collections.deque)
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
@@ -113,7 +112,7 @@ class Member:
     overflow: bool = False
     writing: threading.Lock = field(default_factory=threading.Lock)
     # The cohort the job joined with this registration (cohorts.py), or None.
-    cohort: Cohort | None = None
+    cohort: JoinedCohort | None = None
 
     @property
     def held(self) -> int:
@@ -132,6 +131,68 @@ class Member:
     def spec(self) -> Any:
         """The built pipeline's spec (None until built)."""
         return None if self.executor is None else self.executor.spec
+
+
+# The executor that runs a member's pipeline, the cohort it joined and the cohort's run a batch
+# makes are classes of modules built on this one (executor.py, cohorts.py): the members and
+# batches here name them by what those who hold a member or a batch ask of them.
+
+
+class Executor(Protocol):
+    """The executor of a member's pipeline (``executor.PipelineExecutor``), as those that hold
+    the member use it."""
+
+    instance_id: int
+    failed: bool
+    spec: PipelineSpec | None
+
+    @property
+    def members(self) -> list[Member]: ...
+
+    @property
+    def window(self) -> int: ...
+
+    def submit(self, batch: PendingBatch) -> None: ...
+
+    def want(self, member: Member, batch_id: int) -> None: ...
+
+    def sender_left(self, member: Member, first_id: int, end_id: int) -> None: ...
+
+    def leave(self, member: Member) -> bool: ...
+
+
+class JoinedCohort(Protocol):
+    """The cohort a member joined (``cohorts.Cohort``), as the I/O thread uses it."""
+
+    name: str
+
+    def take(self, batch: PendingBatch) -> tuple[str, BatchReady | None]: ...
+
+    def want(self, job_id: int, batch_id: int) -> None: ...
+
+    def release(self, job_id: int, region_ids: Sequence[int]) -> list[int]: ...
+
+    def sender_left(self, job_id: int, first_id: int, end_id: int) -> None: ...
+
+    def leave(self, member: Member, pid: int, namespace: int) -> None: ...
+
+
+class CohortRun(Protocol):
+    """The run a batch makes for its cohort (``cohorts.Entry``), as its executor uses it."""
+
+    def write(
+        self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
+    ) -> tuple[OutputDescriptor, ...] | None: ...
+
+    def account(self, seconds: float) -> None: ...
+
+    def publish(
+        self, descriptors: tuple[OutputDescriptor, ...], settle: Callable[[], None]
+    ) -> list[tuple[PendingBatch, BatchReady]]: ...
+
+    def take_recipients(self) -> list[PendingBatch]: ...
+
+    def abandon(self) -> list[PendingBatch]: ...
 
 
 @dataclass(eq=False)

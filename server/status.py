@@ -1,62 +1,48 @@
-"""The figures ``dalid status`` and the metrics endpoint show: per-job counters and rates."""
+"""The figures ``dalid status`` and the metrics endpoint show: the daemon, and per job its
+counters and rates."""
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from dalid.protocol import PROTOCOL_VERSION, JobStatus, StatusReport, device_label
 
 from .scheduler import ShareStats
 
 if TYPE_CHECKING:
-    from .core import DaemonCore
+    from .cohort_registry import Cohorts
     from .jobs import Job
+    from .pipelines import PipelineBuilder
+    from .quotas import Quotas
+    from .reservations import OutputMemory
+    from .scheduler import FairScheduler
 
-# Rates are averaged over this many seconds: long enough to smooth batch-sized steps, short
-# enough that a live table follows a job that slows down.
-RATE_WINDOW_S = 5.0
 
+class Daemon(Protocol):
+    """What the report reads of the daemon (``core.DaemonCore``, which builds on this module
+    and calls :func:`status_report` with itself)."""
 
-class RateMeter:
-    """Batches and samples delivered: totals, and rates over the last ``window`` seconds.
-
-    Executor threads add; the daemon's I/O thread reads.
-    """
-
-    def __init__(self, window: float = RATE_WINDOW_S) -> None:
-        self.window = window
-        self.batches = 0
-        self.samples = 0
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
-        self._lock = threading.Lock()
-        self._since = time.monotonic()
-
-    def add(self, samples: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            self.batches += 1
-            self.samples += samples
-            self._recent.append((now, samples))
-            self._forget_before(now - self.window)
-
-    def rates(self, now: float | None = None) -> tuple[float, float]:
-        """Batches and samples per second over the window (or since the meter started)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            self._forget_before(now - self.window)
-            span = min(self.window, now - self._since)
-            if span <= 0 or not self._recent:
-                return 0.0, 0.0
-            samples = sum(count for _, count in self._recent)
-            return len(self._recent) / span, samples / span
-
-    def _forget_before(self, cutoff: float) -> None:
-        while self._recent and self._recent[0][0] < cutoff:
-            self._recent.popleft()
+    @property
+    def device(self) -> str | int: ...
+    @property
+    def device_uuid(self) -> str: ...
+    @property
+    def dali_version(self) -> str: ...
+    @property
+    def quotas(self) -> Quotas: ...
+    @property
+    def scheduler(self) -> FairScheduler: ...
+    @property
+    def output_memory(self) -> Mapping[str, OutputMemory]: ...
+    @property
+    def jobs(self) -> Mapping[int, Job]: ...
+    @property
+    def pipelines(self) -> PipelineBuilder: ...
+    @property
+    def cohorts(self) -> Cohorts: ...
 
 
 def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
@@ -96,7 +82,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
     )
 
 
-def status_report(core: DaemonCore, uptime: float) -> StatusReport:
+def status_report(core: Daemon, uptime: float) -> StatusReport:
     """The daemon and its jobs now, as ``dalid status`` and the metrics endpoint show them."""
     now = time.monotonic()
     return StatusReport(

@@ -98,7 +98,8 @@ def _run(cohort: Cohort, batch: PendingBatch, value: float, settled: list[int]) 
     run = [RunOutput(0, TensorListCPU(np.full((SAMPLES, PAGE // 4), value, np.float32)))]
     descriptors = cohort.write(run, run[0].whole, None)
     assert descriptors is not None and batch.cohort_entry is not None
-    return cohort.publish(batch.cohort_entry, descriptors, lambda: settled.append(batch.batch_id))
+    # As the executor does: through the entry, whose cohort settles it.
+    return batch.cohort_entry.publish(descriptors, lambda: settled.append(batch.batch_id))
 
 
 def _ids(ready: BatchReady) -> list[int]:
@@ -216,7 +217,7 @@ def test_a_failed_run_hands_its_followers_back_to_run_for_themselves(outputs: Jo
     cohort.take(running)
     cohort.take(following)
     assert running.cohort_entry is not None
-    assert cohort.abandon(running.cohort_entry) == [following]
+    assert running.cohort_entry.abandon() == [following]
     assert following.cohort_entry is None
     # Nothing is left to match: the same inputs run anew.
     assert cohort.take(second.batch(0))[0] == Outcome.RUN
@@ -412,7 +413,7 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
     cohort.take(running)
     cohort.take(following)
     assert running.cohort_entry is not None
-    cohort.account(running.cohort_entry, 0.3)
+    running.cohort_entry.account(0.3)
     _run(cohort, running, 1.0, [])
 
     def totals(*lists: list[tuple[int, float]]) -> dict[int, float]:
