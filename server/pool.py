@@ -308,6 +308,18 @@ class RegionPool:
             growth = self._growth.available() if self._growth is not None else 0
         return needed <= self.limit_bytes - leased + growth
 
+    def sets_fit(self, sizes: Sequence[int]) -> int:
+        """How many sets of regions of ``sizes`` the pool could hold at once: what it may reach
+        (its limit, and what its growth may still reserve) over what a set takes of it, each
+        region counted in whole pages (a large one gets a slab of its own). Errs low: small
+        regions share slabs."""
+        needed = sum(_align(size, PAGE) for size in sizes)
+        with self._condition:
+            reach = self.limit_bytes
+            if self._growth is not None:
+                reach += self._growth.available()
+        return reach // needed if needed else reach
+
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
         unknown = []

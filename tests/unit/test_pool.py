@@ -765,3 +765,26 @@ def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> N
         other.close()
     finally:
         pool.close()
+
+
+def test_a_pool_says_how_many_batches_it_could_hold_and_holds_them(prefix: str) -> None:
+    # A job's window is no wider than this (Note [A job's window] in run_planner.py, point 7).
+    memory = OutputMemory(limit=64 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(11 * PAGE))
+    try:
+        batch = [2 * PAGE + 1, 100]  # images of 3 pages, labels of one
+        assert pool.sets_fit(batch) == 2
+        held = [pool.allocate(batch) for _ in range(2)]  # it holds what it said, without waiting
+        assert pool.sets_fit(batch) == 2  # the same with the memory reserved
+        other = memory.fixed(48 * PAGE)
+        assert pool.sets_fit(batch) == 2  # what it holds already is its own
+        other.close()
+        pool.release([region.region_id for regions in held for region in regions])
+        # The daemon's limit leaves it less to grow into: what it holds, and 2 pages more.
+        other = memory.fixed(64 * PAGE - pool.limit_bytes - 2 * PAGE)
+        assert pool.sets_fit([PAGE]) == pool.limit_bytes // PAGE + 2
+        assert pool.sets_fit(batch) == (pool.limit_bytes + 2 * PAGE) // (4 * PAGE)
+        other.close()
+    finally:
+        pool.close()
