@@ -1,6 +1,6 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 430 lines: the note below is the lifetime contract the pool enforces,
+Why one module of some 480 lines: the note below is the lifetime contract the pool enforces,
 and it reads best beside the code that keeps each of its rules.
 
 Note [Output buffer lifetime]
@@ -23,7 +23,12 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    growing pool holds those batches, in slabs of whole regions placed best-fit, and the quota
    is an upper bound it reaches only for a trainer that keeps its outputs.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
-   their names handed to the trainer (``take_retired``).
+   their names handed to the trainer (``take_retired``). So are empty slabs that no lease
+   needed since the previous such look, ``IDLE_SLAB_S`` or more before (the most bytes leased
+   at once meanwhile, against the slabs held):
+   a pool that grew for a wider window (a DALI instance since dropped, a trainer that kept its
+   outputs for a while) goes back to what its job holds now (its reservation stays: the pool
+   may grow again without asking).
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
    name unlinked; a trainer that still views a region keeps its pages through its own mapping,
    and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
@@ -50,6 +55,8 @@ PAGE = mmap.PAGESIZE
 # A slab of a growing pool holds at most this many regions of the size that asked for it (and
 # what fits in ``slab_bytes``): small outputs get small slabs, and room for a few batches.
 GROWTH_REGIONS = 4
+# How long an empty slab may stay beyond what the pool's leases needed at once (point 4).
+IDLE_SLAB_S = 30.0
 
 
 class Slab(Protocol):
@@ -184,6 +191,7 @@ class RegionPool:
         alignment: int = ALIGNMENT,
         *,
         region_ids: Iterator[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
         self._growth: Growth | None = None
@@ -205,6 +213,12 @@ class RegionPool:
         # it changes, the trainer holds everything and the next allocation gives up at once.
         self._released = 0
         self._gave_up_at = -1
+        # Bytes leased now, the most leased at once since the last trim, and when the next is
+        # (point 4 of the note).
+        self._clock = clock
+        self._leased_bytes = 0
+        self._most_leased = 0
+        self._trim_at = clock() + IDLE_SLAB_S
 
     def grow_within(self, growth: Growth) -> None:
         """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
@@ -254,6 +268,8 @@ class RegionPool:
         if self._growth is None and sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
+            if self._clock() >= self._trim_at:
+                self._trim()
             released = self._released
             deadline = None if give_up_after is None else time.monotonic() + give_up_after
             while True:
@@ -289,6 +305,18 @@ class RegionPool:
             f"than fits in the pool's limit of {self.limit_bytes} bytes: raise --pool-bytes or "
             "use a smaller batch"
         )
+
+    def _trim(self) -> None:
+        """Frees the empty slabs, largest first, that the most bytes leased at once since the
+        last trim did not need (point 4 of the note); under the lock."""
+        spare = self.slab_bytes_total - self._most_leased
+        empty = sorted((s for s in self._spaces if s.empty), key=lambda s: -s.slab.size)
+        for space in empty:
+            if space.slab.size <= spare:
+                spare -= space.slab.size
+                self._retire(space)
+        self._most_leased = self._leased_bytes
+        self._trim_at = self._clock() + IDLE_SLAB_S
 
     def _drop_empty_slabs(self) -> None:
         for space in [space for space in self._spaces if space.empty]:
@@ -331,6 +359,7 @@ class RegionPool:
                     continue
                 space, offset, size = lease
                 space.give_back(offset, size)
+                self._leased_bytes -= size
             self._released += len(region_ids) - len(unknown)
             self._condition.notify_all()
         return unknown
@@ -375,7 +404,9 @@ class RegionPool:
         for (space, offset, size), requested in zip(taken, sizes, strict=True):
             region_id = next(self._region_ids)
             self._leases[region_id] = (space, offset, size)
+            self._leased_bytes += size
             regions.append(Region(region_id, space.slab, offset, requested))
+        self._most_leased = max(self._most_leased, self._leased_bytes)
         return regions
 
     @staticmethod

@@ -24,6 +24,7 @@ from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
+    IDLE_SLAB_S,
     PAGE,
     PoolClosed,
     PoolFull,
@@ -786,5 +787,34 @@ def test_a_pool_says_how_many_batches_it_could_hold_and_holds_them(prefix: str) 
         assert pool.sets_fit([PAGE]) == pool.limit_bytes // PAGE + 2
         assert pool.sets_fit(batch) == (pool.limit_bytes + 2 * PAGE) // (4 * PAGE)
         other.close()
+    finally:
+        pool.close()
+
+
+def test_slabs_no_lease_needed_for_a_while_are_freed(prefix: str) -> None:
+    # A pool grown for a wider window (a DALI instance since dropped) goes back to what its
+    # job holds at once (point 4 of Note [Output buffer lifetime]).
+    now = [0.0]
+    memory = OutputMemory(limit=64 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE, clock=lambda: now[0])
+    pool.grow_within(memory.growing(32 * PAGE))
+    try:
+        wide = [pool.allocate([2 * PAGE])[0] for _ in range(3)]  # three batches at once
+        pool.release([region.region_id for region in wide])
+        assert pool.slab_count == 3
+        for _ in range(6):  # then one at a time, for a while
+            (region,) = pool.allocate([2 * PAGE])
+            pool.release([region.region_id])
+            now[0] += IDLE_SLAB_S / 3
+            # The look at IDLE_SLAB_S found three held at once in the period before it.
+            assert pool.slab_count == 3
+        (region,) = pool.allocate([2 * PAGE])  # the next look: one at a time since the last
+        assert pool.slab_count == 1 and pool.slab_bytes_total == 2 * PAGE
+        retired = pool.take_retired()
+        assert len(retired) == 2 and region.slab.name not in retired
+        assert _segments(prefix) == [region.slab.name]  # the others are unlinked
+        (second,) = pool.allocate([2 * PAGE])  # it grows again as it did
+        assert pool.slab_count == 2
+        pool.release([region.region_id, second.region_id])
     finally:
         pool.close()
