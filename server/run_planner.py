@@ -17,9 +17,9 @@ find no room. So:
    gone) or the trainer has released every region of it. ``window`` is the pipeline's
    ``prefetch_queue_depth`` (what DALI in-process holds) for each DALI instance running
    the graph (``instances.py``: a job alone keeps them all busy only so) plus
-   ``TRAINER_HOLDS``, the batch the trainer holds while it waits for the next. A member whose
-   window is full is passed over, so no executor blocks in an allocation for it and other
-   jobs run on.
+   ``TRAINER_HOLDS``, the batch the trainer holds while it waits for the next, and no wider
+   than its job's output memory allows (point 7). A member whose window is full is passed
+   over, so no executor blocks in an allocation for it and other jobs run on.
 2. The trainer names the batch it is about to wait for (``want_batch``). That batch goes to the
    front of its member's queue (or there when it arrives, if it comes later, or once admitted
    if the job's in-flight limit held it back: ``Admission.want``), and passes a full window:
