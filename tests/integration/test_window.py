@@ -70,20 +70,32 @@ def test_batches_the_trainer_takes_in_the_reverse_order_arrive_without_copies(
         assert daemon.stop() == 0, daemon.log_text()
 
 
-def test_a_window_widened_by_two_instances_stays_within_the_jobs_memory(short_tmp: Path) -> None:
-    # Two DALI instances prefetching two runs each make the pipeline's window 5; the job's
-    # output memory holds 4 batches. Wider than that (point 7 of the note), the window let in
-    # batches that filled the memory while the batch the trainer waits for was queued behind
+@pytest.mark.parametrize(
+    ("instances", "fits"), [(2, 4), (1, 3)], ids=["two-instances", "small-quota"]
+)
+def test_a_window_stays_within_what_the_jobs_memory_holds(
+    short_tmp: Path, instances: int, fits: int
+) -> None:
+    # DALI instances prefetching two runs each make the pipeline's window 3 or 5; the job's
+    # output memory holds 3 or 4 batches. Wider than that (point 7 of the note), the window let
+    # in batches that filled the memory while the batch the trainer waits for was queued behind
     # them: the executor waited a second for a release that could not come, then sent a
     # private copy.
-    fits = 4
     daemon = start_daemon(
-        short_tmp, "--slab-bytes", "1M", "--instances", "2", "--pool-bytes", f"{fits * 2}M"
+        short_tmp,
+        "--slab-bytes",
+        "1M",
+        "--instances",
+        str(instances),
+        "--pool-bytes",
+        f"{fits * BATCH_BYTES // MiB}M",
     )
     try:
         with dalid.connect(socket=daemon.socket, autostart=False, name="narrow") as session:
             proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=2))
-            wait_for(lambda: daemon.status().pipelines[0].instances == 2, 30, "two instances")
+            wait_for(
+                lambda: daemon.status().pipelines[0].instances == instances, 30, "the instances"
+            )
             batches = [submit(proxy, number * BATCH) for number in range(BATCHES)]
             for number in reversed(range(BATCHES)):
                 scaled, shifted = session.produce_data(batches.pop())
