@@ -25,10 +25,9 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
    their names handed to the trainer (``take_retired``). So are empty slabs that no lease
    needed since the previous such look, ``IDLE_SLAB_S`` or more before (the most bytes leased
-   at once meanwhile, against the slabs held):
-   a pool that grew for a wider window (a DALI instance since dropped, a trainer that kept its
-   outputs for a while) goes back to what its job holds now (its reservation stays: the pool
-   may grow again without asking).
+   at once meanwhile, against the slabs held): a pool that grew for a wider window (a DALI
+   instance since dropped, a trainer that kept its outputs for a while) goes back to what its
+   job holds now. Its reservation stays, so that it may grow again without asking.
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
    name unlinked; a trainer that still views a region keeps its pages through its own mapping,
    and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
