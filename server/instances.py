@@ -7,15 +7,20 @@ scheduler and its runs in flight, all taking batches from the same members' queu
 is decided here, by trying: while the pipeline's members keep batches waiting (demand above
 what it delivers) and the device has room (the cores the daemon may use not all busy, with
 whatever process: trainers and their workers compete for them too; the GPU's utilisation
-below full), one more instance is started; after a measuring period its
-samples/s are held against what one fewer delivered, and it stays only if it raised them by a
-margin (on a CPU, half of what its idle cores could add: an instance can fill no more than
-those); otherwise it goes, and no other is tried for a while. An instance also goes when the
-members' demand fits in one fewer (no batch waited, and fewer samples than one fewer
-delivered). ``dalid serve --instances N`` pins the number instead.
+below full, as the measuring period's mean), one more instance is started; after a
+measuring period its samples/s are held against what one fewer delivered, and it stays only if
+it raised them by a margin (on a CPU, half of what its idle cores could add: an instance can
+fill no more than those); otherwise it goes, and no other is tried for a while. So does one
+whose samples/s rose by far more than the idle cores could add: its jobs' demand changed
+meanwhile, which says nothing of the instance. An instance also goes when the members' demand
+fits in one fewer (no batch waited, and fewer samples than one fewer delivered). ``dalid
+serve --instances N`` pins the number instead.
 
 :class:`InstanceController` is the decision alone, fed measurements and the time (tests feed
 it both); :class:`CpuMeter` and :class:`GpuMeter` take the measurements.
+
+Why one module of some 450 lines: the decision reads only what these meters measure, and
+each of its rules names the reading it trusts; kept beside them, neither drifts from the other.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ SETTLE_S = 2.0
 # last samples) gains at most that much from a second instance, which fills it.
 MARGIN = 0.10
 MIN_MARGIN = 0.02
+# On a CPU, a new instance can add at most what the idle cores of the period before it could
+# (their share of the busy ones); a rise past this many times that is not its doing (the jobs'
+# demand changed: on a CPU whose DALI threads fill its cores, a 5 s period that holds an
+# epoch's pause more or less than the next moves samples/s by 10 to 20%).
+PLAUSIBLE = 2.0
 # After an instance that did not pay, how long before another is tried.
 HOLD_OFF_S = 120.0
 # The share of a period's looks at the queues that must find batches waiting for demand to
@@ -110,8 +120,10 @@ class InstanceController:
         self._capacity: dict[int, float] = {}
         self._hold_until = 0.0
         self._changed = False  # whether it has changed the count yet
-        # The share the trial's instance must raise samples/s by (``_margin_for``).
+        # The share the trial's instance must raise samples/s by (``_margin_for``), and on a
+        # CPU, the most it could (``_cpu_room``: None where a GPU is measured).
         self._required = margin
+        self._most: float | None = None
 
     def observe(self, now: float, instances: int, load: Load) -> Change | None:
         """One look; the change to make now, if any (``reason`` then says why)."""
@@ -159,6 +171,7 @@ class InstanceController:
         ):
             self._trial_from, self._trial_since, self._before = instances, now, rate
             self._required = self._margin_for(window)
+            self._most = _cpu_room(window)
             self._changed = True
             self.reason = (
                 f"{instances}->{instances + 1}: trying, batches waited at "
@@ -198,10 +211,9 @@ class InstanceController:
     def _margin_for(self, window: _Window) -> float:
         """What a new instance must raise samples/s by: ``margin``, or on a CPU (no GPU measured)
         half of what its idle cores could add, if less (at least MIN_MARGIN)."""
-        if window.gpu_busy is not None or window.cpu_busy is None or not window.cores:
+        room = _cpu_room(window)
+        if room is None:
             return self._margin
-        busy = max(window.cpu_busy, 1e-3)
-        room = max(window.cores - busy, 0.0) / busy
         return min(self._margin, max(MIN_MARGIN, room / 2))
 
     def _judge(
@@ -209,6 +221,18 @@ class InstanceController:
     ) -> Change | None:
         before, was = self._before, self._trial_from
         self._trial_since = None
+        if self._most is not None and rate > before * (1 + PLAUSIBLE * self._most):
+            # More than its idle cores could add: what its jobs asked for changed meanwhile
+            # (a pause of theirs in the period before, say), so this measured demand, not
+            # the instance. It goes; another is tried after the hold-off.
+            self._hold_until = now + self._hold_off_s
+            self.reason = (
+                f"{was} instance{_s(was)}: {was}->{instances} gave {_rate(rate)} samples/s "
+                f"against {_rate(before)}, more than the idle cores could add "
+                f"(+{self._most:.0%}): demand changed, so back to {was}, next try in "
+                f"{self._hold_off_s:.0f} s; {device}"
+            )
+            return Change.DROP
         if rate >= before * (1 + self._required):
             if window.waiting_share >= BUSY_SHARE:
                 self._capacity[instances] = rate
@@ -235,24 +259,40 @@ class InstanceController:
 
 
 class _Window:
-    """One measuring period: where it started, and what its looks found."""
+    """One measuring period: where it started, and what its looks found; the device's load is
+    the mean of the period's readings (each covers the time since the previous one, and looks
+    come at a steady pace), not its last: a period whose last quarter of a second fell in a
+    pause of its jobs (an epoch's end) read as an idle device."""
 
     def __init__(self, start: float, samples: int) -> None:
         self.start = start
         self.samples = samples
         self.looks = 0
         self.waited = 0
-        self.cpu_busy: float | None = None
         self.cores = 0
-        self.gpu_busy: float | None = None
-        self.daemon_cpu: float | None = None
+        self._cpu = _Mean()
+        self._gpu = _Mean()
+        self._daemon = _Mean()
 
     def look(self, load: Load) -> None:
         self.looks += 1
         self.waited += load.waiting
-        # The latest meters' readings: each covers the time since its previous reading.
-        self.cpu_busy, self.cores, self.gpu_busy = load.cpu_busy, load.cores, load.gpu_busy
-        self.daemon_cpu = load.daemon_cpu
+        self.cores = load.cores or self.cores
+        self._cpu.add(load.cpu_busy)
+        self._gpu.add(load.gpu_busy)
+        self._daemon.add(load.daemon_cpu)
+
+    @property
+    def cpu_busy(self) -> float | None:
+        return self._cpu.value
+
+    @property
+    def gpu_busy(self) -> float | None:
+        return self._gpu.value
+
+    @property
+    def daemon_cpu(self) -> float | None:
+        return self._daemon.value
 
     @property
     def waiting_share(self) -> float:
@@ -263,6 +303,32 @@ class _Window:
         if self.cpu_busy is not None and self.cores and self.cpu_busy >= CPU_SATURATED * self.cores:
             return True
         return self.gpu_busy is not None and self.gpu_busy >= GPU_SATURATED
+
+
+class _Mean:
+    """The mean of the readings a meter gave (None: it gave none)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, reading: float | None) -> None:
+        if reading is not None:
+            self.total += reading
+            self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+def _cpu_room(window: _Window) -> float | None:
+    """On a CPU (no GPU measured): what the period's idle cores could add to its busy ones,
+    as a share of them; None where the CPU was not measured or a GPU was."""
+    if window.gpu_busy is not None or window.cpu_busy is None or not window.cores:
+        return None
+    busy = max(window.cpu_busy, 1e-3)
+    return max(window.cores - busy, 0.0) / busy
 
 
 def _device_text(load: Load, window: _Window) -> str:

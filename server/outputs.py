@@ -12,7 +12,7 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 490 lines: the store interface, the job's stores and a run's outputs
+Why one module of some 510 lines: the store interface, the job's stores and a run's outputs
 are the one boundary between the executor and output memory.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -268,6 +269,17 @@ class JobOutputs:
             if wanted and not store.pool.has_room(wanted):
                 return False
         return True
+
+    def batches_fit(self, sizes: Sequence[tuple[str, int]]) -> int:
+        """How many batches of outputs of these (DALI device, bytes) the job's memory could hold
+        at once (``RegionPool.sets_fit``): its window may hold no more (Note [A job's window]
+        in run_planner.py, point 7). Outputs no store takes need none of its memory."""
+        fits = sys.maxsize
+        for store in self.stores:
+            wanted = [size for device, size in sizes if device == store.takes]
+            if wanted:
+                fits = min(fits, store.pool.sets_fit(wanted))
+        return fits
 
     def _store_of(self, output: RunOutput) -> OutputStore:
         for store in self.stores:

@@ -1,6 +1,6 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 430 lines: the note below is the lifetime contract the pool enforces,
+Why one module of some 480 lines: the note below is the lifetime contract the pool enforces,
 and it reads best beside the code that keeps each of its rules.
 
 Note [Output buffer lifetime]
@@ -23,7 +23,11 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    growing pool holds those batches, in slabs of whole regions placed best-fit, and the quota
    is an upper bound it reaches only for a trainer that keeps its outputs.
 4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
-   their names handed to the trainer (``take_retired``).
+   their names handed to the trainer (``take_retired``). So are empty slabs that no lease
+   needed since the previous such look, ``IDLE_SLAB_S`` or more before (the most bytes leased
+   at once meanwhile, against the slabs held): a pool that grew for a wider window (a DALI
+   instance since dropped, a trainer that kept its outputs for a while) goes back to what its
+   job holds now. Its reservation stays, so that it may grow again without asking.
 5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
    name unlinked; a trainer that still views a region keeps its pages through its own mapping,
    and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
@@ -50,6 +54,8 @@ PAGE = mmap.PAGESIZE
 # A slab of a growing pool holds at most this many regions of the size that asked for it (and
 # what fits in ``slab_bytes``): small outputs get small slabs, and room for a few batches.
 GROWTH_REGIONS = 4
+# How long an empty slab may stay beyond what the pool's leases needed at once (point 4).
+IDLE_SLAB_S = 30.0
 
 
 class Slab(Protocol):
@@ -184,6 +190,7 @@ class RegionPool:
         alignment: int = ALIGNMENT,
         *,
         region_ids: Iterator[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
         self._growth: Growth | None = None
@@ -205,6 +212,12 @@ class RegionPool:
         # it changes, the trainer holds everything and the next allocation gives up at once.
         self._released = 0
         self._gave_up_at = -1
+        # Bytes leased now, the most leased at once since the last trim, and when the next is
+        # (point 4 of the note).
+        self._clock = clock
+        self._leased_bytes = 0
+        self._most_leased = 0
+        self._trim_at = clock() + IDLE_SLAB_S
 
     def grow_within(self, growth: Growth) -> None:
         """From now on ``limit_bytes`` is what ``growth`` has reserved, raised as outputs need
@@ -254,6 +267,8 @@ class RegionPool:
         if self._growth is None and sum(aligned) > self.limit_bytes:
             raise self._too_small(aligned)
         with self._condition:
+            if self._clock() >= self._trim_at:
+                self._trim()
             released = self._released
             deadline = None if give_up_after is None else time.monotonic() + give_up_after
             while True:
@@ -290,6 +305,18 @@ class RegionPool:
             "use a smaller batch"
         )
 
+    def _trim(self) -> None:
+        """Frees the empty slabs, largest first, that the most bytes leased at once since the
+        last trim did not need (point 4 of the note); under the lock."""
+        spare = self.slab_bytes_total - self._most_leased
+        empty = sorted((s for s in self._spaces if s.empty), key=lambda s: -s.slab.size)
+        for space in empty:
+            if space.slab.size <= spare:
+                spare -= space.slab.size
+                self._retire(space)
+        self._most_leased = self._leased_bytes
+        self._trim_at = self._clock() + IDLE_SLAB_S
+
     def _drop_empty_slabs(self) -> None:
         for space in [space for space in self._spaces if space.empty]:
             self._retire(space)
@@ -308,6 +335,18 @@ class RegionPool:
             growth = self._growth.available() if self._growth is not None else 0
         return needed <= self.limit_bytes - leased + growth
 
+    def sets_fit(self, sizes: Sequence[int]) -> int:
+        """How many sets of regions of ``sizes`` the pool could hold at once: what it may reach
+        (its limit, and what its growth may still reserve) over what a set takes of it, each
+        region counted in whole pages (a large one gets a slab of its own). Errs low: small
+        regions share slabs."""
+        needed = sum(_align(size, PAGE) for size in sizes)
+        with self._condition:
+            reach = self.limit_bytes
+            if self._growth is not None:
+                reach += self._growth.available()
+        return reach // needed if needed else reach
+
     def release(self, region_ids: Sequence[int]) -> list[int]:
         """Ends the leases of ``region_ids``; returns the ids that were not leased."""
         unknown = []
@@ -319,6 +358,7 @@ class RegionPool:
                     continue
                 space, offset, size = lease
                 space.give_back(offset, size)
+                self._leased_bytes -= size
             self._released += len(region_ids) - len(unknown)
             self._condition.notify_all()
         return unknown
@@ -363,7 +403,9 @@ class RegionPool:
         for (space, offset, size), requested in zip(taken, sizes, strict=True):
             region_id = next(self._region_ids)
             self._leases[region_id] = (space, offset, size)
+            self._leased_bytes += size
             regions.append(Region(region_id, space.slab, offset, requested))
+        self._most_leased = max(self._most_leased, self._leased_bytes)
         return regions
 
     @staticmethod

@@ -17,9 +17,9 @@ find no room. So:
    gone) or the trainer has released every region of it. ``window`` is the pipeline's
    ``prefetch_queue_depth`` (what DALI in-process holds) for each DALI instance running
    the graph (``instances.py``: a job alone keeps them all busy only so) plus
-   ``TRAINER_HOLDS``, the batch the trainer holds while it waits for the next. A member whose
-   window is full is passed over, so no executor blocks in an allocation for it and other
-   jobs run on.
+   ``TRAINER_HOLDS``, the batch the trainer holds while it waits for the next, and no wider
+   than its job's output memory allows (point 7). A member whose window is full is passed
+   over, so no executor blocks in an allocation for it and other jobs run on.
 2. The trainer names the batch it is about to wait for (``want_batch``). That batch goes to the
    front of its member's queue (or there when it arrives, if it comes later, or once admitted
    if the job's in-flight limit held it back: ``Admission.want``), and passes a full window:
@@ -46,6 +46,14 @@ find no room. So:
    window for good. A worker leaves at an epoch's end only after the trainer has asked for
    every batch it sent, so a batch that stops counting then is one the trainer holds (point
    1's ``TRAINER_HOLDS``) or keeps.
+7. A member's window is also no wider than its job's output memory can hold with the two
+   batches of point 2 beside it (``JobOutputs.batches_fit``, for batches the size of the one
+   to take, at the sizes per sample of the pipeline's last run; a window of one until a run
+   has told them): so every batch the window lets in finds room, and none waits in an
+   allocation for a release the trainer makes only once it has the batch the trainer waits
+   for, which may be queued in DALI behind it. Without it, a window widened by more
+   instances, or a pool whose quota holds only a few batches, made the executor wait
+   ``copy_after`` and send the batch as a private copy.
 """
 
 from __future__ import annotations
@@ -229,7 +237,10 @@ class RunPlanner:
     def _in_window(self, member: Member, head: PendingBatch) -> bool:
         """Whether ``member``'s queue head may be taken now, as far as its window goes."""
         window = self.window
-        if not window or member.held < window or member.overflow:
+        if not window or not member.held or member.overflow:
+            return True
+        window = self._window_of(member, head)
+        if member.held < window:
             return True
         if head.batch_id != member.wanted:
             return False
@@ -246,6 +257,15 @@ class RunPlanner:
             return True
         self._starved = True
         return False
+
+    def _window_of(self, member: Member, head: PendingBatch) -> int:
+        """``member``'s window: the pipeline's, no wider than its job's output memory holds
+        beside the batch its trainer holds and the one it waits for (point 7)."""
+        if not self.sample_sizes:
+            return 1  # the outputs' sizes are known once a run is out
+        sizes = [(device, size * head.size) for device, size in self.sample_sizes]
+        fits = member.outputs.batches_fit(sizes)
+        return max(1, min(self.window, fits - TRAINER_HOLDS - 1))
 
     def wake(self) -> None:
         with self.changed:

@@ -70,6 +70,46 @@ def test_batches_the_trainer_takes_in_the_reverse_order_arrive_without_copies(
         assert daemon.stop() == 0, daemon.log_text()
 
 
+@pytest.mark.parametrize(
+    ("instances", "fits"), [(2, 4), (1, 3)], ids=["two-instances", "small-quota"]
+)
+def test_a_window_stays_within_what_the_jobs_memory_holds(
+    short_tmp: Path, instances: int, fits: int
+) -> None:
+    # DALI instances prefetching two runs each make the pipeline's window 3 or 5; the job's
+    # output memory holds 3 or 4 batches. Wider than that (point 7 of the note), the window let
+    # in batches that filled the memory while the batch the trainer waits for was queued behind
+    # them: the executor waited a second for a release that could not come, then sent a
+    # private copy.
+    daemon = start_daemon(
+        short_tmp,
+        "--slab-bytes",
+        "1M",
+        "--instances",
+        str(instances),
+        "--pool-bytes",
+        f"{fits * BATCH_BYTES // MiB}M",
+    )
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="narrow") as session:
+            proxy = session.proxy(two_output_pipeline(prefetch_queue_depth=2))
+            wait_for(
+                lambda: daemon.status().pipelines[0].instances == instances, 30, "the instances"
+            )
+            batches = [submit(proxy, number * BATCH) for number in range(BATCHES)]
+            for number in reversed(range(BATCHES)):
+                scaled, shifted = session.produce_data(batches.pop())
+                expected = np.stack([big_sample(number * BATCH + i) for i in range(BATCH)])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+            del scaled, shifted
+            (job,) = daemon.status().jobs
+            assert job.batches_done == BATCHES
+            assert job.batches_copied == 0
+            assert job.peak_slab_bytes <= fits * BATCH_BYTES
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
 def test_a_dataloader_with_many_workers_gets_every_batch_without_copies(short_tmp: Path) -> None:
     daemon = start(short_tmp)
     try:

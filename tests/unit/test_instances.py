@@ -131,6 +131,38 @@ def test_on_a_cpu_with_a_few_idle_cores_an_instance_must_fill_half_of_them(
         assert "gave 1,015 samples/s against 1,000 (under +3%), so back to 1" in reason
 
 
+def test_a_cpu_busy_through_a_period_is_busy_though_its_last_reading_was_not() -> None:
+    # The jobs paused at the period's end (an epoch's end): the period's mean says the device
+    # was busy; its last reading alone said it had room, and a second instance was tried.
+    pipeline = Pipeline(controller(), {1: 1000.0, 2: 1000.0})
+    pipeline.cpu_busy = 2.0
+    pipeline.run(LOOK)  # the first look starts the first period
+    for _ in range(5):
+        pipeline.run(PERIOD - LOOK)
+        pipeline.cpu_busy = 1.6
+        pipeline.run(LOOK)
+        pipeline.cpu_busy = 2.0
+    assert pipeline.changes == []
+    assert pipeline.controller.reason.startswith("1 instance: the device is busy")
+    assert "CPU 2.0 of 2 cores busy" in pipeline.controller.reason
+
+
+def test_a_rise_past_what_the_idle_cores_could_add_is_not_the_new_instances() -> None:
+    # 1.9 of 2 cores busy: a second instance adds 5% at most; 20% more samples/s in its period
+    # is the jobs' demand changing (DALI's threads already filled the cores), and it goes.
+    pipeline = Pipeline(controller(), {1: 1000.0, 2: 1200.0})
+    pipeline.cpu_busy = 1.9
+    pipeline.run(2 * PERIOD + SETTLE + LOOK)
+    assert [(change, n) for _, change, n in pipeline.changes] == [
+        (Change.ADD, 2),
+        (Change.DROP, 1),
+    ]
+    assert pipeline.controller.reason.startswith(
+        "1 instance: 1->2 gave 1,200 samples/s against 1,000, more than the idle cores could "
+        "add (+5%): demand changed, so back to 1, next try in 120 s"
+    )
+
+
 def test_a_period_is_measured_from_when_batches_began_to_wait() -> None:
     """A pipeline is built when its first job registers, and idles until its jobs start: the
     first trial comes a period after the batches began to wait, not a period later still."""

@@ -24,6 +24,7 @@ from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
+    IDLE_SLAB_S,
     PAGE,
     PoolClosed,
     PoolFull,
@@ -763,5 +764,57 @@ def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> N
         other = memory.fixed(2 * PAGE)
         assert pool.has_room([2 * PAGE]) and not pool.has_room([3 * PAGE])  # the daemon's limit
         other.close()
+    finally:
+        pool.close()
+
+
+def test_a_pool_says_how_many_batches_it_could_hold_and_holds_them(prefix: str) -> None:
+    # A job's window is no wider than this (Note [A job's window] in run_planner.py, point 7).
+    memory = OutputMemory(limit=64 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
+    pool.grow_within(memory.growing(11 * PAGE))
+    try:
+        batch = [2 * PAGE + 1, 100]  # images of 3 pages, labels of one
+        assert pool.sets_fit(batch) == 2
+        held = [pool.allocate(batch) for _ in range(2)]  # it holds what it said, without waiting
+        assert pool.sets_fit(batch) == 2  # the same with the memory reserved
+        other = memory.fixed(48 * PAGE)
+        assert pool.sets_fit(batch) == 2  # what it holds already is its own
+        other.close()
+        pool.release([region.region_id for regions in held for region in regions])
+        # The daemon's limit leaves it less to grow into: what it holds, and 2 pages more.
+        other = memory.fixed(64 * PAGE - pool.limit_bytes - 2 * PAGE)
+        assert pool.sets_fit([PAGE]) == pool.limit_bytes // PAGE + 2
+        assert pool.sets_fit(batch) == (pool.limit_bytes + 2 * PAGE) // (4 * PAGE)
+        other.close()
+    finally:
+        pool.close()
+
+
+def test_slabs_no_lease_needed_for_a_while_are_freed(prefix: str) -> None:
+    # A pool grown for a wider window (a DALI instance since dropped) goes back to what its
+    # job holds at once (point 4 of Note [Output buffer lifetime]).
+    now = [0.0]
+    memory = OutputMemory(limit=64 * PAGE)
+    pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE, clock=lambda: now[0])
+    pool.grow_within(memory.growing(32 * PAGE))
+    try:
+        wide = [pool.allocate([2 * PAGE])[0] for _ in range(3)]  # three batches at once
+        pool.release([region.region_id for region in wide])
+        assert pool.slab_count == 3
+        for _ in range(6):  # then one at a time, for a while
+            (region,) = pool.allocate([2 * PAGE])
+            pool.release([region.region_id])
+            now[0] += IDLE_SLAB_S / 3
+            # The look at IDLE_SLAB_S found three held at once in the period before it.
+            assert pool.slab_count == 3
+        (region,) = pool.allocate([2 * PAGE])  # the next look: one at a time since the last
+        assert pool.slab_count == 1 and pool.slab_bytes_total == 2 * PAGE
+        retired = pool.take_retired()
+        assert len(retired) == 2 and region.slab.name not in retired
+        assert _segments(prefix) == [region.slab.name]  # the others are unlinked
+        (second,) = pool.allocate([2 * PAGE])  # it grows again as it did
+        assert pool.slab_count == 2
+        pool.release([region.region_id, second.region_id])
     finally:
         pool.close()

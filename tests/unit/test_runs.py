@@ -127,6 +127,8 @@ class Windowed:
     def __init__(self, copy_after: float | None = None) -> None:
         self.planner = RunPlanner(None, ServiceClock(), threading.Event(), 1000)
         self.planner.window = WINDOW
+        # A run told the outputs' sizes (point 7: a job without output stores needs no room).
+        self.planner.sample_sizes = [("cpu", 1)]
         self.member = _member(1)
         self.member.outputs.copy_after = copy_after
         self.planner.add(self.member)
@@ -156,6 +158,21 @@ def test_a_full_window_holds_a_jobs_batches_back_until_one_is_settled() -> None:
     plan.planner.settle(plan.taken[1], released=True)  # settled once only
     assert plan.member.held == WINDOW
     assert plan.take() is None
+
+
+def test_until_a_run_tells_the_outputs_sizes_the_window_holds_one_batch() -> None:
+    # A window wider than the job's memory holds fills it (point 7); how wide that is is known
+    # once a run's outputs are.
+    plan = Windowed()
+    plan.planner.sample_sizes = []
+    plan.submit(1, 2, 3, 4)
+    assert [plan.take(), plan.take()] == [1, None]
+    plan.planner.want(plan.member, 4)
+    assert plan.take() == 4  # the batch the trainer waits for passes it, as a full window
+    plan.planner.sample_sizes = [("cpu", 1)]
+    assert plan.take() is None  # the window (2) is full
+    plan.planner.settle(plan.taken[1], released=True)
+    assert plan.take() == 2
 
 
 def test_the_wanted_batch_goes_first_and_passes_a_full_window() -> None:
@@ -217,6 +234,7 @@ def test_a_trainer_that_keeps_its_outputs_overflows_the_window_until_it_releases
 def test_a_job_whose_window_is_full_is_passed_over_on_a_shared_pipeline() -> None:
     plan = Planner({1: 1.0, 2: 1.0}, run_batches=1)
     plan.planner.window = WINDOW
+    plan.planner.sample_sizes = [("cpu", 1)]
     plan.submit(1, 4)
     assert [plan.run(), plan.run()] == [[1], [1]]
     plan.submit(2, 2)
