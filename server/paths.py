@@ -60,9 +60,11 @@ import numpy as np
 
 from dalid.protocol import InputBatch
 
+from .packed import PackedSamples
+
 # The dtypes DALI's file reader takes a path in.
 PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
-_PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
+PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
 
 # A directory the daemon could enter is looked at again after this long. Not 1 s: a dataset's
 # directories (ImageNet's 1,000) cost an os.access each per period, and the look decides no
@@ -132,7 +134,7 @@ def check_paths(
     for item in inputs:
         if (
             item.name not in path_inputs
-            or item.dtype not in _PATH_DTYPE_NAMES
+            or item.dtype not in PATH_DTYPE_NAMES
             or item.ndim != 1
             or not item.size
         ):
@@ -171,7 +173,7 @@ def unseen_file(
     """The message of the first file of a batch that the trainer read and the daemon may not
     (a :class:`FilesUnseen` message), or "": the check per file, for a batch that failed."""
     for item in inputs:
-        if item.name not in path_inputs or item.dtype not in _PATH_DTYPE_NAMES or item.ndim != 1:
+        if item.name not in path_inputs or item.dtype not in PATH_DTYPE_NAMES or item.ndim != 1:
             continue
         data = item.data.tobytes()
         bounds = item.sample_bytes().tolist()
@@ -232,13 +234,24 @@ def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
     executor's Python for a batch of paths. Only for inputs that nothing but
     ``fn.io.file.read`` reads (``PipelineRunner.padded_paths``): what it reads is the same file,
     and no other operator or output sees the padding. Made in a few numpy steps over the
-    batch's bytes, none per sample in Python."""
-    # An input's samples have one rank and one dtype: the first one's are every one's.
-    if not samples or samples[0].ndim != 1 or samples[0].dtype.itemsize != 1:
-        return None
-    dtype = samples[0].dtype
-    data = np.frombuffer(b"".join(samples), np.uint8)  # type: ignore[arg-type]  # buffers
-    lengths = np.fromiter(map(len, samples), np.int64, len(samples))
+    batch's bytes, none per sample in Python; from :class:`PackedSamples`, without even a
+    view of each sample."""
+    if isinstance(samples, PackedSamples):
+        # Left packed in their frame (packed.py): the bytes and offsets are there already.
+        if not len(samples) or samples.flat.ndim != 1 or samples.flat.dtype.itemsize != 1:
+            return None
+        dtype = samples.flat.dtype
+        data = samples.flat[: samples.bounds[-1]].view(np.uint8)
+        starts = samples.bounds[:-1]
+        lengths = np.diff(samples.bounds)
+    else:
+        # An input's samples have one rank and one dtype: the first one's are every one's.
+        if not samples or samples[0].ndim != 1 or samples[0].dtype.itemsize != 1:
+            return None
+        dtype = samples[0].dtype
+        data = np.frombuffer(b"".join(samples), np.uint8)  # type: ignore[arg-type]  # buffers
+        lengths = np.fromiter(map(len, samples), np.int64, len(samples))
+        starts = np.cumsum(lengths) - lengths
     if int(lengths.min()) == 0:
         return None
     width = int(lengths.max())
@@ -246,11 +259,10 @@ def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
         # A path no system call takes, or a long one among short ones: the padded array
         # could be many times the batch (a hostile submitter's 256 x its longest sample).
         return None
-    starts = np.cumsum(lengths) - lengths
     if (data[starts] != SLASH).any():
         return None  # a relative path would name another file once padded
     padded = np.full((len(samples), width), SLASH, np.uint8)
-    # Each byte's place: its row's start in ``padded``, the row's padding, its place in the row.
-    shift = np.arange(len(samples)) * width + (width - lengths) - starts
-    padded.reshape(-1)[np.repeat(shift, lengths) + np.arange(data.size)] = data
+    # Each row's last ``length`` bytes are its path's: a mask fills them in row-major order,
+    # the order of the paths' bytes in ``data``.
+    padded[np.arange(width) >= (width - lengths)[:, None]] = data
     return padded.view(dtype)
