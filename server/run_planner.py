@@ -81,8 +81,11 @@ def _any_batch(batch: PendingBatch) -> bool:
 def _samples(item: InputBatch, paths: bool) -> np.ndarray | Sequence[np.ndarray]:
     """An input's samples as its batch keeps them: paths of several lengths left packed in
     their frame (``packed.py``), others viewed (``InputBatch.arrays``)."""
-    if paths and item.ndim == 1 and item.dtype in PATH_DTYPE_NAMES and not item.uniform():
-        return PackedSamples(np.frombuffer(item.data, item.dtype), item.sample_bytes())
+    if paths and item.ndim == 1 and item.dtype in PATH_DTYPE_NAMES and item.size:
+        flat = np.frombuffer(item.data, item.dtype)
+        if item.uniform():  # one length: one array, as InputBatch.arrays makes it
+            return flat.reshape(item.size, -1)
+        return PackedSamples(flat, item.sample_bytes())
     return item.arrays()
 
 

@@ -74,6 +74,7 @@ def test_the_planner_keeps_path_inputs_of_several_lengths_packed() -> None:
     planner.prepare(batch)
     assert isinstance(batch.arrays["paths"], PackedSamples)
     assert isinstance(batch.arrays["same_length"], np.ndarray)
+    np.testing.assert_array_equal(batch.arrays["same_length"], inputs[1].arrays())
     assert isinstance(batch.arrays["not_paths"], list)
     other = PendingBatch(2, SubmitBatch(1, inputs), member)
     planner.prepare(other)
