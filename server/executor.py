@@ -579,7 +579,7 @@ class PipelineExecutor:
     def _account(self, run: Run) -> None:
         """Learns from a run that came out of DALI: its service time, charged to its jobs."""
         samples = run.samples
-        mixed = len({batch.member.job_id for batch in run.batches if batch.member}) > 1
+        mixed = len(run.batches) > 1 and len({b.member.job_id for b in run.batches if b.member}) > 1
         # Instances run side by side: the clock then learns the pipeline's time per sample.
         with self._counting:
             service = self._clock.batch_done(samples, run.entered, time.monotonic())

@@ -420,32 +420,35 @@ class RunOutput:
         self._dense: Any = None
         # The one shape of every sample, where they have one (None: they differ).
         self._sample_shape: tuple[int, ...] | None = None
-        # One row of extents per sample, as an array: the checks below are numpy operations
-        # on the whole run, not a Python step per sample. A dense output (every sample of one
-        # shape, the common case) tells its shape at once; DALI's shape() makes a tuple per
-        # sample, then numpy an array of them (a fifth of the executor's Python per batch).
+        # A dense output (every sample of one shape, the common case) tells its shape at once,
+        # and no more is made of it, per run or per sample. Otherwise one row of extents per
+        # sample, as an array: the checks below are numpy operations on the whole run, not a
+        # Python step per sample (DALI's shape() makes a tuple per sample).
+        self._shapes: np.ndarray | None = None
         if tensors.is_dense_tensor():
             self._dense = tensors.as_tensor()
             samples, *shape = self._dense.shape()
+            self._samples: int = samples
             self._sample_shape = tuple(shape)
-            self.shapes = np.broadcast_to(np.array(shape, np.int64), (samples, len(shape)))
         else:
             shapes = tensors.shape()
             ndim = len(shapes[0]) if shapes else 0
-            self.shapes = np.array(shapes, np.int64).reshape(len(shapes), ndim)
+            self._shapes = np.array(shapes, np.int64).reshape(len(shapes), ndim)
+            self._samples = len(shapes)
         self.dtype = _dtype_name(tensors.dtype)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.layout = tensors.layout() or ""
 
     @property
     def samples(self) -> int:
-        return len(self.shapes)
+        return self._samples
 
     def shape_of(self, rows: range) -> tuple[int, ...]:
         """The shape of ``rows`` as one tensor; rows of different shapes cannot be one."""
         if self._sample_shape is not None:
             return (len(rows), *self._sample_shape)
-        selected = self.shapes[rows.start : rows.stop]
+        assert self._shapes is not None
+        selected = self._shapes[rows.start : rows.stop]
         if len(selected) and not (selected == selected[0]).all():
             shown = [tuple(shape) for shape in selected[:4].tolist()]
             raise OutputFailure(
@@ -457,7 +460,7 @@ class RunOutput:
 
     @property
     def whole(self) -> range:
-        return range(len(self.shapes))
+        return range(self._samples)
 
     def dense(self) -> Any:
         """The whole output as one contiguous DALI tensor, or None if its samples differ."""
@@ -469,7 +472,8 @@ class RunOutput:
         """Bytes of one of ``rows`` (rows of one shape)."""
         if self._sample_shape is not None:
             return math.prod(self._sample_shape) * self.itemsize if rows else 0
-        return math.prod(self.shapes[rows.start].tolist()) * self.itemsize if rows else 0
+        assert self._shapes is not None
+        return math.prod(self._shapes[rows.start].tolist()) * self.itemsize if rows else 0
 
 
 OutputsFactory = Callable[[str, Limits], JobOutputs]

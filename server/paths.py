@@ -15,17 +15,29 @@ samples whose file it could not read itself (``SubmitBatch.unreadable``). Then:
 Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Before a batch runs (:func:`check_paths`) the daemon looks at its paths as arrays: empty ones,
-ones holding a NUL byte and those the trainer named are bad samples, and each *directory* of
-the batch (found with numpy: each path's bytes up to its last ``/``, made a set) must be one
-the daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
-dataset the daemon does not see is so refused before its first batch runs, at the cost of one
-``os.access`` per directory every ten seconds, not one per sample (19% of a GPU daemon's
-executor time went to one ``os.access`` per sample). What is left, a file of a directory the
-daemon enters but may not read itself (or a directory it could enter when last looked at and
-no longer can), makes DALI's read fail: the batch's failure is then checked file by
-file (:func:`unseen_file`, from ``executor.py``) before any bad sample is looked for, and it
-fails with the same :class:`FilesUnseen` as before. So the outcome of every batch is what it was
-with a check per file; only a batch that fails pays for one.
+ones holding a NUL byte and those the trainer named are bad samples, exactly, sample by sample.
+Then it looks at *one directory* of the batch: that of its first path that is not a bad
+sample, which must be one the daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S`
+(:class:`DirectoryChecks`). A dataset the daemon does not see (a mount missing in its
+container: every directory of it unseen) is so refused before its first batch runs, at the
+cost of one ``os.access`` per directory every ten seconds, not one per sample (19% of a GPU
+daemon's executor time went to one ``os.access`` per sample).
+
+What is left, a file of another directory the daemon may not enter, a file of a directory it
+enters but may not read itself (or a directory it could enter when last looked at and no
+longer can), makes DALI's read fail: the batch's failure is then checked file by file
+(:func:`unseen_file`, from ``executor.py``) before any bad sample is looked for, and it fails
+with the same :class:`FilesUnseen`, saying the same, as it would have before the run. So the
+outcome of every batch is what it was with a check per file (a batch of a shared run that
+fails is run again alone: the other jobs' batches of that run are delivered as before); only a
+batch that fails pays for one.
+
+Why one directory a batch and not each of them: the look decides no batch's outcome, only
+how soon a dataset the daemon does not see is found, and its first directory finds that. Each
+directory of a batch, found as arrays (a byte matrix of them, made a set), then a set
+difference under a lock, cost 90 to 110 µs of the executor's CPU a 256-path batch (225 µs in
+the daemon of the bench's 1-job run, 2026-11-26, loaded machine): a sixth of its Python per
+batch, for a look that changed nothing.
 
 Why this is as safe as the check per file: neither check decides what the daemon may read.
 ``os.access`` asked whether the daemon's own credentials let it read the file, which is what
@@ -48,9 +60,11 @@ import numpy as np
 
 from dalid.protocol import InputBatch
 
+from .packed import PackedSamples
+
 # The dtypes DALI's file reader takes a path in.
 PATH_DTYPES = frozenset({np.dtype(np.int8), np.dtype(np.uint8)})
-_PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
+PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
 
 # A directory the daemon could enter is looked at again after this long. Not 1 s: a dataset's
 # directories (ImageNet's 1,000) cost an os.access each per period, and the look decides no
@@ -59,10 +73,6 @@ _PATH_DTYPE_NAMES = frozenset(dtype.name for dtype in PATH_DTYPES)
 DIRECTORY_RECHECK_S = 10.0
 # Directories remembered at most; past that the memory starts afresh.
 MAX_DIRECTORIES = 1 << 16
-
-_SLASH = ord("/")
-# The most bytes of directories laid out as one matrix (_directories).
-_COMPARE_BYTES = 1 << 22
 
 
 class FilesUnseen(Exception):
@@ -74,9 +84,9 @@ class DirectoryChecks:
     """The directories the daemon could enter lately (Note [Checking paths per directory]).
 
     Time runs in periods of ``recheck_s``: a directory is looked at (one ``os.access``) the
-    first time a batch names it in a period, so at least once per ``recheck_s`` while batches
-    name it. A batch whose directories were all looked at in this period costs one set
-    difference.
+    first time it is the directory a batch is checked by in a period, so at least once per
+    ``recheck_s`` while batches name it first. A batch whose directory was looked at in this
+    period costs one set look-up.
 
     Thread-safe: the executors of several pipelines check their batches at once.
     """
@@ -88,14 +98,14 @@ class DirectoryChecks:
         self._period_start = time.monotonic()
         self._lock = threading.Lock()
 
-    def unchecked(self, directories: Collection[bytes]) -> set[bytes]:
-        """The ``directories`` not looked at in this period (starting the next one if due)."""
+    def seen_lately(self, directory: bytes) -> bool:
+        """Whether ``directory`` was looked at in this period (starting the next one if due)."""
         now = time.monotonic()
         with self._lock:
             if now - self._period_start >= self.recheck_s or len(self._fresh) >= MAX_DIRECTORIES:
                 self._fresh = set()
                 self._period_start = now
-            return set(directories) - self._fresh
+            return directory in self._fresh
 
     def enterable(self, directory: bytes) -> bool:
         """Whether the daemon may enter ``directory`` (b"" is its working directory); one that
@@ -117,13 +127,14 @@ def check_paths(
     unreadable: Collection[int],
     directories: DirectoryChecks = DIRECTORIES,
 ) -> dict[int, str]:
-    """The bad samples among the path samples of a batch, with why; raises FilesUnseen for a
-    directory the daemon cannot enter. Per batch and per directory, never per sample."""
+    """The bad samples among the path samples of a batch, with why; raises FilesUnseen where
+    the directory of the first path that is not bad is one the daemon cannot enter (Note
+    [Checking paths per directory]). Per batch, never per sample."""
     bad: dict[int, str] = {}
     for item in inputs:
         if (
             item.name not in path_inputs
-            or item.dtype not in _PATH_DTYPE_NAMES
+            or item.dtype not in PATH_DTYPE_NAMES
             or item.ndim != 1
             or not item.size
         ):
@@ -131,13 +142,15 @@ def check_paths(
         data = np.frombuffer(item.data, np.uint8)
         bounds = item.sample_bytes()
         starts, stops = bounds[:-1], bounds[1:]
-        # Sample i holds bytes starts[i] <= b < stops[i]; a NUL byte's sample is the first
-        # whose stop lies past it.
+        # Sample i holds bytes starts[i] <= b < stops[i]. Most batches hold neither an empty
+        # path nor a NUL byte: one count and one comparison say so.
         empty_or_nul = starts == stops
-        empty_or_nul[np.searchsorted(stops, np.flatnonzero(data == 0), side="right")] = True
-        for position in np.flatnonzero(empty_or_nul).tolist():
-            shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
-            bad.setdefault(position, f"input {item.name!r}: {shown!r} is not a file path")
+        if np.count_nonzero(data) < data.size or empty_or_nul.any():
+            # A NUL byte's sample is the first whose stop lies past it.
+            empty_or_nul[np.searchsorted(stops, np.flatnonzero(data == 0), side="right")] = True
+            for position in np.flatnonzero(empty_or_nul).tolist():
+                shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
+                bad.setdefault(position, f"input {item.name!r}: {shown!r} is not a file path")
         for position in unreadable:
             if position not in bad:
                 shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
@@ -145,50 +158,15 @@ def check_paths(
                     f"input {item.name!r}: cannot read {shown}, in the trainer either (a "
                     "missing file, or a wrong path)"
                 )
-        kept_starts, kept_stops = starts, stops
-        if bad:
-            keep = np.ones(item.size, bool)
-            keep[list(bad)] = False
-            kept_starts, kept_stops = starts[keep], stops[keep]
-        found = _directories(data, kept_starts, kept_stops)
-        for directory in directories.unchecked(set(found.tolist())):
-            if not directories.enterable(directory):
-                first = int(np.flatnonzero(found == directory)[0])
-                path = data[kept_starts[first] : kept_stops[first]].tobytes()
-                raise FilesUnseen(unseen_message(os.fsdecode(path)))
+        # The first sample that is not bad: at most len(bad) + 1 steps.
+        first = next((p for p in range(item.size) if p not in bad), None)
+        if first is None:
+            continue
+        path = data[starts[first] : stops[first]].tobytes()
+        directory = path[: path.rfind(b"/") + 1]
+        if not directories.seen_lately(directory) and not directories.enterable(directory):
+            raise FilesUnseen(unseen_message(os.fsdecode(path)))
     return bad
-
-
-def _directories(data: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """The directory of each path ``data[starts[i]:stops[i]]`` (paths without NUL bytes), as
-    a numpy array of bytes: its bytes up to and with its last "/" ("/" for "/a.jpg", b"" for
-    "a.jpg", the working directory).
-
-    Found with numpy, in as many steps whatever the batch's size: each path's last "/" by one
-    search among the batch's slashes, then each directory becomes one row of a byte matrix,
-    zero-padded to the longest, read as fixed-width bytes (numpy drops the padding: a
-    directory holds no NUL byte, so each is exact). A set of them is made in C, without a
-    Python step per path; sorting the rows to make them unique (``np.unique``) took twice as
-    long, hashing every byte of the batch five times.
-    """
-    if not len(starts):
-        return np.zeros(0, "S1")
-    slashes = np.flatnonzero(data == _SLASH)
-    # Each path's last "/", or -1 where it has none.
-    last = np.concatenate(([-1], slashes))[np.searchsorted(slashes, stops)]
-    lengths = np.maximum(last + 1, starts) - starts
-    width = max(int(lengths.max()), 1)
-    columns = np.arange(width)
-    padded = np.concatenate((data, np.zeros(width, np.uint8)))
-    # A batch of very long directories is laid out in parts of at most _COMPARE_BYTES.
-    rows_at_once = max(1, _COMPARE_BYTES // width)
-    parts = []
-    for first in range(0, len(starts), rows_at_once):
-        part = slice(first, first + rows_at_once)
-        rows = padded[starts[part, None] + columns]
-        rows *= columns < lengths[part, None]
-        parts.append(rows.view(f"S{width}").ravel())
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def unseen_file(
@@ -197,7 +175,7 @@ def unseen_file(
     """The message of the first file of a batch that the trainer read and the daemon may not
     (a :class:`FilesUnseen` message), or "": the check per file, for a batch that failed."""
     for item in inputs:
-        if item.name not in path_inputs or item.dtype not in _PATH_DTYPE_NAMES or item.ndim != 1:
+        if item.name not in path_inputs or item.dtype not in PATH_DTYPE_NAMES or item.ndim != 1:
             continue
         data = item.data.tobytes()
         bounds = item.sample_bytes().tolist()
@@ -258,13 +236,24 @@ def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
     executor's Python for a batch of paths. Only for inputs that nothing but
     ``fn.io.file.read`` reads (``PipelineRunner.padded_paths``): what it reads is the same file,
     and no other operator or output sees the padding. Made in a few numpy steps over the
-    batch's bytes, none per sample in Python."""
-    # An input's samples have one rank and one dtype: the first one's are every one's.
-    if not samples or samples[0].ndim != 1 or samples[0].dtype.itemsize != 1:
-        return None
-    dtype = samples[0].dtype
-    data = np.frombuffer(b"".join(samples), np.uint8)  # type: ignore[arg-type]  # buffers
-    lengths = np.fromiter(map(len, samples), np.int64, len(samples))
+    batch's bytes, none per sample in Python; from :class:`PackedSamples`, without even a
+    view of each sample."""
+    if isinstance(samples, PackedSamples):
+        # Left packed in their frame (packed.py): the bytes and offsets are there already.
+        if not len(samples) or samples.flat.ndim != 1 or samples.flat.dtype.itemsize != 1:
+            return None
+        dtype = samples.flat.dtype
+        data = samples.flat[: samples.bounds[-1]].view(np.uint8)
+        starts = samples.bounds[:-1]
+        lengths = np.diff(samples.bounds)
+    else:
+        # An input's samples have one rank and one dtype: the first one's are every one's.
+        if not samples or samples[0].ndim != 1 or samples[0].dtype.itemsize != 1:
+            return None
+        dtype = samples[0].dtype
+        data = np.frombuffer(b"".join(samples), np.uint8)  # type: ignore[arg-type]  # buffers
+        lengths = np.fromiter(map(len, samples), np.int64, len(samples))
+        starts = np.cumsum(lengths) - lengths
     if int(lengths.min()) == 0:
         return None
     width = int(lengths.max())
@@ -272,11 +261,10 @@ def padded_paths(samples: Sequence[np.ndarray]) -> np.ndarray | None:
         # A path no system call takes, or a long one among short ones: the padded array
         # could be many times the batch (a hostile submitter's 256 x its longest sample).
         return None
-    starts = np.cumsum(lengths) - lengths
     if (data[starts] != SLASH).any():
         return None  # a relative path would name another file once padded
     padded = np.full((len(samples), width), SLASH, np.uint8)
-    # Each byte's place: its row's start in ``padded``, the row's padding, its place in the row.
-    shift = np.arange(len(samples)) * width + (width - lengths) - starts
-    padded.reshape(-1)[np.repeat(shift, lengths) + np.arange(data.size)] = data
+    # Each row's last ``length`` bytes are its path's: a mask fills them in row-major order,
+    # the order of the paths' bytes in ``data``.
+    padded[np.arange(width) >= (width - lengths)[:, None]] = data
     return padded.view(dtype)

@@ -61,12 +61,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from dalid.protocol import BATCH_IDS_PER_CONNECTION
+import numpy as np
+
+from dalid.protocol import BATCH_IDS_PER_CONNECTION, InputBatch
 
 from .badsamples import oversized_images
-from .paths import FilesUnseen, check_paths
+from .packed import PackedSamples
+from .paths import PATH_DTYPE_NAMES, FilesUnseen, check_paths
 from .runs import SENDERS_REMEMBERED, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
@@ -81,6 +84,17 @@ TRAINER_HOLDS = 1
 
 def _any_batch(batch: PendingBatch) -> bool:
     return True
+
+
+def _samples(item: InputBatch, paths: bool) -> np.ndarray | Sequence[np.ndarray]:
+    """An input's samples as its batch keeps them: paths of several lengths left packed in
+    their frame (``packed.py``), others viewed (``InputBatch.arrays``)."""
+    if paths and item.ndim == 1 and item.dtype in PATH_DTYPE_NAMES and item.size:
+        flat = np.frombuffer(item.data, item.dtype)
+        if item.uniform():  # one length: one array, as InputBatch.arrays makes it
+            return flat.reshape(item.size, -1)
+        return PackedSamples(flat, item.sample_bytes())
+    return item.arrays()
 
 
 class RunPlanner:
@@ -439,7 +453,10 @@ class RunPlanner:
         image samples over the pixel limit, files nobody can read (or that the daemon cannot
         see, which fails the batch: ``unseen``)."""
         if not batch.arrays:
-            batch.arrays = {item.name: item.arrays() for item in batch.request.inputs}
+            batch.arrays = {
+                item.name: _samples(item, item.name in self.path_inputs)
+                for item in batch.request.inputs
+            }
         if batch.oversized is None:
             bad = oversized_images(batch.arrays, self._max_image_pixels, self.path_inputs)
             if self.path_inputs:

@@ -137,7 +137,7 @@ class PipelineRunner:
             )
         self._pipeline: Any = None
         # What each scheduled run was fed, oldest first (``schedule``).
-        self._fed: collections.deque[list[np.ndarray | list[np.ndarray]]] = collections.deque()
+        self._fed: collections.deque[list[Any]] = collections.deque()
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
         # (only where it is built as defined: one batch a run, its own threads).
         if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:

@@ -24,6 +24,7 @@ import numpy as np
 from dalid.protocol import BatchFailed, BatchReady, OnError, OutputDescriptor, SubmitBatch
 
 from .outputs import JobOutputs, RunOutput
+from .packed import PackedSamples
 
 if TYPE_CHECKING:
     from .runner import PipelineSpec
@@ -41,8 +42,9 @@ class PendingBatch:
     request: SubmitBatch
     member: Member | None = None
     # Each input's samples, viewed in place in its frame: one array when they have one shape,
-    # else a list (``InputBatch.arrays``).
-    arrays: dict[str, np.ndarray | list[np.ndarray]] = field(default_factory=dict)
+    # else a list (``InputBatch.arrays``), or for paths of several lengths, left packed
+    # (``packed.py``).
+    arrays: dict[str, np.ndarray | Sequence[np.ndarray]] = field(default_factory=dict)
     # Samples bad before they run, by position, with why (found once): images over the
     # daemon's pixel limit, files nobody can read.
     oversized: dict[int, str] | None = None
@@ -214,17 +216,23 @@ class Run:
             yield batch, range(start, start + batch.size)
             start += batch.size
 
-    def arrays(self) -> dict[str, np.ndarray | list[np.ndarray]]:
+    def arrays(self) -> dict[str, np.ndarray | Sequence[np.ndarray]]:
         """The run's samples per input, batch after batch: one array where every batch's is
-        one of the same sample shape, else one list."""
+        one of the same sample shape, packed samples where every batch's are, else one
+        list."""
         if len(self.batches) == 1:
             return self.batches[0].arrays
         names = self.batches[0].arrays.keys()
         return {name: _joined([batch.arrays[name] for batch in self.batches]) for name in names}
 
 
-def _joined(parts: list[np.ndarray | list[np.ndarray]]) -> np.ndarray | list[np.ndarray]:
+def _joined(
+    parts: list[np.ndarray | Sequence[np.ndarray]],
+) -> np.ndarray | Sequence[np.ndarray]:
     arrays = [part for part in parts if isinstance(part, np.ndarray)]
     if len(arrays) == len(parts) and len({array.shape[1:] for array in arrays}) == 1:
         return np.concatenate(arrays)
+    packed = [part for part in parts if isinstance(part, PackedSamples)]
+    if len(packed) == len(parts):
+        return PackedSamples.joined(packed)
     return list(itertools.chain.from_iterable(parts))

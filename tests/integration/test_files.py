@@ -120,23 +120,27 @@ def test_a_file_the_daemon_cannot_see_fails_saying_what_to_mount(
     assert "decode" not in message.lower()
 
 
-def test_a_directory_the_daemon_cannot_see_fails_the_batch_before_it_runs(
-    daemon: DaemonProcess, in_images: Path
+# The unseen directory first: the batch is refused before it runs; later: its run fails in
+# DALI, and the check of each file after the failure says the same.
+@pytest.mark.parametrize("unseen_first", [True, False])
+def test_a_directory_the_daemon_cannot_see_fails_the_batch_saying_what_to_mount(
+    daemon: DaemonProcess, in_images: Path, unseen_first: bool
 ) -> None:
-    """The daemon looks at each directory of a batch's paths, not at each file: a dataset
-    directory it does not have (here the trainer's own descriptor 986 of the image folder) fails
-    the batch at that look, saying what to mount, and nothing of the batch reaches DALI."""
+    """The daemon looks at one directory of a batch's paths, not at each file (Note [Checking
+    paths per directory]): a dataset directory it does not have (here the trainer's own
+    descriptor 986 of the image folder) fails the batch at that look, or after the run that
+    fails on it, saying what to mount either way."""
     folder = os.open(in_images / "images", os.O_RDONLY | os.O_DIRECTORY)
     os.dup2(folder, 986)
     os.close(folder)
     try:
         unseen = "/proc/self/fd/986/class_1/img_2.jpg"
         assert os.access(unseen, os.R_OK)
+        seen = "images/class_0/img_1.jpg"
+        order = (unseen, seen) if unseen_first else (seen, unseen)
         with dalid.connect(socket=daemon.socket, autostart=False) as session:
             proxy = session.proxy(read_pipeline(), on_error="replace")
-            batch = torch.utils.data.default_collate(
-                [proxy(path_sample(p)) for p in ("images/class_0/img_1.jpg", unseen) * 2]
-            )
+            batch = torch.utils.data.default_collate([proxy(path_sample(p)) for p in order * 2])
             with pytest.raises(dalid.BatchError) as caught:
                 session.produce_data(batch)
             # The daemon goes on serving the job's next batch.

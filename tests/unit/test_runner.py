@@ -11,6 +11,7 @@ import pytest
 from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline, SubmitBatch, decode, encode
+from dalid.server.packed import PackedSamples
 from dalid.server.paths import padded_paths
 from dalid.server.runner import (
     PipelineBuildError,
@@ -311,8 +312,12 @@ def test_paths_of_several_lengths_that_only_name_files_go_as_one_array(tmp_path:
         fed = feedable(inputs["only_read"], paths=True)
         assert isinstance(fed, np.ndarray)
         assert fed.shape == (BATCH, max(len(path) for path in paths))
-        for _ in range(2):
-            runner.schedule(inputs)
+        # As the planner keeps them (packed.py): the same array, the same files read.
+        item = InputBatch.of("only_read", paths)
+        packed = PackedSamples(np.frombuffer(item.data, np.uint8), item.sample_bytes())
+        np.testing.assert_array_equal(feedable(packed, paths=True), fed)
+        for fed_as in (inputs, {"only_read": packed, "also_out": packed}):
+            runner.schedule(fed_as)
             read_padded, read_as_sent, returned = _as_numpy(runner.collect())
             contents = [file.read_bytes() for file in files]
             assert [sample.tobytes() for sample in read_padded] == contents
