@@ -277,6 +277,10 @@ class Welcome(Message):
     # wait for in the release it sends just before, one message where it sent two. False from an
     # older daemon, which would ignore that field: its trainers send ``WantBatch``.
     want_in_release: bool = False
+    # The daemon reads ``ReleaseRegions.progress`` too: the trainer's figures for ``dalid status``
+    # ride in a release where one goes anyway. False from an older daemon, which would ignore
+    # that field: its trainers send ``TrainerProgress``.
+    progress_in_release: bool = False
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
@@ -842,6 +846,9 @@ class ReleaseRegions(Message):
     # ``want_in_release``: an older one ignores it, and the trainer would wait behind batches it
     # takes later.
     want_batch: int | None = None
+    # The trainer's progress report, as a ``TrainerProgress`` sent after this release would
+    # carry it (None: none). Only to a daemon whose welcome says ``progress_in_release``.
+    progress: TrainerProgress | None = None
 
     def __post_init__(self) -> None:
         _check_handle(self.event, "release_regions.event", optional=True)
