@@ -52,9 +52,10 @@ from .worker import Proxy
 log = logging.getLogger("dalid.client")
 
 # How often the trainer tells the daemon how long it has waited for batches (for `dalid status`):
-# its first wait at once, then every 5 s at most, in the release it sends then where there is one
-# (a daemon that says it reads it there). Each second, and each its own message, it was with
-# eight jobs most of the messages the daemon's I/O thread took besides the batches' own.
+# after its first wait, with the next batch, then every 5 s at most, in the release it sends then
+# where there is one (to a daemon that says it reads it there). Each second, and each its own
+# message, it was with eight jobs most of the messages the daemon's I/O thread took besides the
+# batches' own.
 PROGRESS_INTERVAL_S = 5.0
 # How many batches let go of (their workers left) a session remembers, to answer a late ask.
 MAX_DROPPED = 4096
@@ -73,10 +74,10 @@ class _Progress:
         self.reported_at = 0.0
 
     def due(self, waiting_for: float = 0.0) -> TrainerProgress | None:
-        """The report to send now, if the last one is old enough (taken as sent);
-        ``waiting_for``: the wait so far."""
+        """The report to send now, if there is something to tell (the daemon starts from no
+        wait) and the last one is old enough (taken as sent); ``waiting_for``: the wait so far."""
         now = time.monotonic()
-        if now - self.reported_at < PROGRESS_INTERVAL_S:
+        if now - self.reported_at < PROGRESS_INTERVAL_S or not self.waited + waiting_for:
             return None
         self.reported_at = now
         return TrainerProgress(self.waited + waiting_for, self.batches)
