@@ -57,6 +57,10 @@ log = logging.getLogger("dalid.client")
 # message, it was with eight jobs most of the messages the daemon's I/O thread took besides the
 # batches' own.
 PROGRESS_INTERVAL_S = 5.0
+# A wait this long is reported while it lasts; a shorter one with the next batch. With eight jobs
+# on a loaded CPU daemon, waits of several seconds were common, and a report from each during
+# them was a message of its own.
+LONG_WAIT_REPORTED_S = 30.0
 # How many batches let go of (their workers left) a session remembers, to answer a late ask.
 MAX_DROPPED = 4096
 
@@ -422,7 +426,11 @@ class Session:
 
         def idle() -> None:
             nonlocal warned
-            self._flush_releases(progress=progress.due(time.monotonic() - started))
+            # A wait's progress goes with the next batch's releases, unless the wait is long:
+            # then on its own, so that `dalid status` shows a trainer stuck waiting.
+            waiting_for = time.monotonic() - started
+            long_wait = waiting_for >= LONG_WAIT_REPORTED_S
+            self._flush_releases(progress=progress.due(waiting_for) if long_wait else None)
             if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
                 warned = True
                 log.warning(
