@@ -86,6 +86,12 @@ class _Progress:
         self.reported_at = now
         return TrainerProgress(self.waited + waiting_for, self.batches)
 
+    def during_wait(self, waiting_for: float) -> TrainerProgress | None:
+        """The report to send while a wait of ``waiting_for`` lasts: none until it is long, so
+        that `dalid status` shows a trainer stuck waiting; a shorter wait's goes with the next
+        batch's releases."""
+        return self.due(waiting_for) if waiting_for >= LONG_WAIT_REPORTED_S else None
+
 
 class Session:
     """A job connected to the daemon for one device. Use as a context manager or ``close()``.
@@ -426,11 +432,7 @@ class Session:
 
         def idle() -> None:
             nonlocal warned
-            # A wait's progress goes with the next batch's releases, unless the wait is long:
-            # then on its own, so that `dalid status` shows a trainer stuck waiting.
-            waiting_for = time.monotonic() - started
-            long_wait = waiting_for >= LONG_WAIT_REPORTED_S
-            self._flush_releases(progress=progress.due(waiting_for) if long_wait else None)
+            self._flush_releases(progress=progress.during_wait(time.monotonic() - started))
             if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
                 warned = True
                 log.warning(

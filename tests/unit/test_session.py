@@ -179,6 +179,20 @@ def test_progress_rides_in_a_release_to_a_daemon_that_reads_it_there(
         assert daemon.job(session.job_id).trainer_wait_seconds == reports[-1].waited_seconds
 
 
+def test_a_wait_is_reported_while_it_lasts_only_once_it_is_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait of a few seconds (common with many jobs on a busy daemon) is reported with the
+    next batch, in its release; one that goes on is reported while it lasts."""
+    monkeypatch.setattr(session_module, "PROGRESS_INTERVAL_S", 0.0)
+    progress = session_module._Progress()
+    progress.waited, progress.batches = 2.0, 3
+    assert progress.during_wait(session_module.LONG_WAIT_REPORTED_S / 2) is None
+    long = session_module.LONG_WAIT_REPORTED_S + 1
+    assert progress.during_wait(long) == TrainerProgress(2.0 + long, 3)
+    assert progress.due() == TrainerProgress(2.0, 3)  # with the next batch
+
+
 def test_a_restarted_daemon_gets_the_undelivered_batches_again(
     daemon: ServedCore, caplog: pytest.LogCaptureFixture
 ) -> None:
