@@ -328,7 +328,13 @@ class Connection:
             return
         if goodbye and self._pid == os.getpid() and not self._daemon_gone:
             try:
-                self.request(Goodbye(kept_slabs), timeout=2.0, ping=False)
+                request_id = self.send(Goodbye(kept_slabs))
+                # Any answer ends it. An error is not looked into as a request's is: for a
+                # goodbye, ``not_welcomed`` (the daemon ended this connection's job already)
+                # means done, and asking which daemon answers would cost the daemon a ping.
+                answer = self.receive_until(lambda e: e.request_id == request_id, 2.0, ping=False)
+                if answer is None or isinstance(answer.message, Error):
+                    log.debug("goodbye: %s", "no answer" if answer is None else answer.message)
             except Exception as error:  # closing must not fail because the daemon is gone
                 log.debug("goodbye not answered: %s", error)
         self.abort()

@@ -42,7 +42,6 @@ from dalid.protocol import (
 from .badsamples import SampleReport, follow_bad_samples, locate
 from .errors import BatchError, InputError
 from .launcher import JobRequest, trainer_dial
-from .link import Link
 from .options import check_job_options
 from .pipelines import registration_request
 from .reconnect import Generation, Reconnector
@@ -53,9 +52,15 @@ from .worker import Proxy
 log = logging.getLogger("dalid.client")
 
 # How often the trainer tells the daemon how long it has waited for batches (for `dalid status`):
-# its first wait at once, then every 5 s at most. Each second, it was with eight jobs most of
-# the messages the daemon's I/O thread took besides the batches' own.
+# after its first wait, with the next batch, then every 5 s at most, in the release it sends then
+# where there is one (to a daemon that says it reads it there). Each second, and each its own
+# message, it was with eight jobs most of the messages the daemon's I/O thread took besides the
+# batches' own.
 PROGRESS_INTERVAL_S = 5.0
+# A wait this long is reported while it lasts; a shorter one with the next batch. With eight jobs
+# on a loaded CPU daemon, waits of several seconds were common, and a report from each during
+# them was a message of its own.
+LONG_WAIT_REPORTED_S = 30.0
 # How many batches let go of (their workers left) a session remembers, to answer a late ask.
 MAX_DROPPED = 4096
 
@@ -72,13 +77,20 @@ class _Progress:
         self.batches = 0
         self.reported_at = 0.0
 
-    def report(self, link: Link, waiting_for: float = 0.0) -> None:
-        """Sends the totals if the last report is old enough; ``waiting_for`` the wait so far."""
+    def due(self, waiting_for: float = 0.0) -> TrainerProgress | None:
+        """The report to send now, if there is something to tell (the daemon starts from no
+        wait) and the last one is old enough (taken as sent); ``waiting_for``: the wait so far."""
         now = time.monotonic()
-        if now - self.reported_at < PROGRESS_INTERVAL_S:
-            return
+        if now - self.reported_at < PROGRESS_INTERVAL_S or not self.waited + waiting_for:
+            return None
         self.reported_at = now
-        link.notify(TrainerProgress(self.waited + waiting_for, self.batches))
+        return TrainerProgress(self.waited + waiting_for, self.batches)
+
+    def during_wait(self, waiting_for: float) -> TrainerProgress | None:
+        """The report to send while a wait of ``waiting_for`` lasts: none until it is long, so
+        that `dalid status` shows a trainer stuck waiting; a shorter wait's goes with the next
+        batch's releases."""
+        return self.due(waiting_for) if waiting_for >= LONG_WAIT_REPORTED_S else None
 
 
 class Session:
@@ -396,8 +408,7 @@ class Session:
         # the daemon holds a few batches of the job at once, released ones included.
         result = generation.results.pop(batch_id, None)
         if result is not None:
-            self._flush_releases()
-            progress.report(link)
+            self._flush_releases(progress=progress.due())
             return result
         pipeline_id = generation.dropped.get(batch_id)
         if pipeline_id is not None:
@@ -410,7 +421,7 @@ class Session:
                 "the trainer asked for it (its iterator was dropped, or the worker died)",
             )
         # The daemon runs it before the job's other batches (SPEC.md, "Batches in flight").
-        self._flush_releases(want=batch_id)
+        self._flush_releases(want=batch_id, progress=progress.due())
 
         def is_result(envelope: Envelope) -> bool:
             message = envelope.message
@@ -421,8 +432,7 @@ class Session:
 
         def idle() -> None:
             nonlocal warned
-            self._flush_releases()
-            progress.report(link, time.monotonic() - started)
+            self._flush_releases(progress=progress.during_wait(time.monotonic() - started))
             if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
                 warned = True
                 log.warning(
@@ -436,8 +446,8 @@ class Session:
 
         envelope = link.receive_until(is_result, None, idle=idle)
         assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
+        # Reported with the next batch's releases (at most PROGRESS_INTERVAL_S from now).
         progress.waited += time.monotonic() - started
-        progress.report(link)
         return envelope.message
 
     def _drop_abandoned(self, generation: Generation, asked: int) -> None:
@@ -462,18 +472,28 @@ class Session:
                 # Wrapped and dropped at once: released as any tensors that died.
                 self._tensors(result)
 
-    def _flush_releases(self, want: int | None = None) -> None:
-        """Tells the daemon of the regions whose tensors died (and the slabs unmapped), and of
-        the batch ``want`` the trainer is about to wait for: in the last release, where there is
-        one and the daemon reads it there (one message a batch fewer), else on its own after
-        them."""
+    def _flush_releases(
+        self, want: int | None = None, progress: TrainerProgress | None = None
+    ) -> None:
+        """Tells the daemon of the regions whose tensors died (and the slabs unmapped), of the
+        batch ``want`` the trainer is about to wait for and of its ``progress``: each in the
+        last release, where there is one and the daemon reads it there (a message fewer), else
+        on its own after them."""
         link = self._daemon.link
         releases = self._daemon.generation.outputs.releases()
-        messages: list[ReleaseRegions | WantBatch] = list(releases)
+        messages: list[ReleaseRegions | WantBatch | TrainerProgress] = list(releases)
+        last = releases[-1] if releases else None
         if want is not None:
-            if releases and link.welcome.want_in_release:
-                messages[-1] = dataclasses.replace(releases[-1], want_batch=want)
+            if last is not None and link.welcome.want_in_release:
+                last = dataclasses.replace(last, want_batch=want)
             else:
                 messages.append(WantBatch(want))
+        if progress is not None:
+            if last is not None and link.welcome.progress_in_release:
+                last = dataclasses.replace(last, progress=progress)
+            else:
+                messages.append(progress)
+        if last is not None:
+            messages[len(releases) - 1] = last
         for message in messages:
             link.notify(message)

@@ -277,6 +277,10 @@ class Welcome(Message):
     # wait for in the release it sends just before, one message where it sent two. False from an
     # older daemon, which would ignore that field: its trainers send ``WantBatch``.
     want_in_release: bool = False
+    # The daemon reads ``ReleaseRegions.progress`` too: the trainer's figures for ``dalid status``
+    # ride in a release where one goes anyway. False from an older daemon, which would ignore
+    # that field: its trainers send ``TrainerProgress``.
+    progress_in_release: bool = False
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
@@ -504,6 +508,10 @@ class PipelineRegistered(Message):
 MAX_EXTENT = 1 << 48
 # How a batch input's shapes travel: one row of ``ndim`` of these per sample.
 SHAPE_DTYPE = np.dtype("<u8")
+# The ufuncs themselves: their methods' Python wrappers (``ndarray.max``, ``np.cumsum``) cost
+# more than the work on a batch's few hundred extents.
+_MAXIMUM = np.maximum.reduce
+_ACCUMULATE = np.add.accumulate
 
 
 @dataclass(frozen=True)
@@ -524,50 +532,62 @@ class InputBatch:
     data: memoryview
 
     def __post_init__(self) -> None:
-        _check_name(self.name, "an input name")
-        _check(self.dtype in DTYPES, f"input {self.name!r}: unsupported dtype {self.dtype!r}")
-        _check(0 <= self.size <= MAX_BATCH_SIZE, f"input {self.name!r}: size out of range")
-        _check(0 <= self.ndim <= MAX_NDIM, f"input {self.name!r}: ndim must be 0 to {MAX_NDIM}")
-        rows = self.size * self.ndim
-        _check(
-            self.shapes.nbytes == rows * SHAPE_DTYPE.itemsize,
-            f"input {self.name!r}: {self.size} shapes of {self.ndim} extents need "
-            f"{rows * SHAPE_DTYPE.itemsize} bytes, their frame has {self.shapes.nbytes}",
-        )
-        extents = np.frombuffer(self.shapes, SHAPE_DTYPE).reshape(self.size, self.ndim)
-        top = int(extents.max()) if extents.size else 0
-        _check(top <= MAX_EXTENT, f"input {self.name!r}: an extent is over {MAX_EXTENT}")
+        # Every batch of every job passes here on the daemon's I/O thread: the checks are a
+        # few numpy calls on the whole batch, and an error's text is made only once it fails.
+        name = self.name
+        if not 0 < len(name) <= MAX_NAME_LENGTH:
+            _check_name(name, "an input name")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"input {name!r}: unsupported dtype {self.dtype!r}")
+        if not 0 <= self.size <= MAX_BATCH_SIZE:
+            raise ValueError(f"input {name!r}: size out of range")
+        if not 0 <= self.ndim <= MAX_NDIM:
+            raise ValueError(f"input {name!r}: ndim must be 0 to {MAX_NDIM}")
+        size, ndim = self.size, self.ndim
+        rows = size * ndim
+        if self.shapes.nbytes != rows * SHAPE_DTYPE.itemsize:
+            raise ValueError(
+                f"input {name!r}: {size} shapes of {ndim} extents need "
+                f"{rows * SHAPE_DTYPE.itemsize} bytes, their frame has {self.shapes.nbytes}"
+            )
+        flat = np.frombuffer(self.shapes, SHAPE_DTYPE)
+        top = int(_MAXIMUM(flat)) if rows else 0
+        if top > MAX_EXTENT:
+            raise ValueError(f"input {name!r}: an extent is over {MAX_EXTENT}")
         itemsize = ITEMSIZES[self.dtype]
         # In floating point first: a product of extents (none zero) over the frame's size
         # is refused before it is computed exactly, where it could overflow.
         limit = self.data.nbytes // itemsize
-        if self.ndim == 1 and top <= limit:
+        extents = flat.reshape(size, ndim)
+        counts: np.ndarray
+        if ndim == 1 and top <= limit:
             # One extent a sample (file paths, encoded images), none over the frame: the
-            # extents are the counts, with no product to take.
-            counts = extents[:, 0]
-        elif self.ndim:
+            # extents are the counts, with no product to take (and no sum past int64).
+            counts = flat
+        elif ndim:
             approx = extents.astype(np.float64).prod(axis=1)
             over = np.flatnonzero(approx > limit)
             if len(over):
                 index = int(over[0])
                 raise ValueError(
-                    f"input {self.name!r} sample {index}: shape {tuple(extents[index].tolist())} "
+                    f"input {name!r} sample {index}: shape {tuple(extents[index].tolist())} "
                     f"of {self.dtype} needs {approx[index] * itemsize:.0f} bytes, the frame has "
                     f"{self.data.nbytes}"
                 )
             counts = extents.astype(np.int64).prod(axis=1)
         else:
-            counts = np.ones(self.size, np.int64)
+            counts = np.ones(size, np.int64)
         # Each sample's first element, and the end of the last one, in elements.
-        starts = np.zeros(self.size + 1, np.int64)
-        np.cumsum(counts, dtype=np.int64, out=starts[1:])
+        starts = np.empty(size + 1, np.int64)
+        starts[0] = 0
+        _ACCUMULATE(counts, 0, np.int64, starts[1:])
         # The frame holds exactly the samples: a receiver views each in place by its shape.
-        _check(
-            int(starts[-1]) * itemsize == self.data.nbytes,
-            f"input {self.name!r}: {self.size} samples of {self.dtype} need "
-            f"{int(starts[-1]) * itemsize} bytes by their shapes, the frame has "
-            f"{self.data.nbytes}",
-        )
+        needed = int(starts[size]) * itemsize
+        if needed != self.data.nbytes:
+            raise ValueError(
+                f"input {name!r}: {size} samples of {self.dtype} need {needed} bytes by their "
+                f"shapes, the frame has {self.data.nbytes}"
+            )
         object.__setattr__(self, "_extents", extents)
         object.__setattr__(self, "_starts", starts)
 
@@ -646,12 +666,16 @@ class SubmitBatch(Message):
     unreadable: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(0 < len(self.inputs) <= MAX_INPUTS, f"1 to {MAX_INPUTS} inputs")
-        sizes = {batch.size for batch in self.inputs}
-        _check(len(sizes) == 1, "every input of a batch must have the same number of samples")
-        size = sizes.pop()
+        inputs = self.inputs
+        if not 0 < len(inputs) <= MAX_INPUTS:
+            raise ValueError(f"1 to {MAX_INPUTS} inputs")
+        size = inputs[0].size
+        for batch in inputs:
+            if batch.size != size:
+                raise ValueError("every input of a batch must have the same number of samples")
         _check(0 < size <= MAX_BATCH_SIZE, "a batch must have at least one sample")
-        _check(all(0 <= p < size for p in self.unreadable), "unreadable: position out of range")
+        if self.unreadable:
+            _check(all(0 <= p < size for p in self.unreadable), "unreadable: position out of range")
 
     @property
     def batch_size(self) -> int:
@@ -822,6 +846,9 @@ class ReleaseRegions(Message):
     # ``want_in_release``: an older one ignores it, and the trainer would wait behind batches it
     # takes later.
     want_batch: int | None = None
+    # The trainer's progress report, as a ``TrainerProgress`` sent after this release would
+    # carry it (None: none). Only to a daemon whose welcome says ``progress_in_release``.
+    progress: TrainerProgress | None = None
 
     def __post_init__(self) -> None:
         _check_handle(self.event, "release_regions.event", optional=True)

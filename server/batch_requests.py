@@ -232,8 +232,11 @@ class BatchRequests:
         self, identity: bytes, request: ReleaseRegions, _request_id: int | None
     ) -> Message | None:
         """The trainer's tensors of these regions died; a ``want_batch`` it carries is taken
-        after them, as its own message sent next would have been, even if they are refused."""
+        after them, as its own message sent next would have been, even if they are refused,
+        and so is the progress report it carries."""
         job = self.peers[identity].job
+        if request.progress is not None:
+            job.trainer_waited = request.progress.waited_seconds
         try:
             self._release(job, request)
         finally:

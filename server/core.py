@@ -420,6 +420,7 @@ class DaemonCore:
             release=self.release,
             installation=self.installation,
             want_in_release=True,
+            progress_in_release=True,
         )
 
     def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:

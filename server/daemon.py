@@ -107,6 +107,9 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
+# Answers that count against a connection's limits (Daemon._answer).
+_REFUSALS = (Error, BatchFailed)
+_SRCFD = int(zmq.SRCFD)
 # How often the status snapshot that the metrics endpoint serves is refreshed (only while the
 # daemon serves metrics).
 SNAPSHOT_INTERVAL_S = 1.0
@@ -466,16 +469,18 @@ class Daemon:
             self._connection_events()
         # Every message names its connection and its sender's process, which bind its identity
         # (the intake refuses one that another connection used first).
-        fd = frames[1].get(zmq.SRCFD)
-        sender = from_message(frames[1])
-        verdict = self._intake.admit(identity, fd, sum(len(frame) for frame in frames[1:]), sender)
+        message = frames[1:]
+        first = message[0]
+        verdict = self._intake.admit(
+            identity, first.get(_SRCFD), sum(map(len, message)), from_message(first)
+        )
         if verdict is Verdict.DROP:
             return
         if not isinstance(verdict, Verdict):
             self._socket.send(identity, verdict, None)
             return
         try:
-            envelope = decode(frames[1:])
+            envelope = decode(message)
         except ProtocolError as error:
             if self._intake.log_refusal(identity):
                 log.warning("malformed message from %s: %s", identity.hex(), error.message)
@@ -490,7 +495,7 @@ class Daemon:
         once sent is answered ``batch_failed``: a refusal too)."""
         assert self._intake is not None
         self._socket.send(identity, reply, request_id)
-        if isinstance(reply, Error | BatchFailed):
+        if isinstance(reply, _REFUSALS):
             cut = self._intake.refused(identity, reply)
             if cut is not None:
                 self._socket.send(identity, cut, None)

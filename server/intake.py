@@ -263,11 +263,15 @@ class Intake:
 
     def next_cut(self) -> float | None:
         """Seconds until the next connection told it is cut is due to be (None: none is)."""
+        if not self._cutting:
+            return None  # the loop asks at every wake; almost always, none is
         due = [c.cut_at for c in self._cutting.values() if c.cut_at is not None]
         return max(0.0, min(due) - self._clock()) if due else None
 
     def cut_due(self) -> None:
         """Shuts down the connections whose grace has passed."""
+        if not self._cutting:
+            return
         now = self._clock()
         for key, connection in list(self._cutting.items()):
             if connection.cut_at is not None and connection.cut_at <= now:

@@ -24,7 +24,8 @@ class ServedCore:
     """A CPU daemon core served in this process on ``path``. Use as a context manager.
 
     ``received`` lists the messages it was sent, in order. ``older_welcome``: its welcome
-    leaves out what a daemon of an earlier release did not say (``want_in_release``), so that
+    leaves out what a daemon of an earlier release did not say (``want_in_release``,
+    ``progress_in_release``), so that
     its clients speak to it as to that daemon; the core itself is this release's."""
 
     def __init__(
@@ -58,7 +59,7 @@ class ServedCore:
             self.received.append(message)
             reply = core.handle(identity, message, request_id)
             if self._older_welcome and isinstance(reply, Welcome):
-                reply = dataclasses.replace(reply, want_in_release=False)
+                reply = dataclasses.replace(reply, want_in_release=False, progress_in_release=False)
             return reply
 
         served.serve(handle, core.peer_disconnected)

@@ -110,6 +110,30 @@ def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(
         worker.close()
 
 
+def test_a_worker_whose_job_ended_says_goodbye_and_nothing_more(daemon: DaemonProcess) -> None:
+    """A worker that leaves after its job ended is answered ``not_welcomed``: its goodbye is
+    done, and it does not ping the daemon to learn whether another one answers now (with many
+    jobs, every worker's goodbye at the end of each job would cost the daemon a message)."""
+    from dalid.client.connection import Connection
+    from dalid.protocol import Message, Role
+
+    sent: list[str] = []
+
+    class Recorded(Connection):
+        def _send(self, message: Message, request_id: int | None) -> None:
+            sent.append(message.OP)
+            super()._send(message, request_id)
+
+    session = dalid.connect(socket=daemon.socket, autostart=False)
+    target = session.proxy(two_output_pipeline()).target
+    worker = Recorded(daemon.socket, Role.WORKER, job_id=target.job_id, job_token=target.job_token)
+    try:
+        session.close()
+    finally:
+        worker.close()
+    assert sent == ["hello", "goodbye"]
+
+
 def test_a_live_dalid_status_says_at_once_that_the_daemon_stopped(short_tmp: Path) -> None:
     """`dalid status` in a terminal refreshes its table until the daemon stops cleanly; then it
     says that the daemon stopped, not, a timeout later, that it may have been killed."""

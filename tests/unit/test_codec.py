@@ -586,6 +586,28 @@ def test_a_want_in_a_release_is_left_out_by_an_older_trainer_and_daemon() -> Non
     assert welcome.want_in_release is False
 
 
+def test_progress_in_a_release_is_left_out_by_an_older_trainer_and_daemon() -> None:
+    """An older trainer's release carries no progress (it sends ``trainer_progress``); an older
+    daemon's welcome does not say it reads one, so a trainer sends ``trainer_progress`` to it;
+    and a bad figure in a release is refused as in a report of its own."""
+    carried = ReleaseRegions(region_ids=(1,), progress=TrainerProgress(1.5, 3))
+    assert decode(encode(carried)).message == carried
+    header, frames = _encoded_header(carried)
+    del header["body"]["progress"]
+    assert decode(_pack(header, *frames)).message == ReleaseRegions(region_ids=(1,))
+    newer = _first(Welcome)
+    assert isinstance(newer, Welcome)
+    header, frames = _encoded_header(dataclasses.replace(newer, progress_in_release=True))
+    del header["body"]["progress_in_release"]
+    welcome = decode(_pack(header, *frames)).message
+    assert isinstance(welcome, Welcome)
+    assert welcome.progress_in_release is False
+    header, frames = _encoded_header(carried)
+    header["body"]["progress"]["waited_seconds"] = float("nan")
+    with pytest.raises(ProtocolError, match="waited_seconds must be a finite number"):
+        decode(_pack(header, *frames))
+
+
 # --- Malformed input ----------------------------------------------------------------------------
 
 

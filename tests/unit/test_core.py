@@ -152,6 +152,23 @@ def test_a_batch_runs_and_its_regions_are_leased_until_released(core: PushingCor
     assert isinstance(again, Error) and again.code is ErrorCode.UNKNOWN_REGION
 
 
+def test_a_release_carries_the_trainers_progress_as_its_own_report_would(
+    core: PushingCore,
+) -> None:
+    """``welcome.progress_in_release``: the figures a release carries are the job's, as a
+    ``trainer_progress`` sent after it would make them, even when the release is refused."""
+    welcome = _hello(core)
+    assert welcome.progress_in_release
+    job = core.jobs[1]
+    assert core.handle(TRAINER, ReleaseRegions((), progress=TrainerProgress(2.5, 4)), None) is None
+    assert job.trainer_waited == 2.5
+    refused = core.handle(TRAINER, ReleaseRegions((12345,), progress=TrainerProgress(3.0, 5)), None)
+    assert isinstance(refused, Error) and refused.code is ErrorCode.UNKNOWN_REGION
+    assert job.trainer_waited == 3.0
+    assert core.handle(TRAINER, TrainerProgress(4.0, 6), None) is None
+    assert job.trainer_waited == 4.0
+
+
 def test_bad_batches_are_refused_before_they_are_queued(core: PushingCore) -> None:
     _hello(core)
     pipeline_id = _register(core)

@@ -22,8 +22,9 @@ import torch
 from nvidia.dali import fn
 
 from dalid.client import DaemonUnavailable, Session
+from dalid.client import session as session_module
 from dalid.client.worker import Proxy
-from dalid.protocol import ReleaseRegions, WantBatch
+from dalid.protocol import ReleaseRegions, TrainerProgress, WantBatch
 from tests.inproc import ServedCore
 
 from ..dali_typing import pipeline_def
@@ -134,6 +135,62 @@ def test_an_older_daemon_is_told_of_a_batch_waited_for_on_its_own() -> None:
         assert carried == []  # it would not read them
         assert alone, "no batch was waited for"
         assert set(alone) <= set(_batch_ids(session, batches))
+
+
+def _reports(daemon: ServedCore, since: int) -> tuple[list[TrainerProgress], list[int], int]:
+    """The trainer's progress reports after the daemon's ``since``-th message, in order; the
+    positions of those carried in releases; and how many went on their own just after a
+    release (where the release could have carried them)."""
+    reports: list[TrainerProgress] = []
+    carried: list[int] = []
+    after_release = 0
+    previous = None
+    for message in daemon.received[since:]:
+        if isinstance(message, ReleaseRegions) and message.progress is not None:
+            carried.append(len(reports))
+            reports.append(message.progress)
+        elif isinstance(message, TrainerProgress):
+            after_release += isinstance(previous, ReleaseRegions)
+            reports.append(message)
+        previous = message
+    return reports, carried, after_release
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["this-daemon", "older-daemon"])
+def test_progress_rides_in_a_release_to_a_daemon_that_reads_it_there(
+    older: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report due when releases go is carried in the last of them, one message fewer; to an
+    older daemon, which would ignore it there, it goes on its own. The daemon shows it."""
+    monkeypatch.setattr(session_module, "PROGRESS_INTERVAL_S", 0.0)  # a report at every batch
+    path = Path(f"/tmp/dalid-inproc-{uuid.uuid4().hex[:8]}.sock")
+    with ServedCore(path, older_welcome=older) as daemon, _session(daemon) as session:
+        proxy = session.proxy(doubling())
+        since = len(daemon.received)
+        for n in range(6):
+            assert _values(session.produce_data(_batch(proxy, 10 * n))) == [10 * n, 10 * n + 1]
+        reports, carried, after_release = _reports(daemon, since)
+        assert len(reports) >= 3  # one at each batch once the trainer has waited
+        if older:
+            assert carried == []  # it would not read them
+        else:
+            assert carried, "no report rode in a release"
+            assert after_release == 0, "a report went alone just after a release"
+        assert daemon.job(session.job_id).trainer_wait_seconds == reports[-1].waited_seconds
+
+
+def test_a_wait_is_reported_while_it_lasts_only_once_it_is_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait of a few seconds (common with many jobs on a busy daemon) is reported with the
+    next batch, in its release; one that goes on is reported while it lasts."""
+    monkeypatch.setattr(session_module, "PROGRESS_INTERVAL_S", 0.0)
+    progress = session_module._Progress()
+    progress.waited, progress.batches = 2.0, 3
+    assert progress.during_wait(session_module.LONG_WAIT_REPORTED_S / 2) is None
+    long = session_module.LONG_WAIT_REPORTED_S + 1
+    assert progress.during_wait(long) == TrainerProgress(2.0 + long, 3)
+    assert progress.due() == TrainerProgress(2.0, 3)  # with the next batch
 
 
 def test_a_restarted_daemon_gets_the_undelivered_batches_again(
