@@ -29,8 +29,11 @@ Note [Cohort outputs]
    preprocessing still ran once, the copy is the member's. A run that fails or has bad samples
    shares nothing: its followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that consumed it: its producer
-   and followers when it ends, and each member served it from the cache later, whose share is
-   taken back from the others' (the parts always add up to the run's service time). The
+   when it ends, then each member as it is given the run's outputs (a follower at publication
+   or once its window has room, a member served from the cache later, a copy written into a
+   member's own memory), whose share is taken back from the others' (the parts always add up
+   to the run's service time). A follower that is never given them (it left, its window kept
+   it out until the entry went, the run failed) takes no share: it pays for its own run. The
    fair scheduler's tags move with the shares (``FairScheduler.share_run``): the producer's
    slot paid for the whole run, and gets back what the others take on. Without that, a member
    that leads (and so produces every run) would weigh as one job against a trailing member's
@@ -384,14 +387,14 @@ class Cohort:
         """Charges ``seconds`` of service, the run of ``entry``, split among the jobs waiting
         for it (Note [Cohort outputs], point 5); members served it later take their share."""
         with self._lock:
-            payers = list(dict.fromkeys(entry.payers()))
+            payers = entry.payers()
             if payers:
-                # The producer's slot paid the run's tag; its share goes to the others.
+                # The producer's slot paid the run's tag. Its share goes to each follower only
+                # as that one is given the outputs (``_lease``, ``take_recipients``): a follower
+                # that leaves first, or runs alone past its window, pays for its own run alone.
                 entry.cost += seconds
                 self._charges.append((payers[0], seconds, False))
                 entry.charged = payers[:1]
-                for job_id in payers[1:]:
-                    self._share_charge(entry, job_id)
         self._flush()
 
     def publish(
@@ -438,12 +441,19 @@ class Cohort:
         with self._lock:
             recipients = [b for b in (entry.producer, *entry.followers) if b is not None]
             entry.followers = []
+            for batch in recipients:
+                member = batch.member
+                if member is None or member.closed or member.job_id not in self.members:
+                    continue  # gone: no copy is written for it, so it takes no share
+                if entry.cost and member.job_id not in entry.charged:
+                    self._share_charge(entry, member.job_id)
             self.copied += 1
             self.runs += 1
             self.hits += len(recipients) - 1
             self._drop(entry)
         for batch in recipients:
             batch.cohort_entry = None
+        self._flush()
         return recipients
 
     def abandon(self, entry: Entry) -> list[PendingBatch]:

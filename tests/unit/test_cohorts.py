@@ -8,6 +8,7 @@ jobs, is tests/integration/test_cohorts.py.
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import os
@@ -429,6 +430,48 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
     assert cohort.take(jobs[2].batch(0))[0] == Outcome.HIT
     assert totals(charges, shares) == pytest.approx({1: 0.1, 2: 0.1, 3: 0.1})
     assert sum(totals(charges, shares).values()) == pytest.approx(0.3)
+
+
+def test_a_follower_never_given_the_outputs_takes_no_share_of_the_run(
+    outputs: JobOutputs,
+) -> None:
+    paid: collections.Counter[int] = collections.Counter()
+
+    def pay(job_id: int, seconds: float) -> None:
+        paid[job_id] += seconds
+
+    cohort = Cohort(
+        "sweep", ("key",), outputs, BATCH_BYTES, lambda pid, ns: False, charge=pay, share=pay
+    )
+    leader, keeper, failing = _Job(1), _Job(2), _Job(3)
+    keeper.executor.window = 1
+    for job in (leader, keeper, failing):
+        cohort.join(job.member)
+    _served_by(cohort, leader, range(1))
+    assert cohort.take(keeper.batch(0))[0] == Outcome.HIT  # fills the keeper's window
+    paid.clear()
+    # The keeper follows the leader's run, waits past its window, and runs alone once the
+    # outputs it waited on are dropped: it pays for that run of its own, not for the shared one.
+    running, following = leader.batch(1), keeper.batch(1)
+    cohort.take(running)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    assert running.cohort_entry is not None
+    running.cohort_entry.account(0.3)
+    ((_, ready),) = _run(cohort, running, 1.0, [])
+    cohort.release(1, _ids(ready))
+    _served_by(cohort, leader, range(2, 4))
+    assert keeper.executor.submitted == [following]
+    assert paid[1] == pytest.approx(0.3) and paid[2] == pytest.approx(0.0)
+    # A run that fails shares nothing: its followers run for themselves and pay for that.
+    paid.clear()
+    running, following = leader.batch(4), failing.batch(4)
+    cohort.take(running)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    entry = running.cohort_entry
+    assert entry is not None
+    entry.account(0.2)
+    assert entry.abandon() == [following]
+    assert paid == {1: pytest.approx(0.2)}
 
 
 def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
