@@ -435,7 +435,7 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
 def test_a_follower_never_given_the_outputs_takes_no_share_of_the_run(
     outputs: JobOutputs,
 ) -> None:
-    paid: collections.Counter[int] = collections.Counter()
+    paid: collections.defaultdict[int, float] = collections.defaultdict(float)
 
     def pay(job_id: int, seconds: float) -> None:
         paid[job_id] += seconds
