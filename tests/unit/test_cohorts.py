@@ -375,6 +375,49 @@ def test_a_follower_past_its_window_waits_and_a_dropped_entry_runs_it_alone(
     assert member.executor.submitted == [following] and cohort.status().dropped >= 1
 
 
+def test_a_keeper_past_its_window_gets_copies_of_the_cached_outputs_not_a_second_run(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs, window=LIMITS.pool_bytes)
+    leader, keeper = _Job(1), _Job(2)
+    keeper.executor.window = 2
+    keeper.member.outputs.copy_after = 0.0  # its trainer takes private copies
+    cohort.join(leader.member)
+    cohort.join(keeper.member)
+    _served_by(cohort, leader, range(5))
+    batches = [keeper.batch(seed) for seed in range(6)]
+    # It keeps every batch: two fill its window, two more pass it as the batch it waits for.
+    for batch in batches[:4]:
+        outcome, ready = cohort.take(batch)
+        if outcome == Outcome.PARKED:
+            cohort.want(2, batch.batch_id)
+            ((_, ready),) = keeper.answers[-1:]
+        assert isinstance(ready, BatchReady) and ready.outputs[0].slab and not ready.copies
+    leased = cohort.status().leased_bytes
+    # Past that, the batch it waits for comes as a copy of the cached run, not run again.
+    assert cohort.take(batches[4]) == (Outcome.PARKED, None)
+    cohort.want(2, batches[4].batch_id)
+    # And a batch that follows a run, as that run's copy once it is published.
+    cohort.want(2, batches[5].batch_id)
+    running = leader.batch(5)
+    cohort.take(running)
+    assert cohort.take(batches[5]) == (Outcome.FOLLOW, None)
+    assert [batch for batch, _ in _run(cohort, running, 5.0, [])] == [running]
+    assert not keeper.executor.submitted
+    for (batch, ready), seed in zip(keeper.answers[-2:], (4, 5), strict=True):
+        assert batch is batches[seed] and isinstance(ready, BatchReady)
+        (descriptor,) = ready.outputs
+        assert (descriptor.slab, descriptor.region_id) == ("", 0)  # leases nothing
+        assert descriptor.shape == (SAMPLES, PAGE // 4)
+        (copy,) = ready.copies
+        assert (np.frombuffer(copy, np.float32) == float(seed)).all()
+    status = cohort.status()
+    assert (status.runs, status.hits) == (6, 6)
+    # The copies lease nothing of the cohort's memory beyond the keeper's window (and the
+    # leader's last run, not released yet).
+    assert status.leased_bytes == leased + BATCH_BYTES
+
+
 def test_a_worker_that_left_takes_its_batches_out_of_the_members_window(
     outputs: JobOutputs,
 ) -> None:
