@@ -373,6 +373,8 @@ def test_a_follower_past_its_window_waits_and_a_dropped_entry_runs_it_alone(
     # The outputs it waits on are dropped to keep the window of held bytes: it runs alone.
     _served_by(cohort, leader, range(2, 4))
     assert member.executor.submitted == [following] and cohort.status().dropped >= 1
+    # It was served one batch (the first) of the leader's four runs.
+    assert (cohort.status().runs, cohort.status().hits) == (4, 1)
 
 
 def test_a_keeper_past_its_window_gets_copies_of_the_cached_outputs_not_a_second_run(
