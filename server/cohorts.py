@@ -29,8 +29,11 @@ Note [Cohort outputs]
    preprocessing still ran once, the copy is the member's. A run that fails or has bad samples
    shares nothing: its followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that consumed it: its producer
-   and followers when it ends, and each member served it from the cache later, whose share is
-   taken back from the others' (the parts always add up to the run's service time). The
+   when it ends, then each member as it is given the run's outputs (a follower at publication
+   or once its window has room, a member served from the cache later, a copy written into a
+   member's own memory), whose share is taken back from the others' (the parts always add up
+   to the run's service time). A follower that is never given them (it left, its window kept
+   it out until the entry went, the run failed) takes no share: it pays for its own run. The
    fair scheduler's tags move with the shares (``FairScheduler.share_run``): the producer's
    slot paid for the whole run, and gets back what the others take on. Without that, a member
    that leads (and so produces every run) would weigh as one job against a trailing member's
@@ -40,9 +43,17 @@ Note [Cohort outputs]
    runs: a member whose window is full is not served more until its trainer releases some;
    its batch waits, parked on the entry, in the cache (so within ``window_bytes``: dropped
    from it, the batch runs for its job alone). The batch its trainer waits for
-   (``want_batch``) passes a full window by ``TRAINER_HOLDS + 1``, as a run does; past that,
-   it runs for its job alone, where the run path's window and private copies bound it. So a
-   trainer that keeps every output holds no more than its window of the cohort's memory.
+   (``want_batch``) passes a full window by ``TRAINER_HOLDS + 1``, as a run does. Past that
+   (a trainer that keeps its outputs), it is served a private copy of the entry's outputs
+   (Note [Private copies] in copies.py) instead of a run of its own: the bytes leave the
+   daemon with the answer and nothing of the cohort's memory stays leased, so a trainer that
+   keeps every output holds no more than its window of the cohort's memory, and a copy costs
+   a copy, where a second run cost the whole pipeline. A trainer that takes no copies has its
+   batch run for its job alone, where it waits for its own memory as the run path does. A
+   keeper's batch that finds no entry (it leads, overflowing its window: Note [A job's
+   window], point 4) still runs for its job alone, into its own memory, and is no entry:
+   shared, its outputs would be leased past its window from the cohort's memory, which has
+   no room for a trainer that keeps them; a member behind it runs those inputs again.
    The batches of a worker that left stop counting, and those parked are dropped (point 6 of
    that note).
 7. Inputs. An entry keeps its producer's batch, and so its input frames (counted in
@@ -52,9 +63,9 @@ Note [Cohort outputs]
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 750 lines: the note above is the lifetime contract of a cohort's
+Why one module of some 850 lines: the note above is the lifetime contract of a cohort's
 regions, and the one class here keeps every point of it under one lock: a member's window
-(point 6) decides which leases are made, and the charges (point 5) follow the leases.
+(point 6) decides which leases are made, and the charges (point 5) follow the leases and copies.
 """
 
 from __future__ import annotations
@@ -224,8 +235,10 @@ class Cohort:
         # own job (their entry went while they were parked), results to answer, charges.
         self._to_run: list[PendingBatch] = []
         self._to_answer: list[tuple[PendingBatch, BatchReady]] = []
+        self._to_copy: list[tuple[PendingBatch, Entry]] = []  # served as private copies
         self._charges: list[tuple[int, float, bool]] = []  # (job, seconds, tag moves too)
         self.served: dict[int, int] = {}  # batches served to each member
+        self._closed = False
         self.runs = 0
         self.hits = 0
         self.dropped = 0
@@ -334,7 +347,10 @@ class Cohort:
                 self._park(batch, entry)
                 return Outcome.PARKED, None
             if admit == _ALONE:
-                return Outcome.ALONE, None
+                if not self._copy(batch, entry):
+                    return Outcome.ALONE, None
+                self._uncache_served()
+                return Outcome.HIT, None  # answered by ``_flush``, with its copies
             self.hits += 1
             descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
             ready = self._ready(batch, descriptors)
@@ -384,14 +400,14 @@ class Cohort:
         """Charges ``seconds`` of service, the run of ``entry``, split among the jobs waiting
         for it (Note [Cohort outputs], point 5); members served it later take their share."""
         with self._lock:
-            payers = list(dict.fromkeys(entry.payers()))
+            payers = entry.payers()
             if payers:
-                # The producer's slot paid the run's tag; its share goes to the others.
+                # The producer's slot paid the run's tag. Its share goes to each follower only
+                # as that one is given the outputs (``_lease``, ``take_recipients``): a follower
+                # that leaves first, or runs alone past its window, pays for its own run alone.
                 entry.cost += seconds
                 self._charges.append((payers[0], seconds, False))
                 entry.charged = payers[:1]
-                for job_id in payers[1:]:
-                    self._share_charge(entry, job_id)
         self._flush()
 
     def publish(
@@ -407,7 +423,6 @@ class Cohort:
             recipients = [b for b in (entry.producer, *entry.followers) if b is not None]
             entry.followers = []
             self.runs += 1
-            self.hits += len(recipients) - 1
             for batch in recipients:
                 member = batch.member
                 assert member is not None
@@ -417,12 +432,15 @@ class Cohort:
                     leased = self._lease(entry, member.job_id, settle, batch.batch_id)
                     results.append((batch, self._ready(batch, leased)))
                     continue
+                # A hit once it is served (a parked one, by ``_serve`` when it is).
                 admit = self._admit(member, batch.batch_id)
                 if admit == _PARK:
                     self._park(batch, entry)
                 elif admit == _ALONE:
-                    self._to_run.append(batch)
+                    if not self._copy(batch, entry):
+                        self._to_run.append(batch)
                 else:
+                    self.hits += 1
                     leased = self._lease(entry, member.job_id, None, batch.batch_id)
                     results.append((batch, self._ready(batch, leased)))
             entry.cached = True
@@ -438,12 +456,19 @@ class Cohort:
         with self._lock:
             recipients = [b for b in (entry.producer, *entry.followers) if b is not None]
             entry.followers = []
+            for batch in recipients:
+                member = batch.member
+                if member is None or member.closed or member.job_id not in self.members:
+                    continue  # gone: no copy is written for it, so it takes no share
+                if entry.cost and member.job_id not in entry.charged:
+                    self._share_charge(entry, member.job_id)
             self.copied += 1
             self.runs += 1
             self.hits += len(recipients) - 1
             self._drop(entry)
         for batch in recipients:
             batch.cohort_entry = None
+        self._flush()
         return recipients
 
     def abandon(self, entry: Entry) -> list[PendingBatch]:
@@ -491,7 +516,7 @@ class Cohort:
                 entry.parked -= 1
                 if self._admit(member, batch_id) == _SERVE:
                     self._serve(batch, entry)
-                else:
+                elif not self._copy(batch, entry):
                     self._to_run.append(batch)
                 self._uncache_served()
         self._flush()
@@ -543,6 +568,7 @@ class Cohort:
     def close(self) -> None:
         """Frees the cohort's memory (its last member has gone). Idempotent."""
         with self._lock:
+            self._closed = True
             self._by_digest.clear()
             self._cache.clear()
             self._leases.clear()
@@ -718,6 +744,46 @@ class Cohort:
         descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
         self._to_answer.append((batch, self._ready(batch, descriptors)))
 
+    def _copy(self, batch: PendingBatch, entry: Entry) -> bool:
+        """A batch past its member's window, served from ``entry`` as private copies rather
+        than run again, where its trainer takes copies (point 6); whether it will be. The
+        entry stays pinned (a lease of no member) until ``_flush`` has copied its bytes."""
+        member = batch.member
+        assert member is not None
+        if member.outputs.copy_after is None or entry.state != "ready":
+            return False  # a trainer that takes no copies: its run waits for its memory
+        self.hits += 1
+        self.served[member.job_id] = self.served.get(member.job_id, 0) + 1
+        if entry.cost and member.job_id not in entry.charged:
+            self._share_charge(entry, member.job_id)
+        entry.leases += 1
+        self._to_copy.append((batch, entry))
+        return True
+
+    def _copied(self, batch: PendingBatch, entry: Entry) -> BatchReady | None:
+        """The copies ``_copy`` promised, its pin of the entry ended; None if the cohort
+        closed meanwhile (its last member, this one, left). Under the lock, so that ``close``
+        cannot unmap the regions while they are read: one batch's copy, not a run."""
+        member = batch.member
+        assert member is not None
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                copies = self.outputs.copies_of(entry.descriptors)
+            finally:
+                entry.leases -= 1
+                self._free_if_done(entry)
+                self._fit_window()
+            retired = self._take_retired(member.job_id)
+        descriptors = tuple(
+            dataclasses.replace(d, region_id=0, slab="", slab_size=d.nbytes, offset=0)
+            for d in entry.descriptors
+        )
+        return BatchReady(
+            batch.batch_id, member.pipeline_id, descriptors, retired_slabs=retired, copies=copies
+        )
+
     def _share_charge(self, entry: Entry, job_id: int) -> None:
         """``job_id`` consumed the run of ``entry`` too: the run's cost, split once more, the
         others' share taken back (Note [Cohort outputs], point 5)."""
@@ -733,9 +799,14 @@ class Cohort:
         with self._lock:
             charges, self._charges = self._charges, []
             answers, self._to_answer = self._to_answer, []
+            to_copy, self._to_copy = self._to_copy, []
             to_run, self._to_run = self._to_run, []
         for job_id, seconds, tag in charges:
             (self._share if tag else self._charge)(job_id, seconds)
+        for batch, entry in to_copy:
+            copied = self._copied(batch, entry)
+            if copied is not None:
+                answers.append((batch, copied))
         for batch, ready in answers:
             member = batch.member
             if member is not None and not member.closed:

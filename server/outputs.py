@@ -18,6 +18,7 @@ are the one boundary between the executor and output memory.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import sys
@@ -237,6 +238,20 @@ class JobOutputs:
                 )
             )
         return tuple(descriptors), tuple(frames)
+
+    def copies_of(self, descriptors: Sequence[OutputDescriptor]) -> tuple[memoryview, ...]:
+        """The bytes of regions of this memory, still leased, as private copies (host memory
+        only): a cohort's outputs for a member past its window (Note [Cohort outputs],
+        point 6, in cohorts.py)."""
+        frames = []
+        for descriptor in descriptors:
+            buffer = np.empty(descriptor.nbytes, dtype=np.uint8)
+            if descriptor.nbytes:
+                pool = self.store(descriptor.device).pool
+                source = pool.address(descriptor.region_id)
+                ctypes.memmove(buffer.ctypes.data, source, descriptor.nbytes)
+            frames.append(buffer.data)
+        return tuple(frames)
 
     def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
         """Calls ``released`` once the trainer has released every one of ``region_ids`` (a

@@ -363,6 +363,12 @@ class RegionPool:
             self._condition.notify_all()
         return unknown
 
+    def address(self, region_id: int) -> int:
+        """Where a leased region starts, in the daemon's mapping of its slab."""
+        with self._condition:
+            space, offset, _ = self._leases[region_id]
+            return space.slab.address(offset)
+
     def take_retired(self) -> list[str]:
         """Names of the slabs freed since the last call, for the trainer to unmap."""
         with self._condition:

@@ -143,6 +143,40 @@ def test_members_get_the_outputs_of_one_run_random_augmentation_included(
     wait_until(lambda: _cohort(daemon, "sweep-a") is None, 10, "the cohort to end")
 
 
+def test_a_keeper_past_its_window_is_served_copies_of_the_cohorts_runs_not_runs_again(
+    daemon: DaemonProcess,
+) -> None:
+    batches = 12
+    with (
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-c") as leader,
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-c") as keeper,
+    ):
+        proxies = [leader.proxy(augmenting()), keeper.proxy(augmenting())]
+        outputs: list[list[str]] = [[], []]
+        kept = []
+        for number in range(batches):
+            for member, session in enumerate((leader, keeper)):
+                produced = session.produce_data(submit(proxies[member], 0, number))
+                outputs[member].append(_digest(produced))
+                if session is keeper:
+                    kept.append(produced)  # it keeps every output: its window fills for good
+                del produced
+        # Every batch ran once, for both: the keeper's batches past its window came as copies
+        # of the leader's runs (the same noise), not as runs of their own.
+        assert outputs[0] == outputs[1] and len(set(outputs[0])) == batches
+        cohort = _cohort(daemon, "sweep-c")
+        assert cohort is not None and (cohort.runs, cohort.hits) == (batches, batches)
+        jobs = {job.job_id: job for job in daemon.status().jobs}
+        copied = jobs[keeper.job_id].batches_copied
+        assert 0 < copied < batches and jobs[leader.job_id].batches_copied == 0
+        # It holds of the cohort's memory only the batches its window let it lease.
+        assert cohort.leased_bytes <= (batches - copied + 1) * BATCH_BYTES
+        # Each run is charged once, half to each: the keeper paid for no run of its own.
+        assert jobs[keeper.job_id].run_seconds == pytest.approx(jobs[leader.job_id].run_seconds)
+        del kept
+    wait_until(lambda: _cohort(daemon, "sweep-c") is None, 10, "the cohort to end")
+
+
 def test_a_member_whose_sampler_differs_gets_its_own_correct_outputs(
     daemon: DaemonProcess,
 ) -> None:

@@ -8,6 +8,7 @@ jobs, is tests/integration/test_cohorts.py.
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import os
@@ -372,6 +373,51 @@ def test_a_follower_past_its_window_waits_and_a_dropped_entry_runs_it_alone(
     # The outputs it waits on are dropped to keep the window of held bytes: it runs alone.
     _served_by(cohort, leader, range(2, 4))
     assert member.executor.submitted == [following] and cohort.status().dropped >= 1
+    # It was served one batch (the first) of the leader's four runs.
+    assert (cohort.status().runs, cohort.status().hits) == (4, 1)
+
+
+def test_a_keeper_past_its_window_gets_copies_of_the_cached_outputs_not_a_second_run(
+    outputs: JobOutputs,
+) -> None:
+    cohort = _cohort(outputs, window=LIMITS.pool_bytes)
+    leader, keeper = _Job(1), _Job(2)
+    keeper.executor.window = 2
+    keeper.member.outputs.copy_after = 0.0  # its trainer takes private copies
+    cohort.join(leader.member)
+    cohort.join(keeper.member)
+    _served_by(cohort, leader, range(5))
+    batches = [keeper.batch(seed) for seed in range(6)]
+    # It keeps every batch: two fill its window, two more pass it as the batch it waits for.
+    for batch in batches[:4]:
+        outcome, ready = cohort.take(batch)
+        if outcome == Outcome.PARKED:
+            cohort.want(2, batch.batch_id)
+            ((_, ready),) = keeper.answers[-1:]
+        assert isinstance(ready, BatchReady) and ready.outputs[0].slab and not ready.copies
+    leased = cohort.status().leased_bytes
+    # Past that, the batch it waits for comes as a copy of the cached run, not run again.
+    assert cohort.take(batches[4]) == (Outcome.PARKED, None)
+    cohort.want(2, batches[4].batch_id)
+    # And a batch that follows a run, as that run's copy once it is published.
+    cohort.want(2, batches[5].batch_id)
+    running = leader.batch(5)
+    cohort.take(running)
+    assert cohort.take(batches[5]) == (Outcome.FOLLOW, None)
+    assert [batch for batch, _ in _run(cohort, running, 5.0, [])] == [running]
+    assert not keeper.executor.submitted
+    for (batch, ready), seed in zip(keeper.answers[-2:], (4, 5), strict=True):
+        assert batch is batches[seed] and isinstance(ready, BatchReady)
+        (descriptor,) = ready.outputs
+        assert (descriptor.slab, descriptor.region_id) == ("", 0)  # leases nothing
+        assert descriptor.shape == (SAMPLES, PAGE // 4)
+        (copy,) = ready.copies
+        assert (np.frombuffer(copy, np.float32) == float(seed)).all()
+    status = cohort.status()
+    assert (status.runs, status.hits) == (6, 6)
+    # The copies lease nothing of the cohort's memory beyond the keeper's window (and the
+    # leader's last run, not released yet).
+    assert status.leased_bytes == leased + BATCH_BYTES
 
 
 def test_a_worker_that_left_takes_its_batches_out_of_the_members_window(
@@ -429,6 +475,48 @@ def test_a_run_is_charged_once_split_among_the_members_that_consumed_it(
     assert cohort.take(jobs[2].batch(0))[0] == Outcome.HIT
     assert totals(charges, shares) == pytest.approx({1: 0.1, 2: 0.1, 3: 0.1})
     assert sum(totals(charges, shares).values()) == pytest.approx(0.3)
+
+
+def test_a_follower_never_given_the_outputs_takes_no_share_of_the_run(
+    outputs: JobOutputs,
+) -> None:
+    paid: collections.defaultdict[int, float] = collections.defaultdict(float)
+
+    def pay(job_id: int, seconds: float) -> None:
+        paid[job_id] += seconds
+
+    cohort = Cohort(
+        "sweep", ("key",), outputs, BATCH_BYTES, lambda pid, ns: False, charge=pay, share=pay
+    )
+    leader, keeper, failing = _Job(1), _Job(2), _Job(3)
+    keeper.executor.window = 1
+    for job in (leader, keeper, failing):
+        cohort.join(job.member)
+    _served_by(cohort, leader, range(1))
+    assert cohort.take(keeper.batch(0))[0] == Outcome.HIT  # fills the keeper's window
+    paid.clear()
+    # The keeper follows the leader's run, waits past its window, and runs alone once the
+    # outputs it waited on are dropped: it pays for that run of its own, not for the shared one.
+    running, following = leader.batch(1), keeper.batch(1)
+    cohort.take(running)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    assert running.cohort_entry is not None
+    running.cohort_entry.account(0.3)
+    ((_, ready),) = _run(cohort, running, 1.0, [])
+    cohort.release(1, _ids(ready))
+    _served_by(cohort, leader, range(2, 4))
+    assert keeper.executor.submitted == [following]
+    assert paid[1] == pytest.approx(0.3) and paid[2] == pytest.approx(0.0)
+    # A run that fails shares nothing: its followers run for themselves and pay for that.
+    paid.clear()
+    running, following = leader.batch(4), failing.batch(4)
+    cohort.take(running)
+    assert cohort.take(following) == (Outcome.FOLLOW, None)
+    entry = running.cohort_entry
+    assert entry is not None
+    entry.account(0.2)
+    assert entry.abandon() == [following]
+    assert paid == {1: pytest.approx(0.2)}
 
 
 def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
