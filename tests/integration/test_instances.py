@@ -181,7 +181,8 @@ def test_a_job_killed_mid_run_on_two_instances_leaves_the_other_job_whole(
         # already buffered, so an early "ok 60" would be lost. The output is a few lines.
         survivor.wait(timeout=300)
         assert survivor.stdout is not None
-        out = survivor.stdout.read()
+        with survivor.stdout:
+            out = survivor.stdout.read()
         assert survivor.returncode == 0 and "ok 60" in out, out
         wait_for(lambda: not daemon.status().jobs, 10, "both jobs to end")
         assert not daemon.status().pipelines
