@@ -32,6 +32,78 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+@dataclass(frozen=True)
+class ProcStat:
+    """One process's (or thread's) user and system CPU seconds and page faults so far."""
+
+    user_s: float = 0.0
+    system_s: float = 0.0
+    minflt: int = 0
+    majflt: int = 0
+
+    def __add__(self, other: ProcStat) -> ProcStat:
+        return ProcStat(
+            self.user_s + other.user_s,
+            self.system_s + other.system_s,
+            self.minflt + other.minflt,
+            self.majflt + other.majflt,
+        )
+
+    def __sub__(self, other: ProcStat) -> ProcStat:
+        return ProcStat(
+            self.user_s - other.user_s,
+            self.system_s - other.system_s,
+            self.minflt - other.minflt,
+            self.majflt - other.majflt,
+        )
+
+
+def _parse_stat(text: str) -> tuple[str, ProcStat]:
+    """The command name and the counters of one ``/proc/.../stat`` line (see proc(5))."""
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    return name, ProcStat(
+        user_s=int(fields[11]) / _TICK,
+        system_s=int(fields[12]) / _TICK,
+        minflt=int(fields[7]),
+        majflt=int(fields[9]),
+    )
+
+
+def process_stat(pid: int) -> ProcStat:
+    """All threads' CPU and page faults of a live process (zeros if it is gone)."""
+    try:
+        return _parse_stat((_PROC / str(pid) / "stat").read_text())[1]
+    except OSError:
+        return ProcStat()
+
+
+def thread_group(name: str) -> str:
+    """A thread's name without its trailing number, so a pool's threads count as one group."""
+    return name.rstrip("0123456789_-: ") or name
+
+
+def threads_stat(pid: int) -> dict[str, ProcStat]:
+    """A live process's threads' CPU and page faults, summed by :func:`thread_group`.
+
+    A thread that ended before the read is missing here though its time stays in
+    :func:`process_stat`: the groups are read at both ends of a window and compared.
+    """
+    groups: dict[str, ProcStat] = {}
+    try:
+        tasks = list((_PROC / str(pid) / "task").iterdir())
+    except OSError:
+        return groups
+    for task in tasks:
+        try:
+            name, stat = _parse_stat((task / "stat").read_text())
+        except OSError:
+            continue
+        group = thread_group(name)
+        groups[group] = groups.get(group, ProcStat()) + stat
+    return groups
+
+
 def peak_rss_mb(pid: int) -> float:
     """The high-water mark of a live process's resident memory (VmHWM), in MiB."""
     try:
@@ -65,21 +137,37 @@ def descendants(pid: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Probe:
-    """CPU seconds used so far by the trainer, its workers and the daemon, at one instant."""
+    """CPU seconds used so far by the trainer, its workers and the daemon, at one instant.
+
+    ``split`` breaks each process's clock down, for telling where a contender's CPU goes:
+    by process (``trainer``, ``workers``, ``daemon``) and by thread group within the trainer
+    and the daemon (``trainer/<name>``, ``daemon/<name>``: an in-process DALI's threads
+    live in the trainer, dalid's in the daemon), each as :class:`ProcStat` fields.
+    """
 
     t_ns: int
     trainer_cpu_s: float
     workers_cpu_s: float
     daemon_cpu_s: float
+    split: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def take(cls, daemon_pid: int) -> Probe:
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        workers = ProcStat()
+        for pid in descendants(os.getpid()):
+            workers += process_stat(pid)
+        parts = {"trainer": process_stat(os.getpid()), "workers": workers}
+        parts.update({f"trainer/{k}": v for k, v in threads_stat(os.getpid()).items()})
+        if daemon_pid:
+            parts["daemon"] = process_stat(daemon_pid)
+            parts.update({f"daemon/{k}": v for k, v in threads_stat(daemon_pid).items()})
         return cls(
             t_ns=time.monotonic_ns(),
             trainer_cpu_s=usage.ru_utime + usage.ru_stime,
-            workers_cpu_s=sum(process_cpu_s(pid) for pid in descendants(os.getpid())),
-            daemon_cpu_s=process_cpu_s(daemon_pid) if daemon_pid else 0.0,
+            workers_cpu_s=workers.user_s + workers.system_s,
+            daemon_cpu_s=parts["daemon"].user_s + parts["daemon"].system_s if daemon_pid else 0.0,
+            split={k: asdict(v) for k, v in parts.items()},
         )
 
 
