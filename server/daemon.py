@@ -68,6 +68,7 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
+from . import wakes
 from .core import DaemonCore
 from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
@@ -446,15 +447,17 @@ class Daemon:
     def _receive_turn(self) -> None:
         """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
         connection after the other); the rest wait for the next turn, after the loop has sent
-        what is ready."""
+        what is ready. Executors the turn's messages woke wake after its answers are sent
+        (Note [Waking executors after the turn's answers] in wakes.py)."""
         deadline = time.monotonic() + TURN_SECONDS
-        for _ in range(TURN_MESSAGES):
-            # Asked, rather than failing a receive with zmq.Again.
-            if not self._socket.readable():
-                return
-            self._receive(self._socket.receive())
-            if time.monotonic() >= deadline:
-                return
+        with wakes.turn():
+            for _ in range(TURN_MESSAGES):
+                # Asked, rather than failing a receive with zmq.Again.
+                if not self._socket.readable():
+                    return
+                self._receive(self._socket.receive())
+                if time.monotonic() >= deadline:
+                    return
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         assert self.core is not None and self._intake is not None

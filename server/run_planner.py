@@ -67,6 +67,7 @@ import numpy as np
 
 from dalid.protocol import BATCH_IDS_PER_CONNECTION, InputBatch
 
+from . import wakes
 from .badsamples import oversized_images
 from .packed import PackedSamples
 from .paths import PATH_DTYPE_NAMES, FilesUnseen, check_paths
@@ -112,7 +113,9 @@ class RunPlanner:
     weights hold inside runs. A batch that ran in a mixed run that failed, or of a job in
     quarantine, runs alone.
 
-    ``members`` and their queues are guarded by ``changed``, which a submission notifies. The
+    ``members`` and their queues are guarded by ``changed``, which a submission notifies (in
+    the daemon's receive turn, once the turn ends: Note [Waking executors after the turn's
+    answers] in wakes.py). The
     pipeline's DALI instances (``executor.py``) form runs from the same queues, each in a
     thread of its own; the slots each holds, and the one kept for its next run, are its
     thread's (``_Seat``), so one instance never gives back or waits on another's.
@@ -185,7 +188,7 @@ class RunPlanner:
                 member.queue.appendleft(batch)  # its trainer waits for it already
             else:
                 member.queue.append(batch)
-            self.changed.notify()
+            wakes.notify(self.changed)
 
     # --- the window (Note [A job's window]) -----------------------------------------------------
 
@@ -202,7 +205,7 @@ class RunPlanner:
                     if index:
                         del member.queue[index]
                         member.queue.appendleft(batch)
-                    self.changed.notify()
+                    wakes.notify(self.changed)
                     break
 
     def settle(self, batch: PendingBatch, released: bool = False) -> None:
@@ -217,7 +220,7 @@ class RunPlanner:
             member.holding.pop(batch.batch_id, None)
             if released:
                 member.overflow = False
-            self.changed.notify()
+            wakes.notify(self.changed)
 
     def sender_left(self, member: Member, first_id: int, end_id: int) -> None:
         """The worker that sent ``member``'s batches ``first_id <= id < end_id`` left: those
@@ -232,7 +235,7 @@ class RunPlanner:
                 batch.held = False
                 del member.holding[batch.batch_id]
             if gone:
-                self.changed.notify()
+                wakes.notify(self.changed)
 
     @staticmethod
     def _hold(batch: PendingBatch) -> None:
