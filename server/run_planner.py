@@ -130,6 +130,9 @@ class RunPlanner:
     ) -> None:
         self.members: list[Member] = []
         self.changed = threading.Condition()
+        # Counts the changes that may let a batch run (each one's notify): an executor that
+        # found nothing to run waits only if none came since it looked (``_first_batch``).
+        self._changes = 0
         self.shared = False
         self.run_size = 0
         # The inputs whose samples are file paths (checked before a batch runs).
@@ -188,7 +191,7 @@ class RunPlanner:
                 member.queue.appendleft(batch)  # its trainer waits for it already
             else:
                 member.queue.append(batch)
-            wakes.notify(self.changed)
+            self._signal()
 
     # --- the window (Note [A job's window]) -----------------------------------------------------
 
@@ -205,7 +208,7 @@ class RunPlanner:
                     if index:
                         del member.queue[index]
                         member.queue.appendleft(batch)
-                    wakes.notify(self.changed)
+                    self._signal()
                     break
 
     def settle(self, batch: PendingBatch, released: bool = False) -> None:
@@ -220,7 +223,7 @@ class RunPlanner:
             member.holding.pop(batch.batch_id, None)
             if released:
                 member.overflow = False
-            wakes.notify(self.changed)
+            self._signal()
 
     def sender_left(self, member: Member, first_id: int, end_id: int) -> None:
         """The worker that sent ``member``'s batches ``first_id <= id < end_id`` left: those
@@ -235,7 +238,7 @@ class RunPlanner:
                 batch.held = False
                 del member.holding[batch.batch_id]
             if gone:
-                wakes.notify(self.changed)
+                self._signal()
 
     @staticmethod
     def _hold(batch: PendingBatch) -> None:
@@ -286,7 +289,14 @@ class RunPlanner:
 
     def wake(self) -> None:
         with self.changed:
+            self._changes += 1
             self.changed.notify_all()
+
+    def _signal(self) -> None:
+        """Under ``changed``: something changed that may let a batch run; counted, and an
+        executor woken (after the receive turn's answers, from the I/O thread: wakes.py)."""
+        self._changes += 1
+        wakes.notify(self.changed)
 
     def take_queued(self) -> list[PendingBatch]:
         """Every queued batch, taken off its queue (a pipeline that stopped working)."""
@@ -353,10 +363,14 @@ class RunPlanner:
     ) -> PendingBatch | None:
         from_retry = bool(retry)
         self._starved = False
+        # Read before the look: a submission (or release, or want) that lands between the look
+        # and the wait below has notified no waiter yet, and must not be waited for.
+        changes = self._changes
         batch = retry[0] if from_retry else self._pick(_any_batch, pop=False)
         if batch is None and block:
             with self.changed:
-                self.changed.wait(_IDLE_POLL_S if self._starved else _IDLE_WAIT_S)
+                if self._changes == changes:
+                    self.changed.wait(_IDLE_POLL_S if self._starved else _IDLE_WAIT_S)
             # Most often a submission woke us: take its batch now, not on the next call.
             batch = None if self._stopping.is_set() else self._pick(_any_batch, pop=False)
         if batch is None:

@@ -242,3 +242,31 @@ def test_a_job_whose_window_is_full_is_passed_over_on_a_shared_pipeline() -> Non
     assert [plan.run(), plan.run()] == [[2], [2]]
     assert plan.planner.next_run(collections.deque(), block=False) is None
     assert plan.members[1].held == WINDOW and len(plan.members[1].queue) == 2
+
+
+def test_a_batch_submitted_between_the_look_and_the_wait_is_not_waited_for() -> None:
+    # An idle executor looks for a batch, finds none, then waits on the planner's condition.
+    # A submission that lands between the two notified no waiter: the executor must take it
+    # at once, not after its idle wait (a second, every time the race is lost).
+    planner = Planner({1: 1.0})
+    look = planner.planner._pick
+    waits: list[float | None] = []
+
+    def look_then_submit(*args: object, **kwargs: object) -> PendingBatch | None:
+        found = look(*args, **kwargs)  # type: ignore[arg-type]
+        if found is None and not waits:
+            planner.submit(1, 1)  # lands after the look, before the wait
+        return found
+
+    condition = planner.planner.changed
+    wait = condition.wait
+
+    def counted_wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        return wait(timeout)
+
+    planner.planner._pick = look_then_submit  # type: ignore[method-assign]
+    condition.wait = counted_wait  # type: ignore[method-assign]
+    run = planner.planner.next_run(collections.deque(), block=True)
+    assert run is not None and [batch.batch_id for batch in run.batches] == [0]
+    assert waits == []
