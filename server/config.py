@@ -344,7 +344,9 @@ OPTIONS: tuple[Option, ...] = (
         "threads",
         parse_positive_int,
         None,
-        "DALI threads of each shared pipeline (a pipeline of its own keeps the job's)",
+        "DALI threads of each shared pipeline (a pipeline of its own keeps the job's); any "
+        "pipeline gets at most as many as the CPU cores the daemon may use, since threads past "
+        "them only wait",
         "N",
         default_text="the CPU cores the daemon may use",
     ),
