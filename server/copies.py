@@ -49,20 +49,26 @@ class CopiedOutput(Protocol):
 
 def private_copy(output: CopiedOutput, rows: range, nbytes: int) -> np.ndarray:
     """The bytes of ``rows`` of one output of a run (CPU or GPU) in a new host buffer."""
-    buffer = np.empty(nbytes, dtype=np.uint8)
     if not nbytes:
-        return buffer
-    address = buffer.ctypes.data
+        return np.empty(0, dtype=np.uint8)
     dense = output.dense()
     if dense is not None:
         # A GPU output comes through the host (as_cpu waits for it); a CPU one is copied once.
         host = dense.as_cpu() if "GPU" in type(dense).__name__ else dense
-        start = host.data_ptr() + rows.start * output.row_bytes(rows)
-        ctypes.memmove(address, start, nbytes)
-        return buffer
+        return host_copy(host.data_ptr() + rows.start * output.row_bytes(rows), nbytes)
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    address = buffer.ctypes.data
     for row in rows:
         sample = output.tensors[row]
         sample = sample.as_cpu() if "GPU" in type(sample).__name__ else sample
         sample.copy_to_external(ctypes.c_void_p(address))
         address += output.row_bytes(rows)
+    return buffer
+
+
+def host_copy(address: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory from ``address`` in a new buffer: a private copy's bytes."""
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    if nbytes:
+        ctypes.memmove(buffer.ctypes.data, address, nbytes)
     return buffer

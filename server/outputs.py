@@ -18,7 +18,6 @@ are the one boundary between the executor and output memory.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import sys
@@ -30,7 +29,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
-from .copies import private_copy
+from .copies import host_copy, private_copy
 from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
 
 
@@ -243,15 +242,12 @@ class JobOutputs:
         """The bytes of regions of this memory, still leased, as private copies (host memory
         only): a cohort's outputs for a member past its window (Note [Cohort outputs],
         point 6, in cohorts.py)."""
-        frames = []
-        for descriptor in descriptors:
-            buffer = np.empty(descriptor.nbytes, dtype=np.uint8)
-            if descriptor.nbytes:
-                pool = self.store(descriptor.device).pool
-                source = pool.address(descriptor.region_id)
-                ctypes.memmove(buffer.ctypes.data, source, descriptor.nbytes)
-            frames.append(buffer.data)
-        return tuple(frames)
+        return tuple(
+            host_copy(
+                self.store(d.device).pool.address(d.region_id) if d.nbytes else 0, d.nbytes
+            ).data
+            for d in descriptors
+        )
 
     def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
         """Calls ``released`` once the trainer has released every one of ``region_ids`` (a
