@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from .busy import window_figures as busy_figures
 from .contenders import CONTENDERS
 from .fill import run_pipelines
 from .handles import run_handles
@@ -146,6 +147,12 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "daemon": 1e3 * daemon_cpu / daemon_samples if daemon_samples else 0.0,
     }
     per_sample["total"] = sum(per_sample.values())
+    # The whole machine's busy cores over the jobs' windows, beside what the per-process
+    # account implies over the window samples/s is counted in (CPU a sample x samples/s).
+    busy = busy_figures(
+        outcome.busy, [loop.start.t_ns for loop in loops], [loop.end.t_ns for loop in loops]
+    )
+    busy["account"] = per_sample["total"] * rate / 1e3
     # The daemon's pipelines as the jobs' timed windows ended (dalid only).
     daemon = CONTENDERS[outcome.kind].needs_daemon
     pipelines = run_pipelines(outcome.results) if daemon else None
@@ -164,6 +171,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "first_batch_s": max(loop.first_batch_s for loop in loops),
         "trainer_cpu_s": trainer_cpu,
         "cpu_ms_per_sample": per_sample,
+        "busy_cores": busy,
         "trainer_peak_rss_mb": max(loop.trainer_peak_rss_mb for loop in loops),
         "total_peak_rss_mb": sum(
             loop.trainer_peak_rss_mb + loop.workers_peak_rss_mb for loop in loops
@@ -282,6 +290,12 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "busy_cores": {
+                    part: spread(
+                        m["busy_cores"][part] for m in metrics if m["busy_cores"][part] is not None
+                    )
+                    for part in ("common", "union", "account")
+                },
                 "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
                 "pipelines_per_run": [
                     {"repeat": run.repeat, **m["pipelines"]}

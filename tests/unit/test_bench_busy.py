@@ -1,0 +1,107 @@
+"""The bench's machine-wide busy cores: /proc/stat's cpu line, and the window arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import pytest
+
+from bench.busy import (
+    BusySampler,
+    busy_cores,
+    parse_cpu_line,
+    read_busy_ticks,
+    timeline,
+    window_figures,
+)
+
+TICK = os.sysconf("SC_CLK_TCK")
+S = 1_000_000_000  # ns
+
+# The aggregate lines of /proc/stat read one second apart on a 2-core machine (real format:
+# user nice system idle iowait irq softirq steal guest guest_nice).
+LINES = (
+    "cpu  4892111 0 830400 5205889 7697 0 4886 6220 0 0",
+    "cpu  4892262 0 830437 5205902 7697 0 4888 6222 0 0",  # 192 busy ticks of 205
+    "cpu  4892312 0 830447 5206042 7698 0 4888 6222 0 0",  # 60 busy ticks of 201
+)
+
+
+def test_the_cpu_line_counts_user_nice_system_irq_softirq_and_steal_as_busy() -> None:
+    busy, total = parse_cpu_line(LINES[0])
+    assert busy == 4892111 + 0 + 830400 + 0 + 4886 + 6220
+    assert total == busy + 5205889 + 7697  # idle and iowait
+    # Guest time is in user already; a line with more fields counts the same.
+    assert parse_cpu_line(LINES[0] + " 0 0 7")[0] == busy
+
+
+def test_only_the_aggregate_cpu_line_is_read() -> None:
+    for wrong in ("cpu0 1 2 3 4 5 6 7 8 0 0", "intr 1 2 3", "cpu  1 2 3"):
+        with pytest.raises(ValueError, match="cpu line"):
+            parse_cpu_line(wrong)
+
+
+def _samples() -> list[tuple[int, int]]:
+    return [(10 * S + i * S, parse_cpu_line(line)[0]) for i, line in enumerate(LINES)]
+
+
+def test_busy_cores_over_a_window_between_samples() -> None:
+    samples = _samples()
+    # Exactly the first second: 192 ticks.
+    assert busy_cores(samples, 10 * S, 11 * S) == pytest.approx(192 / TICK)
+    # The whole two seconds: (192 + 60) ticks over 2 s.
+    assert busy_cores(samples, 10 * S, 12 * S) == pytest.approx(252 / TICK / 2)
+    # Half of each second: ticks are taken as evenly spread between two samples.
+    assert busy_cores(samples, 10 * S + S // 2, 11 * S + S // 2) == pytest.approx((96 + 30) / TICK)
+
+
+def test_a_window_the_samples_do_not_cover_has_no_figure() -> None:
+    samples = _samples()
+    assert busy_cores(samples, 9 * S, 11 * S) is None  # starts before the first sample
+    assert busy_cores(samples, 11 * S, 13 * S) is None  # ends after the last
+    assert busy_cores(samples, 11 * S, 11 * S) is None  # empty
+    assert busy_cores(samples[:1], 10 * S, 10 * S + 1) is None
+
+
+def test_common_and_union_windows_of_several_jobs() -> None:
+    samples = _samples()
+    starts, ends = [10 * S, 10 * S + S // 2], [11 * S + S // 2, 12 * S]
+    figures = window_figures(samples, starts, ends)
+    assert figures["common"] == pytest.approx((96 + 30) / TICK)  # 10.5 s to 11.5 s
+    assert figures["union"] == pytest.approx(252 / TICK / 2)  # 10 s to 12 s
+    # Jobs that never ran together have no common window.
+    assert window_figures(samples, [11 * S, 10 * S], [12 * S, 10 * S + S // 2])["common"] is None
+    assert window_figures(samples, [], []) == {"common": None, "union": None}
+
+
+def test_the_timeline_gives_busy_cores_of_each_interval() -> None:
+    stamps, cores = zip(*timeline(_samples()), strict=True)
+    assert stamps == (11 * S, 12 * S)
+    assert cores == pytest.approx((192 / TICK, 60 / TICK))
+
+
+def test_the_sampler_reads_this_machine_while_it_runs() -> None:
+    """A thread spinning on a core shows as busy: at least most of a core over the window."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    sampler = BusySampler(interval_s=0.05)
+    spinner = threading.Thread(target=spin)
+    with sampler.running():
+        spinner.start()
+        stop.wait(0.6)
+        stop.set()
+        spinner.join()
+    samples = sampler.samples
+    assert len(samples) >= 4
+    assert all(b[0] > a[0] and b[1] >= a[1] for a, b in itertools.pairwise(samples))
+    assert samples[-1][1] <= read_busy_ticks()
+    cores = busy_cores(samples, samples[0][0], samples[-1][0])
+    assert cores is not None
+    assert 0.5 <= cores <= len(os.sched_getaffinity(0)) + 0.1
+    assert not any(t.name == "bench-busy" for t in threading.enumerate())
