@@ -130,8 +130,9 @@ def cohort_hit_rate(readings: Sequence[dict[str, Any]]) -> float | None:
 
 
 def run_metrics(outcome: Outcome) -> dict[str, Any]:
-    """One run's figures; the daemon's CPU and memory are read over the union of the jobs'
-    windows."""
+    """One run's figures; the daemon's CPU per sample is read over the window samples/s is
+    counted in (the jobs' common window, else their union), its threads and memory over the
+    union of the jobs' windows."""
     loops = [LoopResult.from_dict(result["loop"]) for result in outcome.results]
     rate, shares, method = window_rates(loops)
     timed = sum(loop.timed_samples for loop in loops)
@@ -139,8 +140,15 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     workers_cpu = sum(loop.end.workers_cpu_s - loop.start.workers_cpu_s for loop in loops)
     first = min(loops, key=lambda loop: loop.start.t_ns)
     last = max(loops, key=lambda loop: loop.end.t_ns)
-    daemon_cpu = last.end.daemon_cpu_s - first.start.daemon_cpu_s
-    daemon_samples = _arrivals(loops, first.start.t_ns, last.end.t_ns)
+    # The daemon's CPU per sample over the window samples/s is counted in. Over the union of
+    # several jobs' windows it reads low: the batches that arrive in its first part were made
+    # before it began, while its end follows the last batch made.
+    daemon_from, daemon_to = first.start, last.end
+    if method == "common window":
+        daemon_from = max(loops, key=lambda loop: loop.start.t_ns).start
+        daemon_to = min(loops, key=lambda loop: loop.end.t_ns).end
+    daemon_cpu = daemon_to.daemon_cpu_s - daemon_from.daemon_cpu_s
+    daemon_samples = _arrivals(loops, daemon_from.t_ns, daemon_to.t_ns)
     per_sample = {
         "trainer": 1e3 * trainer_cpu / timed,
         "workers": 1e3 * workers_cpu / timed,

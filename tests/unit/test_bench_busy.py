@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,9 @@ from bench.busy import (
     timeline,
     window_figures,
 )
+from bench.measure import LoopResult, Probe
+from bench.runner import Outcome
+from bench.summary import run_metrics
 
 TICK = os.sysconf("SC_CLK_TCK")
 S = 1_000_000_000  # ns
@@ -105,3 +109,40 @@ def test_the_sampler_reads_this_machine_while_it_runs() -> None:
     assert cores is not None
     assert 0.5 <= cores <= len(os.sched_getaffinity(0)) + 0.1
     assert not any(t.name == "bench-busy" for t in threading.enumerate())
+
+
+def _job(job: int, start_s: float, end_s: float, daemon_cpu: dict[float, float]) -> dict[str, Any]:
+    """A dalid trainer's result: a batch of 10 samples every second from ``start_s`` - 1 to
+    ``end_s``, its window from ``start_s`` to ``end_s``; the daemon's CPU as it read it."""
+    stamps = [round(t * S) for t in range(int(start_s) - 1, int(end_s) + 1)]
+
+    def probe(t: float) -> Probe:
+        return Probe(t_ns=round(t * S), trainer_cpu_s=0.0, workers_cpu_s=0.0,
+                     daemon_cpu_s=daemon_cpu[t])  # fmt: skip
+
+    loop = LoopResult(
+        contender="dalid", job=job, batch_size=10, warmup_batches=2, stamps_ns=stamps,
+        start=probe(start_s), end=probe(end_s), first_batch_s=0.0, trainer_peak_rss_mb=0.0,
+        workers_peak_rss_mb=0.0, daemon_peak_rss_mb=0.0, checksum=0.0,
+    )  # fmt: skip
+    return {"loop": loop.to_dict()}
+
+
+def test_run_metrics_read_busy_cores_and_the_daemon_over_the_common_window() -> None:
+    # Two jobs: windows 10-20 s and 12-22 s. The daemon used 1 ms a sample in the common
+    # window (12-20 s: 160 samples, 0.16 s of CPU) and nothing in the tails, as when the
+    # batches of the tails were made before the union began.
+    cpu = {10.0: 1.0, 12.0: 1.0, 20.0: 1.16, 22.0: 1.16}
+    results = [_job(0, 10.0, 20.0, cpu), _job(1, 12.0, 22.0, cpu)]
+    # The machine: 1.5 cores busy all along, sampled every second from 9 s to 23 s.
+    busy = [(t * S, 1000 + round(1.5 * TICK * (t - 9))) for t in range(9, 24)]
+    metrics = run_metrics(Outcome("dalid", 2, 0, results=results, busy=busy))
+    assert metrics["rate_window"] == "common window"
+    assert metrics["samples_per_s"] == pytest.approx(20.0)
+    assert metrics["cpu_ms_per_sample"]["daemon"] == pytest.approx(1.0)
+    assert metrics["busy_cores"]["common"] == pytest.approx(1.5)
+    assert metrics["busy_cores"]["union"] == pytest.approx(1.5)
+    assert metrics["busy_cores"]["account"] == pytest.approx(0.02)  # 1 ms a sample x 20/s
+    # Without samples (runs recorded before the sampler) there is no machine figure.
+    bare = run_metrics(Outcome("dalid", 2, 0, results=results))["busy_cores"]
+    assert bare["common"] is None and bare["union"] is None
