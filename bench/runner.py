@@ -48,6 +48,8 @@ class Outcome:
     daemon_threads: list[dict[str, Any]] = field(default_factory=list)
     # The machine's busy ticks from the start signal on (bench.busy): [monotonic ns, ticks].
     busy: list[tuple[int, int]] = field(default_factory=list)
+    # The kernel's own threads' ticks meanwhile, about once a second (bench.busy.KernelTicks).
+    kernel_busy: list[tuple[int, int]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -164,7 +166,7 @@ def _run_trainers(
             deadline = time.monotonic() + RUN_TIMEOUT_S
             for trainer in trainers:
                 trainer.process.wait(max(1.0, deadline - time.monotonic()))
-        outcome.busy = busy.samples
+        outcome.busy, outcome.kernel_busy = busy.samples, busy.kernel
         if sampler.samples:
             outcome.memory = sampler.to_dict()
         if watch:

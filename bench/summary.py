@@ -158,7 +158,10 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     # The whole machine's busy cores over the jobs' windows, beside what the per-process
     # account implies over the window samples/s is counted in (CPU a sample x samples/s).
     busy = busy_figures(
-        outcome.busy, [loop.start.t_ns for loop in loops], [loop.end.t_ns for loop in loops]
+        outcome.busy,
+        [loop.start.t_ns for loop in loops],
+        [loop.end.t_ns for loop in loops],
+        outcome.kernel_busy,
     )
     busy["account"] = per_sample["total"] * rate / 1e3
     # The daemon's pipelines as the jobs' timed windows ended (dalid only).
@@ -302,7 +305,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                     part: spread(
                         m["busy_cores"][part] for m in metrics if m["busy_cores"][part] is not None
                     )
-                    for part in ("common", "union", "account")
+                    for part in ("common", "union", "account", "kernel_threads")
                 },
                 "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
                 "pipelines_per_run": [

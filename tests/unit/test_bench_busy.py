@@ -11,7 +11,9 @@ import pytest
 
 from bench.busy import (
     BusySampler,
+    KernelTicks,
     busy_cores,
+    kernel_threads,
     parse_cpu_line,
     read_busy_ticks,
     timeline,
@@ -72,12 +74,17 @@ def test_a_window_the_samples_do_not_cover_has_no_figure() -> None:
 def test_common_and_union_windows_of_several_jobs() -> None:
     samples = _samples()
     starts, ends = [10 * S, 10 * S + S // 2], [11 * S + S // 2, 12 * S]
-    figures = window_figures(samples, starts, ends)
+    kernel = [(10 * S, 0), (12 * S, TICK // 5)]  # a fifth of a core all along
+    figures = window_figures(samples, starts, ends, kernel)
     assert figures["common"] == pytest.approx((96 + 30) / TICK)  # 10.5 s to 11.5 s
     assert figures["union"] == pytest.approx(252 / TICK / 2)  # 10 s to 12 s
+    assert figures["kernel_threads"] == pytest.approx(0.1)
     # Jobs that never ran together have no common window.
     assert window_figures(samples, [11 * S, 10 * S], [12 * S, 10 * S + S // 2])["common"] is None
-    assert window_figures(samples, [], []) == {"common": None, "union": None}
+    assert window_figures(samples, [], []) == {
+        "common": None, "union": None, "kernel_threads": None
+    }  # fmt: skip
+    assert window_figures(samples, starts, ends)["kernel_threads"] is None  # not read
 
 
 def test_the_timeline_gives_busy_cores_of_each_interval() -> None:
@@ -109,6 +116,25 @@ def test_the_sampler_reads_this_machine_while_it_runs() -> None:
     assert cores is not None
     assert 0.5 <= cores <= len(os.sched_getaffinity(0)) + 0.1
     assert not any(t.name == "bench-busy" for t in threading.enumerate())
+    # The kernel threads were read at both ends at least, their ticks never going back.
+    assert len(sampler.kernel) >= 2
+    assert all(b[1] >= a[1] for a, b in zip(sampler.kernel, sampler.kernel[1:], strict=False))
+
+
+def _comm(pid: str) -> str:
+    with open(f"/proc/{pid}/comm") as comm:
+        return comm.read().strip()
+
+
+def test_the_kernel_threads_are_kthreadd_and_its_children() -> None:
+    found = kernel_threads()
+    assert str(os.getpid()) not in found
+    if not found:
+        pytest.skip("kthreadd is not visible in this PID namespace")
+    assert "2" in found and _comm("2") == "kthreadd"
+    ticks = KernelTicks()
+    first = ticks.read()
+    assert 0 <= first <= ticks.read()
 
 
 def _job(job: int, start_s: float, end_s: float, daemon_cpu: dict[float, float]) -> dict[str, Any]:
@@ -136,13 +162,15 @@ def test_run_metrics_read_busy_cores_and_the_daemon_over_the_common_window() -> 
     results = [_job(0, 10.0, 20.0, cpu), _job(1, 12.0, 22.0, cpu)]
     # The machine: 1.5 cores busy all along, sampled every second from 9 s to 23 s.
     busy = [(t * S, 1000 + round(1.5 * TICK * (t - 9))) for t in range(9, 24)]
-    metrics = run_metrics(Outcome("dalid", 2, 0, results=results, busy=busy))
+    kernel = [(9 * S, 0), (23 * S, 14 * TICK // 10)]  # a tenth of a core
+    metrics = run_metrics(Outcome("dalid", 2, 0, results=results, busy=busy, kernel_busy=kernel))
     assert metrics["rate_window"] == "common window"
     assert metrics["samples_per_s"] == pytest.approx(20.0)
     assert metrics["cpu_ms_per_sample"]["daemon"] == pytest.approx(1.0)
     assert metrics["busy_cores"]["common"] == pytest.approx(1.5)
     assert metrics["busy_cores"]["union"] == pytest.approx(1.5)
     assert metrics["busy_cores"]["account"] == pytest.approx(0.02)  # 1 ms a sample x 20/s
+    assert metrics["busy_cores"]["kernel_threads"] == pytest.approx(0.1)
     # Without samples (runs recorded before the sampler) there is no machine figure.
     bare = run_metrics(Outcome("dalid", 2, 0, results=results))["busy_cores"]
     assert bare["common"] is None and bare["union"] is None
