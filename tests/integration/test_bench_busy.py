@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.busy import INTERVAL_S
+from bench.busy import INTERVAL_S, kernel_threads
 from bench.config import QUICK
 from bench.dataset import make_imagefolder
 from bench.runner import run_once
@@ -52,3 +52,8 @@ def test_a_run_records_busy_cores_over_its_windows(workdir: Path, kind: str, job
         # The trainers decoded JPEGs all through the window: some of a core at least.
         assert 0.2 < value <= cores + 0.05, (window, value)
     assert busy["account"] > 0
+    # The kernel's threads were read at the run's ends at least (none visible: no figure).
+    assert len(outcome.kernel_busy) >= 2
+    if kernel_threads():
+        assert busy["kernel_threads"] is not None
+        assert 0 <= busy["kernel_threads"] <= busy["common"]
