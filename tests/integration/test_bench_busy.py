@@ -18,6 +18,8 @@ from bench.summary import run_metrics
 
 from ..daemons import own_directory
 
+TICK = os.sysconf("SC_CLK_TCK")
+
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
@@ -31,7 +33,7 @@ def workdir() -> Iterator[Path]:
 def test_a_run_records_busy_cores_over_its_windows(workdir: Path, kind: str, jobs: int) -> None:
     dataset = make_imagefolder(workdir / "images", num_images=64, num_classes=2, seed=3)
     settings = QUICK.with_(
-        images=64, batch_size=16, workers=1, threads=1, epochs=3, dataset_root=str(dataset.root)
+        images=64, batch_size=16, workers=1, threads=1, epochs=4, dataset_root=str(dataset.root)
     )
     outcome = run_once(kind, jobs, 0, settings, workdir)
     assert outcome.error is None, outcome.error
@@ -46,14 +48,20 @@ def test_a_run_records_busy_cores_over_its_windows(workdir: Path, kind: str, job
     assert max(gaps) < INTERVAL_S + 1.0
     busy = run_metrics(outcome)["busy_cores"]
     cores = len(os.sched_getaffinity(0))
-    for window in ("common", "union"):
+    starts = [loop["start"]["t_ns"] for loop in loops]
+    ends = [loop["end"]["t_ns"] for loop in loops]
+    windows = {"common": min(ends) - max(starts), "union": max(ends) - min(starts)}
+    for window, length_ns in windows.items():
         value = busy[window]
         assert value is not None
+        # Between two samples the busy ticks are taken as linear: at each end of the window
+        # that may be off by all cores for the gap between samples, and by a tick a core.
+        slack = 2 * cores * (max(gaps) + 1 / TICK) / (length_ns / 1e9)
         # The trainers decoded JPEGs all through the window: some of a core at least.
-        assert 0.2 < value <= cores + 0.05, (window, value)
+        assert 0.2 - slack < value <= cores + slack, (window, value, slack)
     assert busy["account"] > 0
     # The kernel's threads were read at the run's ends at least (none visible: no figure).
     assert len(outcome.kernel_busy) >= 2
     if kernel_threads():
         assert busy["kernel_threads"] is not None
-        assert 0 <= busy["kernel_threads"] <= busy["common"]
+        assert busy["kernel_threads"] >= 0
