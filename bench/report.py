@@ -128,13 +128,13 @@ def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
     lines = [
         "| contender | samples/s | per job | vs DALI in-process | batch interval p50 / p99 ms "
         "| trainer CPU ms/sample | all CPU ms/sample | trainer peak RSS MiB "
-        "| all peak RSS MiB | other load, cores |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| all peak RSS MiB | busy cores: machine / account / kernel | other load, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         if not row["samples_per_s"]["n"]:
             error = "; ".join(row["errors"]).replace("\n", " ")[:200]
-            lines.append(f"| {row['label']} | failed: {error} ||||||||||")
+            lines.append(f"| {row['label']} | failed: {error} |||||||||||")
             continue
         base = BASELINE if row["jobs"] == 1 else f"{BASELINE}-x{row['jobs']}"
         ratio = summary["ratios"].get(row["id"], {}).get(base)
@@ -142,12 +142,15 @@ def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         interval = row["interval_ms"]
         per_job = spread_text(row["per_job_samples_per_s"]) if row["jobs"] > 1 else ""
         cpu = row["cpu_ms_per_sample"]
+        busy = row.get("busy_cores") or {}
         lines.append(
             f"| {row['label']} | {spread_text(row['samples_per_s'])} | {per_job} | {versus} | "
             f"{fmt(interval.get('p50'), 1)} / {fmt(interval.get('p99'), 1)} | "
             f"{fmt(cpu['trainer']['median'], 2)} | {fmt(cpu['total']['median'], 2)} | "
             f"{fmt(row['trainer_peak_rss_mb']['median'])} | "
             f"{fmt(row['total_peak_rss_mb']['median'])} | "
+            f"{spread_text(busy.get('common'), 2)} / {spread_text(busy.get('account'), 2)} / "
+            f"{spread_text(busy.get('kernel_threads'), 2)} | "
             f"{spread_text(row['foreign_cores'], 2)} |"
         )
     return [
@@ -155,9 +158,12 @@ def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         "",
         "Samples/s reaching the training loop; for several jobs, all jobs together (and each "
         'job). "vs DALI in-process" divides by DALI in-process with as many jobs, run in the '
-        "same repeat. Medians over repeats, [min-max] across them. Other load: CPU cores used "
-        "by processes that are not the benchmark's during each run. See README.md for each "
-        "metric.",
+        "same repeat. Medians over repeats, [min-max] across them. Busy cores: the whole "
+        "machine's (/proc/stat) over the jobs' common window, what the per-process "
+        "account implies (all CPU a sample x samples/s), and the kernel's own threads' "
+        "(reclaim, memory monitors), which no process of the bench owns. Other load: CPU "
+        "cores used by processes that are not the benchmark's during each run. See README.md "
+        "for each metric.",
         "",
     ]
 

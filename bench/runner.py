@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .busy import BusySampler
 from .config import Settings
 from .contenders import CONTENDERS
 from .daemon import DaemonFailed, QueueWatch, running_daemon
@@ -45,6 +46,10 @@ class Outcome:
     gpu_baseline_mb: float | None = None  # GPU memory in use before the run started
     # Snapshots of what the daemon's own threads used (bench.threads), dalid runs only.
     daemon_threads: list[dict[str, Any]] = field(default_factory=list)
+    # The machine's busy ticks from the start signal on (bench.busy): [monotonic ns, ticks].
+    busy: list[tuple[int, int]] = field(default_factory=list)
+    # The kernel's own threads' ticks meanwhile, about once a second (bench.busy.KernelTicks).
+    kernel_busy: list[tuple[int, int]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -148,7 +153,9 @@ def _run_trainers(
             if kind != "transport" and CONTENDERS[kind].watch_queues
             else None
         )
+        busy = BusySampler()
         with (
+            busy.running() if kind != "transport" else contextlib.nullcontext(),
             sampler.running() if kind != "transport" else contextlib.nullcontext(),
             watch.running() if watch else contextlib.nullcontext(),
         ):
@@ -159,6 +166,7 @@ def _run_trainers(
             deadline = time.monotonic() + RUN_TIMEOUT_S
             for trainer in trainers:
                 trainer.process.wait(max(1.0, deadline - time.monotonic()))
+        outcome.busy, outcome.kernel_busy = busy.samples, busy.kernel
         if sampler.samples:
             outcome.memory = sampler.to_dict()
         if watch:

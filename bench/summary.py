@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from .busy import window_figures as busy_figures
 from .contenders import CONTENDERS
 from .fill import run_pipelines
 from .handles import run_handles
@@ -129,8 +130,9 @@ def cohort_hit_rate(readings: Sequence[dict[str, Any]]) -> float | None:
 
 
 def run_metrics(outcome: Outcome) -> dict[str, Any]:
-    """One run's figures; the daemon's CPU and memory are read over the union of the jobs'
-    windows."""
+    """One run's figures; the daemon's CPU per sample is read over the window samples/s is
+    counted in (the jobs' common window, else their union), its threads and memory over the
+    union of the jobs' windows."""
     loops = [LoopResult.from_dict(result["loop"]) for result in outcome.results]
     rate, shares, method = window_rates(loops)
     timed = sum(loop.timed_samples for loop in loops)
@@ -138,14 +140,30 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
     workers_cpu = sum(loop.end.workers_cpu_s - loop.start.workers_cpu_s for loop in loops)
     first = min(loops, key=lambda loop: loop.start.t_ns)
     last = max(loops, key=lambda loop: loop.end.t_ns)
-    daemon_cpu = last.end.daemon_cpu_s - first.start.daemon_cpu_s
-    daemon_samples = _arrivals(loops, first.start.t_ns, last.end.t_ns)
+    # The daemon's CPU per sample over the window samples/s is counted in. Over the union of
+    # several jobs' windows it reads low: the batches that arrive in its first part were made
+    # before it began, while its end follows the last batch made.
+    daemon_from, daemon_to = first.start, last.end
+    if method == "common window":
+        daemon_from = max(loops, key=lambda loop: loop.start.t_ns).start
+        daemon_to = min(loops, key=lambda loop: loop.end.t_ns).end
+    daemon_cpu = daemon_to.daemon_cpu_s - daemon_from.daemon_cpu_s
+    daemon_samples = _arrivals(loops, daemon_from.t_ns, daemon_to.t_ns)
     per_sample = {
         "trainer": 1e3 * trainer_cpu / timed,
         "workers": 1e3 * workers_cpu / timed,
         "daemon": 1e3 * daemon_cpu / daemon_samples if daemon_samples else 0.0,
     }
     per_sample["total"] = sum(per_sample.values())
+    # The whole machine's busy cores over the jobs' windows, beside what the per-process
+    # account implies over the window samples/s is counted in (CPU a sample x samples/s).
+    busy = busy_figures(
+        outcome.busy,
+        [loop.start.t_ns for loop in loops],
+        [loop.end.t_ns for loop in loops],
+        outcome.kernel_busy,
+    )
+    busy["account"] = per_sample["total"] * rate / 1e3
     # The daemon's pipelines as the jobs' timed windows ended (dalid only).
     daemon = CONTENDERS[outcome.kind].needs_daemon
     pipelines = run_pipelines(outcome.results) if daemon else None
@@ -164,6 +182,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         "first_batch_s": max(loop.first_batch_s for loop in loops),
         "trainer_cpu_s": trainer_cpu,
         "cpu_ms_per_sample": per_sample,
+        "busy_cores": busy,
         "trainer_peak_rss_mb": max(loop.trainer_peak_rss_mb for loop in loops),
         "total_peak_rss_mb": sum(
             loop.trainer_peak_rss_mb + loop.workers_peak_rss_mb for loop in loops
@@ -282,6 +301,12 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "busy_cores": {
+                    part: spread(
+                        m["busy_cores"][part] for m in metrics if m["busy_cores"][part] is not None
+                    )
+                    for part in ("common", "union", "account", "kernel_threads")
+                },
                 "pipelines": _pipeline_spreads([m["pipelines"] for m in metrics]),
                 "pipelines_per_run": [
                     {"repeat": run.repeat, **m["pipelines"]}
