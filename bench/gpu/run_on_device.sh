@@ -22,7 +22,8 @@
 #   experiments    short bench runs (1 repeat, 2,048 images, 3 epochs) that tell where dalid's
 #                  samples/s and GPU memory go: the defaults (base, in-process beside them), then
 #                  the daemon with 1-batch runs, 8 DALI threads, 1 pinned instance, all three,
-#                  and a hardware decoder share of HW_LOAD (0.9) for both; writes the table
+#                  a hardware decoder share of HW_LOAD (0.9) for both, and 1-batch runs with 1
+#                  instance at 8 jobs; writes the table
 #                  $OUT/experiments-summary.md (python -m bench.experiments). With setup, about
 #                  6 minutes (BUDGET_S 380 by default when it runs); experiments that would not
 #                  fit what is left are skipped, and said so
@@ -57,7 +58,7 @@ export PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + BUDGET_S))
 mkdir -p "$OUT"
 
-usage() { sed -n '2,40p' "$0"; exit 2; }
+usage() { sed -n '2,41p' "$0"; exit 2; }
 
 # Seconds the parts after the running one keep for themselves (set per part below).
 RESERVE=0
@@ -226,6 +227,9 @@ part_experiments() {
   # the CPU-side decoding whose threads the daemon spends more on.
   experiment "$dir" hw-load 45 -- "${size[@]}" --only dali,dalid \
     --hw-decoder-load "${HW_LOAD:-0.9}" || status=1
+  # Both that keep the daemon's GPU memory down, together: the least it holds at 8 jobs.
+  experiment "$dir" run-batches-1-instances-1 60 DALID_RUN_BATCHES=1 DALID_INSTANCES=1 \
+    -- "${size[@]}" "${both[@]}" || status=1
   "$PYTHON" -m bench.experiments "$dir" | tee "$OUT/experiments-summary.md" || status=1
   return "$status"
 }

@@ -108,3 +108,29 @@ def test_the_cuda_drivers_file_of_this_process_is_not_a_leak(
     assert foreign.driver_file(f"{tmp_path}/cuda.shm.0.{os.getpid():x}.2")
     assert foreign.driver_file(f"{mine} (deleted)")
     assert not foreign.driver_file(f"{tmp_path}/cuda.shm.0.{os.getpid()}x.1")
+
+
+@pytest.mark.gpu
+def test_the_drivers_files_open_here_are_told_apart() -> None:
+    """On a GPU: the files the CUDA driver keeps open in this process once CUDA IPC is used (a
+    memory handle and an event handle, as a GPU daemon exports its slabs and batch events) are
+    those :func:`foreign.driver_file` names the driver's: its pid in hex, in /dev/shm."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and a CUDA build of torch")
+    from cupy.cuda import runtime
+
+    with torch.cuda.device(0):
+        memory = runtime.malloc(1 << 20)
+        event = runtime.eventCreateWithFlags(runtime.eventDisableTiming | runtime.eventInterprocess)
+        try:
+            runtime.ipcGetMemHandle(memory)
+            runtime.ipcGetEventHandle(event)
+            targets = [target for target in leaks.take([]).fds.values() if "cuda.shm." in target]
+        finally:
+            runtime.eventDestroy(event)
+            runtime.free(memory)
+    if not targets:
+        pytest.skip("the CUDA driver keeps no cuda.shm file open in this process")
+    assert all(foreign.driver_file(target) for target in targets), targets
