@@ -140,10 +140,14 @@ def summary(rows_by_experiment: Mapping[str, Sequence[Row]]) -> str:
         "what one in-process job (base) adds beyond it (target <= 0.5):",
         "",
     ]
-    for name, rows in rows_by_experiment.items():
-        found = added_gpu_ratio(rows, inprocess.get(1))
-        if found is not None:
-            lines.append(f"- {name}: {found[1]:.2f} ({found[0]} jobs and 1)")
+    ratios = {
+        name: added_gpu_ratio(rows, inprocess.get(1)) for name, rows in rows_by_experiment.items()
+    }
+    lines += [
+        f"- {name}: {found[1]:.2f} ({found[0]} jobs and 1)"
+        for name, found in ratios.items()
+        if found is not None
+    ] or ["- none: no experiment read GPU memory at both job counts"]
     return "\n".join(lines)
 
 

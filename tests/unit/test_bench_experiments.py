@@ -60,3 +60,6 @@ def test_the_summary_puts_the_base_first_and_says_what_each_daemon_ran_with(
         "- base: 0.85 (8 jobs and 1)" in lines and "- run-batches-1: 0.85 (8 jobs and 1)" in lines
     )
     assert experiments.main([]) == 2
+    # Without GPU memory (a CPU run), the table and a line that says so.
+    cpu = experiments.summary({"base": experiments.read_experiment(folder / "base")[:2]})
+    assert cpu.endswith("- none: no experiment read GPU memory at both job counts")
