@@ -25,8 +25,8 @@
 #                  a hardware decoder share of HW_LOAD (0.9) for both, and 1-batch runs with 1
 #                  instance at 8 jobs; writes the table
 #                  $OUT/experiments-summary.md (python -m bench.experiments). With setup, about
-#                  6 minutes (BUDGET_S 380 by default when it runs); experiments that would not
-#                  fit what is left are skipped, and said so
+#                  6 minutes (BUDGET_S 380 by default, with setup or alone); experiments that
+#                  would not fit what is left are skipped, and said so
 #
 # The machine needs torch with CUDA, CuPy, numpy and msgpack, and DALI and pyzmq in /tmp/site
 # (pip install --target /tmp/site ...): PYTHONPATH is set here. See bench/README.md.
@@ -34,7 +34,7 @@
 #   OUT         where results go (default ./gpu-out)
 #   PYTHON      the interpreter (default python3)
 #   BUDGET_S    seconds the parts of one invocation may take together (default 560; 450 for
-#               the whole check; 380 when experiments is one of the parts)
+#               the whole check; 380 for experiments, with setup or alone)
 #   REPEATS     repeats of the benchmark parts (default 1)
 #   HW_LOAD     the hardware decoder share of the experiments' hw-load run (default 0.9)
 #   DRY_RUN=1   on a machine without a GPU: no install, the bench in quick mode on the CPU
@@ -49,7 +49,9 @@ if [ $# -eq 0 ]; then
   set -- setup tests bench-gpu
   BUDGET_S="${BUDGET_S:-450}"
 fi
-[[ " $* " == *" experiments "* ]] && BUDGET_S="${BUDGET_S:-380}"
+case "$*" in
+  experiments | "setup experiments") BUDGET_S="${BUDGET_S:-380}" ;;
+esac
 BUDGET_S="${BUDGET_S:-560}"
 REPEATS="${REPEATS:-1}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -189,7 +191,8 @@ experiment() {
   shift
   local left_s=$((DEADLINE - SECONDS - 15 - RESERVE))
   if [ "$left_s" -lt "$need" ]; then
-    echo "experiment $name skipped: ${left_s}s left, it needs about ${need}s" | tee -a "$dir/skipped.txt"
+    echo "experiment $name skipped: ${left_s}s left, it needs about ${need}s" |
+      tee -a "$dir/skipped.txt"
     return 0
   fi
   echo "--- experiment $name: ${settings[*]:-daemon defaults} $* (${left_s}s left)"
