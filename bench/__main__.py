@@ -72,6 +72,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="LOW-HIGH",
         help="JPEG quality range of the dataset (default 92-100; ImageNet's are about 75-95)",
     )
+    parser.add_argument(
+        "--hw-decoder-load",
+        type=float,
+        metavar="SHARE",
+        help="on a GPU, the share of images the mixed decoder gives the hardware JPEG decoder, "
+        "in-process and through dalid alike (default: DALI's)",
+    )
     parser.add_argument("--seed", type=int, help="dataset and pipeline seed (default 0)")
     parser.add_argument("--transport-iterations", type=int, help="round trips per probe (2000)")
     parser.add_argument(
@@ -101,6 +108,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 _OVERRIDABLE = (
     "images", "repeats", "jobs", "scaling_jobs", "epochs", "batch_size", "workers", "threads",
     "classes", "seed", "transport_iterations", "jpeg_subsampling", "jpeg_quality",
+    "hw_decoder_load",
 )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from dalid.protocol import slabs
 
-from . import host_sync, leaks
+from . import foreign, host_sync, leaks
 from .daemons import (
     OWN_DIRECTORIES,
     STARTED_PIDS,
@@ -126,7 +126,11 @@ def nothing_left_behind(
     before = leaks.take(_test_directories(request))
     yield
     outside, inside = leaks.left_behind(
-        before, _test_directories(request), private_runtime_dir, STARTED_PIDS
+        before,
+        _test_directories(request),
+        private_runtime_dir,
+        STARTED_PIDS,
+        foreign_code=request.node.stash.get(foreign.FOREIGN_CODE, None),
     )
     if inside:
         nothing_left_in_this_process[request.node.nodeid] = inside

@@ -19,6 +19,14 @@ once, before the first snapshot (``_LONG_LIVED_STATE``, each entry with its reas
 is there before every test: no test is blamed for it, and no test is excused a leak of the same
 kind (a ZeroMQ context of its own, say), which a pattern over names could not tell apart.
 
+What libraries below dalid make in this process on their own later on (the CUDA driver's and
+jemalloc's named threads, the driver's file in /dev/shm) is told apart by :mod:`tests.foreign`,
+by name and origin; so is a native thread nobody named in a test that ran only code that is not
+dalid's (``foreign_code``: DALI's own proxy).
+
+Over 400 lines, as one idea: taking the snapshots, telling what in them is a test's, and
+naming it belong together; what is not dalid's is in :mod:`tests.foreign`.
+
 Only when something looks leaked is time spent: garbage is collected (an object whose
 finalizer closes a socket or reaps a child may only be unreachable), and processes whose
 parents are gone (a killed job's DataLoader workers notice by polling, every 5 s) and threads
@@ -45,6 +53,8 @@ import zmq
 
 from dalid.client import connection
 from dalid.protocol import slabs
+
+from . import foreign
 
 _ME = os.getpid()
 
@@ -228,7 +238,9 @@ def left_behind(
     directories: Iterable[Path],
     runtime_dir: Path,
     known_pids: set[int],
+    *,
     grace_s: float = 10.0,
+    foreign_code: str | None = None,
 ) -> tuple[Leaks, Leaks]:
     """What was made since ``before`` and is still there: what is outside this process, settled
     (false if nothing), and what is in this process, as it is now (judge it with
@@ -237,15 +249,16 @@ def left_behind(
     ``runtime_dir`` is the tests' $DALID_RUNTIME_DIR: a process whose parents are gone is ours
     if it has it in its environment. ``known_pids`` are processes the tests started (so a
     dead one's segments are ours, and never another test session's on the same machine).
+    ``foreign_code`` names the code under test when it is not dalid's (see :mod:`tests.foreign`).
     """
     directories = list(directories)
-    outside, inside = _compare(before, take(directories), runtime_dir, known_pids)
+    outside, inside = _compare(before, take(directories), runtime_dir, known_pids, foreign_code)
     # Something looks leaked: an unreachable object's finalizer may still close or reap it,
     # and a process whose parents are gone may be on its way out.
     deadline = time.monotonic() + grace_s
     while outside:
         gc.collect()
-        outside, inside = _compare(before, take(directories), runtime_dir, known_pids)
+        outside, inside = _compare(before, take(directories), runtime_dir, known_pids, foreign_code)
         if not outside.processes or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -279,7 +292,11 @@ def _still_there(made: Leaks) -> Leaks:
 
 
 def _compare(
-    before: Snapshot, after: Snapshot, runtime_dir: Path, known_pids: set[int]
+    before: Snapshot,
+    after: Snapshot,
+    runtime_dir: Path,
+    known_pids: set[int],
+    foreign_code: str | None = None,
 ) -> tuple[Leaks, Leaks]:
     outside = Leaks(processes=_new_processes(before, after, runtime_dir))
     # A new segment is the test's if this process made it, or a process the test left, or one
@@ -305,10 +322,14 @@ def _compare(
         tasks={
             tid: name
             for tid, name in after.tasks.items()
-            if tid not in before.tasks and tid not in python_tids
+            if tid not in before.tasks
+            and tid not in python_tids
+            and foreign.foreign_thread(name, foreign_code) is None
         },
         fds={
-            fd: target for fd, target in sorted(after.fds.items()) if before.fds.get(fd) != target
+            fd: target
+            for fd, target in sorted(after.fds.items())
+            if before.fds.get(fd) != target and not foreign.driver_file(target)
         },
     )
     return outside, inside

@@ -19,6 +19,14 @@
 #                  staged outputs, the QA configuration in-process and through dalid, transport
 #   bench-scaling  python -m bench --profile gpu --only scaling: 1, 2, 4 and 8 jobs of dalid
 #                  (shared) and of DALI in-process, with each process's GPU memory
+#   experiments    short bench runs (1 repeat, 2,048 images, 3 epochs) that tell where dalid's
+#                  samples/s and GPU memory go: the defaults (base, in-process beside them), then
+#                  the daemon with 1-batch runs, 8 DALI threads, 1 pinned instance, all three,
+#                  a hardware decoder share of HW_LOAD (0.9) for both, and 1-batch runs with 1
+#                  instance at 8 jobs; writes the table
+#                  $OUT/experiments-summary.md (python -m bench.experiments). With setup, about
+#                  6 minutes (BUDGET_S 380 by default, with setup or alone); experiments that
+#                  would not fit what is left are skipped, and said so
 #
 # The machine needs torch with CUDA, CuPy, numpy and msgpack, and DALI and pyzmq in /tmp/site
 # (pip install --target /tmp/site ...): PYTHONPATH is set here. See bench/README.md.
@@ -26,8 +34,9 @@
 #   OUT         where results go (default ./gpu-out)
 #   PYTHON      the interpreter (default python3)
 #   BUDGET_S    seconds the parts of one invocation may take together (default 560; 450 for
-#               the whole check)
+#               the whole check; 380 for experiments, with setup or alone)
 #   REPEATS     repeats of the benchmark parts (default 1)
+#   HW_LOAD     the hardware decoder share of the experiments' hw-load run (default 0.9)
 #   DRY_RUN=1   on a machine without a GPU: no install, the bench in quick mode on the CPU
 #               (--profile gpu --quick --cpu), the gpu-marked tests skip; checks the plumbing
 # shellcheck disable=SC2329  # the parts' functions are called by name, part_<name>
@@ -40,6 +49,9 @@ if [ $# -eq 0 ]; then
   set -- setup tests bench-gpu
   BUDGET_S="${BUDGET_S:-450}"
 fi
+case "$*" in
+  experiments | "setup experiments") BUDGET_S="${BUDGET_S:-380}" ;;
+esac
 BUDGET_S="${BUDGET_S:-560}"
 REPEATS="${REPEATS:-1}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -48,7 +60,7 @@ export PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + BUDGET_S))
 mkdir -p "$OUT"
 
-usage() { sed -n '2,32p' "$0"; exit 2; }
+usage() { sed -n '2,41p' "$0"; exit 2; }
 
 # Seconds the parts after the running one keep for themselves (set per part below).
 RESERVE=0
@@ -164,10 +176,71 @@ part_bench_scaling() {
   bench "$1" --only scaling
 }
 
+# experiment DIR NAME NEED_S [DALID_X=Y...] -- BENCH-OPTIONS...: one bench run of the experiments
+# in DIR/NAME, its daemons run with the DALID_* settings given (dalid serve reads them from its
+# environment, which the bench's daemons inherit); skipped when less than NEED_S seconds are
+# left, so that a run is never cut short into a result that says nothing.
+experiment() {
+  local dir="$1" name="$2" need="$3"
+  shift 3
+  local settings=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    settings+=("$1")
+    shift
+  done
+  shift
+  local left_s=$((DEADLINE - SECONDS - 15 - RESERVE))
+  if [ "$left_s" -lt "$need" ]; then
+    echo "experiment $name skipped: ${left_s}s left, it needs about ${need}s" |
+      tee -a "$dir/skipped.txt"
+    return 0
+  fi
+  echo "--- experiment $name: ${settings[*]:-daemon defaults} $* (${left_s}s left)"
+  mkdir -p "$dir/$name"
+  echo "${settings[*]}" > "$dir/$name/daemon-env.txt"
+  (
+    [ ${#settings[@]} -gt 0 ] && export "${settings[@]}"
+    bench "$dir/$name" "$@"
+  )
+}
+
+part_experiments() {
+  local dir="$1"
+  # Half of bench-gpu's images: each 1-job run takes some 10 s on an H100, each 8-job run 20.
+  local size=(--epochs 3 --images 2048)
+  [ "$DRY_RUN" = 1 ] && size=()
+  # --jobs 8: each contender at 1 job, then at 8 (scaling runs would add DALI in-process's).
+  local one=(--only dalid) both=(--only dalid --jobs 8)
+  local status=0
+  # base: the defaults, DALI in-process beside dalid at 1 and 8 jobs; every ratio is against it.
+  experiment "$dir" base 80 -- "${size[@]}" --only dali,dalid --jobs 8 || status=1
+  # The daemon as in-process DALI runs: 8 threads (the cores, 16, by default), one batch a run
+  # (4), one pinned instance (the controller's 'auto'). At in-process's rate, the gap is these
+  # settings; below it, the daemon's path itself.
+  experiment "$dir" like-in-process 35 DALID_THREADS=8 DALID_RUN_BATCHES=1 DALID_INSTANCES=1 \
+    -- "${size[@]}" "${one[@]}" || status=1
+  # Runs of one batch: at 1 job the same samples a run as in-process; at 8 jobs DALI's buffers
+  # for runs of 256 samples, not 1,024: the daemon's GPU memory per extra job.
+  experiment "$dir" run-batches-1 60 DALID_RUN_BATCHES=1 -- "${size[@]}" "${both[@]}" || status=1
+  # One pinned instance: at 8 jobs, the GPU memory and rate without the controller's second.
+  experiment "$dir" instances-1 60 DALID_INSTANCES=1 -- "${size[@]}" "${both[@]}" || status=1
+  # 8 DALI threads (the mixed decoder's thread pool used some 22 us a sample a thread at 16).
+  experiment "$dir" threads-8 35 DALID_THREADS=8 -- "${size[@]}" "${one[@]}" || status=1
+  # More of the decoding on the hardware decoder, in-process and through dalid alike: less of
+  # the CPU-side decoding whose threads the daemon spends more on.
+  experiment "$dir" hw-load 45 -- "${size[@]}" --only dali,dalid \
+    --hw-decoder-load "${HW_LOAD:-0.9}" || status=1
+  # Both that keep the daemon's GPU memory down, together: the least it holds at 8 jobs.
+  experiment "$dir" run-batches-1-instances-1 60 DALID_RUN_BATCHES=1 DALID_INSTANCES=1 \
+    -- "${size[@]}" "${both[@]}" || status=1
+  "$PYTHON" -m bench.experiments "$dir" | tee "$OUT/experiments-summary.md" || status=1
+  return "$status"
+}
+
 [ $# -gt 0 ] || usage
 for part in "$@"; do
   case "$part" in
-    setup | tests | bench-gpu | bench-main | bench-scaling) ;;
+    setup | tests | bench-gpu | bench-main | bench-scaling | experiments) ;;
     *) echo "unknown part: $part" >&2; usage ;;
   esac
 done
