@@ -129,6 +129,17 @@ def parse_instances(text: str) -> int:
         raise ValueError(f"expected auto or a positive whole number, got {text!r}") from None
 
 
+def parse_run_batches(text: str) -> int:
+    """``auto`` (0, as the supervisor passes it on: ``runner.batches_a_run`` chooses by the
+    batch size) or a positive number."""
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        return parse_count(text)
+    except ValueError:
+        raise ValueError(f"expected auto or a positive whole number, got {text!r}") from None
+
+
 def parse_log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in logging.getLevelNamesMapping():
@@ -334,11 +345,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "run_batches",
-        parse_positive_int,
-        4,
+        parse_run_batches,
+        0,
         "the samples of this many batches at most in one run of a shared pipeline, one batch of "
-        "each job",
-        "N",
+        "each job: 'auto' takes as many as fit 256 samples, 1 to 4 (DALI keeps buffers for the "
+        "largest run, so larger runs cost memory for every stage)",
+        "N|auto",
+        default_text="auto",
     ),
     Option(
         "threads",

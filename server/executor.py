@@ -53,7 +53,7 @@ from .outputs import OutputFailure, RunOutput, Stream
 from .paths import unseen_file
 from .pool import PoolClosed, PoolFull
 from .run_planner import TRAINER_HOLDS, RunPlanner
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, batches_a_run
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
@@ -103,7 +103,8 @@ class PipelineExecutor:
     jobs: ``make_runner`` builds it, and each member's ``on_built`` receives the built
     pipeline's spec, or the PipelineBuildError, once it is done (at once for a member that
     joins later); ``spec`` is None until then. ``shared``: runs mix the batches of several
-    members up to ``run_batches`` batches' worth of samples, and DALI hands outputs over on
+    members up to ``run_batches`` batches' worth of samples (0: as ``runner.batches_a_run``
+    chooses for the pipeline's batch size), and DALI hands outputs over on
     ``stream`` (a GPU daemon's own stream for the pipeline). Each run holds a slot of
     ``scheduler`` (None: no limit). ``first`` is the member that registered it; ``on_empty``
     is called once the last member has left, ``on_private`` when a pipeline meant to be shared
@@ -203,7 +204,10 @@ class PipelineExecutor:
     @property
     def run_size(self) -> int:
         """The most samples one run holds (0 until built)."""
-        return 0 if self.spec is None else self.spec.max_batch_size * self.run_batches
+        if self.spec is None:
+            return 0
+        batch = self.spec.max_batch_size
+        return batch * batches_a_run(self.run_batches, batch)
 
     def status(self) -> PipelineStatus:
         """The pipeline for ``dalid status``: its jobs and how full its runs are."""

@@ -63,17 +63,19 @@ Registration = RegisterPipeline | RegisterNamedPipeline
 @dataclass(frozen=True)
 class Sharing:
     """How the pipelines of the daemon are shared: ``run_batches`` batches' worth of samples
-    at most in one run of a shared pipeline, on ``threads`` DALI threads (0: as registered)."""
+    at most in one run of a shared pipeline (0: as many as fit 256 samples, 1 to 4:
+    ``runner.batches_a_run``), on ``threads`` DALI threads (0: as registered)."""
 
     enabled: bool = True
-    run_batches: int = 4
+    run_batches: int = 0
     threads: int = 0
     # DALI instances of each shared pipeline (0: as many as measurement says pay, instances.py).
     instances: int = 0
 
 
 SHARING = Sharing()
-"""The default: pipelines shared, runs of up to 4 batches, threads as registered."""
+"""The default: pipelines shared, runs of up to 256 samples (1 to 4 batches), threads as
+registered."""
 
 
 @dataclass(frozen=True)

@@ -97,14 +97,34 @@ def feedable(samples: np.ndarray | Sequence[np.ndarray], paths: bool = False) ->
     return TensorListCPU(list(samples), contiguous=False)  # type: ignore[call-overload]
 
 
+# A shared pipeline's run under --run-batches auto: as many batches as fit AUTO_RUN_SAMPLES
+# samples, from 1 to AUTO_RUN_BATCHES. DALI sizes every stage's buffers (on a GPU, device
+# memory) for the largest run it has seen, and keeps them: runs of 4 batches of 256 made a
+# daemon of 8 jobs hold 6.4 GiB against 2.4 with runs of one batch, for the same samples/s
+# (bench/README.md, "The daemon's memory follows its run size"). Small batches still share
+# runs, where fewer DALI calls a sample are what a run buys.
+AUTO_RUN_SAMPLES = 256
+AUTO_RUN_BATCHES = 4
+
+
+def batches_a_run(run_batches: int, max_batch_size: int) -> int:
+    """How many batches of ``max_batch_size`` one run of a shared pipeline holds: ``run_batches``
+    as set (``dalid serve --run-batches``), or for 0 (``auto``) as many as fit
+    :data:`AUTO_RUN_SAMPLES` samples, at least one and at most :data:`AUTO_RUN_BATCHES`."""
+    if run_batches:
+        return run_batches
+    return max(1, min(AUTO_RUN_BATCHES, AUTO_RUN_SAMPLES // max(1, max_batch_size)))
+
+
 class PipelineRunner:
     """Builds the pipeline of ``spec`` for ``device_id`` (None: CPU only) and runs batches.
 
     ``schedule`` feeds one run and starts it; ``collect`` returns the outputs of the oldest
     scheduled run. After a failure the DALI pipeline object is dead: ``rebuild`` replaces it.
     A run holds up to ``run_batches`` batches of ``spec.max_batch_size`` samples (a pipeline
-    several jobs share runs their batches together); ``num_threads``, when given, replaces the
-    spec's (a shared pipeline's threads are the daemon's to choose).
+    several jobs share runs their batches together; 0: ``batches_a_run``'s choice);
+    ``num_threads``, when given, replaces the spec's (a shared pipeline's threads are the
+    daemon's to choose).
     """
 
     def __init__(
@@ -122,7 +142,7 @@ class PipelineRunner:
         # Told when DALI starts holding runs of this pipeline, and when it holds none (flight.py).
         self._on_run = on_run
         self.device_id = device_id
-        self.run_size = spec.max_batch_size * run_batches
+        self.run_size = spec.max_batch_size * batches_a_run(run_batches, spec.max_batch_size)
         asked = num_threads or spec.num_threads
         # A pipeline's DALI threads are at most its share of the daemon's (PipelineBuilder).
         self.num_threads = min(asked, max_threads) if max_threads else asked

@@ -148,6 +148,37 @@ def test_a_job_alone_gets_runs_that_are_its_batches(daemon_one_run: DaemonProces
     wait_for(lambda: not _pipelines(daemon_one_run, "scaling"), 10, "the pipeline to go")
 
 
+@pytest.mark.parametrize(("batch", "run_size"), [(128, 256), (300, 300)])
+def test_runs_of_a_shared_pipeline_hold_256_samples_or_one_larger_batch(
+    daemon_one_run: DaemonProcess, batch: int, run_size: int
+) -> None:
+    # --run-batches auto: DALI keeps buffers for the largest run it has seen, so runs of
+    # large batches are not merged into larger ones, whatever the number of jobs.
+    @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5)
+    def plus_one() -> DataNode:
+        return fn.external_source(name="data", no_copy=True) + 1
+
+    sessions = [
+        dalid.connect(socket=daemon_one_run.socket, autostart=False, name=f"job{j}")
+        for j in range(2)
+    ]
+    try:
+        for job, session in enumerate(sessions):
+            proxy = session.proxy(plus_one())
+            ref = torch.utils.data.default_collate(
+                [proxy(np.full(3, job + i % 7, np.int32)) for i in range(batch)]
+            )
+            out = session.produce_data(ref)
+            assert [row.tolist() for row in out] == [[job + i % 7 + 1] * 3 for i in range(batch)]
+        (pipeline,) = _pipelines(daemon_one_run, "plus_one")
+        assert pipeline.shared and sorted(pipeline.jobs) == sorted(s.job_id for s in sessions)
+        assert pipeline.run_size == run_size
+    finally:
+        for session in sessions:
+            session.close()
+    wait_for(lambda: not _pipelines(daemon_one_run, "plus_one"), 10, "the pipeline to go")
+
+
 def test_a_job_that_asks_for_runs_of_its_own_never_shares_one(
     daemon_one_run: DaemonProcess,
 ) -> None:

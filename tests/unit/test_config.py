@@ -205,3 +205,12 @@ def test_instances_are_auto_by_default_or_a_number() -> None:
     assert _serve(environ={"DALID_INSTANCES": "2"})["instances"] == 2
     with pytest.raises(ConfigError, match=r"\$DALID_INSTANCES: expected auto or a positive"):
         _serve(environ={"DALID_INSTANCES": "many"})
+
+
+def test_run_batches_are_auto_by_default_or_a_number() -> None:
+    assert _serve()["run_batches"] == 0  # auto: as many batches as fit 256 samples
+    assert _serve("--run-batches", "auto")["run_batches"] == 0
+    assert _serve("--run-batches", "4")["run_batches"] == 4
+    assert _serve(environ={"DALID_RUN_BATCHES": "1"})["run_batches"] == 1
+    with pytest.raises(ConfigError, match=r"\$DALID_RUN_BATCHES: expected auto or a positive"):
+        _serve(environ={"DALID_RUN_BATCHES": "many"})

@@ -17,6 +17,7 @@ from dalid.server.runner import (
     PipelineBuildError,
     PipelineRunner,
     PipelineSpec,
+    batches_a_run,
     feedable,
 )
 
@@ -347,3 +348,17 @@ def test_padded_paths_keep_their_dtype_and_bytes() -> None:
     padded = padded_paths([np.frombuffer(sample, np.int8) for sample in samples])
     assert padded is not None and padded.dtype == np.int8
     assert [row.tobytes() for row in padded] == [b"/////a/b.jpg", b"/a/ccc/d.jpg", b"///////e.jpg"]
+
+
+@pytest.mark.parametrize(
+    ("batch", "batches"), [(1, 4), (32, 4), (64, 4), (100, 2), (128, 2), (256, 1), (1000, 1)]
+)
+def test_auto_runs_hold_as_many_batches_as_fit_256_samples(batch: int, batches: int) -> None:
+    # Small batches still share runs; a batch of 256 or more runs alone, so DALI's buffers
+    # are those of one in-process pipeline of that batch, however many jobs share it.
+    assert batches_a_run(0, batch) == batches
+
+
+def test_a_set_run_size_is_kept_whatever_the_batch() -> None:
+    assert batches_a_run(4, 256) == 4
+    assert batches_a_run(1, 8) == 1
