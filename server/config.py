@@ -119,19 +119,10 @@ def parse_gpu_outputs(text: str) -> str:
     return mode
 
 
-def parse_instances(text: str) -> int:
-    """``auto`` (0, as the supervisor passes it on) or a positive number."""
-    if text.strip().lower() == "auto":
-        return 0
-    try:
-        return parse_count(text)
-    except ValueError:
-        raise ValueError(f"expected auto or a positive whole number, got {text!r}") from None
-
-
-def parse_run_batches(text: str) -> int:
-    """``auto`` (0, as the supervisor passes it on: ``runner.batches_a_run`` chooses by the
-    batch size) or a positive number."""
+def parse_auto_count(text: str) -> int:
+    """``auto`` (0, as the supervisor passes it on) or a positive number: ``--instances``
+    (auto: the instance controller decides) and ``--run-batches`` (auto:
+    ``runner.batches_a_run`` chooses by the batch size)."""
     if text.strip().lower() == "auto":
         return 0
     try:
@@ -345,7 +336,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "run_batches",
-        parse_run_batches,
+        parse_auto_count,
         0,
         "the samples of this many batches at most in one run of a shared pipeline, one batch of "
         "each job: 'auto' takes as many as fit 256 samples, 1 to 4 (DALI keeps buffers for the "
@@ -365,7 +356,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "instances",
-        parse_instances,
+        parse_auto_count,
         0,
         "DALI instances of each shared pipeline, running its runs side by side: 'auto' tries "
         "one more while its jobs' batches wait and the device has room, and keeps it only if "
