@@ -122,7 +122,7 @@ def parse_gpu_outputs(text: str) -> str:
 def parse_auto_count(text: str) -> int:
     """``auto`` (0, as the supervisor passes it on) or a positive number: ``--instances``
     (auto: the instance controller decides) and ``--run-batches`` (auto:
-    ``runner.batches_a_run`` chooses by the batch size)."""
+    ``sharing.batches_a_run`` chooses by the batch size)."""
     if text.strip().lower() == "auto":
         return 0
     try:

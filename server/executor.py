@@ -53,9 +53,10 @@ from .outputs import OutputFailure, RunOutput, Stream
 from .paths import unseen_file
 from .pool import PoolClosed, PoolFull
 from .run_planner import TRAINER_HOLDS, RunPlanner
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec, batches_a_run
+from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
+from .sharing import batches_a_run
 
 log = logging.getLogger("dalid.server")
 
@@ -103,7 +104,7 @@ class PipelineExecutor:
     jobs: ``make_runner`` builds it, and each member's ``on_built`` receives the built
     pipeline's spec, or the PipelineBuildError, once it is done (at once for a member that
     joins later); ``spec`` is None until then. ``shared``: runs mix the batches of several
-    members up to ``run_batches`` batches' worth of samples (0: as ``runner.batches_a_run``
+    members up to ``run_batches`` batches' worth of samples (0: as ``sharing.batches_a_run``
     chooses for the pipeline's batch size), and DALI hands outputs over on
     ``stream`` (a GPU daemon's own stream for the pipeline). Each run holds a slot of
     ``scheduler`` (None: no limit). ``first`` is the member that registered it; ``on_empty``

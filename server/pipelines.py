@@ -64,7 +64,7 @@ Registration = RegisterPipeline | RegisterNamedPipeline
 class Sharing:
     """How the pipelines of the daemon are shared: ``run_batches`` batches' worth of samples
     at most in one run of a shared pipeline (0: as many as fit 256 samples, 1 to 4:
-    ``runner.batches_a_run``), on ``threads`` DALI threads (0: as registered)."""
+    ``sharing.batches_a_run``), on ``threads`` DALI threads (0: as registered)."""
 
     enabled: bool = True
     run_batches: int = 0

@@ -370,3 +370,22 @@ def _varint(raw: bytes, position: int) -> tuple[int, int]:
         shift += 7
         if byte < 0x80:
             return value, position
+
+
+# A shared pipeline's run under --run-batches auto: as many batches as fit AUTO_RUN_SAMPLES
+# samples, from 1 to AUTO_RUN_BATCHES. DALI sizes every stage's buffers (on a GPU, device
+# memory) for the largest run it has seen, and keeps them: runs of 4 batches of 256 made a
+# daemon of 8 jobs hold 6.4 GiB against 2.4 with runs of one batch, for the same samples/s
+# (bench/README.md, "The daemon's memory follows its run size"). Small batches still share
+# runs, where fewer DALI calls a sample are what a run buys.
+AUTO_RUN_SAMPLES = 256
+AUTO_RUN_BATCHES = 4
+
+
+def batches_a_run(run_batches: int, max_batch_size: int) -> int:
+    """How many batches of ``max_batch_size`` one run of a shared pipeline holds: ``run_batches``
+    as set (``dalid serve --run-batches``), or for 0 (``auto``) as many as fit
+    :data:`AUTO_RUN_SAMPLES` samples, at least one and at most :data:`AUTO_RUN_BATCHES`."""
+    if run_batches:
+        return run_batches
+    return max(1, min(AUTO_RUN_BATCHES, AUTO_RUN_SAMPLES // max(1, max_batch_size)))

@@ -17,9 +17,9 @@ from dalid.server.runner import (
     PipelineBuildError,
     PipelineRunner,
     PipelineSpec,
-    batches_a_run,
     feedable,
 )
+from dalid.server.sharing import batches_a_run
 
 from ..dali_typing import pipeline_def
 
