@@ -452,10 +452,10 @@ class Daemon:
         deadline = time.monotonic() + TURN_SECONDS
         with wakes.turn():
             for _ in range(TURN_MESSAGES):
-                # Asked, rather than failing a receive with zmq.Again.
-                if not self._socket.readable():
+                frames = self._socket.receive()
+                if frames is None:
                     return
-                self._receive(self._socket.receive())
+                self._receive(frames)
                 if time.monotonic() >= deadline:
                     return
 
