@@ -232,12 +232,17 @@ def install() -> None:
     receive = SharedSocket.receive
     handle = Daemon._receive
 
-    # The receive of a message starts its span; the handling that follows ends it.
+    # The receive of a message starts its span; the handling that follows ends it. A receive
+    # that finds nothing waiting (the end of a turn) is the loop's, not a message's.
     @functools.wraps(receive)
     def timed_receive(self: Any) -> Any:
         with TOTALS.lock:
             TOTALS.message_started = (time.perf_counter_ns(), time.thread_time_ns())
-        return receive(self)
+        frames = receive(self)
+        if frames is None:
+            with TOTALS.lock:
+                TOTALS.message_started = None
+        return frames
 
     @functools.wraps(handle)
     def timed_handle(self: Any, frames: Any) -> None:

@@ -150,6 +150,25 @@ def automatic_concurrency() -> int:
     return max(4, os.cpu_count() or 1)
 
 
+# Note [The loop's timers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# What the loop does at times rather than on news (the reap each second, the metrics' status
+# snapshot, a cut connection's grace, the idle timeout) it does when it wakes past their time;
+# its poll sleeps until the first of them is due. It used to wake every half second whatever
+# was due: twice a second with nothing to do, on the thread that every message waits for.
+# Whatever else must be seen at once comes as news: a message on the socket, a connection event
+# on the monitor, or a write to the eventfd (a stop, a reload, an executor's message that waits
+# in the outbox).
+
+
+def sleep_ms(now: float, reap_at: float, *due: float | None, cut_in: float | None = None) -> int:
+    """How long the loop may sleep, in ms rounded up: until the reap, or the first other time
+    in ``due`` that is set (monotonic seconds), or ``cut_in`` seconds from now if sooner."""
+    wake_at = min([reap_at, *(t for t in due if t is not None)])
+    wait_s = wake_at - now if cut_in is None else min(wake_at - now, cut_in)
+    return max(0, int(wait_s * 1000) + 1)
+
+
 class Daemon:
     """Serves one device until SIGTERM, SIGINT, a shutdown request or the idle timeout."""
 
@@ -373,9 +392,16 @@ class Daemon:
         inputs_peak = self.core.inputs.held
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
+        timeout = self.config.idle_timeout
         while not self._stop.is_set() and not self.core.stop_requested:
-            next_cut = self._intake.next_cut()
-            wait_ms = 500 if next_cut is None else min(500, int(next_cut * 1000) + 1)
+            # Asleep until the next thing due (Note [The loop's timers]); news wakes it sooner.
+            wait_ms = sleep_ms(
+                time.monotonic(),
+                next_reap,
+                next_snapshot if self._metrics is not None else None,
+                idle_since + timeout if timeout is not None and idle_since is not None else None,
+                cut_in=self._intake.next_cut(),
+            )
             # A message that waits already may have no news left to signal on the descriptor.
             waiting = self._socket.may_wait()
             events = dict(poller.poll(timeout=0 if waiting else wait_ms))
@@ -411,7 +437,6 @@ class Daemon:
                 idle_since = None
             elif idle_since is None:
                 idle_since = now
-            timeout = self.config.idle_timeout
             if timeout is not None and idle_since is not None and now - idle_since >= timeout:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
@@ -452,10 +477,10 @@ class Daemon:
         deadline = time.monotonic() + TURN_SECONDS
         with wakes.turn():
             for _ in range(TURN_MESSAGES):
-                # Asked, rather than failing a receive with zmq.Again.
-                if not self._socket.readable():
+                frames = self._socket.receive()
+                if frames is None:
                     return
-                self._receive(self._socket.receive())
+                self._receive(frames)
                 if time.monotonic() >= deadline:
                     return
 

@@ -118,6 +118,9 @@ class PipelineBuilder:
         self._recorder = recorder
         # The trainer pids of the jobs that registered each pipeline, by instance id.
         self._pids: dict[int, set[int]] = {}
+        # The pipelines marked running in the recorder, by instance id: their graph's key and
+        # name (a mark is written when DALI gets a run after none, not at every run).
+        self._marked: dict[int, tuple[bytes, str]] = {}
         self._device_id = device_id
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
@@ -189,6 +192,8 @@ class PipelineBuilder:
             )
             with self._lock:
                 self._pids.setdefault(shared.instance_id, set()).add(job.pid)
+                # A pipeline that holds runs now may run this job's next: it is named at once.
+                self._mark(shared.instance_id)
             shared.join(member, on_built)
         else:
             self._new_instance(job, plan, member, on_built, threads)
@@ -251,15 +256,27 @@ class PipelineBuilder:
         return tuple(executor.status() for _, executor in instances)
 
     def _on_run(self, instance_id: int, key: bytes, name: str, running: bool) -> None:
-        """From an executor's thread: its pipeline has runs in DALI, or none."""
+        """From an executor's thread: its pipeline has runs in DALI, or none. The recorder's
+        slot is written only when that changes (or, while it runs, its jobs do: ``start``)."""
         if self._recorder is None or not key:
             return
-        if running:
-            with self._lock:
-                pids = tuple(self._pids.get(instance_id, ()))
-            self._recorder.running(instance_id, key, pids, name)
-        else:
-            self._recorder.idle(instance_id)
+        with self._lock:
+            if running == (instance_id in self._marked):
+                return
+            if running:
+                self._marked[instance_id] = (key, name)
+                self._mark(instance_id)
+            else:
+                del self._marked[instance_id]
+                self._recorder.idle(instance_id)
+
+    def _mark(self, instance_id: int) -> None:
+        """Writes the recorder's slot of a pipeline marked running, with its jobs' trainers
+        now (under ``_lock``)."""
+        marked = self._marked.get(instance_id)
+        if self._recorder is not None and marked is not None:
+            key, name = marked
+            self._recorder.running(instance_id, key, self._pids.get(instance_id, ()), name)
 
     def _suspected(self, key: bytes, job: Job) -> None:
         """Refuses a graph that was running for this trainer when the last daemon died."""

@@ -234,8 +234,9 @@ class RegionPool:
 
     @property
     def leased_bytes(self) -> int:
-        with self._condition:
-            return sum(size for _, _, size in self._leases.values())
+        # Without the lock: ``dalid status`` reads it on the I/O thread, and an executor holds
+        # the lock while it makes or frees a slab (a file of tens of MB allocated or unmapped).
+        return self._leased_bytes
 
     @property
     def leased_regions(self) -> int:
@@ -387,6 +388,7 @@ class RegionPool:
             self._closed = True
             spaces, self._spaces = self._spaces, []
             self._leases.clear()
+            self._leased_bytes = 0
             self._condition.notify_all()
         for space in spaces:
             space.slab.close(unmap=unmap)

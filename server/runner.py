@@ -272,8 +272,8 @@ class PipelineRunner:
         # stacked batch is ours alone, so it lives until the run is collected (the samples
         # themselves are kept by their batch, see executor.py).
         self._fed.append(fed)
-        if self._on_run is not None:
-            self._on_run(True)
+        if len(self._fed) == 1 and self._on_run is not None:
+            self._on_run(True)  # DALI holds a run now, and held none (told once, not each run)
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
         self._pipeline._run_once()

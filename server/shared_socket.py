@@ -70,9 +70,9 @@ class SharedSocket:
         self._monitored = False
         # Once the loop runs: its messages always go through the outbox or ``send``.
         self._loop_thread: int | None = None
-        # The loop's last ``readable`` found no message, and the loop has not used the socket
-        # since (only a use takes in news without signalling the descriptor; the executors
-        # wake the loop for what their sends take in).
+        # The loop's last ``readable`` or ``receive`` found no message, and the loop has not used
+        # the socket since (only a use takes in news without signalling the descriptor; the
+        # executors wake the loop for what their sends take in).
         self._quiet = False
 
     def open(self, sock: zmq.Socket[Any]) -> None:
@@ -156,11 +156,20 @@ class SharedSocket:
         and the loop has not used the socket since (then the descriptor signals any news)."""
         return not self._quiet and self.readable()
 
-    def receive(self) -> list[zmq.Frame]:
-        """The next message's frames, without waiting (raises zmq.Again if none waits)."""
+    def receive(self) -> list[zmq.Frame] | None:
+        """The next message's frames, without waiting; None if none waits, and then, as after a
+        ``readable`` that said no, the descriptor signals the next one (a receive that finds
+        nothing takes in the socket's news as that look does: one call a message, where a look
+        before each receive made two)."""
         assert self._socket is not None
         with self._lock:
-            return transport.recv_frames(self._socket, _NOBLOCK)
+            try:
+                frames = transport.recv_frames(self._socket, _NOBLOCK)
+            except zmq.Again:
+                self._quiet = True
+                return None
+        self._quiet = False
+        return frames
 
     def send(self, identity: bytes, message: Message, request_id: int | None) -> None:
         """Sends ``message`` now, or hands it to ``undelivered``."""

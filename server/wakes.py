@@ -31,8 +31,6 @@ So, within a receive turn (``Daemon._receive_turn``):
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class _Turn(threading.local):
@@ -55,18 +53,23 @@ def notify(condition: threading.Condition) -> None:
         wakes[condition] = wakes.get(condition, 0) + 1
 
 
-@contextmanager
-def turn() -> Iterator[None]:
+class turn:  # named as the function it was: ``with wakes.turn():``
     """A receive turn: the wakes ``notify`` is asked for inside it happen when it ends, also
-    when it ends in an exception."""
-    if _turn.wakes is not None:
-        yield  # inside a turn already: the outer one wakes
-        return
-    wakes: dict[threading.Condition, int] = {}
-    _turn.wakes = wakes
-    try:
-        yield
-    finally:
+    when it ends in an exception. A class rather than a generator's context manager: the loop
+    opens one at every wake, and this costs it a third as much."""
+
+    __slots__ = ("_wakes",)
+
+    def __enter__(self) -> None:
+        # Inside a turn already: the outer one wakes.
+        self._wakes: dict[threading.Condition, int] | None = None
+        if _turn.wakes is None:
+            self._wakes = _turn.wakes = {}
+
+    def __exit__(self, *_: object) -> None:
+        wakes = self._wakes
+        if wakes is None:
+            return
         _turn.wakes = None
         for condition, waiters in wakes.items():
             with condition:

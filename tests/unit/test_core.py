@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import queue
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
@@ -39,6 +39,7 @@ from dalid.protocol import (
 )
 from dalid.server.core import DaemonCore, job_label
 from dalid.server.credentials import PeerCredentials
+from dalid.server.flight import FlightRecorder
 from dalid.server.quotas import Quotas
 from dalid.server.shm import host_outputs
 
@@ -571,5 +572,73 @@ def test_held_back_batches_of_a_worker_that_left_fail_to_its_trainer(
         dropped = results[second.batch_id]
         assert isinstance(dropped, BatchFailed) and dropped.code is ErrorCode.UNKNOWN_BATCH
         assert "worker that sent it" in dropped.message
+    finally:
+        core.close()
+
+
+# --- the flight recorder's slots ------------------------------------------------------------------
+
+
+class SlotWrites(FlightRecorder):
+    """The recorder's slot writes, in order, in place of its file (which would also take over
+    the test process's fault handler)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, tuple[int, ...] | None]] = []
+
+    def suspected(self, key: bytes, pid: int) -> None:
+        return None
+
+    def running(self, instance_id: int, key: bytes, pids: Iterable[int], name: str) -> None:
+        self.writes.append((instance_id, tuple(sorted(pids))))
+
+    def idle(self, instance_id: int) -> None:
+        self.writes.append((instance_id, None))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pipeline_is_marked_running_once_a_busy_spell_and_names_a_job_that_joins_it() -> None:
+    recorder = SlotWrites()
+    other = b"trainer-2"
+    credentials = {
+        TRAINER: PeerCredentials(pid=4242, uid=0, gid=0),
+        other: PeerCredentials(pid=4343, uid=0, gid=0),
+    }
+    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
+    core = DaemonCore(
+        "cpu",
+        host_outputs(),
+        lambda peer, message, rid: pushed.put((peer, message, rid)),
+        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16),
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+        recorder=recorder,
+        credentials=credentials.get,
+    )
+    try:
+        graph = memoryview(doubling().serialize())
+        for identity in (TRAINER, other):
+            hello = core.handle(identity, Hello(PROTOCOL_VERSION, 0, Role.TRAINER), 1)
+            assert isinstance(hello, Welcome)
+            if identity == other:
+                # The pipeline holds runs when the second job registers the same graph.
+                (executor,) = core.pipelines.instances.values()
+                on_run = executor.runner._on_run if executor.runner else None
+                assert on_run is not None
+                on_run(True)
+                on_run(True)  # a second run in DALI: nothing new to write
+                assert recorder.writes[-1:] == [(executor.instance_id, (4242,))]
+                writes = len(recorder.writes)
+            reply = core.handle(identity, RegisterPipeline(graph, ("x",), 1, 4, 1, 2), 2)
+            assert reply is None
+            _, registered, _ = pushed.get(timeout=30)
+            assert isinstance(registered, PipelineRegistered)
+        # Named at once, not at the pipeline's next busy spell.
+        assert recorder.writes[writes:] == [(executor.instance_id, (4242, 4343))]
+        assert on_run is not None
+        on_run(False)
+        on_run(False)
+        assert recorder.writes[writes + 1 :] == [(executor.instance_id, None)]
     finally:
         core.close()

@@ -140,6 +140,33 @@ class _Allocator(threading.Thread):
         self.join(PROMPT_S)
 
 
+def test_the_leased_bytes_are_read_while_an_allocation_holds_the_pool(
+    make_pool: PoolFactory,
+) -> None:
+    # ``dalid status`` reads them on the daemon's I/O thread, while an executor may hold the
+    # pool's lock making or freeing a slab: every message waited for that.
+    pool = make_pool(limit_pages=4, slab_pages=2)
+    (region,) = pool.allocate([1000])
+    holding, done = threading.Event(), threading.Event()
+
+    def allocation() -> None:
+        with pool._condition:
+            holding.set()
+            done.wait(300)  # past the per-test timeout: a read that waits for it fails
+
+    thread = threading.Thread(target=allocation)
+    thread.start()
+    try:
+        assert holding.wait(30)
+        assert pool.leased_bytes == 1024
+    finally:
+        done.set()
+        thread.join(30)
+    pool.release([region.region_id])
+    pool.close()
+    assert pool.leased_bytes == 0
+
+
 # --- Allocation and reuse -----------------------------------------------------------------------
 
 

@@ -167,6 +167,33 @@ def test_runner_keeps_running_batch_after_batch() -> None:
         runner.close()
 
 
+def test_the_runner_tells_when_dali_starts_holding_runs_and_when_it_holds_none() -> None:
+    # The flight recorder's slot is written on these calls: once a busy spell, not once a run.
+    told: list[bool] = []
+    runner = PipelineRunner(
+        _spec(_random_pipeline(), ("x", "y"), 2), device_id=None, on_run=told.append
+    )
+    try:
+        first, second = _batches()[:2]
+        runner.schedule(first)
+        runner.schedule(second)  # DALI holds two runs: nothing new to tell
+        assert told == [True]
+        runner.collect()
+        runner.release()
+        assert told == [True]  # one is still in DALI
+        runner.collect()
+        runner.release()
+        assert told == [True, False]
+        for batch in (first, second):
+            runner.schedule(batch)
+            runner.collect()
+            runner.release()
+        assert told == [True, False, True, False, True, False]
+    finally:
+        runner.close()
+    assert told[-1] is False
+
+
 def test_the_seed_is_honoured() -> None:
     batch = _batches()[0]
 
