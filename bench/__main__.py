@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "foreign_cores": foreign,
         "redone_runs": len(discarded),
-        "summary": summarize(outcomes, gpu=settings.gpu),
+        "summary": summarize(outcomes, gpu=settings.gpu, batch_size=settings.batch_size),
     }
     update_latest = not settings.quick and not args.no_latest and args.output == RESULTS_DIR
     written = write(report, outcomes, discarded, args.output, update_latest)

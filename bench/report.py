@@ -108,7 +108,7 @@ def targets_table(summary: dict[str, Any]) -> list[str]:
         shown = spread_text(measured, digits, scale) + suffix if measured else NONE
         lines.append(
             f"| {target['name']} | {target['goal'].replace('us', 'µs')} | {shown} | "
-            f"{met_text(target['met'])} |"
+            f"{met_text(target['met'], target.get('why'))} |"
         )
     return [*lines, ""]
 

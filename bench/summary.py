@@ -22,7 +22,7 @@ from .memory import memory_metrics
 from .runner import Outcome
 from .scaling import jain_index
 from .stats import quantiles, spread
-from .targets import all_targets, row_id
+from .targets import DAEMON_OWN_BATCH, all_targets, row_id
 from .threads import DAEMON_THREAD_FIGURES
 from .threads import figures as daemon_thread_figures
 from .threads import window as daemon_thread_window
@@ -215,9 +215,11 @@ def _transport_metrics(outcome: Outcome) -> dict[str, dict[str, float]]:
     return {probe: quantiles(times) for probe, times in outcome.results[0]["transport"].items()}
 
 
-def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
+def summarize(
+    outcomes: Sequence[Outcome], gpu: bool = False, batch_size: int = DAEMON_OWN_BATCH
+) -> dict[str, Any]:
     """Rows per contender, the transport table, the ratio matrix and the targets (those of a
-    GPU where ``gpu``)."""
+    GPU where ``gpu``; the daemon's threads' at the run's ``batch_size``)."""
     by_row: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
     for outcome in outcomes:
         by_row[(outcome.kind, outcome.jobs)].append(outcome)
@@ -338,7 +340,7 @@ def summarize(outcomes: Sequence[Outcome], gpu: bool = False) -> dict[str, Any]:
         "rows": rows,
         "ratios": _ratios(rates),
         "transport": transport,
-        "targets": all_targets(values, transport, labels, gpu=gpu),
+        "targets": all_targets(values, transport, labels, gpu=gpu, batch_size=batch_size),
     }
 
 

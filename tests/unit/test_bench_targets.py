@@ -230,6 +230,16 @@ def test_the_daemons_own_threads_are_held_per_sample_and_per_message() -> None:
     assert wall["met"] is False and wall["unit"] == "times"
     assert "not measured" not in "".join(targets_table({"targets": list(found.values())}))
     assert daemon_thread_targets({"dali": {0: one}}, LABELS) == []
+    # At another batch the figure is shown under its batch, and its goal (set at 256) is not
+    # judged: most of it is per batch. The copies and the I/O thread's wait still are.
+    small = _by_name(daemon_thread_targets(values, LABELS, batch_size=32))
+    single, many, copied_one, copied_eight, wall = small.values()
+    assert "batch 32," in single["name"] and "batch 256" not in single["name"]
+    assert single["met"] is None and many["met"] is None
+    assert single["measured"]["median"] == pytest.approx(6.0)
+    assert copied_eight["met"] is False and wall["met"] is False
+    table = "".join(targets_table({"targets": list(small.values())}))
+    assert table.count("n/a: goal set at batch 256") == 2 and "not measured" not in table
 
 
 def test_a_snapshot_counts_a_copy_under_way_up_to_its_moment() -> None:
