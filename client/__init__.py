@@ -29,13 +29,13 @@ from .errors import (
     ProtocolMismatch,
     RequestError,
 )
-from .launcher import OtherInstallationWarning
+from .link.launcher import OtherInstallationWarning
+from .link.placement import default_daemon
 from .loader import DataLoader
 from .named import RepositoryPipeline, named_pipeline
-from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .worker import Proxy
+from .worker.worker import Proxy
 
 
 def connect(

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from torch.utils import data as torchdata
 
 from .badsamples import SampleReport
-from .carry import CarryingCollate
+from .worker.carry import CarryingCollate
 
 
 class Producer(Protocol):

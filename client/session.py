@@ -41,13 +41,13 @@ from dalid.protocol import (
 
 from .badsamples import SampleReport, follow_bad_samples, locate
 from .errors import BatchError, InputError
-from .launcher import JobRequest, trainer_dial
+from .link.launcher import JobRequest, trainer_dial
 from .options import check_job_options
 from .pipelines import registration_request
-from .reconnect import Generation, Reconnector
+from .reconnect.reconnector import Generation, Reconnector
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
-from .worker import Proxy
+from .worker.worker import Proxy
 
 log = logging.getLogger("dalid.client")
 

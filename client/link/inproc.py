@@ -41,8 +41,8 @@ from dalid.protocol import (
     pid_namespace,
 )
 
+from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 from .connection import IDLE_EVERY_S
-from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 
 log = logging.getLogger("dalid.client")
 

@@ -46,12 +46,12 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
+from ..errors import DaemonUnavailable
 from .connection import no_daemon_message, process_context
-from .errors import DaemonUnavailable
 from .link import Link, answering, dial
 
 if TYPE_CHECKING:
-    from .reconnect import Dial
+    from ..reconnect.reconnector import Dial
 
 AUTOSTART_IDLE_TIMEOUT_S = 60.0
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from dalid.protocol import Envelope, Message, Role, Welcome
 
+from ..errors import DaemonUnavailable
 from .connection import Connection
-from .errors import DaemonUnavailable
 from .inproc import InprocLink, served_at
 
 

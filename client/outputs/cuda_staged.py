@@ -37,13 +37,13 @@ from dalid.protocol import (
     slabs,
 )
 
+from ..errors import DeviceMismatch, RequestError
 from . import cuda_device
 from .copies import copied_tensor
-from .errors import DeviceMismatch, RequestError
 from .shm import map_daemon_slab
 
 if TYPE_CHECKING:
-    from .link import Link
+    from ..link.link import Link
 
 log = logging.getLogger("dalid.client")
 

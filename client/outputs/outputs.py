@@ -26,13 +26,13 @@ import torch
 
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
 
+from ..errors import DeviceMismatch
 from .cuda import CudaOutputs
 from .cuda_staged import StagedOutputs, output_path
-from .errors import DeviceMismatch
 from .shm import SharedMemoryOutputs
 
 if TYPE_CHECKING:
-    from .link import Link
+    from ..link.link import Link
 
 
 class OutputBackend(Protocol):

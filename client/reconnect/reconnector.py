@@ -91,15 +91,15 @@ from dalid.protocol import (
     WorkerLeft,
 )
 
-from .connection import this_pid
-from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
-from .link import Link, dial
-from .outputs import Outputs
-from .submitter import Submitter
-from .target import ProxyTarget
+from ..errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from ..link.connection import this_pid
+from ..link.link import Link, dial
+from ..outputs.outputs import Outputs
+from ..worker.submitter import Submitter
+from ..worker.target import ProxyTarget
 
 if TYPE_CHECKING:
-    from .refs import DALIPipelineRunRef
+    from ..refs import DALIPipelineRunRef
 
 log = logging.getLogger("dalid.client")
 

@@ -32,7 +32,7 @@ import logging
 
 from dalid.protocol import BatchFailed, SubmitBatch
 
-from .link import Link
+from ..link.link import Link
 
 log = logging.getLogger("dalid.client")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from dalid.protocol import InputBatch, SubmitBatch
 
-from .errors import InputError
+from ..errors import InputError
 from .paths import resolve_paths
 
 

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.cuda import MAX_FENCES, CudaOutputs
-from dalid.client.cuda_device import pick_device
 from dalid.client.errors import DeviceMismatch
-from dalid.client.outputs import Outputs
-from dalid.client.shm import SharedMemoryOutputs
+from dalid.client.outputs.cuda import MAX_FENCES, CudaOutputs
+from dalid.client.outputs.cuda_device import pick_device
+from dalid.client.outputs.outputs import Outputs
+from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions, slabs
 
 SLAB_BYTES = 1 << 16

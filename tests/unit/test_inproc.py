@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dalid.client.errors import DaemonUnavailable, RequestError
-from dalid.client.inproc import InprocDaemon, InprocLink
-from dalid.client.link import answering, dial
+from dalid.client.link.inproc import InprocDaemon, InprocLink
+from dalid.client.link.link import answering, dial
 from dalid.protocol import (
     PROTOCOL_VERSION,
     BatchAccepted,

@@ -23,7 +23,7 @@ from nvidia.dali import fn
 
 from dalid.client import DaemonUnavailable, Session
 from dalid.client import session as session_module
-from dalid.client.worker import Proxy
+from dalid.client.worker.worker import Proxy
 from dalid.protocol import ReleaseRegions, TrainerProgress, WantBatch
 from tests.inproc import ServedCore
 
