@@ -44,7 +44,8 @@ from .errors import BatchError, InputError
 from .link.launcher import JobRequest, trainer_dial
 from .options import check_job_options
 from .pipelines import registration_request
-from .reconnect.reconnector import Generation, Reconnector
+from .reconnect.generation import Generation
+from .reconnect.reconnector import Reconnector
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
 from .worker.worker import Proxy

@@ -20,8 +20,8 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from ..errors import DaemonUnavailable, InputError, RequestError
 from ..link.link import Link
-from ..reconnect.reconnector import left_to_trainer, worker_links
 from ..refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef, Resubmission
+from .links import left_to_trainer, worker_links
 from .samples import as_sample
 from .target import ProxyTarget
 
