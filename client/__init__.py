@@ -53,7 +53,7 @@ def connect(
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
     Without ``device``, the daemon of this process's GPU: ``LOCAL_RANK``, else torch's current
-    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.placement`).
+    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.link.placement`).
     ``socket`` defaults to ``$DALID_SOCKET`` or the device's socket in the per-user runtime
     directory. With ``autostart``, a daemon is started when none answers on that default
     socket (never on one given); it exits after a minute without jobs.

@@ -2,7 +2,7 @@
 
 The names and attributes follow DALI's proxy (``DALIOutputSampleRef``, ``DALIPipelineRunRef``,
 ``DALIOutputBatchRef``) so code that inspects them keeps working. A proxy call returns sample
-references; collating them (the rule is in :mod:`dalid.client.worker`) submits the batch and
+references; collating them (the rule is in :mod:`dalid.client.worker.worker`) submits the batch and
 yields batch references, which pickle to the trainer.
 """
 

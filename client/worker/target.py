@@ -33,7 +33,7 @@ class ProxyTarget:
     # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
     reconnect: bool = False
     # Inputs whose samples are file paths, made absolute from the trainer's working directory
-    # before they leave (dalid.client.paths).
+    # before they leave (dalid.client.worker.paths).
     path_inputs: tuple[str, ...] = ()
     working_directory: str = ""
 

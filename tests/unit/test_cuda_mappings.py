@@ -1,7 +1,7 @@
-"""The trainer's GPU output backend (client/cuda.py) on a fake device: no GPU needed.
+"""The trainer's GPU output backend (client/outputs/cuda.py) on a fake device: no GPU needed.
 
 Everything goes through the output-backend interface the session uses (``wrap``, ``retire``,
-``releases``, ``unmap``, ``close``: see client/outputs.py).
+``releases``, ``unmap``, ``close``: see client/outputs/outputs.py).
 
 The fake opens "device memory" as host buffers and builds tensors through numpy, keeping the
 region object alive exactly as torch does for ``__cuda_array_interface__`` (the tensor holds

@@ -1,4 +1,4 @@
-"""The in-process link itself (client/inproc.py), against a small recording daemon.
+"""The in-process link itself (client/link/inproc.py), against a small recording daemon.
 
 A session driven through it against a real daemon core is in test_session.py.
 """

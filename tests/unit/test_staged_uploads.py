@@ -1,5 +1,5 @@
-"""Staged GPU outputs, the trainer's half (client/cuda_staged.py): the IPC probe, the output path
-the daemon answers, and the backend that uploads staged regions, on a fake device.
+"""Staged GPU outputs, the trainer's half (client/outputs/cuda_staged.py): the IPC probe, the
+output path the daemon answers, and the backend that uploads staged regions, on a fake device.
 
 The slabs are real shared memory written by the test; the fake device uploads by copying to
 CPU tensors and completes its markers when told, so release timing, page-locking and unmapping
