@@ -7,7 +7,7 @@ into tensors (:mod:`dalid.client.outputs`: views of the daemon's memory, or for 
 outputs copies on this process's GPU); the regions of tensors that died go back to the daemon
 while the session waits.
 
-Why one module of some 470 lines: it is the one class a trainer holds, and its registration
+Why one module of some 500 lines: it is the one class a trainer holds, and its registration
 options (``deterministic``, ``share_runs``, ``on_error``) read best beside the waits they shape.
 """
 

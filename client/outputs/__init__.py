@@ -6,6 +6,6 @@ private copies (``copies``); ``cuda_device`` is the only module of the client th
 calls (through torch and CuPy), so that tests can put a simulated GPU in its place. This is
 where a batch's outputs leave dalid for the training loop.
 
-Imports ``dalid.protocol``, ``dalid.client.errors`` and the link's type; imported by the
-session (through ``reconnect``), never by the worker side.
+Imports ``dalid.protocol``, ``dalid.client.errors`` and the link's type; imported by
+``reconnect`` (a session's generation maps its daemon's outputs), never by the worker side.
 """

@@ -7,6 +7,6 @@ by job, which a daemon restart takes away and gives back (``links``), and the sm
 worker's batch carries to the trainer by value (``carry``). A batch enters dalid here.
 
 Imports ``dalid.protocol``, ``dalid.client.link``, ``dalid.client.errors`` and
-``dalid.client.refs``; imported by the session, the DataLoader and ``reconnect``, never by
-``outputs``.
+``dalid.client.refs``; imported by what a user calls (the proxy, the session, the DataLoader)
+and by ``reconnect``, never by ``outputs``.
 """
