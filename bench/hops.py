@@ -159,7 +159,7 @@ def trace_daemon() -> None:
 
 def trace_client() -> None:
     """Stamps in this process: the worker's and the trainer's side."""
-    from dalid.client import session
+    from dalid.client import delivery
     from dalid.client.link import connection
     from dalid.client.worker import submitter
 
@@ -173,7 +173,7 @@ def trace_client() -> None:
         return envelope
 
     connection.Connection._recv = traced_recv  # type: ignore[method-assign]
-    _wrap(session.Session, "_tensors", "c.tensors")
+    _wrap(delivery.Delivery, "_tensors", "c.tensors")
 
 
 def serve(argv: Sequence[str]) -> int:

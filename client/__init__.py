@@ -10,13 +10,13 @@
 
 ``dalid.client.proxy`` is a drop-in for ``nvidia.dali.plugin.pytorch.experimental.proxy``.
 
-What a user calls lives here (``proxy``, ``session``, ``loader``, the pipelines' registration,
-bad samples, errors, batch references); the rest in folders, in the order a batch meets them:
-``worker/`` (a DataLoader worker's proxy call and submission: a batch enters here), ``link/``
-(reaching a daemon), ``outputs/`` (results turned into tensors: a batch leaves here), and
-``reconnect/`` (a session carried across daemon restarts). The top imports them all;
-``reconnect/`` imports ``worker/`` and ``outputs/``, which import ``link/`` and never each other
-(the layers contract of ``[tool.importlinter]``).
+What a user calls lives here (``proxy``, ``session`` and its ``delivery`` of each batch,
+``loader``, the pipelines' registration, bad samples, errors, batch references); the rest in
+folders, in the order a batch meets them: ``worker/`` (a DataLoader worker's proxy call and
+submission: a batch enters here), ``link/`` (reaching a daemon), ``outputs/`` (results turned
+into tensors: a batch leaves here), and ``reconnect/`` (a session carried across daemon
+restarts). The top imports them all; ``reconnect/`` imports ``worker/`` and ``outputs/``, which
+import ``link/`` and never each other (the layers contract of ``[tool.importlinter]``).
 """
 
 from __future__ import annotations
