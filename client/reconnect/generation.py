@@ -50,7 +50,7 @@ class Generation:
         self._batch_ids = itertools.count(link.welcome.batch_id_base + 1)
         # The batch id ranges (as ``batch_id // BATCH_IDS_PER_CONNECTION``) of workers that
         # left, the latest last, filled by the link with ``results``; and the batches whose
-        # results the session let go of for it, with their pipelines (Session._drop_abandoned).
+        # results the session let go of for it, with their pipelines (Delivery._drop_abandoned).
         self.senders_left: dict[int, None] = senders_left
         self.dropped: dict[int, int] = {}
 
