@@ -7,5 +7,5 @@ protocol both sides keep is Note [Daemon restarts] in ``reconnector.py``; a work
 is ``dalid.client.worker.links``.
 
 Imports ``dalid.protocol``, ``link``, ``outputs``, ``worker``, ``errors`` and ``refs``; imported
-by the session only.
+by the session and its delivery (``session.py``, ``delivery.py``) only.
 """
