@@ -159,7 +159,9 @@ def trace_daemon() -> None:
 
 def trace_client() -> None:
     """Stamps in this process: the worker's and the trainer's side."""
-    from dalid.client import connection, session, submitter
+    from dalid.client import delivery
+    from dalid.client.link import connection
+    from dalid.client.worker import submitter
 
     _wrap(connection.Connection, "_send", "c.send", lambda self, message, rid: message.OP)
     _wrap(submitter.Submitter, "settle", "c.settle")
@@ -171,7 +173,7 @@ def trace_client() -> None:
         return envelope
 
     connection.Connection._recv = traced_recv  # type: ignore[method-assign]
-    _wrap(session.Session, "_tensors", "c.tensors")
+    _wrap(delivery.Delivery, "_tensors", "c.tensors")
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -365,7 +367,7 @@ def _measure(directory: Path, batch: int, n: int, files: Path | None) -> dict[st
         _, untraced = _round_trips(directory / "plain.sock", batch, n, plain.pid, files)
     finally:
         _stop(plain)
-    from dalid.client import connection  # noqa: F401  (imported before tracing it)
+    from dalid.client.link import connection  # noqa: F401  (imported before tracing it)
 
     trace_client()
     trace_file = directory / "trace.json"

@@ -9,6 +9,14 @@
             ...
 
 ``dalid.client.proxy`` is a drop-in for ``nvidia.dali.plugin.pytorch.experimental.proxy``.
+
+What a user calls lives here (``proxy``, ``session`` and its ``delivery`` of each batch,
+``loader``, the pipelines' registration, bad samples, errors, batch references); the rest in
+folders, in the order a batch meets them: ``worker/`` (a DataLoader worker's proxy call and
+submission: a batch enters here), ``link/`` (reaching a daemon), ``outputs/`` (results turned
+into tensors: a batch leaves here), and ``reconnect/`` (a session carried across daemon
+restarts). The top imports them all; ``reconnect/`` imports ``worker/`` and ``outputs/``, which
+import ``link/`` and never each other (the layers contract of ``[tool.importlinter]``).
 """
 
 from __future__ import annotations
@@ -29,13 +37,13 @@ from .errors import (
     ProtocolMismatch,
     RequestError,
 )
-from .launcher import OtherInstallationWarning
+from .link.launcher import OtherInstallationWarning
+from .link.placement import default_daemon
 from .loader import DataLoader
 from .named import RepositoryPipeline, named_pipeline
-from .placement import default_daemon
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .worker import Proxy
+from .worker.worker import Proxy
 
 
 def connect(
@@ -53,7 +61,7 @@ def connect(
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
 
     Without ``device``, the daemon of this process's GPU: ``LOCAL_RANK``, else torch's current
-    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.placement`).
+    CUDA device when CUDA is initialised, else "cpu" (see :mod:`dalid.client.link.placement`).
     ``socket`` defaults to ``$DALID_SOCKET`` or the device's socket in the per-user runtime
     directory. With ``autostart``, a daemon is started when none answers on that default
     socket (never on one given); it exits after a minute without jobs.

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from torch.utils import data as torchdata
 
 from .badsamples import SampleReport
-from .carry import CarryingCollate
+from .worker.carry import CarryingCollate
 
 
 class Producer(Protocol):
@@ -100,9 +100,9 @@ class DataLoader(torchdata.DataLoader[Any]):
     (``dataset_indices``). Indices are known with a batch sampler and ``in_order=True``.
 
     Small CPU tensors of a worker's batch (its labels, say) reach the trainer as copies rather
-    than through shared-memory files (:mod:`dalid.client.carry`). Each worker freezes the heap
-    it inherited (``gc.freeze``) before the ``worker_init_fn`` given, so that its garbage
-    collections leave the trainer's pages shared (:class:`_FrozenHeap`).
+    than through shared-memory files (:mod:`dalid.client.worker.carry`). Each worker freezes
+    the heap it inherited (``gc.freeze``) before the ``worker_init_fn`` given, so that its
+    garbage collections leave the trainer's pages shared (:class:`_FrozenHeap`).
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:

@@ -17,7 +17,7 @@ from .options import check_job_options
 from .pipelines import check_pipeline, external_source_names, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
-from .worker import Proxy, collate_sample_refs
+from .worker.worker import Proxy, collate_sample_refs
 
 __all__ = [
     "DALIOutputBatchRef",

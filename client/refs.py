@@ -2,7 +2,7 @@
 
 The names and attributes follow DALI's proxy (``DALIOutputSampleRef``, ``DALIPipelineRunRef``,
 ``DALIOutputBatchRef``) so code that inspects them keeps working. A proxy call returns sample
-references; collating them (the rule is in :mod:`dalid.client.worker`) submits the batch and
+references; collating them (the rule is in :mod:`dalid.client.worker.worker`) submits the batch and
 yields batch references, which pickle to the trainer.
 """
 
@@ -23,7 +23,8 @@ class Submits(Protocol):
 @dataclass
 class Resubmission:
     """What a batch reference carries with reconnect=True, so that the trainer can submit the
-    batch again to a restarted daemon (Note [Daemon restarts] in reconnect.py, points 1 and 3)."""
+    batch again to a restarted daemon (Note [Daemon restarts] in reconnect/reconnector.py,
+    points 1 and 3)."""
 
     # The token of the job that accepted the batch ("": none). Another job's than the ref's
     # job_token when a worker rejoined its trainer's job on a restarted daemon.
@@ -60,7 +61,7 @@ class DALIPipelineRunRef:
         # Inputs gathered in the worker until collation submits them.
         self.call_args: dict[str, list[Any]] = {}
         # With reconnect=True, what lets the trainer submit the batch again to a restarted
-        # daemon: see Note [Daemon restarts] in reconnect.py. None otherwise.
+        # daemon: see Note [Daemon restarts] in reconnect/reconnector.py. None otherwise.
         self.resubmission = resubmission
         self.is_scheduled = False
         self.is_complete = False

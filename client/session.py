@@ -1,96 +1,34 @@
 """A training job's session with a daemon: register pipelines, receive outputs as tensors.
 
-The trainer's side of a batch: :meth:`Session.produce_data` finds the batch references in what
-the DataLoader yields, submits again what a restarted daemon lost (:mod:`dalid.client.reconnect`),
-schedules deferred batches, waits for each result and has the output backends turn its regions
-into tensors (:mod:`dalid.client.outputs`: views of the daemon's memory, or for staged GPU
-outputs copies on this process's GPU); the regions of tensors that died go back to the daemon
-while the session waits.
-
-Why one module of some 470 lines: it is the one class a trainer holds, and its registration
-options (``deterministic``, ``share_runs``, ``on_error``) read best beside the waits they shape.
+:class:`Session` is the one object a trainer holds: it connects (and with ``reconnect``,
+connects again to a restarted daemon: :mod:`dalid.client.reconnect`), registers pipelines and
+makes their proxies, and turns what the DataLoader yields into tensors. How one batch is waited
+for and delivered is :mod:`dalid.client.delivery`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import time
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from dalid.protocol import (
-    BATCH_IDS_PER_CONNECTION,
-    BatchFailed,
-    BatchReady,
-    Device,
-    Envelope,
-    ErrorCode,
-    Limits,
-    ReleaseRegions,
-    ScheduleBatch,
-    TrainerProgress,
-    WantBatch,
-    parse_device,
-    socket_path,
-)
+from dalid.protocol import Device, Limits, parse_device, socket_path
 
 from .badsamples import SampleReport, follow_bad_samples, locate
+from .delivery import Delivery
 from .errors import BatchError, InputError
-from .launcher import JobRequest, trainer_dial
+from .link.launcher import JobRequest, trainer_dial
 from .options import check_job_options
 from .pipelines import registration_request
-from .reconnect import Generation, Reconnector
+from .reconnect.reconnector import Reconnector
 from .refs import DALIPipelineRunRef
 from .structure import replace_refs
-from .worker import Proxy
+from .worker.worker import Proxy
 
 log = logging.getLogger("dalid.client")
-
-# How often the trainer tells the daemon how long it has waited for batches (for `dalid status`):
-# after its first wait, with the next batch, then every 5 s at most, in the release it sends then
-# where there is one (to a daemon that says it reads it there). Each second, and each its own
-# message, it was with eight jobs most of the messages the daemon's I/O thread took besides the
-# batches' own.
-PROGRESS_INTERVAL_S = 5.0
-# A wait this long is reported while it lasts; a shorter one with the next batch. With eight jobs
-# on a loaded CPU daemon, waits of several seconds were common, and a report from each during
-# them was a message of its own.
-LONG_WAIT_REPORTED_S = 30.0
-# How many batches let go of (their workers left) a session remembers, to answer a late ask.
-MAX_DROPPED = 4096
-
-# A batch this late usually means the daemon's output pool is full of buffers the trainer still
-# holds through live tensors; say so once.
-SLOW_BATCH_WARNING_S = 30.0
-
-
-class _Progress:
-    """How long the trainer has waited for batches, reported to the daemon now and then."""
-
-    def __init__(self) -> None:
-        self.waited = 0.0
-        self.batches = 0
-        self.reported_at = 0.0
-
-    def due(self, waiting_for: float = 0.0) -> TrainerProgress | None:
-        """The report to send now, if there is something to tell (the daemon starts from no
-        wait) and the last one is old enough (taken as sent); ``waiting_for``: the wait so far."""
-        now = time.monotonic()
-        if now - self.reported_at < PROGRESS_INTERVAL_S or not self.waited + waiting_for:
-            return None
-        self.reported_at = now
-        return TrainerProgress(self.waited + waiting_for, self.batches)
-
-    def during_wait(self, waiting_for: float) -> TrainerProgress | None:
-        """The report to send while a wait of ``waiting_for`` lasts: none until it is long, so
-        that `dalid status` shows a trainer stuck waiting; a shorter wait's goes with the next
-        batch's releases."""
-        return self.due(waiting_for) if waiting_for >= LONG_WAIT_REPORTED_S else None
 
 
 class Session:
@@ -143,7 +81,6 @@ class Session:
             raise InputError(str(error)) from None
         self.socket = socket_path(self.device, socket)
         self.reconnect = reconnect
-        self._progress = _Progress()
         # Bad samples skipped or replaced in the batches of the last produce_data call.
         self.last_bad_samples: list[SampleReport] = []
         self._daemon = Reconnector(
@@ -159,6 +96,7 @@ class Session:
             enabled=reconnect,
             connect_timeout=connect_timeout,
         )
+        self._delivery = Delivery(self._daemon)
         # Closes the job at GC if the session is not closed before: it must not hold the session.
         self._finalizer = weakref.finalize(self, self._daemon.close)
 
@@ -289,7 +227,7 @@ class Session:
         resolved: list[tuple[DALIPipelineRunRef, tuple[torch.Tensor, ...]]] = []
 
         def resolve(runs: list[DALIPipelineRunRef]) -> dict[int, tuple[torch.Tensor, ...]]:
-            produced = self._outputs_of(runs, reports)
+            produced = self._delivery.outputs_of(runs, reports)
             resolved.extend((run, produced[id(run)]) for run in runs)
             return produced
 
@@ -307,7 +245,7 @@ class Session:
     def outputs(self, run: DALIPipelineRunRef) -> tuple[torch.Tensor, ...]:
         """The outputs of one batch, waiting for them (and scheduling it if deferred)."""
         reports: list[SampleReport] = []
-        outputs = self._outputs_of([run], reports)[id(run)]
+        outputs = self._delivery.outputs_of([run], reports)[id(run)]
         for report in reports:
             log.warning("%s", report)
         return outputs
@@ -315,7 +253,7 @@ class Session:
     def close(self) -> None:
         """Ends the job: the daemon frees its pipelines; live tensors stay valid. Idempotent."""
         if not self._daemon.closed:
-            self._flush_releases()
+            self._delivery.flush_releases()
         self._finalizer()
 
     def __enter__(self) -> Session:
@@ -327,173 +265,3 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"job {self.job_id}"
         return f"<dalid Session {self.socket} {state}>"
-
-    # --- the trainer's side of a batch ----------------------------------------------------------
-
-    def _outputs_of(
-        self, runs: Iterable[DALIPipelineRunRef], reports: list[SampleReport]
-    ) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Tensors for each run (keyed by ``id(run)``), in the order the runs are given; the
-        bad samples they were delivered without, or with replaced, go to ``reports``."""
-        runs = list(runs)
-        for run in runs:
-            self._daemon.check(run)
-        start = len(reports)
-
-        def attempt() -> dict[int, tuple[torch.Tensor, ...]]:
-            del reports[start:]  # an attempt cut short by a reconnection reports nothing
-            return self._deliver(runs, reports)
-
-        produced: dict[int, tuple[torch.Tensor, ...]] = self._daemon.call(attempt)
-        for run in runs:
-            self._daemon.delivered(run)
-        return produced
-
-    def _deliver(
-        self, runs: list[DALIPipelineRunRef], reports: list[SampleReport]
-    ) -> dict[int, tuple[torch.Tensor, ...]]:
-        for run in runs:
-            self._daemon.submit_if_lost(run)
-        link = self._daemon.link
-        for run in runs:
-            if not run.is_scheduled:
-                link.request(ScheduleBatch(run.batch_id))  # type: ignore[arg-type]
-                run.is_scheduled = True
-        produced: dict[int, tuple[torch.Tensor, ...]] = {}
-        for run in runs:
-            result = self._wait(run.batch_id)  # type: ignore[arg-type]
-            if isinstance(result, BatchFailed) and self._daemon.resubmit_refused(run, result):
-                result = self._wait(run.batch_id)  # type: ignore[arg-type]
-            if isinstance(result, BatchFailed):
-                raise BatchError(
-                    result.code,
-                    result.message,
-                    result.batch_id,
-                    result.pipeline_id,
-                    result.bad_samples,
-                )
-            produced[id(run)] = self._tensors(result)
-            reports.extend(
-                SampleReport(
-                    result.batch_id,
-                    result.pipeline_id,
-                    bad.position,
-                    bad.message,
-                    None if bad.replaced_by < 0 else bad.replaced_by,
-                )
-                for bad in result.bad_samples
-            )
-        return produced
-
-    def _tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
-        outputs = self._daemon.generation.outputs
-        outputs.retire(result.retired_slabs)
-        try:
-            return outputs.tensors(result)
-        except FileNotFoundError as error:
-            # Only a daemon that died, its memory removed by its successor, loses a slab it has
-            # just named (protocol/SPEC.md, "Outputs", rule 6).
-            raise self._daemon.link.gone_error(
-                f"its output memory {error.filename} was removed"
-            ) from None
-
-    def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
-        progress = self._progress
-        progress.batches += 1
-        generation = self._daemon.generation
-        link = self._daemon.link
-        if generation.senders_left:
-            self._drop_abandoned(generation, batch_id)
-        # The regions of tensors that died go back before each batch, not only while waiting:
-        # the daemon holds a few batches of the job at once, released ones included.
-        result = generation.results.pop(batch_id, None)
-        if result is not None:
-            self._flush_releases(progress=progress.due())
-            return result
-        pipeline_id = generation.dropped.get(batch_id)
-        if pipeline_id is not None:
-            self._flush_releases()
-            return BatchFailed(
-                batch_id,
-                pipeline_id,
-                ErrorCode.UNKNOWN_BATCH,
-                f"batch {batch_id} was let go of: the DataLoader worker that sent it left before "
-                "the trainer asked for it (its iterator was dropped, or the worker died)",
-            )
-        # The daemon runs it before the job's other batches (SPEC.md, "Batches in flight").
-        self._flush_releases(want=batch_id, progress=progress.due())
-
-        def is_result(envelope: Envelope) -> bool:
-            message = envelope.message
-            return isinstance(message, BatchReady | BatchFailed) and message.batch_id == batch_id
-
-        started = time.monotonic()
-        warned = False
-
-        def idle() -> None:
-            nonlocal warned
-            self._flush_releases(progress=progress.during_wait(time.monotonic() - started))
-            if not warned and time.monotonic() - started > SLOW_BATCH_WARNING_S:
-                warned = True
-                log.warning(
-                    "batch %d has not arrived after %.0f s; this job still holds %d output "
-                    "buffers through live tensors. If you keep outputs across steps, keep "
-                    "copies (tensor.clone()) so the daemon can reuse its buffers.",
-                    batch_id,
-                    SLOW_BATCH_WARNING_S,
-                    self.live_regions,
-                )
-
-        envelope = link.receive_until(is_result, None, idle=idle)
-        assert envelope is not None and isinstance(envelope.message, BatchReady | BatchFailed)
-        # Reported with the next batch's releases (at most PROGRESS_INTERVAL_S from now).
-        progress.waited += time.monotonic() - started
-        return envelope.message
-
-    def _drop_abandoned(self, generation: Generation, asked: int) -> None:
-        """Lets go of the results that workers which left will never have asked for (SPEC.md,
-        "Batches in flight"): a worker leaves once the trainer has asked for every batch it
-        sent, unless its iterator was dropped (``for batch in loader: break``) or it died. Each
-        result's regions go back as those of any tensors that die; the batch being asked for
-        now is kept."""
-        left = generation.senders_left
-        abandoned = [
-            batch_id
-            for batch_id in generation.results
-            if batch_id != asked and batch_id // BATCH_IDS_PER_CONNECTION in left
-        ]
-        for batch_id in abandoned:
-            result = generation.results.pop(batch_id)
-            generation.dropped[batch_id] = result.pipeline_id
-            if len(generation.dropped) > MAX_DROPPED:
-                del generation.dropped[next(iter(generation.dropped))]
-            if isinstance(result, BatchReady):
-                generation.outputs.retire(result.retired_slabs)
-                # Wrapped and dropped at once: released as any tensors that died.
-                self._tensors(result)
-
-    def _flush_releases(
-        self, want: int | None = None, progress: TrainerProgress | None = None
-    ) -> None:
-        """Tells the daemon of the regions whose tensors died (and the slabs unmapped), of the
-        batch ``want`` the trainer is about to wait for and of its ``progress``: each in the
-        last release, where there is one and the daemon reads it there (a message fewer), else
-        on its own after them."""
-        link = self._daemon.link
-        releases = self._daemon.generation.outputs.releases()
-        messages: list[ReleaseRegions | WantBatch | TrainerProgress] = list(releases)
-        last = releases[-1] if releases else None
-        if want is not None:
-            if last is not None and link.welcome.want_in_release:
-                last = dataclasses.replace(last, want_batch=want)
-            else:
-                messages.append(WantBatch(want))
-        if progress is not None:
-            if last is not None and link.welcome.progress_in_release:
-                last = dataclasses.replace(last, progress=progress)
-            else:
-                messages.append(progress)
-        if last is not None:
-            messages[len(releases) - 1] = last
-        for message in messages:
-            link.notify(message)

@@ -2,7 +2,7 @@
 
 The one place that builds a :class:`dalid.server.core.DaemonCore` for the client's tests (how
 a core is made is the server's business): :class:`ServedCore` serves one on a socket path
-through :class:`dalid.client.inproc.InprocDaemon`, so that a session, its proxies and their
+through :class:`dalid.client.link.inproc.InprocDaemon`, so that a session, its proxies and their
 workers in this process (``num_workers=0``) reach it by in-process links, and ``restart()``
 replaces it with a new core, as a daemon restart does. Nothing listens on the path itself.
 """
@@ -13,7 +13,7 @@ import dataclasses
 import uuid
 from pathlib import Path
 
-from dalid.client.inproc import InprocDaemon
+from dalid.client.link.inproc import InprocDaemon
 from dalid.protocol import JobStatus, Message, Welcome
 from dalid.server.core import DaemonCore
 from dalid.server.quotas import Quotas

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import zmq
 
-from dalid.client import connection
+from dalid.client.link import connection
 from dalid.protocol import slabs
 
 from . import foreign
@@ -121,7 +121,7 @@ def _dali_gpu_decoding() -> None:
 # Process-wide state that is made on first use and kept until the process exits; each is made
 # by start_long_lived, before the first snapshot.
 _LONG_LIVED_STATE: dict[str, Callable[[], object]] = {
-    # dalid.client.connection.process_context: the client's ZeroMQ context (its I/O and reaper
+    # dalid.client.link.connection.process_context: the client's ZeroMQ context (its I/O and reaper
     # threads, an epoll and eventfd mailboxes) lives as long as the process, by design.
     "dalid's ZeroMQ context of the process": _zmq_process_context,
     # pyzmq frees a zero-copy frame once ZeroMQ is done with it through a thread with a context

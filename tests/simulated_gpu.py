@@ -10,10 +10,11 @@ simulated, on both sides.
   cannot make GPU tensors without a GPU, so pipelines run on the CPU and the first output of
   each run stands for a GPU output (as in ``helpers.gpu_pipeline`` on a real GPU, whose first
   output is computed on the GPU and the second on the CPU).
-- The trainer (:class:`SimulatedDevices`, installed as ``dalid.client.cuda_device.DEVICES``): it
-  opens the daemon's "IPC handles" by mapping the segments they name, or refuses as CUDA does
-  where IPC cannot work (``ipc=False``), and sees the daemon's GPU or not (``sees_daemon``).
-  Tensors it hands out are CPU tensors: views of the mapping for CUDA IPC, copies for uploads.
+- The trainer (:class:`SimulatedDevices`, installed as
+  ``dalid.client.outputs.cuda_device.DEVICES``): it opens the daemon's "IPC handles" by mapping
+  the segments they name, or refuses as CUDA does where IPC cannot work (``ipc=False``), and
+  sees the daemon's GPU or not (``sees_daemon``). Tensors it hands out are CPU tensors: views
+  of the mapping for CUDA IPC, copies for uploads.
 
 What CUDA itself does (streams, events, page-locking, IPC between processes) is tested on a GPU:
 tests/integration/test_gpu.py.
@@ -284,7 +285,7 @@ class SimulatedDevice:
 @dataclass
 class SimulatedDevices:
     """The trainer's GPUs: one, the simulated daemon's GPU unless ``sees_daemon`` is false
-    (then another one). Install as ``dalid.client.cuda_device.DEVICES``."""
+    (then another one). Install as ``dalid.client.outputs.cuda_device.DEVICES``."""
 
     ipc: bool = True
     sees_daemon: bool = True

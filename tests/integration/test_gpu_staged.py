@@ -104,7 +104,7 @@ def test_staged_outputs_equal_in_process_run_and_upload_without_host_sync(
 def test_a_trainer_that_sees_the_daemons_gpu_gets_cuda_ipc_and_probes_once(
     auto_daemon: DaemonProcess,
 ) -> None:
-    from dalid.client import cuda_staged as staged
+    from dalid.client.outputs import cuda_staged as staged
 
     with dalid.connect(socket=auto_daemon.socket, autostart=False, name="ipc") as first:
         assert _path_of(auto_daemon, first.job_id) == "cuda_ipc"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import dalid.client as dalid
-from dalid.client.placement import default_daemon
+from dalid.client.link.placement import default_daemon
 from dalid.protocol import runtime_dir
 
 from ..daemons import start_daemon

@@ -126,7 +126,7 @@ def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp: Path) -> 
 
 
 def test_client_notices_a_killed_daemon(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dalid.client import connection
+    from dalid.client.link import connection
 
     monkeypatch.setattr(connection, "PING_AFTER_S", 0.2)
     monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)

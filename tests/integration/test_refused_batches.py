@@ -1,7 +1,7 @@
 """A batch the daemon refuses after its worker handed it on fails, for the trainer, at that batch.
 
 DataLoader workers no longer wait for the daemon's acceptance (Note [Submitting without
-waiting] in client/submitter.py), so a refusal reaches the trainer as the batch's result.
+waiting] in client/worker/submitter.py), so a refusal reaches the trainer as the batch's result.
 """
 
 from __future__ import annotations

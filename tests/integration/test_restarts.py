@@ -118,7 +118,7 @@ def test_a_reconnection_waits_for_the_daemon_to_end_the_abandoned_job(
     """A daemon that stopped answering pings for a while and lives on: the trainer reconnects
     to it, and its hello names the abandoned job, still open there until the daemon notices
     that its connection closed. The claim is refused (job_claimed) until then."""
-    from dalid.client import launcher
+    from dalid.client.link import launcher
     from dalid.protocol import ErrorCode
 
     refusals: list[Any] = []
@@ -194,7 +194,7 @@ def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp: Path) ->
 def unwatched_daemon_pid(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process in another pid namespace than the daemon, as far as the client can tell:
     the daemon's pid cannot be watched, and only pings tell whether it lives."""
-    from dalid.client import connection
+    from dalid.client.link import connection
 
     monkeypatch.setattr(connection, "pid_namespace", lambda: 1)
     monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)

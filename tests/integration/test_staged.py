@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import dalid.client as dalid
-from dalid.client import cuda_device
-from dalid.client import cuda_staged as staged
 from dalid.client.errors import DeviceMismatch
+from dalid.client.outputs import cuda_device
+from dalid.client.outputs import cuda_staged as staged
 
 from ..daemons import DaemonProcess, own_directory, start_daemon, wait_for
 from ..simulated_gpu import SIMULATED_UUID, SimulatedDevices

@@ -91,7 +91,7 @@ def test_a_job_is_told_that_its_daemon_was_stopped(
 def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(
     daemon: DaemonProcess,
 ) -> None:
-    from dalid.client.connection import Connection
+    from dalid.client.link.connection import Connection
     from dalid.protocol import Role
 
     session = dalid.connect(socket=daemon.socket, autostart=False)
@@ -114,7 +114,7 @@ def test_a_worker_whose_job_ended_says_goodbye_and_nothing_more(daemon: DaemonPr
     """A worker that leaves after its job ended is answered ``not_welcomed``: its goodbye is
     done, and it does not ping the daemon to learn whether another one answers now (with many
     jobs, every worker's goodbye at the end of each job would cost the daemon a message)."""
-    from dalid.client.connection import Connection
+    from dalid.client.link.connection import Connection
     from dalid.protocol import Message, Role
 
     sent: list[str] = []

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dalid.client as dalid
-from dalid.client.reconnect import worker_links
+from dalid.client.worker.links import worker_links
 from dalid.protocol import RUNTIME_DIR_ENV
 from dalid.protocol.ownership import UnsafePath
 

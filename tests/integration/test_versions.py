@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from dalid.client.connection import Connection
+from dalid.client.link.connection import Connection
 from dalid.protocol import (
     PROTOCOL_VERSION,
     Hello,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import dalid.client as dalid
-from dalid.client.launcher import OtherInstallationWarning
+from dalid.client.link.launcher import OtherInstallationWarning
 from dalid.protocol import installation, socket_path
 
 from ..daemons import ROOT, STARTED_PIDS, DaemonProcess, wait_until_answering

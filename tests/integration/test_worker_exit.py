@@ -2,7 +2,7 @@
 daemon, and the daemon learns at once that the worker left.
 
 A worker sends a batch and hands its reference on without waiting (Note [Submitting without
-waiting] in dalid.client.submitter), and a forked worker ends in ``os._exit``: a batch the
+waiting] in dalid.client.worker.submitter), and a forked worker ends in ``os._exit``: a batch the
 socket had not written yet was lost with the process, and the trainer waited for it forever. A
 batch of a MiB takes several writes, and the daemon reads each after the last: the batches here
 are that size.

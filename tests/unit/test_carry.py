@@ -22,8 +22,8 @@ import torch
 import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from torch.utils.data import DataLoader, Dataset
 
-from dalid.client.carry import BY_VALUE_MAX_BYTES, CarriedBatch, CarryingCollate
 from dalid.client.loader import DataLoader as DalidLoader
+from dalid.client.worker.carry import BY_VALUE_MAX_BYTES, CarriedBatch, CarryingCollate
 
 Pair = namedtuple("Pair", ["left", "right"])
 

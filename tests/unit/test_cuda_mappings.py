@@ -1,7 +1,7 @@
-"""The trainer's GPU output backend (client/cuda.py) on a fake device: no GPU needed.
+"""The trainer's GPU output backend (client/outputs/cuda.py) on a fake device: no GPU needed.
 
 Everything goes through the output-backend interface the session uses (``wrap``, ``retire``,
-``releases``, ``unmap``, ``close``: see client/outputs.py).
+``releases``, ``unmap``, ``close``: see client/outputs/outputs.py).
 
 The fake opens "device memory" as host buffers and builds tensors through numpy, keeping the
 region object alive exactly as torch does for ``__cuda_array_interface__`` (the tensor holds
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.cuda import MAX_FENCES, CudaOutputs
-from dalid.client.cuda_device import pick_device
 from dalid.client.errors import DeviceMismatch
-from dalid.client.outputs import Outputs
-from dalid.client.shm import SharedMemoryOutputs
+from dalid.client.outputs.cuda import MAX_FENCES, CudaOutputs
+from dalid.client.outputs.cuda_device import pick_device
+from dalid.client.outputs.outputs import Outputs
+from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions, slabs
 
 SLAB_BYTES = 1 << 16

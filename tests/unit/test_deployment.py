@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dalid.client.placement import default_daemon
+from dalid.client.link.placement import default_daemon
 from dalid.server.cli import build_parser
 from dalid.server.config import OPTIONS, resolve
 

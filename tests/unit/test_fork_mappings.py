@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.shm import SharedMemoryOutputs
+from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, slabs
 from dalid.server.pool import PAGE
 from dalid.server.shm import SharedMemorySlab

@@ -1,4 +1,4 @@
-"""The in-process link itself (client/inproc.py), against a small recording daemon.
+"""The in-process link itself (client/link/inproc.py), against a small recording daemon.
 
 A session driven through it against a real daemon core is in test_session.py.
 """
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dalid.client.errors import DaemonUnavailable, RequestError
-from dalid.client.inproc import InprocDaemon, InprocLink
-from dalid.client.link import answering, dial
+from dalid.client.link.inproc import InprocDaemon, InprocLink
+from dalid.client.link.link import answering, dial
 from dalid.protocol import (
     PROTOCOL_VERSION,
     BatchAccepted,

@@ -11,7 +11,7 @@ import pytest
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
-from dalid.client.paths import resolve_paths
+from dalid.client.worker.paths import resolve_paths
 from dalid.protocol import InputBatch
 from dalid.protocol.file_inputs import path_inputs
 from dalid.server.paths import (

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dalid.client.shm import SharedMemoryOutputs
+from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 from dalid.protocol.slabs import SHM_DIR
 from dalid.server.pool import (

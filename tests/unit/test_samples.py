@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from dalid.client.errors import InputError
-from dalid.client.samples import as_sample
+from dalid.client.worker.samples import as_sample
 
 
 def test_pil_images_become_their_pixels() -> None:

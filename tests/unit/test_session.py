@@ -22,8 +22,8 @@ import torch
 from nvidia.dali import fn
 
 from dalid.client import DaemonUnavailable, Session
-from dalid.client import session as session_module
-from dalid.client.worker import Proxy
+from dalid.client import delivery as delivery_module
+from dalid.client.worker.worker import Proxy
 from dalid.protocol import ReleaseRegions, TrainerProgress, WantBatch
 from tests.inproc import ServedCore
 
@@ -162,7 +162,7 @@ def test_progress_rides_in_a_release_to_a_daemon_that_reads_it_there(
 ) -> None:
     """A report due when releases go is carried in the last of them, one message fewer; to an
     older daemon, which would ignore it there, it goes on its own. The daemon shows it."""
-    monkeypatch.setattr(session_module, "PROGRESS_INTERVAL_S", 0.0)  # a report at every batch
+    monkeypatch.setattr(delivery_module, "PROGRESS_INTERVAL_S", 0.0)  # a report at every batch
     path = Path(f"/tmp/dalid-inproc-{uuid.uuid4().hex[:8]}.sock")
     with ServedCore(path, older_welcome=older) as daemon, _session(daemon) as session:
         proxy = session.proxy(doubling())
@@ -184,11 +184,11 @@ def test_a_wait_is_reported_while_it_lasts_only_once_it_is_long(
 ) -> None:
     """A wait of a few seconds (common with many jobs on a busy daemon) is reported with the
     next batch, in its release; one that goes on is reported while it lasts."""
-    monkeypatch.setattr(session_module, "PROGRESS_INTERVAL_S", 0.0)
-    progress = session_module._Progress()
+    monkeypatch.setattr(delivery_module, "PROGRESS_INTERVAL_S", 0.0)
+    progress = delivery_module._Progress()
     progress.waited, progress.batches = 2.0, 3
-    assert progress.during_wait(session_module.LONG_WAIT_REPORTED_S / 2) is None
-    long = session_module.LONG_WAIT_REPORTED_S + 1
+    assert progress.during_wait(delivery_module.LONG_WAIT_REPORTED_S / 2) is None
+    long = delivery_module.LONG_WAIT_REPORTED_S + 1
     assert progress.during_wait(long) == TrainerProgress(2.0 + long, 3)
     assert progress.due() == TrainerProgress(2.0, 3)  # with the next batch
 

@@ -1,5 +1,5 @@
-"""Staged GPU outputs, the trainer's half (client/cuda_staged.py): the IPC probe, the output path
-the daemon answers, and the backend that uploads staged regions, on a fake device.
+"""Staged GPU outputs, the trainer's half (client/outputs/cuda_staged.py): the IPC probe, the
+output path the daemon answers, and the backend that uploads staged regions, on a fake device.
 
 The slabs are real shared memory written by the test; the fake device uploads by copying to
 CPU tensors and completes its markers when told, so release timing, page-locking and unmapping
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-import dalid.client.cuda_device
-from dalid.client import cuda_staged as staged
-from dalid.client.cuda_staged import StagedOutputs, output_path, probe_ipc
+import dalid.client.outputs.cuda_device
 from dalid.client.errors import DeviceMismatch, RequestError
-from dalid.client.outputs import Outputs
+from dalid.client.outputs import cuda_staged as staged
+from dalid.client.outputs.cuda_staged import StagedOutputs, output_path, probe_ipc
+from dalid.client.outputs.outputs import Outputs
 from dalid.protocol import (
     BatchReady,
     ErrorCode,
@@ -315,7 +315,7 @@ HANDLE = bytes(range(64))
 
 
 def _probe(monkeypatch: pytest.MonkeyPatch, devices: ProbeDevices) -> str:
-    monkeypatch.setattr(dalid.client.cuda_device, "DEVICES", devices)
+    monkeypatch.setattr(dalid.client.outputs.cuda_device, "DEVICES", devices)
     monkeypatch.setattr(staged, "_probed", {})
     return probe_ipc(UUID, HANDLE.hex())
 
@@ -371,7 +371,9 @@ def test_the_trainer_reports_its_probe_and_takes_the_daemons_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        dalid.client.cuda_device, "DEVICES", ProbeDevices(ProbeDevice({}, fail_open="no IPC here"))
+        dalid.client.outputs.cuda_device,
+        "DEVICES",
+        ProbeDevices(ProbeDevice({}, fail_open="no IPC here")),
     )
     monkeypatch.setattr(staged, "_probed", {})
     link = FakeLink(HANDLE.hex(), OutputPath("staged", "no IPC here"))

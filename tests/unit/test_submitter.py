@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dalid.client.errors import RequestError
-from dalid.client.submitter import Submitter
+from dalid.client.worker.submitter import Submitter
 from dalid.protocol import (
     BatchAccepted,
     BatchFailed,

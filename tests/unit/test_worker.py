@@ -15,8 +15,8 @@ import torch
 
 from dalid.client.errors import InputError
 from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef
-from dalid.client.target import ProxyTarget
-from dalid.client.worker import Proxy, collate_sample_refs
+from dalid.client.worker.target import ProxyTarget
+from dalid.client.worker.worker import Proxy, collate_sample_refs
 
 
 def _target(

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 
@@ -46,12 +46,9 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
+from ..errors import DaemonUnavailable
 from .connection import no_daemon_message, process_context
-from .errors import DaemonUnavailable
 from .link import Link, answering, dial
-
-if TYPE_CHECKING:
-    from .reconnect import Dial
 
 AUTOSTART_IDLE_TIMEOUT_S = 60.0
 
@@ -168,6 +165,19 @@ def _checked(link: Link) -> Link:
         stacklevel=2,
     )
     return link
+
+
+class Dial(Protocol):
+    """Opens a trainer link to the daemon on the session's socket (starting one if allowed)."""
+
+    def __call__(
+        self,
+        *,
+        on_push: Callable[[Envelope], None],
+        connect_timeout: float,
+        hello_timeout: float,
+        earlier_jobs: tuple[EarlierJob, ...],
+    ) -> Link: ...
 
 
 def trainer_dial(

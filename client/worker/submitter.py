@@ -21,7 +21,7 @@ and returns at once. What the wait gave is kept another way:
    the daemon holds, and a refusal is raised by the worker, as before.
 4. A batch sent is not yet written: the socket writes it in its own thread, a batch of a MiB in
    several writes as the daemon reads. A worker process ends in ``os._exit``, which would lose
-   it, so its links say goodbye at its exit (``WorkerLinks.close_all`` in reconnect.py); the
+   it, so its links say goodbye at its exit (``WorkerLinks.close_all`` in links.py); the
    goodbye follows the batch on the same socket.
 """
 
@@ -32,7 +32,7 @@ import logging
 
 from dalid.protocol import BatchFailed, SubmitBatch
 
-from .link import Link
+from ..link.link import Link
 
 log = logging.getLogger("dalid.client")
 

@@ -41,8 +41,8 @@ from dalid.protocol import (
     pid_namespace,
 )
 
+from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 from .connection import IDLE_EVERY_S
-from .errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 
 log = logging.getLogger("dalid.client")
 
@@ -159,8 +159,8 @@ def _copied(frames: list[Any]) -> Frames:
 
 
 class InprocLink:
-    """A :class:`~dalid.client.link.Link` to a daemon served in this process, welcomed in
-    ``role``; it takes the options of :class:`~dalid.client.connection.Connection`'s hello."""
+    """A :class:`~dalid.client.link.link.Link` to a daemon served in this process, welcomed in
+    ``role``; it takes the options of :class:`~dalid.client.link.connection.Connection`'s hello."""
 
     def __init__(
         self,

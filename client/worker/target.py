@@ -13,7 +13,7 @@ from typing import Any
 
 from dalid.protocol import InputBatch, SubmitBatch
 
-from .errors import InputError
+from ..errors import InputError
 from .paths import resolve_paths
 
 
@@ -33,7 +33,7 @@ class ProxyTarget:
     # The trainer's session reconnects to a restarted daemon: see Note [Daemon restarts].
     reconnect: bool = False
     # Inputs whose samples are file paths, made absolute from the trainer's working directory
-    # before they leave (dalid.client.paths).
+    # before they leave (dalid.client.worker.paths).
     path_inputs: tuple[str, ...] = ()
     working_directory: str = ""
 

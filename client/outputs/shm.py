@@ -62,7 +62,7 @@ def _try_unmap(mapping: _Mapping) -> bool:
 
 class SharedMemoryOutputs:
     """CPU outputs: shared-memory slabs mapped into this process, each once (an
-    :class:`~dalid.client.outputs.OutputBackend`).
+    :class:`~dalid.client.outputs.outputs.OutputBackend`).
 
     Tensors handed out keep their slab's pages alive on their own (through the numpy view
     they hold), so unmapping while tensors live is safe: those mappings are left to be unmapped

@@ -38,7 +38,7 @@ from dalid.protocol import (
     transport,
 )
 
-from .errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
+from ..errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
 
 log = logging.getLogger("dalid.client")
 

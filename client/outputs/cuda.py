@@ -104,7 +104,7 @@ class _Fences:
 
 class CudaOutputs:
     """GPU outputs: the GPU slabs, batch events and release fences of one session in this
-    process (an :class:`~dalid.client.outputs.OutputBackend`).
+    process (an :class:`~dalid.client.outputs.outputs.OutputBackend`).
 
     ``open_device`` makes the :class:`Device` when the first GPU output arrives. Used from the
     session's thread; only the garbage collector's finalizers run elsewhere, and they only

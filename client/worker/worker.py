@@ -18,10 +18,10 @@ from typing import Any
 
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from .errors import DaemonUnavailable, InputError, RequestError
-from .link import Link
-from .reconnect import left_to_trainer, worker_links
-from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef, Resubmission
+from ..errors import DaemonUnavailable, InputError, RequestError
+from ..link.link import Link
+from ..refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef, Resubmission
+from .links import left_to_trainer, worker_links
 from .samples import as_sample
 from .target import ProxyTarget
 

@@ -19,7 +19,7 @@ import torch
 
 from dalid.protocol import GpuUnavailable, gpu_uuid
 
-from .errors import DeviceMismatch
+from ..errors import DeviceMismatch
 
 
 class Device(Protocol):

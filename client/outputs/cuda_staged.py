@@ -37,13 +37,13 @@ from dalid.protocol import (
     slabs,
 )
 
+from ..errors import DeviceMismatch, RequestError
 from . import cuda_device
 from .copies import copied_tensor
-from .errors import DeviceMismatch, RequestError
 from .shm import map_daemon_slab
 
 if TYPE_CHECKING:
-    from .link import Link
+    from ..link.link import Link
 
 log = logging.getLogger("dalid.client")
 
@@ -60,7 +60,7 @@ STAGING_COST = (
 
 class StagingDevice(Protocol):
     """The CUDA calls :class:`StagedOutputs` makes;
-    :class:`~dalid.client.cuda_device.TorchDevice` on a real GPU."""
+    :class:`~dalid.client.outputs.cuda_device.TorchDevice` on a real GPU."""
 
     def current_stream(self) -> Any: ...
 
@@ -164,7 +164,7 @@ class _Upload:
 
 class StagedOutputs:
     """GPU outputs the daemon staged in shared memory, uploaded to this process's GPU (an
-    :class:`~dalid.client.outputs.OutputBackend`; see the module's docstring).
+    :class:`~dalid.client.outputs.outputs.OutputBackend`; see the module's docstring).
 
     ``open_device`` makes the device when the first staged output arrives, which is when the
     one warning naming ``reason`` and the cost is logged. Used from the session's thread.

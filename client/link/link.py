@@ -1,7 +1,7 @@
 """A client's link to a daemon: the interface the session and the workers use, and ``dial``.
 
-Two implementations: :class:`~dalid.client.connection.Connection`, a ZeroMQ DEALER socket to a
-daemon process, and :class:`~dalid.client.inproc.InprocLink`, which hands the same encoded
+Two implementations: :class:`~dalid.client.link.connection.Connection`, a ZeroMQ DEALER socket to a
+daemon process, and :class:`~dalid.client.link.inproc.InprocLink`, which hands the same encoded
 messages to a daemon core in this process (tests drive the session's logic through it without
 sockets). ``dial`` picks the in-process one where a daemon is served in this process on the
 path, the socket otherwise.
@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from dalid.protocol import Envelope, Message, Role, Welcome
 
+from ..errors import DaemonUnavailable
 from .connection import Connection
-from .errors import DaemonUnavailable
 from .inproc import InprocLink, served_at
 
 
@@ -75,7 +75,7 @@ class Link(Protocol):
 
 def dial(path: Path, role: Role, **hello: Any) -> Link:
     """A link to the daemon on ``path``, welcomed in ``role``; ``hello``: the options the hello
-    carries (see :class:`~dalid.client.connection.Connection`)."""
+    carries (see :class:`~dalid.client.link.connection.Connection`)."""
     daemon = served_at(path)
     if daemon is not None:
         return InprocLink(daemon, path, role, **hello)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dalid.protocol import Device, runtime_dir, uuid_socket_path
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def current_index(environ: Mapping[str, str]) -> int | None:

@@ -5,14 +5,16 @@ slab once and wraps the region as a torch tensor without a copy; the region retu
 daemon when its last tensor is collected. How a slab is mapped, when a tensor may be read and
 what a release must carry differ by memory, so each kind has its backend:
 
-- shared memory (``device="cpu"`` descriptors): :class:`~dalid.client.shm.SharedMemoryOutputs`;
-- CUDA IPC (``device="cuda"``, from a daemon on a GPU): :class:`~dalid.client.cuda.CudaOutputs`;
+- shared memory (``device="cpu"`` descriptors):
+  :class:`~dalid.client.outputs.shm.SharedMemoryOutputs`;
+- CUDA IPC (``device="cuda"``, from a daemon on a GPU):
+  :class:`~dalid.client.outputs.cuda.CudaOutputs`;
 - GPU outputs staged in shared memory (``device="staged"``, from a daemon on a GPU whose memory
-  this process cannot open): :class:`~dalid.client.cuda_staged.StagedOutputs`.
+  this process cannot open): :class:`~dalid.client.outputs.cuda_staged.StagedOutputs`.
 
 :class:`Outputs` holds the backends of one daemon and hands each descriptor to the backend of
 its device; which GPU backend a job gets, the handshake with a GPU daemon decides
-(:func:`~dalid.client.cuda_staged.output_path`). The contract the backends keep is
+(:func:`~dalid.client.outputs.cuda_staged.output_path`). The contract the backends keep is
 protocol/SPEC.md, "Outputs": rules 1 to 6 for every kind of memory, 7 to 13 for CUDA IPC, 14
 to 17 for staged GPU outputs.
 """
@@ -26,13 +28,13 @@ import torch
 
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions
 
+from ..errors import DeviceMismatch
 from .cuda import CudaOutputs
 from .cuda_staged import StagedOutputs, output_path
-from .errors import DeviceMismatch
 from .shm import SharedMemoryOutputs
 
 if TYPE_CHECKING:
-    from .link import Link
+    from ..link.link import Link
 
 
 class OutputBackend(Protocol):

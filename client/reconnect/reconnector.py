@@ -1,16 +1,13 @@
-"""Daemon restarts, the client's half: how a job carries on when its daemon is replaced.
+"""Daemon restarts, the trainer's side: how a job carries on when its daemon is replaced.
 
-The trainer's side is :class:`Reconnector`, which holds what a session has of the daemon it
-talks to now (a :class:`Generation`) and everything that outlives that daemon: the pipelines'
-registrations, the jobs the session had on earlier daemons, and the batches to submit again.
-A worker's side is :data:`worker_links`, its links by job, which a restart takes away and gives
-back, and :func:`left_to_trainer`, which decides what becomes of a batch the daemon refused.
-The daemon's half is in ``dalid.server``: a new daemon welcomes a worker of an earlier job
-into the job of that job's trainer.
-
-Why one module of some 600 lines: the two sides keep one protocol, written once as the note
-below, and each side's code reads best beside it (the trainer's is about 300 lines, a worker's
-about 110).
+:class:`Reconnector` holds what a session has of the daemon it talks to now (a
+:class:`~dalid.client.reconnect.generation.Generation`) and everything that outlives that
+daemon: the pipelines' registrations, the jobs the session had on earlier daemons, and the
+batches to submit again. A worker's side is ``dalid.client.worker.links``: its links by job,
+which a restart takes away and gives back, and ``left_to_trainer``, which decides what becomes
+of a batch the daemon refused. The daemon's half is in ``dalid.server``: a new daemon welcomes a
+worker of an earlier job into the job of that job's trainer. The note below is the protocol all
+three keep.
 
 Note [Daemon restarts]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -52,173 +49,57 @@ seconds otherwise, and raises DaemonUnavailable):
    the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1;
    or, sent before the trainer registered the pipeline again, they fail with
    ``unknown_pipeline`` (the worker handed them on without waiting: Note [Submitting without
-   waiting] in submitter.py), and the trainer submits them again from their inputs.
+   waiting] in ``worker/submitter.py``), and the trainer submits them again from their inputs.
    GPU outputs follow the same steps; that path has not run on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import logging
-import multiprocessing.util
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from dalid.protocol import (
-    BATCH_IDS_PER_CONNECTION,
     MAX_EARLIER_JOBS,
     BatchFailed,
-    BatchReady,
     Device,
     EarlierJob,
     EarlierPipeline,
-    Envelope,
-    Error,
     ErrorCode,
     PipelineRegistered,
     RegisterNamedPipeline,
     RegisterPipeline,
-    Role,
     Welcome,
-    WorkerLeft,
 )
 
-from .connection import this_pid
-from .errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
-from .link import Link, dial
-from .outputs import Outputs
-from .submitter import Submitter
-from .target import ProxyTarget
+from ..errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from ..link.launcher import Dial
+from ..link.link import Link
+from ..worker.target import ProxyTarget
+from .generation import Generation
 
 if TYPE_CHECKING:
-    from .refs import DALIPipelineRunRef
+    from ..refs import DALIPipelineRunRef
 
 log = logging.getLogger("dalid.client")
 
 # How many times in a row one call may find the daemon gone and reconnect before it gives up.
 MAX_RECONNECTS = 5
-# A worker whose link to a job's daemon failed tries a new hello at its next batch (the daemon
-# may be back already), then, while hellos fail, at most once per REJOIN_EVERY_S; a hello waits
-# at most REJOIN_HELLO_TIMEOUT_S, so that its DataLoader never stalls long.
-REJOIN_EVERY_S = 0.5
-REJOIN_HELLO_TIMEOUT_S = 1.0
 
 T = TypeVar("T")
 
 
 class Retargetable(Protocol):
-    """A proxy made for a registration (``worker.Proxy``, whose module builds on this one)."""
+    """A proxy made for a registration (``worker.Proxy``): all a registration asks of it."""
 
     def retarget(self, target: ProxyTarget) -> None:
         """Points the proxy at another registration of the same pipeline (a new job)."""
-
-
-# --- the trainer's side ---------------------------------------------------------------------------
-
-
-class Dial(Protocol):
-    """Opens a trainer link to the daemon on the session's socket (starting one if allowed)."""
-
-    def __call__(
-        self,
-        *,
-        on_push: Callable[[Envelope], None],
-        connect_timeout: float,
-        hello_timeout: float,
-        earlier_jobs: tuple[EarlierJob, ...],
-    ) -> Link: ...
-
-
-class Generation:
-    """What a session holds of one daemon: its link, the outputs mapped from it, and the
-    results it sent that wait to be delivered. Closed once, or abandoned with the daemon."""
-
-    def __init__(
-        self,
-        link: Link,
-        outputs: Outputs,
-        results: dict[int, BatchReady | BatchFailed],
-        senders_left: dict[int, None],
-    ) -> None:
-        self.link = link
-        self.outputs = outputs
-        # Filled by the link while the session waits for another result. Neither may hold the
-        # session itself, or its finalizer would never run.
-        self.results = results
-        # The ids of the batches the trainer submits itself, from its link's range.
-        self._batch_ids = itertools.count(link.welcome.batch_id_base + 1)
-        # The batch id ranges (as ``batch_id // BATCH_IDS_PER_CONNECTION``) of workers that
-        # left, the latest last, filled by the link with ``results``; and the batches whose
-        # results the session let go of for it, with their pipelines (Session._drop_abandoned).
-        self.senders_left: dict[int, None] = senders_left
-        self.dropped: dict[int, int] = {}
-
-    def next_batch_id(self) -> int:
-        return next(self._batch_ids)
-
-    @classmethod
-    def open(cls, dial: Dial, **options: Any) -> Generation:
-        """Dials the daemon and maps its outputs; the generation owns the link from here on."""
-        results: dict[int, BatchReady | BatchFailed] = {}
-        senders_left: dict[int, None] = {}
-        link = dial(on_push=functools.partial(_keep_result, results, senders_left), **options)
-        try:
-            outputs = Outputs.for_daemon(link)
-        except BaseException:
-            link.close()
-            raise
-        return cls(link, outputs, results, senders_left)
-
-    def abandon(self) -> None:
-        """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
-
-        Mappings close as at the end of a job: tensors that view them keep them; their
-        releases are dropped with this object (point 2 of the note).
-        """
-        welcome = self.link.welcome
-        worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token, False)
-        self.link.abort()
-        self.outputs.unmap()
-        self.outputs.close()
-
-    def close(self) -> None:
-        welcome = self.link.welcome
-        worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token)
-        # GPU slabs are unmapped before the goodbye, which names those tensors still view
-        # (protocol/SPEC.md, "Outputs", rule 11).
-        kept = self.outputs.unmap()
-        self.link.close(kept_slabs=kept)
-        self.outputs.close()
-
-
-# How many workers that left a session remembers (a few epochs' worth of DataLoader workers).
-SENDERS_REMEMBERED = 256
-
-
-def _keep_result(
-    results: dict[int, BatchReady | BatchFailed],
-    senders_left: dict[int, None],
-    envelope: Envelope,
-) -> None:
-    """Keeps a batch result that arrived while the session waited for another, and the ranges
-    of workers that left."""
-    message = envelope.message
-    if isinstance(message, BatchReady | BatchFailed):
-        results[message.batch_id] = message
-    elif isinstance(message, WorkerLeft):
-        senders_left[message.first_batch_id // BATCH_IDS_PER_CONNECTION] = None
-        if len(senders_left) > SENDERS_REMEMBERED:
-            del senders_left[next(iter(senders_left))]
-    elif isinstance(message, Error):
-        log.warning("dalid daemon: %s", message.message)
 
 
 @dataclass
@@ -473,137 +354,3 @@ class Reconnector:
         """The batch's outputs are delivered: the inputs kept for a resubmission can go."""
         if run.resubmission is not None:
             run.resubmission.inputs = {}
-
-
-# --- a worker's side ------------------------------------------------------------------------------
-
-_LinkKey = tuple[Path, int, str]
-
-
-class WorkerLinks:
-    """This process's worker links, one per (socket, job); reset in a forked child.
-
-    A link's key is the job the proxy names; after a daemon restart the link may be welcomed
-    into the new job of that job's trainer (point 4 of the note).
-    """
-
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._links: dict[_LinkKey, Submitter] = {}
-        # The process whose exit closes its links, once it opened one (see ``close_all``).
-        self._closes_at_exit: int | None = None
-        # Jobs whose daemon was found gone, with when to try a hello again: until one is
-        # welcomed, their batches are left for the trainer to submit.
-        self._lost: dict[_LinkKey, float] = {}
-
-    def get(self, target: ProxyTarget) -> Submitter | None:
-        """This process's link to the target's job, as the submitter of its batches; None
-        while a job found unreachable waits for its next try (see ``lose``)."""
-        with self._lock:
-            if self._pid != this_pid():
-                # Inherited across fork: the parent's sockets are not ours to use or close.
-                self._links = {}
-                self._lost = {}
-                self._pid = os.getpid()
-            key = (target.socket, target.job_id, target.job_token)
-            submitter = self._links.get(key)
-            if submitter is not None and not submitter.link.closed:
-                return submitter
-            retry_at = self._lost.get(key)
-            if retry_at is not None and time.monotonic() < retry_at:
-                return None
-            link = dial(
-                target.socket,
-                Role.WORKER,
-                device=target.device,
-                name=f"worker {os.getpid()}",
-                job_id=target.job_id,
-                job_token=target.job_token,
-                hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
-            )
-            self._links[key] = submitter = Submitter(link)
-            if self._closes_at_exit != self._pid:
-                self._closes_at_exit = self._pid
-                # A DataLoader worker ends in os._exit (multiprocessing runs its finalizers, not
-                # atexit): the goodbye sends, in order, a batch submitted just before it that
-                # the socket had not written yet, and tells the daemon the worker left now
-                # rather than when it next looks for dead processes.
-                multiprocessing.util.Finalize(None, self.close_all, exitpriority=0)
-            if retry_at is not None:
-                del self._lost[key]
-                log.info(
-                    "rejoined job %d as job %d of the daemon on %s (pid %d); this process "
-                    "submits its batches again",
-                    target.job_id,
-                    link.welcome.job_id,
-                    target.socket,
-                    link.welcome.daemon_pid,
-                )
-            return submitter
-
-    def close_job(self, socket: Path, job_id: int, job_token: str, goodbye: bool = True) -> None:
-        """Closes this process's link to a job (``goodbye=False``: its daemon is gone)."""
-        with self._lock:
-            submitter = self._links.pop((socket, job_id, job_token), None)
-            if submitter is not None and self._pid == os.getpid():
-                submitter.link.close(goodbye=goodbye)
-
-    def close_all(self) -> None:
-        """Closes this process's links with a goodbye each (at its exit). Idempotent."""
-        with self._lock:
-            links, self._links = self._links, {}
-            if self._pid != os.getpid():
-                return  # inherited across fork: not ours to use or close
-        for submitter in links.values():
-            submitter.link.close()
-
-    def lose(self, target: ProxyTarget, retry_after: float, goodbye: bool = False) -> bool:
-        """Drops the link to a job its daemon cannot take batches for (gone, or restarted and
-        not yet joined by the trainer); batches go to the trainer unsent until a hello, tried
-        ``retry_after`` seconds from now or later, is welcomed. ``goodbye``: the daemon lives.
-        Whether the job was reachable until now."""
-        self.close_job(target.socket, target.job_id, target.job_token, goodbye=goodbye)
-        key = (target.socket, target.job_id, target.job_token)
-        with self._lock:
-            known = key in self._lost
-            self._lost[key] = time.monotonic() + retry_after
-        return not known
-
-
-worker_links = WorkerLinks()
-
-
-def left_to_trainer(
-    target: ProxyTarget, error: DaemonUnavailable | RequestError, link: Link | None
-) -> bool:
-    """Whether a batch that ``link`` (None: not opened) could not submit is the trainer's to
-    submit (points 1 and 4 of the note); if so, this process stops using that job's link
-    until a later hello is welcomed. False: the error is the caller's to raise."""
-    rejoined = link is not None and link.welcome.job_token != target.job_token
-    if not target.reconnect or not _not_taken_yet(error, rejoined):
-        return False
-    gone = isinstance(error, DaemonUnavailable)
-    # A link that worked until now may find a restarted daemon at the next batch.
-    retry_after = 0.0 if gone and link is not None else REJOIN_EVERY_S
-    if worker_links.lose(target, retry_after, goodbye=not gone):
-        log.info(
-            "%s; the trainer submits this process's batches of job %d until this process "
-            "rejoins the job",
-            error,
-            target.job_id,
-        )
-    return True
-
-
-def _not_taken_yet(error: DaemonUnavailable | RequestError, rejoined: bool) -> bool:
-    """Whether a batch refused with ``error`` is the trainer's to submit: its daemon is gone,
-    or was restarted and the trainer has not reconnected to it, or (on a link that rejoined
-    the trainer's new job) not yet registered the pipeline again."""
-    if isinstance(error, ProtocolMismatch):
-        return False
-    if isinstance(error, DaemonUnavailable):
-        return True
-    return error.code is ErrorCode.UNKNOWN_JOB or (
-        rejoined and error.code is ErrorCode.UNKNOWN_PIPELINE
-    )

@@ -16,7 +16,7 @@ import numpy as np
 
 from dalid.protocol import DTYPES
 
-from .errors import InputError
+from ..errors import InputError
 
 # The allowed dtypes as numpy dtypes: a set lookup, where ``dtype.name`` is a Python property.
 _NATIVE_DTYPES = frozenset(np.dtype(name) for name in DTYPES)
