@@ -5,7 +5,7 @@ submission and scheduling, the release of its output regions, and the delivery o
 these requests here once the connection has said hello. What they act on lives in modules of
 its own: jobs and peers (``jobs.py``), a job's batches in flight (``admission.py``), the batch
 inputs held (``inputs.py``), its output memory (``outputs.py``) and the pipelines' executors
-(``pipelines.py``).
+(``registration.py``).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from dalid.protocol import (
     WantBatch,
 )
 
-from .cohort_registry import Cohorts
-from .cohorts import COHORT_REGION_BASE, Outcome
-from .errors import RequestRefused
-from .inputs import InputMemory, InputRefused
-from .jobs import Job, JobRegistry, Peer
-from .outputs import JobOutputs, ReleaseRefused
-from .pipelines import PipelineBuilder, Push, check_batch, executor_for
-from .quotas import Quotas
-from .runs import PendingBatch
+from ..errors import RequestRefused
+from ..jobs.inputs import InputMemory, InputRefused
+from ..jobs.jobs import Job, JobRegistry, Peer
+from ..jobs.quotas import Quotas
+from ..outputs.outputs import JobOutputs, ReleaseRefused
+from ..pipelines.cohort_registry import Cohorts
+from ..pipelines.cohorts import COHORT_REGION_BASE, Outcome
+from ..pipelines.runs import PendingBatch
+from .registration import PipelineBuilder, Push, check_batch, executor_for
 
 log = logging.getLogger("dalid.server")
 

@@ -2,7 +2,7 @@
 
 :class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
 returns the reply; results that executors produce later leave through ``push``. The process
-wrapper (:mod:`dalid.server.daemon`) owns the socket and the threads around it. The core
+wrapper (:mod:`dalid.server.intake.daemon`) owns the socket and the threads around it. The core
 handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
 shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
 handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
@@ -59,27 +59,27 @@ from dalid.protocol import (
     release,
 )
 
+from ..errors import RequestRefused
+from ..intake.credentials import PeerCredentials
+from ..jobs.inputs import InputMemory
+from ..jobs.jobs import Job, JobRegistry, Peer
+from ..jobs.quotas import QuotaRefused, Quotas, grant
+from ..jobs.reservations import OutputMemory
+from ..outputs.copies import PRIVATE_COPY_AFTER_S
+from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
+from ..outputs.shm import SharedMemoryStore
+from ..pipelines.cohort_registry import Cohorts
+from ..pipelines.flight import FlightRecorder
+from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
+from ..pipelines.reload import LiveRepository
+from ..pipelines.repository import PipelineRepository
+from ..pipelines.scheduler import FairScheduler
 from .batch_requests import BatchRequests
-from .cohort_registry import Cohorts
-from .copies import PRIVATE_COPY_AFTER_S
-from .credentials import PeerCredentials
-from .errors import RequestRefused
-from .flight import FlightRecorder
-from .inputs import InputMemory
-from .jobs import Job, JobRegistry, Peer
-from .operators import ALLOW_LIST, OperatorPolicy
-from .outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
-from .pipelines import SHARING, PipelineBuilder, Sharing
-from .quotas import QuotaRefused, Quotas, grant
-from .reload import LiveRepository
-from .repository import PipelineRepository
-from .reservations import OutputMemory
-from .scheduler import FairScheduler
-from .shm import SharedMemoryStore
+from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
 if TYPE_CHECKING:
-    from .cuda_staged import OutputPaths
+    from ..outputs.cuda_staged import OutputPaths
 
 log = logging.getLogger("dalid.server")
 
@@ -95,11 +95,11 @@ class DaemonCore:
 
     ``outputs`` makes each job's output stores (shared memory; on a GPU daemon, device memory
     too). ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between
-    busy jobs by weight (:mod:`dalid.server.scheduler`). ``device_uuid`` names a GPU daemon's
-    GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
+    busy jobs by weight (:mod:`dalid.server.pipelines.scheduler`). ``device_uuid`` names a GPU
+    daemon's GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
     ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
     ``credentials(peer)`` gives the process behind a connection, as its socket tells
-    (:mod:`dalid.server.credentials`): a job lives as long as that process does, whatever pid
+    (:mod:`dalid.server.intake.credentials`): a job lives as long as that process does, whatever pid
     the client claims; without them (no socket, or a process in a pid namespace the daemon
     cannot see) a job lives as long as its connection.
     ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
@@ -428,7 +428,7 @@ class DaemonCore:
         process, 0 where the daemon cannot see it.
 
         Its output memory is reserved now if the job asked for an amount, else as its outputs
-        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.reservations`).
+        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
         """
         self.registry.check_unclaimed(hello.earlier_jobs)
         try:

@@ -40,18 +40,18 @@ from dalid.protocol import (
     SubmitBatch,
 )
 
-from .errors import RequestRefused
-from .executor import PipelineExecutor
-from .flight import FlightRecorder, graph_key, refusal
-from .instances import MAX_INSTANCES, InstanceController
-from .jobs import Job
-from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
-from .outputs import StreamFactory, no_streams
-from .reload import LiveRepository
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
-from .runs import Answer, Member
-from .scheduler import FairScheduler
-from .sharing import UnreadablePipeline, read_graph
+from ..errors import RequestRefused
+from ..jobs.jobs import Job
+from ..outputs.outputs import StreamFactory, no_streams
+from ..pipelines.executor import PipelineExecutor
+from ..pipelines.flight import FlightRecorder, graph_key, refusal
+from ..pipelines.instances import MAX_INSTANCES, InstanceController
+from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
+from ..pipelines.reload import LiveRepository
+from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from ..pipelines.runs import Answer, Member
+from ..pipelines.scheduler import FairScheduler
+from ..pipelines.sharing import UnreadablePipeline, read_graph
 
 log = logging.getLogger("dalid.server")
 

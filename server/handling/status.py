@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from dalid.protocol import PROTOCOL_VERSION, JobStatus, StatusReport, device_label
 
-from .scheduler import ShareStats
+from ..pipelines.scheduler import ShareStats
 
 if TYPE_CHECKING:
-    from .cohort_registry import Cohorts
-    from .jobs import Job
-    from .pipelines import PipelineBuilder
-    from .quotas import Quotas
-    from .reservations import OutputMemory
-    from .scheduler import FairScheduler
+    from ..jobs.jobs import Job
+    from ..jobs.quotas import Quotas
+    from ..jobs.reservations import OutputMemory
+    from ..pipelines.cohort_registry import Cohorts
+    from ..pipelines.scheduler import FairScheduler
+    from .registration import PipelineBuilder
 
 
 class Daemon(Protocol):

@@ -10,14 +10,14 @@ process's socket at once, and ZeroMQ heartbeats close one whose process stopped 
 loop maps back to the peer that last sent on it.
 
 The loop reads at most a turn's worth of messages before it sends what is ready, and every
-connection is held to its limits (:mod:`dalid.server.intake`): whatever a client sends, the
+connection is held to its limits (:mod:`dalid.server.intake.intake`): whatever a client sends, the
 daemon keeps serving the others, answers a new hello at once and stops when told to.
 
 SIGHUP loads the pipeline repository again, as ``dalid reload`` does (the loop starts the
 reload; the log tells what it loaded).
 
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
-GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.socket_claim`.
+GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.socket_claim`.
 
 Note [A routing id claimed twice]
 ---------------------------------
@@ -68,11 +68,17 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
-from . import wakes
-from .core import DaemonCore
+from ..handling.core import DaemonCore
+from ..handling.registration import SHARING, Sharing
+from ..jobs.quotas import Quotas
+from ..outputs.outputs import OutputsFactory, StreamFactory, no_streams
+from ..outputs.shm import host_outputs
+from ..pipelines import wakes
+from ..pipelines.flight import FlightRecorder
+from ..pipelines.operators import OperatorPolicy
+from ..pipelines.repository import PipelineRepository
 from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
-from .flight import FlightRecorder
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
 from .heap import give_back_free_memory
@@ -86,13 +92,7 @@ from .intake import (
     Verdict,
     reserve_descriptors,
 )
-from .operators import OperatorPolicy
-from .outputs import OutputsFactory, StreamFactory, no_streams
-from .pipelines import SHARING, Sharing
-from .quotas import Quotas
-from .repository import PipelineRepository
 from .shared_socket import SharedSocket
-from .shm import host_outputs
 from .socket_claim import AlreadyRunning, SocketClaim
 
 log = logging.getLogger("dalid.server")
@@ -268,8 +268,8 @@ class Daemon:
             device_uuid = gpu_uuid(device_id)
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
-            from .cuda import device_outputs, device_streams
-            from .cuda_staged import OutputPaths
+            from ..outputs.cuda import device_outputs, device_streams
+            from ..outputs.cuda_staged import OutputPaths
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)

@@ -3,9 +3,9 @@
 ZeroMQ's authentication protocol (ZAP, RFC 27) hands each new connection's handshake to a
 handler on ``inproc://zeromq.zap.01``, with the peer's address; for a Unix socket that address
 ends in the credentials the kernel gave for it (``<address>:<uid>:<gid>:<pid>``, the same as
-:func:`dalid.server.credentials.parse_peer_address` reads). The gate answers 200 for a process
-of a user the daemon serves and 400 for anyone else, and for a connection whose credentials it
-cannot read (it fails closed). ZeroMQ then ends a refused handshake with a ZMTP ERROR command
+:func:`dalid.server.intake.credentials.parse_peer_address` reads). The gate answers 200 for a
+process of a user the daemon serves and 400 for anyone else, and for a connection whose credentials
+it cannot read (it fails closed). ZeroMQ then ends a refused handshake with a ZMTP ERROR command
 carrying the gate's reason, and closes the connection: nothing the peer sends reaches the
 daemon, however it times its messages or its close, and no queue of its exists for libzmq to
 mishandle (see Note [A routing id claimed twice] in ``daemon.py``).

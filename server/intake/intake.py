@@ -9,7 +9,7 @@ turns; within a turn ZeroMQ hands it one message per connection in rotation, so 
 that floods gets one turn in each round, like any other.
 
 :class:`Intake` knows every open connection: the credentials of its process, read from its
-socket (:mod:`dalid.server.credentials`), and the requests of it that the daemon refused. A
+socket (:mod:`dalid.server.intake.credentials`), and the requests of it that the daemon refused. A
 connection that oversteps a limit is told so (``error`` ``resource_exhausted``, or
 ``not_welcomed`` for another user, whose message says the daemon closes the connection), its
 later messages are dropped unread, and ``CUT_GRACE_S`` later, once the error has left, the

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from dalid.protocol import ErrorCode
 
-from .errors import RequestRefused
+from ..errors import RequestRefused
 
 if TYPE_CHECKING:
-    from .runs import Executor, PendingBatch
+    from ..pipelines.runs import Executor, PendingBatch
 
 
 @dataclass

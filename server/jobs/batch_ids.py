@@ -13,7 +13,7 @@ import itertools
 
 from dalid.protocol import BATCH_IDS_PER_CONNECTION, ErrorCode
 
-from .errors import RequestRefused
+from ..errors import RequestRefused
 
 _bases = itertools.count(BATCH_IDS_PER_CONNECTION, BATCH_IDS_PER_CONNECTION)
 

@@ -50,14 +50,14 @@ from dalid.protocol import (
     process_running,
 )
 
+from ..errors import RequestRefused
+from ..outputs.outputs import JobOutputs
 from .admission import Admission, WaitingBatch
 from .batch_ids import BatchIds
-from .errors import RequestRefused
-from .outputs import JobOutputs
 from .rates import RateMeter
 
 if TYPE_CHECKING:
-    from .runs import Member, PendingBatch
+    from ..pipelines.runs import Member, PendingBatch
 
 log = logging.getLogger("dalid.server")
 

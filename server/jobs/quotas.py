@@ -2,7 +2,7 @@
 
 A job asks in its ``hello``; :func:`grant` answers with its :class:`Limits` or refuses with a
 message that says what the daemon can give. Output memory is reserved as the job's outputs need
-it, or at connect when the job asks for an amount (:mod:`dalid.server.reservations`).
+it, or at connect when the job asks for an amount (:mod:`dalid.server.jobs.reservations`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dalid.protocol import Hello, Limits
 
-from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
+from ..samples.imagesize import DEFAULT_MAX_IMAGE_PIXELS
 
 GiB = 1 << 30
 MiB = 1 << 20

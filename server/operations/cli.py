@@ -3,10 +3,10 @@ asks one to exit, ``dalid ping`` checks that one answers, ``dalid reload`` has o
 pipeline repository again.
 
 This module parses the command line and runs ``dalid serve``; the commands that ask a running
-daemon are in :mod:`dalid.server.control`. Options are defined once, in
-:mod:`dalid.server.config`. ``dalid serve`` runs each daemon as the child of a supervisor that
-restarts it when it crashes (:mod:`dalid.server.supervisor`); ``--no-supervisor`` runs the
-daemon in the command's own process.
+daemon are in :mod:`dalid.server.operations.control`. Options are defined once, in
+:mod:`dalid.server.operations.config`. ``dalid serve`` runs each daemon as the child of a
+supervisor that restarts it when it crashes (:mod:`dalid.server.operations.supervisor`);
+``--no-supervisor`` runs the daemon in the command's own process.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from dalid.protocol import (
     socket_path,
 )
 
+from ..handling.registration import Sharing
+from ..intake.daemon import Daemon, DaemonConfig, usable_cores
+from ..intake.heap import limit_malloc_arenas
+from ..jobs.quotas import Quotas
+from ..pipelines.operators import OperatorPolicy
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
-from .daemon import Daemon, DaemonConfig, usable_cores
 from .devices import DeviceListError, child_specs, parse_devices
-from .heap import limit_malloc_arenas
 from .lifeline import watch_supervisor
-from .operators import OperatorPolicy
-from .pipelines import Sharing
-from .quotas import Quotas
 from .status_view import legend
 from .supervisor import Supervisor
 

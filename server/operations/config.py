@@ -25,8 +25,8 @@ from typing import Any
 
 from dalid.protocol import parse_device
 
-from .heap import DEFAULT_ARENAS
-from .imagesize import DEFAULT_MAX_IMAGE_PIXELS
+from ..intake.heap import DEFAULT_ARENAS
+from ..samples.imagesize import DEFAULT_MAX_IMAGE_PIXELS
 
 CONFIG_ENV = "DALID_CONFIG"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

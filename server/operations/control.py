@@ -2,7 +2,7 @@
 ``dalid reload``, each over a :class:`DaemonLine` (requests that need no hello).
 
 Whoever can open the socket (mode 0600, its user) may send them. ``dalid status`` renders the
-report with :mod:`dalid.server.status_view`.
+report with :mod:`dalid.server.operations.status_view`.
 """
 
 from __future__ import annotations

@@ -43,10 +43,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ..intake.daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH
 from . import crash_report
 from .child_output import ChildOutput, last_lines
 from .crash_report import CrashReport
-from .daemon import EXIT_ALREADY_RUNNING, EXIT_NO_DEVICE, EXIT_UNSAFE_PATH
 from .lifeline import SUPERVISOR_ENV
 
 log = logging.getLogger("dalid.supervisor")

@@ -1,9 +1,9 @@
 """GPU outputs: CUDA IPC slabs, the job's copy stream and its interprocess events.
 
 A GPU daemon gives each job a :class:`CudaStore` beside its shared-memory one (the output
-stores of ``outputs.py``): its :class:`~dalid.server.pool.RegionPool` carves output regions from
-:class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors' copies of DALI's GPU
-outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
+stores of ``outputs.py``): its :class:`~dalid.server.outputs.pool.RegionPool` carves output regions
+from :class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors' copies of DALI's
+GPU outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
 real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
 Why one module of some 440 lines: the note below and the code that keeps it (slabs, the job's

@@ -1,6 +1,6 @@
 """The CUDA calls the daemon's GPU outputs make, and their implementation through CuPy.
 
-:class:`~dalid.server.cuda.CudaBackend` (and the staged outputs of ``cuda_staged.py``) make
+:class:`~dalid.server.outputs.cuda.CudaBackend` (and the staged outputs of ``cuda_staged.py``) make
 every call through a :class:`DeviceApi`; :class:`CupyApi` makes them on a device, and unit tests
 pass a fake one, so the bookkeeping of Note [GPU output lifetime] runs without a GPU. CuPy is
 imported only when a :class:`CupyApi` is made, so a CPU daemon never needs CUDA. The daemon

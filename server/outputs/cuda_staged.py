@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 
+from ..errors import RequestRefused
 from . import cuda_api
 from .cuda import CudaBackend, CudaStore, GpuOutputStore
 from .cuda_api import DeviceApi
-from .errors import RequestRefused
 from .outputs import ReleaseRefused, RunOutput
 from .pool import Region, RegionPool
 from .shm import SharedMemorySlab
 
 if TYPE_CHECKING:
-    from .jobs import Job
-    from .reservations import OutputMemory
+    from ..jobs.jobs import Job
+    from ..jobs.reservations import OutputMemory
 
 log = logging.getLogger("dalid.server")
 

@@ -3,9 +3,9 @@
 A job has one :class:`OutputStore` per kind of memory the daemon delivers outputs in: POSIX
 shared memory for CPU outputs (``shm.py``) and, on a GPU daemon, device memory exported through
 CUDA IPC for GPU outputs (``cuda.py``). A store carves regions out of slabs it creates and
-exports once (a :class:`~dalid.server.pool.RegionPool` over its slab backend), copies DALI outputs
-into them, and takes them back when the trainer releases them. :class:`JobOutputs` routes each
-output of a batch to the store that holds its kind of memory; the executor and the daemon core
+exports once (a :class:`~dalid.server.outputs.pool.RegionPool` over its slab backend), copies DALI
+outputs into them, and takes them back when the trainer releases them. :class:`JobOutputs` routes
+each output of a batch to the store that holds its kind of memory; the executor and the daemon core
 see only :class:`JobOutputs`, never a store's device.
 
 The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what CUDA adds in

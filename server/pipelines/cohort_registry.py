@@ -10,9 +10,9 @@ from collections.abc import Callable, Hashable
 
 from dalid.protocol import CohortStatus, ErrorCode, Limits
 
+from ..errors import RequestRefused
+from ..outputs.outputs import JobOutputs
 from .cohorts import Alive, Charge, Cohort, no_charge
-from .errors import RequestRefused
-from .outputs import JobOutputs
 from .runs import Member
 
 log = logging.getLogger("dalid.server")

@@ -9,8 +9,8 @@ same inputs meanwhile); one that matches an entry is served its outputs without 
 Note [Cohort outputs]
 ---------------------
 1. Where. A run of an entry writes its rows into the cohort's own shared-memory pool (one
-   :class:`~dalid.server.outputs.JobOutputs`, CPU only), whose slabs every member's trainer maps
-   by name like its own. Every member served the entry gets descriptors of the same regions,
+   :class:`~dalid.server.outputs.outputs.JobOutputs`, CPU only), whose slabs every member's trainer
+   maps by name like its own. Every member served the entry gets descriptors of the same regions,
    under region ids of its own (from ``COHORT_REGION_BASE`` up: a job's own ids count from 1),
    so a release names the member's lease, never another's.
 2. Leases. An entry's regions go back to the cohort's pool once no member holds a lease of them
@@ -88,9 +88,9 @@ from dalid.protocol import (
     OutputDescriptor,
 )
 
+from ..outputs.outputs import JobOutputs, OutputFailure, RunOutput
+from ..outputs.pool import PoolClosed, PoolFull
 from .cohort_matching import batch_digest, same_inputs
-from .outputs import JobOutputs, OutputFailure, RunOutput
-from .pool import PoolClosed, PoolFull
 from .run_planner import TRAINER_HOLDS
 
 if TYPE_CHECKING:

@@ -46,12 +46,12 @@ from dalid.protocol import (
     PipelineStatus,
 )
 
-from .badsamples import recover, summary
+from ..outputs.outputs import OutputFailure, RunOutput, Stream
+from ..outputs.pool import PoolClosed, PoolFull
+from ..samples.badsamples import recover, summary
+from ..samples.paths import unseen_file
 from .cohorts import resubmit
 from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
-from .outputs import OutputFailure, RunOutput, Stream
-from .paths import unseen_file
-from .pool import PoolClosed, PoolFull
 from .run_planner import TRAINER_HOLDS, RunPlanner
 from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run

@@ -1,6 +1,6 @@
 """Which waiting batches of a pipeline's members form its next run, in the fair scheduler's
 order, and how many of a job's batches the daemon holds at once (Note [A job's window]); the
-batches, members and runs themselves are in :mod:`dalid.server.runs`.
+batches, members and runs themselves are in :mod:`dalid.server.pipelines.runs`.
 
 Why one module of some 500 lines: the window decides which batch may run next, so it lives
 beside the choice it limits, in the one planner that several executors of a graph would share.
@@ -67,10 +67,10 @@ import numpy as np
 
 from dalid.protocol import BATCH_IDS_PER_CONNECTION, InputBatch
 
+from ..samples.badsamples import oversized_images
+from ..samples.packed import PackedSamples
+from ..samples.paths import PATH_DTYPE_NAMES, FilesUnseen, check_paths
 from . import wakes
-from .badsamples import oversized_images
-from .packed import PackedSamples
-from .paths import PATH_DTYPE_NAMES, FilesUnseen, check_paths
 from .runs import SENDERS_REMEMBERED, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 

@@ -19,8 +19,8 @@ from dalid.protocol import ErrorCode, OnError, RegisterPipeline
 from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
+from ..samples.paths import padded_paths
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
-from .paths import padded_paths
 from .sharing import batches_a_run, read_graph
 
 log = logging.getLogger("dalid.server")

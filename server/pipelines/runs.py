@@ -7,7 +7,8 @@ registered the same graph. Each submitted batch waits in its member's queue unti
 pipeline's executor puts it into a *run*: one call of the DALI pipeline on the samples of one
 or more batches, up to the pipeline's run size. After the run, each batch's rows of the outputs
 go to its own job's output memory, so quotas, releases, bad samples and a job's death stay the
-job's own. Which batches form a pipeline's next run is :mod:`dalid.server.run_planner`'s to say.
+job's own. Which batches form a pipeline's next run is :mod:`dalid.server.pipelines.run_planner`'s
+to say.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 
 from dalid.protocol import BatchFailed, BatchReady, OnError, OutputDescriptor, SubmitBatch
 
-from .outputs import JobOutputs, RunOutput
-from .packed import PackedSamples
+from ..outputs.outputs import JobOutputs, RunOutput
+from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:
     from .runner import PipelineSpec

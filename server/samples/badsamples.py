@@ -8,7 +8,7 @@ samples of n costs about 2k·log2(n/k) runs. A batch that fails while no sample 
 (a batch-level error) has no bad samples, and fails as before whatever the policy.
 
 Image samples that declare more than ``max_image_pixels`` pixels are bad before any run
-(:mod:`dalid.server.imagesize` says which samples are images).
+(:mod:`dalid.server.samples.imagesize` says which samples are images).
 
 The policy of the pipeline (:class:`dalid.protocol.OnError`) then decides: ``raise`` fails the
 batch naming the bad samples; ``skip`` runs the good samples alone; ``replace`` runs the batch
@@ -45,7 +45,7 @@ def oversized_images(
     """Positions of image samples that declare more than ``max_pixels`` pixels, with why.
 
     An image sample is a 1-D uint8 sample of any input but ``path_inputs`` whose bytes start
-    with a header :func:`~dalid.server.imagesize.image_size` reads. An input's samples share
+    with a header :func:`~dalid.server.samples.imagesize.image_size` reads. An input's samples share
     one dtype and rank, so an input of anything else is passed over whole. ``max_pixels`` 0
     checks nothing.
     """
