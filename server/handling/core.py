@@ -22,7 +22,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dalid.protocol import (
     BATCH_IDS_PER_CONNECTION,
@@ -60,7 +60,6 @@ from dalid.protocol import (
 )
 
 from ..errors import RequestRefused
-from ..intake.credentials import PeerCredentials
 from ..jobs.inputs import InputMemory
 from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import QuotaRefused, Quotas, grant
@@ -83,6 +82,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dalid.server")
 
+
+class PeerProcess(Protocol):
+    """What the core reads of a connection's credentials (``intake/credentials.py`` reads them
+    from the socket, a stage above): the pid of the process behind it, 0 where it cannot be seen
+    from the daemon's pid namespace."""
+
+    @property
+    def pid(self) -> int: ...
+
+
 Push = Callable[[bytes, Message, int | None], None]
 """push(peer, message, request_id): queues a message for a peer; safe from any thread."""
 
@@ -98,10 +107,10 @@ class DaemonCore:
     busy jobs by weight (:mod:`dalid.server.pipelines.scheduler`). ``device_uuid`` names a GPU
     daemon's GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
     ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
-    ``credentials(peer)`` gives the process behind a connection, as its socket tells
-    (:mod:`dalid.server.intake.credentials`): a job lives as long as that process does, whatever pid
-    the client claims; without them (no socket, or a process in a pid namespace the daemon
-    cannot see) a job lives as long as its connection.
+    ``credentials(peer)`` gives the process behind a connection, as its socket tells (the
+    daemon's loop reads them, :mod:`dalid.server.intake.credentials`): a job lives as long as
+    that process does, whatever pid the client claims; without them (no socket, or a process
+    in a pid namespace the daemon cannot see) a job lives as long as its connection.
     ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
     """
 
@@ -118,7 +127,7 @@ class DaemonCore:
         repository: PipelineRepository | None = None,
         sharing: Sharing = SHARING,
         streams: StreamFactory = no_streams,
-        credentials: Callable[[bytes], PeerCredentials | None] = lambda _: None,
+        credentials: Callable[[bytes], PeerProcess | None] = lambda _: None,
         paths: OutputPaths | None = None,
         operators: OperatorPolicy = ALLOW_LIST,
         recorder: FlightRecorder | None = None,

@@ -34,8 +34,8 @@ SPEC.md, "Outputs", rules 14 to 17, is the contract; the trainer keeps its half 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 
@@ -43,13 +43,9 @@ from ..errors import RequestRefused
 from . import cuda_api
 from .cuda import CudaBackend, CudaStore, GpuOutputStore
 from .cuda_api import DeviceApi
-from .outputs import ReleaseRefused, RunOutput
-from .pool import Region, RegionPool
+from .outputs import JobOutputs, ReleaseRefused, RunOutput
+from .pool import Growth, Region, RegionPool
 from .shm import SharedMemorySlab
-
-if TYPE_CHECKING:
-    from ..jobs.jobs import Job
-    from ..jobs.reservations import OutputMemory
 
 log = logging.getLogger("dalid.server")
 
@@ -203,6 +199,29 @@ class IpcProbe:
             self._api.free(ptr)
 
 
+class StagedJob(Protocol):
+    """What choosing a job's output path reads and changes of the job (``jobs/jobs.py``'s
+    ``Job``, in a stage above the outputs)."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def outputs(self) -> JobOutputs: ...
+    @property
+    def pipelines(self) -> Mapping[int, object]: ...
+
+
+class HostMemory(Protocol):
+    """The daemon's shared memory for outputs, that a staged pool grows within
+    (``jobs/reservations.py``'s ``OutputMemory``)."""
+
+    def growing(self, cap: int) -> Growth: ...
+
+
 class OutputPaths:
     """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, one
     of :data:`GPU_OUTPUT_MODES`), chosen for each job by its trainer's ``ipc_probe_result``.
@@ -234,7 +253,7 @@ class OutputPaths:
         """The probe's IPC handle, in hex, for every welcome ("" where there is none)."""
         return self._probe.handle if self._probe is not None else ""
 
-    def choose(self, job: Job, result: IpcProbeResult, host_memory: OutputMemory) -> OutputPath:
+    def choose(self, job: StagedJob, result: IpcProbeResult, host_memory: HostMemory) -> OutputPath:
         """The output path of ``job`` given its trainer's ``result``, put in place; a staged
         pool grows within ``host_memory`` (``reservations.py``). Raises RequestRefused where
         the mode refuses it, or once the job registered a pipeline."""
