@@ -121,7 +121,8 @@ def trace_daemon() -> None:
     from dalid.protocol import Message, transport
     from dalid.server.handling import core
     from dalid.server.intake import daemon, shared_socket
-    from dalid.server.pipelines import executor, run_planner, runner
+    from dalid.server.pipelines import runner
+    from dalid.server.runs import executor, run_planner
 
     decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
 

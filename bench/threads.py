@@ -207,9 +207,9 @@ def install() -> None:
     from dalid.server.intake.daemon import Daemon
     from dalid.server.intake.shared_socket import SharedSocket
     from dalid.server.outputs.outputs import JobOutputs
-    from dalid.server.pipelines.executor import PipelineExecutor
-    from dalid.server.pipelines.run_planner import RunPlanner
     from dalid.server.pipelines.runner import PipelineRunner
+    from dalid.server.runs.executor import PipelineExecutor
+    from dalid.server.runs.run_planner import RunPlanner
 
     loop = Daemon._loop
 

@@ -3,5 +3,6 @@
 pipeline here), ``registration.py`` registers pipelines, ``status.py`` answers status.
 
 Imported by ``intake/`` (the daemon's loop gives it each message) and by tests that drive a core
-in-process; it imports the stages below: ``jobs/``, ``pipelines/``, ``samples/``, ``outputs/``.
+in-process; it imports the stages below: ``jobs/``, ``runs/``, ``pipelines/``, ``samples/``,
+``outputs/``.
 """

@@ -35,9 +35,9 @@ from ..jobs.inputs import InputMemory, InputRefused
 from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import Quotas
 from ..outputs.outputs import JobOutputs, ReleaseRefused
-from ..pipelines.cohort_registry import Cohorts
-from ..pipelines.cohorts import COHORT_REGION_BASE, Outcome
-from ..pipelines.runs import PendingBatch
+from ..runs.cohort_registry import Cohorts
+from ..runs.cohorts import COHORT_REGION_BASE, Outcome
+from ..runs.runs import PendingBatch
 from .registration import PipelineBuilder, Push, check_batch, executor_for
 
 log = logging.getLogger("dalid.server")

@@ -67,12 +67,12 @@ from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
 from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
 from ..outputs.shm import SharedMemoryStore
-from ..pipelines.cohort_registry import Cohorts
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
 from ..pipelines.repository import PipelineRepository
-from ..pipelines.scheduler import FairScheduler
+from ..runs.cohort_registry import Cohorts
+from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
@@ -104,7 +104,7 @@ class DaemonCore:
 
     ``outputs`` makes each job's output stores (shared memory; on a GPU daemon, device memory
     too). ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between
-    busy jobs by weight (:mod:`dalid.server.pipelines.scheduler`). ``device_uuid`` names a GPU
+    busy jobs by weight (:mod:`dalid.server.runs.scheduler`). ``device_uuid`` names a GPU
     daemon's GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
     ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
     ``credentials(peer)`` gives the process behind a connection, as its socket tells (the

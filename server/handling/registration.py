@@ -43,15 +43,15 @@ from dalid.protocol import (
 from ..errors import RequestRefused
 from ..jobs.jobs import Job
 from ..outputs.outputs import StreamFactory, no_streams
-from ..pipelines.executor import PipelineExecutor
 from ..pipelines.flight import FlightRecorder, graph_key, refusal
-from ..pipelines.instances import MAX_INSTANCES, InstanceController
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
-from ..pipelines.runs import Answer, Member
-from ..pipelines.scheduler import FairScheduler
 from ..pipelines.sharing import UnreadablePipeline, read_graph
+from ..runs.executor import PipelineExecutor
+from ..runs.instances import MAX_INSTANCES, InstanceController
+from ..runs.runs import Answer, Member
+from ..runs.scheduler import FairScheduler
 
 log = logging.getLogger("dalid.server")
 

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from dalid.protocol import PROTOCOL_VERSION, JobStatus, StatusReport, device_label
 
-from ..pipelines.scheduler import ShareStats
+from ..runs.scheduler import ShareStats
 
 if TYPE_CHECKING:
     from ..jobs.jobs import Job
     from ..jobs.quotas import Quotas
     from ..jobs.reservations import OutputMemory
-    from ..pipelines.cohort_registry import Cohorts
-    from ..pipelines.scheduler import FairScheduler
+    from ..runs.cohort_registry import Cohorts
+    from ..runs.scheduler import FairScheduler
     from .registration import PipelineBuilder
 
 

@@ -73,10 +73,10 @@ from ..handling.registration import SHARING, Sharing
 from ..jobs.quotas import Quotas
 from ..outputs.outputs import OutputsFactory, StreamFactory, no_streams
 from ..outputs.shm import host_outputs
-from ..pipelines import wakes
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
+from ..runs import wakes
 from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
 from .gate import DOMAIN as GATE_DOMAIN

@@ -21,7 +21,7 @@ from dalid.protocol import ErrorCode
 from ..errors import RequestRefused
 
 if TYPE_CHECKING:
-    from ..pipelines.runs import Executor, PendingBatch
+    from ..runs.runs import Executor, PendingBatch
 
 
 @dataclass

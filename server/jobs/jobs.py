@@ -57,7 +57,7 @@ from .batch_ids import BatchIds
 from .rates import RateMeter
 
 if TYPE_CHECKING:
-    from ..pipelines.runs import Member, PendingBatch
+    from ..runs.runs import Member, PendingBatch
 
 log = logging.getLogger("dalid.server")
 

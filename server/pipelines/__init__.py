@@ -1,8 +1,8 @@
-"""Where a batch is run: the DALI pipelines (the runner, sharing of graphs between jobs, the
-operator allow-list, the repository of named pipelines), their executors and instances, the runs
-that mix batches of several jobs and their planning, cohorts of identical batches, the scheduler
-that picks whose batch runs next, and the flight recorder.
+"""What a pipeline is and whether it may run: its serialized graph and which registrations may
+share it (``sharing.py``), the operator allow-list, the repository of named pipelines and its
+reloads, the DALI runner that feeds a run and collects its outputs, and the flight recorder of
+what was running when a daemon died.
 
-Imported by ``jobs/`` and above; imports only ``samples/`` and ``outputs/`` (a run's outputs are
-written there), never a stage above it.
+Imported by ``runs/`` (an executor runs its pipeline's runner) and above; imports only
+``samples/`` (the runner pads a batch's file paths), never a stage above it.
 """

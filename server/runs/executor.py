@@ -48,15 +48,15 @@ from dalid.protocol import (
 
 from ..outputs.outputs import OutputFailure, RunOutput, Stream
 from ..outputs.pool import PoolClosed, PoolFull
+from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from ..pipelines.sharing import batches_a_run
 from ..samples.badsamples import recover, summary
 from ..samples.paths import unseen_file
 from .cohorts import resubmit
 from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .run_planner import TRAINER_HOLDS, RunPlanner
-from .runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
-from .sharing import batches_a_run
 
 log = logging.getLogger("dalid.server")
 

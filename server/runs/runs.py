@@ -7,7 +7,7 @@ registered the same graph. Each submitted batch waits in its member's queue unti
 pipeline's executor puts it into a *run*: one call of the DALI pipeline on the samples of one
 or more batches, up to the pipeline's run size. After the run, each batch's rows of the outputs
 go to its own job's output memory, so quotas, releases, bad samples and a job's death stay the
-job's own. Which batches form a pipeline's next run is :mod:`dalid.server.pipelines.run_planner`'s
+job's own. Which batches form a pipeline's next run is :mod:`dalid.server.runs.run_planner`'s
 to say.
 """
 
@@ -28,7 +28,7 @@ from ..outputs.outputs import JobOutputs, RunOutput
 from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:
-    from .runner import PipelineSpec
+    from ..pipelines.runner import PipelineSpec
 
 # After one of its batches had bad samples, a job's next batches of the pipeline run alone,
 # not mixed with other jobs' samples, so that another bad one costs no other job a rerun.

@@ -10,8 +10,8 @@ import numpy as np
 
 from dalid.protocol import InputBatch, SubmitBatch
 from dalid.server.jobs.admission import Admission
-from dalid.server.pipelines.executor import PipelineExecutor
-from dalid.server.pipelines.runs import PendingBatch
+from dalid.server.runs.executor import PipelineExecutor
+from dalid.server.runs.runs import PendingBatch
 
 
 class Executor:

@@ -34,8 +34,8 @@ from dalid.protocol import (
 from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.outputs.shm import host_outputs
-from dalid.server.pipelines.executor import PipelineExecutor
-from dalid.server.pipelines.instances import Change, InstanceController, Load
+from dalid.server.runs.executor import PipelineExecutor
+from dalid.server.runs.instances import Change, InstanceController, Load
 
 from ..daemons import wait_for
 from .test_core import doubling

@@ -10,9 +10,9 @@ import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
 from dalid.server.outputs.outputs import JobOutputs
-from dalid.server.pipelines.run_planner import RunPlanner
-from dalid.server.pipelines.runs import Member, PendingBatch, Run
-from dalid.server.pipelines.scheduler import ServiceClock
+from dalid.server.runs.run_planner import RunPlanner
+from dalid.server.runs.runs import Member, PendingBatch, Run
+from dalid.server.runs.scheduler import ServiceClock
 from dalid.server.samples.packed import PackedSamples
 from dalid.server.samples.paths import padded_paths
 

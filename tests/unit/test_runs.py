@@ -1,4 +1,4 @@
-"""RunPlanner (server/pipelines/run_planner.py): which batches of the jobs that share a pipeline
+"""RunPlanner (server/runs/run_planner.py): which batches of the jobs that share a pipeline
 form its next run, with the real fair scheduler; the same path in a daemon is in
 tests/integration/test_shared_pipelines.py."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
 from dalid.server.outputs.outputs import JobOutputs
-from dalid.server.pipelines.run_planner import RunPlanner
-from dalid.server.pipelines.runs import Member, PendingBatch
-from dalid.server.pipelines.scheduler import FairScheduler, ServiceClock
+from dalid.server.runs.run_planner import RunPlanner
+from dalid.server.runs.runs import Member, PendingBatch
+from dalid.server.runs.scheduler import FairScheduler, ServiceClock
 
 BATCH = 4
 
