@@ -119,7 +119,10 @@ def _op(*args: Any, **_: Any) -> str:
 def trace_daemon() -> None:
     """Stamps in the daemon process: its I/O thread and its executors."""
     from dalid.protocol import Message, transport
-    from dalid.server import core, daemon, executor, run_planner, runner, shared_socket
+    from dalid.server.handling import core
+    from dalid.server.intake import daemon, shared_socket
+    from dalid.server.pipelines import runner
+    from dalid.server.runs import executor, run_planner
 
     decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
 
@@ -183,7 +186,7 @@ def serve(argv: Sequence[str]) -> int:
     trace_daemon()
     path = Path(os.environ[TRACE_ENV])
     atexit.register(lambda: path.write_text(json.dumps(EVENTS)))
-    from dalid.server.cli import main
+    from dalid.server.operations.cli import main
 
     return main(list(argv))
 

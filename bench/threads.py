@@ -202,14 +202,14 @@ TOTALS = _Totals()
 
 def install() -> None:
     """Wraps the daemon's thread functions in place (before the daemon starts)."""
-    from dalid.server import daemon as daemon_module
-    from dalid.server.core import DaemonCore
-    from dalid.server.daemon import Daemon
-    from dalid.server.executor import PipelineExecutor
-    from dalid.server.outputs import JobOutputs
-    from dalid.server.run_planner import RunPlanner
-    from dalid.server.runner import PipelineRunner
-    from dalid.server.shared_socket import SharedSocket
+    from dalid.server.handling.core import DaemonCore
+    from dalid.server.intake import daemon as daemon_module
+    from dalid.server.intake.daemon import Daemon
+    from dalid.server.intake.shared_socket import SharedSocket
+    from dalid.server.outputs.outputs import JobOutputs
+    from dalid.server.pipelines.runner import PipelineRunner
+    from dalid.server.runs.executor import PipelineExecutor
+    from dalid.server.runs.run_planner import RunPlanner
 
     loop = Daemon._loop
 
@@ -393,7 +393,7 @@ def serve(argv: Sequence[str]) -> int:
             out.write(json.dumps(TOTALS.snapshot()) + "\n")
 
     atexit.register(last)
-    from dalid.server.cli import main
+    from dalid.server.operations.cli import main
 
     return main(["serve", *argv])
 

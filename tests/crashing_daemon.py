@@ -4,7 +4,7 @@
 
 The daemon is the real one but for one thing: once a run of a pipeline named CRASHER has been
 handed to DALI, the process kills itself with SIGSEGV, while the run is in flight. Used by the
-crash-attribution test (server/flight.py).
+crash-attribution test (server/pipelines/flight.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ CRASHER = "crasher"
 
 
 def serve(argv: list[str]) -> int:
-    from dalid.server import runner
-    from dalid.server.cli import main
+    from dalid.server.operations.cli import main
+    from dalid.server.pipelines import runner
 
     schedule = runner.PipelineRunner.schedule
 

@@ -1,14 +1,14 @@
 """Serialized DALI graphs edited as an attacker would: a protocol buffer writer for DALI's
-``PipelineDef`` (its reader is ``dalid.server.sharing``), and a seeded generator of hostile
-graphs for fuzzing the daemon's graph checker."""
+``PipelineDef`` (its reader is ``dalid.server.pipelines.sharing``), and a seeded generator of
+hostile graphs for fuzzing the daemon's graph checker."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
 
-from dalid.server.operators import ALLOWED, EXCLUDED
-from dalid.server.sharing import fields
+from dalid.server.pipelines.operators import ALLOWED, EXCLUDED
+from dalid.server.pipelines.sharing import fields
 
 # PipelineDef: op = 5; OpDef: name = 1, input = 2, output = 3, arg = 4; Argument: name = 1,
 # type = 2, f = 3, i = 4, s = 5, b = 6, extra_args = 7, is_vector = 8.

@@ -1,7 +1,7 @@
 """A daemon core served inside the test process, for unit tests of the client's logic.
 
-The one place that builds a :class:`dalid.server.core.DaemonCore` for the client's tests (how
-a core is made is the server's business): :class:`ServedCore` serves one on a socket path
+The one place that builds a :class:`dalid.server.handling.core.DaemonCore` for the client's tests
+(how a core is made is the server's business): :class:`ServedCore` serves one on a socket path
 through :class:`dalid.client.link.inproc.InprocDaemon`, so that a session, its proxies and their
 workers in this process (``num_workers=0``) reach it by in-process links, and ``restart()``
 replaces it with a new core, as a daemon restart does. Nothing listens on the path itself.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from dalid.client.link.inproc import InprocDaemon
 from dalid.protocol import JobStatus, Message, Welcome
-from dalid.server.core import DaemonCore
-from dalid.server.quotas import Quotas
-from dalid.server.shm import host_outputs
+from dalid.server.handling.core import DaemonCore
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.shm import host_outputs
 
 
 class ServedCore:

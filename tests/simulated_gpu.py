@@ -3,9 +3,9 @@ one: a real daemon process, real sockets and real shared memory, with only the C
 simulated, on both sides.
 
 - The daemon (``python -m tests.simulated_gpu serve ...``, the arguments of ``dalid serve``):
-  its CUDA calls (``dalid.server.cuda_api.CupyApi``) are :class:`SimulatedApi`, whose "device
-  memory" is shared-memory segments (``dalid-<pid>-simgpu-<n>``, so the leak checks see them)
-  and whose IPC handles are their names; copies are ``memmove``, and streams and events are
+  its CUDA calls (``dalid.server.outputs.cuda_api.CupyApi``) are :class:`SimulatedApi`, whose
+  "device memory" is shared-memory segments (``dalid-<pid>-simgpu-<n>``, so the leak checks see
+  them) and whose IPC handles are their names; copies are ``memmove``, and streams and events are
   numbers, since every copy is done when it returns. Its GPU is :data:`SIMULATED_UUID`. DALI
   cannot make GPU tensors without a GPU, so pipelines run on the CPU and the first output of
   each run stands for a GPU output (as in ``helpers.gpu_pipeline`` on a real GPU, whose first
@@ -160,12 +160,12 @@ class TensorListGPU:
 
 def _simulate_daemon() -> None:
     """Puts the simulated GPU in the daemon's place of CUDA (see the module)."""
-    import dalid.server.cuda_api
-    import dalid.server.daemon
-    from dalid.server.runner import PipelineRunner
+    import dalid.server.intake.daemon
+    import dalid.server.outputs.cuda_api
+    from dalid.server.pipelines.runner import PipelineRunner
 
-    dalid.server.cuda_api.CupyApi = SimulatedApi  # type: ignore[misc,assignment]
-    dalid.server.daemon.gpu_uuid = lambda ordinal: SIMULATED_UUID  # type: ignore[attr-defined]
+    dalid.server.outputs.cuda_api.CupyApi = SimulatedApi  # type: ignore[misc,assignment]
+    dalid.server.intake.daemon.gpu_uuid = lambda ordinal: SIMULATED_UUID  # type: ignore[attr-defined]
     build, collect = PipelineRunner.__init__, PipelineRunner.collect
 
     def cpu_build(self: PipelineRunner, spec: Any, _device: Any, *args: Any, **kw: Any) -> None:
@@ -182,7 +182,7 @@ def _simulate_daemon() -> None:
 def serve(argv: Sequence[str]) -> int:
     """``dalid serve`` on the simulated GPU."""
     _simulate_daemon()
-    from dalid.server.cli import main
+    from dalid.server.operations.cli import main
 
     return main(list(argv))
 

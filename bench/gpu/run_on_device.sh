@@ -118,7 +118,7 @@ if torch.cuda.is_available():
     from dalid.protocol import gpu_uuid
     print("uuid", gpu_uuid(0))
     # What the daemon's instance controller reads of the GPU (None: NVML not found).
-    from dalid.server.instances import GpuMeter
+    from dalid.server.runs.instances import GpuMeter
     meter = GpuMeter(0)
     print("nvml", meter.available, "utilisation", meter.read())
 PY

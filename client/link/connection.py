@@ -96,7 +96,7 @@ def process_context() -> zmq.Context[Any]:
 
 
 def stop_notice(envelope: Envelope) -> DaemonStopped | None:
-    """The error for a daemon's notice that it was stopped (see dalid.server.farewell)."""
+    """The error for a daemon's notice that it was stopped (see dalid.server.intake.farewell)."""
     message = envelope.message
     if (
         envelope.request_id is None

@@ -7,7 +7,7 @@ are: ``dalid.protocol.file_inputs``, as the daemon decides it) is made absolute 
 the trainer's working directory (its directory when the proxy was made, carried to the
 DataLoader workers in the pickled proxy), and the samples whose file this process cannot read
 are named in the submission (``SubmitBatch.unreadable``). The daemon then tells a missing file
-(a bad sample) from a file it cannot see (``dalid.server.paths``).
+(a bad sample) from a file it cannot see (``dalid.server.samples.paths``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import threading
 import traceback
 
 import dalid.client as dalid
-from dalid.server.quotas import Quotas
+from dalid.server.jobs.quotas import Quotas
 
 from .test_bad_samples import BAD, ImageDataset, decode_pipeline, photo_tiles
 

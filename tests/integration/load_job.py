@@ -32,8 +32,8 @@ SIDE = 96
 
 def heavy_pipeline(batch: int, window: int = 15) -> Pipeline:
     # The daemon holds a job's prefetch_queue_depth batches and the one its trainer holds at
-    # once (Note [A job's window] in dalid.server.run_planner): a deep prefetch keeps a job
-    # whose batches are cheap busy while another job's long runs hold the daemon's one slot.
+    # once (Note [A job's window] in dalid.server.runs.run_planner): a deep prefetch keeps a
+    # job whose batches are cheap busy while another job's long runs hold the daemon's one slot.
     @pipeline_def(batch_size=batch, num_threads=1, device_id=None, seed=5, prefetch_queue_depth=4)
     def blur() -> tuple[DataNode, DataNode]:
         data = fn.external_source(name="data", no_copy=True, layout="HWC")

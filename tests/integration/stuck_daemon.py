@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from dalid.server import cli
-from dalid.server.daemon import Daemon
-from dalid.server.pool import PAGE
-from dalid.server.shm import SharedMemorySlab
-from dalid.server.supervisor import ChildSpec, Supervisor
+from dalid.server.intake.daemon import Daemon
+from dalid.server.operations import cli
+from dalid.server.operations.supervisor import ChildSpec, Supervisor
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import SharedMemorySlab
 
 
 def _stuck_loop(self: Daemon) -> None:

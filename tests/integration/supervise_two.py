@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dalid.server.supervisor import ChildSpec, Supervisor
+from dalid.server.operations.supervisor import ChildSpec, Supervisor
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """GPU outputs without CUDA IPC, for real: a daemon on GPU 0 that stages them, trainers that
 upload them on their own streams, the IPC probe on a real device, and a trainer in another PID
-namespace. See Note [Staged GPU outputs] in server/cuda_staged.py.
+namespace. See Note [Staged GPU outputs] in server/outputs/cuda_staged.py.
 
 Skipped without CUDA; tests/integration/test_staged.py runs the same paths on a simulated GPU.
 """

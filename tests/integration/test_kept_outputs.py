@@ -1,5 +1,5 @@
 """A loop that keeps every output, as validation loops do: it never hangs (Note [Private
-copies] in dalid.server.copies).
+copies] in dalid.server.outputs.copies).
 
 With DALI's proxy each step's tensors are new, so keeping them all only costs memory. Through
 dalid they view the job's output memory: once the trainer holds it all, later batches come as

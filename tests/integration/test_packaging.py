@@ -24,12 +24,20 @@ def test_a_wheel_install_imports_every_package(tmp_path: Path) -> None:
     # The metadata is of the current form: setuptools warns of nothing (a license as a TOML
     # table, say), and the license is an SPDX expression.
     assert "deprecated" not in build.stdout + build.stderr, build.stdout + build.stderr
+    # Every folder of a package is listed as a package itself (setuptools would ship one left
+    # out as data, with a warning).
+    assert "absent from the `packages` configuration" not in build.stderr, build.stderr
     (wheel,) = (tmp_path / "dist").glob("dalid-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     (metadata,) = (name for name in names if name.endswith(".dist-info/METADATA"))
     assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
     for package in ("protocol", "server", "client"):
         assert f"dalid/{package}/__init__.py" in names
+        # Every module of its folders too.
+        modules = {
+            f"dalid/{p.relative_to(ROOT).as_posix()}" for p in (ROOT / package).rglob("*.py")
+        }
+        assert modules - set(names) == set()
     assert "dalid/protocol/SPEC.md" in names
     assert not any(name.startswith(("tests/", "bench/", "dalid/tests")) for name in names)
 

@@ -188,7 +188,8 @@ def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_
     daemon = subprocess.Popen([*serve, "--no-supervisor"], stderr=subprocess.PIPE, text=True)
     try:
         wait_until_answering(runtime / "cpu.sock", daemon)  # type: ignore[arg-type]
-        # The socket, its lock, and what the pipelines run (crash attribution, server/flight.py).
+        # The socket, its lock, and what the pipelines run (crash attribution,
+        # server/pipelines/flight.py).
         assert {p.name for p in runtime.iterdir()} == {
             "cpu.sock",
             "cpu.sock.lock",

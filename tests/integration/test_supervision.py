@@ -16,8 +16,8 @@ import torch
 
 import dalid.client as dalid
 from dalid.protocol import slabs
-from dalid.server import crash_report
-from dalid.server.lifeline import ORPHAN_GRACE_S
+from dalid.server.operations import crash_report
+from dalid.server.operations.lifeline import ORPHAN_GRACE_S
 
 from ..daemons import ROOT, alive, descendants, ping_pid, start_daemon, wait_for
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline

@@ -1,5 +1,5 @@
-"""A job's window (Note [A job's window] in dalid.server.run_planner): the daemon holds a few
-batches of a job at once, runs the one the trainer names first, and its output memory stays the
+"""A job's window (Note [A job's window] in dalid.server.runs.run_planner): the daemon holds a
+few batches of a job at once, runs the one the trainer names first, and its output memory stays the
 size of those few batches, with no private copies, whatever order the batches arrive in."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 import dalid.client as dalid
 from dalid.protocol import ErrorCode, WantBatch
-from dalid.server.run_planner import TRAINER_HOLDS
+from dalid.server.runs.run_planner import TRAINER_HOLDS
 
 from ..daemons import DaemonProcess, start_daemon, wait_for
 from .helpers import BATCH, run_in_process, two_output_pipeline

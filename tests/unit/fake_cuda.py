@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from dalid.server.pool import PAGE
+from dalid.server.outputs.pool import PAGE
 
 DEVICE_UUID = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 

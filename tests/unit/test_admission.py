@@ -1,4 +1,4 @@
-"""A job's in-flight limit (dalid.server.admission): batches over it wait, in arrival order,
+"""A job's in-flight limit (dalid.server.jobs.admission): batches over it wait, in arrival order,
 except the one the trainer waits for, which passes it by one. The real path, a trainer that
 waits for a batch held back by the limit, is in tests/integration/test_window.py."""
 
@@ -9,9 +9,9 @@ from typing import Any, cast
 import numpy as np
 
 from dalid.protocol import InputBatch, SubmitBatch
-from dalid.server.admission import Admission
-from dalid.server.executor import PipelineExecutor
-from dalid.server.runs import PendingBatch
+from dalid.server.jobs.admission import Admission
+from dalid.server.runs.executor import PipelineExecutor
+from dalid.server.runs.runs import PendingBatch
 
 
 class Executor:

@@ -12,7 +12,14 @@ import pytest
 from PIL import Image
 
 from dalid.protocol import BadSample, OnError
-from dalid.server.badsamples import dali_message, find_bad, oversized_images, plan, select, summary
+from dalid.server.samples.badsamples import (
+    dali_message,
+    find_bad,
+    oversized_images,
+    plan,
+    select,
+    summary,
+)
 
 
 class Batch:

@@ -12,8 +12,8 @@ from dataclasses import asdict
 import pytest
 
 from bench.memory import MemorySample, MemorySampler, memory_metrics, process_memory, shm_mib
-from dalid.server.pool import PAGE
-from dalid.server.shm import SharedMemorySlab
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import SharedMemorySlab
 
 MIB = 1024 * 1024
 
@@ -62,7 +62,7 @@ def test_shm_counts_the_pages_a_daemons_segments_hold() -> None:
     size = 64 * PAGE
     record = PAGE / MIB  # the page of the segment's record (see dalid.protocol.slabs)
     with SharedMemorySlab(f"dalid-{os.getpid()}-bench-test", size) as slab:
-        # Reserved when made (posix_fallocate, dalid.server.shm.reserve): every page is held
+        # Reserved when made (posix_fallocate, dalid.server.outputs.shm.reserve): every page is held
         # before anything is written, and writing takes no more.
         assert shm_mib(os.getpid()) == pytest.approx(size / MIB + record)
         slab.view(0, size // 2)[:] = 1

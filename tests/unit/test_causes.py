@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dalid.server.causes import bytes_cause, explain
+from dalid.server.samples.causes import bytes_cause, explain
 
 
 def _encoded(fmt: str) -> bytes:

@@ -1,4 +1,4 @@
-"""A cohort's matching and leases (server/cohorts.py): which batches match, who gets which
+"""A cohort's matching and leases (server/runs/cohorts.py): which batches match, who gets which
 regions, when a region goes back to the cohort's pool, the window for trailing members, and
 what a member's departure hands on.
 
@@ -20,15 +20,15 @@ import pytest
 from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import BatchFailed, BatchReady, InputBatch, Limits, OnError, SubmitBatch
-from dalid.server.cohort_matching import batch_digest, same_inputs
-from dalid.server.cohort_registry import Cohorts
-from dalid.server.cohorts import COHORT_REGION_BASE, Cohort, Outcome
 from dalid.server.errors import RequestRefused
-from dalid.server.inputs import InputMemory
-from dalid.server.outputs import JobOutputs, RunOutput
-from dalid.server.pool import PAGE
-from dalid.server.runs import Member, PendingBatch
-from dalid.server.shm import host_outputs
+from dalid.server.jobs.inputs import InputMemory
+from dalid.server.outputs.outputs import JobOutputs, RunOutput
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import host_outputs
+from dalid.server.runs.cohort_matching import batch_digest, same_inputs
+from dalid.server.runs.cohort_registry import Cohorts
+from dalid.server.runs.cohorts import COHORT_REGION_BASE, Cohort, Outcome
+from dalid.server.runs.runs import Member, PendingBatch
 
 LIMITS = Limits(
     max_batch_size=64, max_message_bytes=1 << 20, pool_bytes=64 * PAGE, slab_bytes=16 * PAGE

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from dalid.protocol import RUNTIME_DIR_ENV, SOCKET_ENV
-from dalid.server.cli import build_parser
-from dalid.server.config import (
+from dalid.server.intake.daemon import DaemonConfig
+from dalid.server.operations.cli import build_parser
+from dalid.server.operations.config import (
     CONFIG_ENV,
     OPTIONS,
     OPTIONS_BY_NAME,
@@ -19,7 +20,6 @@ from dalid.server.config import (
     read_toml,
     resolve,
 )
-from dalid.server.daemon import DaemonConfig
 
 
 def _serve(*argv: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def test_a_bad_config_file_stops_serve_with_a_message(tmp_path: Path) -> None:
 
 
 def test_a_supervised_child_gets_every_option_the_supervisor_resolved(tmp_path: Path) -> None:
-    from dalid.server.cli import PER_CHILD, _child_options
+    from dalid.server.operations.cli import PER_CHILD, _child_options
 
     config = _toml(tmp_path, 'memory_limit = "3G"\nmax_jobs = 5\n')
     settings = _serve(

@@ -37,11 +37,11 @@ from dalid.protocol import (
     Welcome,
     WorkerLeft,
 )
-from dalid.server.core import DaemonCore, job_label
-from dalid.server.credentials import PeerCredentials
-from dalid.server.flight import FlightRecorder
-from dalid.server.quotas import Quotas
-from dalid.server.shm import host_outputs
+from dalid.server.handling.core import DaemonCore, job_label
+from dalid.server.intake.credentials import PeerCredentials
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.shm import host_outputs
+from dalid.server.pipelines.flight import FlightRecorder
 
 from ..dali_typing import pipeline_def
 

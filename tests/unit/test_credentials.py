@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-from dalid.server.credentials import PeerCredentials, read_peer, shut_down
+from dalid.server.intake.credentials import PeerCredentials, read_peer, shut_down
 
 
 def test_the_peer_of_a_socket_is_the_process_that_connected_it() -> None:

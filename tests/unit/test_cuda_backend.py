@@ -1,4 +1,4 @@
-"""The daemon's GPU memory bookkeeping (server/cuda.py) on a fake CUDA API: no GPU needed.
+"""The daemon's GPU memory bookkeeping (server/outputs/cuda.py) on a fake CUDA API: no GPU needed.
 
 What runs on a real GPU (CupyApi, the copies, IPC between processes) is in
 tests/integration/test_gpu.py. Here: when slabs are freed, how events are reused, and how the
@@ -26,12 +26,18 @@ from dalid.protocol import (
     Role,
     Welcome,
 )
-from dalid.server.core import DaemonCore
-from dalid.server.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab, CudaStore, device_outputs
-from dalid.server.jobs import Job
-from dalid.server.pool import PAGE, RegionPool
-from dalid.server.quotas import Quotas
-from dalid.server.shm import host_outputs
+from dalid.server.handling.core import DaemonCore
+from dalid.server.jobs.jobs import Job
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.cuda import (
+    MAX_PEER_EVENTS,
+    CudaBackend,
+    CudaSlab,
+    CudaStore,
+    device_outputs,
+)
+from dalid.server.outputs.pool import PAGE, RegionPool
+from dalid.server.outputs.shm import host_outputs
 
 from .fake_cuda import DEVICE_UUID, FakeApi
 

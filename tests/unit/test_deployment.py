@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from dalid.client.link.placement import default_daemon
-from dalid.server.cli import build_parser
-from dalid.server.config import OPTIONS, resolve
+from dalid.server.operations.cli import build_parser
+from dalid.server.operations.config import OPTIONS, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dalid.server.cli import build_parser
-from dalid.server.config import OPTIONS
-from dalid.server.status_view import COLUMNS
+from dalid.server.operations.cli import build_parser
+from dalid.server.operations.config import OPTIONS
+from dalid.server.operations.status_view import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -31,11 +31,11 @@ from dalid.protocol import (
     SubmitBatch,
     Welcome,
 )
-from dalid.server.core import DaemonCore
-from dalid.server.executor import PipelineExecutor
-from dalid.server.instances import Change, InstanceController, Load
-from dalid.server.quotas import Quotas
-from dalid.server.shm import host_outputs
+from dalid.server.handling.core import DaemonCore
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.shm import host_outputs
+from dalid.server.runs.executor import PipelineExecutor
+from dalid.server.runs.instances import Change, InstanceController, Load
 
 from ..daemons import wait_for
 from .test_core import doubling

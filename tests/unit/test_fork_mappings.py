@@ -15,8 +15,8 @@ import torch
 
 from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, slabs
-from dalid.server.pool import PAGE
-from dalid.server.shm import SharedMemorySlab
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import SharedMemorySlab
 
 SIZE = 64 << 20  # a slab's default size: sparse until written
 

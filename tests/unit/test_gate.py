@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from dalid.server.gate import DOMAIN, Gate
+from dalid.server.intake.gate import DOMAIN, Gate
 
 
 def test_the_gate_admits_served_users_only_and_fails_closed() -> None:

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from dalid.server.heap import limit_malloc_arenas
+from dalid.server.intake.heap import limit_malloc_arenas
 
 # Counts the arenas glibc made after four threads each allocated, with or without the limit.
 # Each new thread that allocates gets an arena of its own until the limit is reached.
 PROBE = """
 import ctypes, ctypes.util, os, sys, tempfile, threading
-from dalid.server.heap import limit_malloc_arenas
+from dalid.server.intake.heap import limit_malloc_arenas
 if sys.argv[1] != "0":
     assert limit_malloc_arenas(int(sys.argv[1]))
 libc = ctypes.CDLL(ctypes.util.find_library("c"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from dalid.server.imagesize import DEFAULT_MAX_IMAGE_PIXELS, image_size, pixels
+from dalid.server.samples.imagesize import DEFAULT_MAX_IMAGE_PIXELS, image_size, pixels
 
 SIZE = (37, 23)  # width, height: odd and different, so a swap shows
 

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from dalid.server.inputs import InputMemory, InputRefused
+from dalid.server.jobs.inputs import InputMemory, InputRefused
 
 
 class Batch:

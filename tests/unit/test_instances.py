@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dalid.server.instances import Change, CpuMeter, GpuMeter, InstanceController, Load
+from dalid.server.runs.instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 
 PERIOD = 5.0
 SETTLE = 2.0

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from dalid.protocol import Error, ErrorCode
-from dalid.server.credentials import PeerCredentials, parse_peer_address
-from dalid.server.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
+from dalid.server.intake.credentials import PeerCredentials, parse_peer_address
+from dalid.server.intake.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
 
 
 class Clock:

@@ -11,8 +11,14 @@ import pytest
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
-from dalid.server.operators import ALLOW_LIST, ALLOWED, EXCLUDED, OperatorPolicy, OperatorRefused
-from dalid.server.sharing import UnreadablePipeline, read_graph
+from dalid.server.pipelines.operators import (
+    ALLOW_LIST,
+    ALLOWED,
+    EXCLUDED,
+    OperatorPolicy,
+    OperatorRefused,
+)
+from dalid.server.pipelines.sharing import UnreadablePipeline, read_graph
 
 from ..dali_typing import pipeline_def
 from ..graphs import hostile_graph, int_argument, operator_names, renamed
@@ -101,7 +107,7 @@ def test_a_thousand_hostile_graphs_are_each_accepted_or_refused_never_more() -> 
 def test_outputs_larger_than_a_job_could_hold_are_refused_by_their_arguments() -> None:
     from nvidia.dali.pipeline import pipeline_def as untyped_pipeline_def
 
-    from dalid.server.operators import check_sizes
+    from dalid.server.pipelines.operators import check_sizes
 
     def checked(batch: int = 8, **arguments: Any) -> None:
         @untyped_pipeline_def(batch_size=8, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]

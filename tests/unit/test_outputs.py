@@ -1,5 +1,5 @@
-"""A job's output stores (server/outputs.py): which store takes each output of a batch, what its
-descriptors say, and the order of a GPU batch's copies, host waits and event.
+"""A job's output stores (server/outputs/outputs.py): which store takes each output of a batch,
+what its descriptors say, and the order of a GPU batch's copies, host waits and event.
 
 CPU outputs are real DALI tensors copied into real shared memory; GPU outputs run on the fake
 CUDA layer (the same path on a real GPU is in tests/integration/test_gpu.py).
@@ -17,10 +17,10 @@ from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import ErrorCode, Limits
 from dalid.protocol.slabs import SHM_DIR
-from dalid.server.cuda import device_outputs
-from dalid.server.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
-from dalid.server.pool import PAGE
-from dalid.server.shm import host_outputs
+from dalid.server.outputs.cuda import device_outputs
+from dalid.server.outputs.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import host_outputs
 
 from .fake_cuda import FakeApi
 

@@ -1,5 +1,5 @@
-"""Paths of several lengths left packed in their frame (server/packed.py): the same samples as
-their views, one run of several batches, and the same padded array DALI is fed."""
+"""Paths of several lengths left packed in their frame (server/samples/packed.py): the same samples
+as their views, one run of several batches, and the same padded array DALI is fed."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
-from dalid.server.outputs import JobOutputs
-from dalid.server.packed import PackedSamples
-from dalid.server.paths import padded_paths
-from dalid.server.run_planner import RunPlanner
-from dalid.server.runs import Member, PendingBatch, Run
-from dalid.server.scheduler import ServiceClock
+from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.runs.run_planner import RunPlanner
+from dalid.server.runs.runs import Member, PendingBatch, Run
+from dalid.server.runs.scheduler import ServiceClock
+from dalid.server.samples.packed import PackedSamples
+from dalid.server.samples.paths import padded_paths
 
 PATHS = [b"/data/a/1.jpg", b"/data/bbb/22.jpg", b"/e.jpg", b"/data/a/333.jpg"]
 

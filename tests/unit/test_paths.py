@@ -14,7 +14,7 @@ from nvidia.dali.data_node import DataNode
 from dalid.client.worker.paths import resolve_paths
 from dalid.protocol import InputBatch
 from dalid.protocol.file_inputs import path_inputs
-from dalid.server.paths import (
+from dalid.server.samples.paths import (
     DirectoryChecks,
     FilesUnseen,
     check_paths,

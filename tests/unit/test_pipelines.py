@@ -10,7 +10,7 @@ from nvidia.dali.pipeline import Pipeline
 
 from dalid.client.pipelines import registration_request, serialize
 from dalid.protocol import RegisterPipeline
-from dalid.server.sharing import read_graph
+from dalid.server.pipelines.sharing import read_graph
 
 from ..dali_typing import pipeline_def
 

@@ -21,7 +21,9 @@ import torch
 from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import OutputDescriptor, ReleaseRegions, slabs
 from dalid.protocol.slabs import SHM_DIR
-from dalid.server.pool import (
+from dalid.server.jobs.quotas import QuotaRefused
+from dalid.server.jobs.reservations import OutputMemory
+from dalid.server.outputs.pool import (
     ALIGNMENT,
     GROWTH_REGIONS,
     IDLE_SLAB_S,
@@ -33,9 +35,7 @@ from dalid.server.pool import (
     RegionPool,
     Slab,
 )
-from dalid.server.quotas import QuotaRefused
-from dalid.server.reservations import OutputMemory
-from dalid.server.shm import SharedMemoryBackend, SharedMemorySlab
+from dalid.server.outputs.shm import SharedMemoryBackend, SharedMemorySlab
 
 # How long a test waits for something that should happen at once (a thread waking up).
 PROMPT_S = 5.0
@@ -677,7 +677,7 @@ def test_close_without_unmap_unlinks_but_keeps_memory_writable(
 
 
 def test_a_pool_held_full_gives_up_after_the_wait_then_at_once(make_pool: PoolFactory) -> None:
-    # Note [Private copies] in dalid.server.copies: the caller then delivers a copy.
+    # Note [Private copies] in dalid.server.outputs.copies: the caller then delivers a copy.
     pool = make_pool(limit_pages=1)
     held = pool.allocate([PAGE])
     started = time.monotonic()

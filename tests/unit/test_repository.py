@@ -17,10 +17,10 @@ from dalid.protocol import (
     RepositoryFailure,
     RepositoryReport,
 )
-from dalid.server.core import DaemonCore
-from dalid.server.quotas import Quotas
-from dalid.server.repository import PipelineRepository, RepositoryUnavailable
-from dalid.server.shm import host_outputs
+from dalid.server.handling.core import DaemonCore
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.shm import host_outputs
+from dalid.server.pipelines.repository import PipelineRepository, RepositoryUnavailable
 
 PIPELINE = """
 from nvidia.dali import fn, pipeline_def

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dalid.protocol.ownership import UnsafePath
-from dalid.server.repository import PipelineRepository, RepositoryUnavailable
+from dalid.server.pipelines.repository import PipelineRepository, RepositoryUnavailable
 from tests.impostor import OTHER_UID, needs_root
 
 PIPELINE = """

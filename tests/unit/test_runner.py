@@ -11,15 +11,15 @@ import pytest
 from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline, SubmitBatch, decode, encode
-from dalid.server.packed import PackedSamples
-from dalid.server.paths import padded_paths
-from dalid.server.runner import (
+from dalid.server.pipelines.runner import (
     PipelineBuildError,
     PipelineRunner,
     PipelineSpec,
     feedable,
 )
-from dalid.server.sharing import batches_a_run
+from dalid.server.pipelines.sharing import batches_a_run
+from dalid.server.samples.packed import PackedSamples
+from dalid.server.samples.paths import padded_paths
 
 from ..dali_typing import pipeline_def
 

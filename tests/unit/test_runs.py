@@ -1,5 +1,5 @@
-"""RunPlanner (server/run_planner.py): which batches of the jobs that share a pipeline form its next
-run, with the real fair scheduler; the same path in a daemon is in
+"""RunPlanner (server/runs/run_planner.py): which batches of the jobs that share a pipeline
+form its next run, with the real fair scheduler; the same path in a daemon is in
 tests/integration/test_shared_pipelines.py."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
-from dalid.server.outputs import JobOutputs
-from dalid.server.run_planner import RunPlanner
-from dalid.server.runs import Member, PendingBatch
-from dalid.server.scheduler import FairScheduler, ServiceClock
+from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.runs.run_planner import RunPlanner
+from dalid.server.runs.runs import Member, PendingBatch
+from dalid.server.runs.scheduler import FairScheduler, ServiceClock
 
 BATCH = 4
 

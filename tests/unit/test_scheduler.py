@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dalid.server.scheduler import FairScheduler, ServiceClock
+from dalid.server.runs.scheduler import FairScheduler, ServiceClock
 
 
 def never() -> bool:
@@ -262,8 +262,8 @@ def test_batches_riding_in_a_shared_run_are_charged_to_their_jobs_alone() -> Non
 
 
 def test_a_run_shared_with_other_jobs_moves_each_ones_tag_by_its_share() -> None:
-    # A cohort's run (server/cohorts.py): job 1's slot paid for all of it, and jobs 2 and 3
-    # were served it too: each then weighs a third of it, job 1's tag moving back.
+    # A cohort's run (server/runs/cohorts.py): job 1's slot paid for all of it, and jobs 2 and
+    # 3 were served it too: each then weighs a third of it, job 1's tag moving back.
     scheduler = FairScheduler(1)
     for job_id in (1, 2, 3):
         scheduler.add_job(job_id, weight=1.0)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from dalid.protocol import Message, Ok, Ping, Pong, endpoint, transport
-from dalid.server.shared_socket import SharedSocket
+from dalid.server.intake.shared_socket import SharedSocket
 
 PEER = b"peer"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dalid.protocol import slabs
-from dalid.server.pool import RegionPool, SlabUnavailable
-from dalid.server.shm import SharedMemoryBackend, SharedMemorySlab
+from dalid.server.outputs.pool import RegionPool, SlabUnavailable
+from dalid.server.outputs.shm import SharedMemoryBackend, SharedMemorySlab
 
 MIB = 1 << 20
 

@@ -1,5 +1,5 @@
-"""Staged GPU outputs, the daemon's half (server/cuda_staged.py): the store that copies GPU outputs
-into page-locked shared memory, and the handshake that chooses each job's output path.
+"""Staged GPU outputs, the daemon's half (server/outputs/cuda_staged.py): the store that copies GPU
+outputs into page-locked shared memory, and the handshake that chooses each job's output path.
 
 Shared memory and the bytes in it are real; the CUDA calls are the fake of fake_cuda.py, whose
 "GPU tensors" lie in host memory so that the copies move real bytes. A real daemon on this path
@@ -34,13 +34,13 @@ from dalid.protocol import (
     slabs,
 )
 from dalid.protocol.slabs import SHM_DIR
-from dalid.server.core import DaemonCore
-from dalid.server.cuda import CudaBackend, CudaStore, device_outputs
-from dalid.server.cuda_staged import OutputPaths, StagedStore
-from dalid.server.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
-from dalid.server.pool import PAGE
-from dalid.server.quotas import Quotas
-from dalid.server.shm import SharedMemoryStore
+from dalid.server.handling.core import DaemonCore
+from dalid.server.jobs.quotas import Quotas
+from dalid.server.outputs.cuda import CudaBackend, CudaStore, device_outputs
+from dalid.server.outputs.cuda_staged import OutputPaths, StagedStore
+from dalid.server.outputs.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
+from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.shm import SharedMemoryStore
 
 from .fake_cuda import DEVICE_UUID, FakeApi, TensorListGPU
 

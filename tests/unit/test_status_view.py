@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from dalid.protocol import JobStatus, PipelineStatus, StatusReport
-from dalid.server.status_view import COLUMNS, pipeline_lines, table
+from dalid.server.operations.status_view import COLUMNS, pipeline_lines, table
 
 JOB = JobStatus(
     job_id=12, name="resnet50-imagenet-run-7", pid=4123456, weight=2, workers=8, pipelines=1,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from dalid.protocol import GpuUnavailable
-from dalid.server import crash_report
-from dalid.server.crash_report import CrashReport
-from dalid.server.devices import DeviceListError, child_specs, parse_devices
-from dalid.server.supervisor import (
+from dalid.server.operations import crash_report
+from dalid.server.operations.crash_report import CrashReport
+from dalid.server.operations.devices import DeviceListError, child_specs, parse_devices
+from dalid.server.operations.supervisor import (
     ChildSpec,
     RestartPolicy,
     State,

@@ -1,5 +1,5 @@
-"""Waking executors after a receive turn (server/wakes.py, Note [Waking executors after the
-turn's answers]) on a real RunPlanner, its real Condition and a real waiting thread; that the
+"""Waking executors after a receive turn (server/runs/wakes.py, Note [Waking executors after
+the turn's answers]) on a real RunPlanner, its real Condition and a real waiting thread; that the
 batches still flow through a daemon whose turns hold the wakes back is in
 tests/integration/test_end_to_end.py, test_window.py, test_many_jobs.py and
 test_shared_pipelines.py.
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
-from dalid.server import wakes
-from dalid.server.outputs import JobOutputs
-from dalid.server.run_planner import RunPlanner
-from dalid.server.runs import Member, PendingBatch
-from dalid.server.scheduler import ServiceClock
+from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.runs import wakes
+from dalid.server.runs.run_planner import RunPlanner
+from dalid.server.runs.runs import Member, PendingBatch
+from dalid.server.runs.scheduler import ServiceClock
 
 # Only a stuck test waits this long (a waiter that was never woken).
 _STUCK_S = 30.0

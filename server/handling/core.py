@@ -1,0 +1,567 @@
+"""The daemon's request handling, with no sockets: a table from message type to handler.
+
+:class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
+returns the reply; results that executors produce later leave through ``push``. The process
+wrapper (:mod:`dalid.server.intake.daemon`) owns the socket and the threads around it. The core
+handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
+shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
+handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
+flight (``admission.py``), its output memory (``outputs.py``), the fair share between jobs
+(``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
+(``reload.py``).
+
+Why one module of some 550 lines: it holds the one table of every request and the handlers of
+a job's life from its hello to its end, which read best in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dalid.protocol import (
+    BATCH_IDS_PER_CONNECTION,
+    PROTOCOL_VERSION,
+    BatchFailed,
+    Error,
+    ErrorCode,
+    Goodbye,
+    Hello,
+    IpcProbeResult,
+    Limits,
+    Message,
+    Ok,
+    Ping,
+    Pong,
+    ProtocolError,
+    RegisterNamedPipeline,
+    RegisterPipeline,
+    ReleaseRegions,
+    ReloadRepository,
+    Role,
+    ScheduleBatch,
+    Shutdown,
+    StatusReport,
+    StatusRequest,
+    SubmitBatch,
+    TrainerProgress,
+    WantBatch,
+    Welcome,
+    WorkerLeft,
+    device_label,
+    installation,
+    pid_namespace,
+    release,
+)
+
+from ..errors import RequestRefused
+from ..jobs.inputs import InputMemory
+from ..jobs.jobs import Job, JobRegistry, Peer
+from ..jobs.quotas import QuotaRefused, Quotas, grant
+from ..jobs.reservations import OutputMemory
+from ..outputs.copies import PRIVATE_COPY_AFTER_S
+from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
+from ..outputs.shm import SharedMemoryStore
+from ..pipelines.flight import FlightRecorder
+from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
+from ..pipelines.reload import LiveRepository
+from ..pipelines.repository import PipelineRepository
+from ..runs.cohort_registry import Cohorts
+from ..runs.scheduler import FairScheduler
+from .batch_requests import BatchRequests
+from .registration import SHARING, PipelineBuilder, Sharing
+from .status import status_report
+
+if TYPE_CHECKING:
+    from ..outputs.cuda_staged import OutputPaths
+
+log = logging.getLogger("dalid.server")
+
+
+class PeerProcess(Protocol):
+    """What the core reads of a connection's credentials (``intake/credentials.py`` reads them
+    from the socket, a stage above): the pid of the process behind it, 0 where it cannot be seen
+    from the daemon's pid namespace."""
+
+    @property
+    def pid(self) -> int: ...
+
+
+Push = Callable[[bytes, Message, int | None], None]
+"""push(peer, message, request_id): queues a message for a peer; safe from any thread."""
+
+# Requests a connection may send before its hello.
+_NEEDS_NO_HELLO = (Hello, Ping, Shutdown, StatusRequest, ReloadRepository)
+
+
+class DaemonCore:
+    """Handles requests for one device. ``push(peer, message)`` must be thread-safe.
+
+    ``outputs`` makes each job's output stores (shared memory; on a GPU daemon, device memory
+    too). ``quotas`` bound what jobs get; ``concurrency`` batches run at once, shared between
+    busy jobs by weight (:mod:`dalid.server.runs.scheduler`). ``device_uuid`` names a GPU
+    daemon's GPU in the welcome. ``repository`` holds the pipelines clients may select by name.
+    ``sharing`` says how jobs share pipelines, whose outputs come on ``streams`` of their own.
+    ``credentials(peer)`` gives the process behind a connection, as its socket tells (the
+    daemon's loop reads them, :mod:`dalid.server.intake.credentials`): a job lives as long as
+    that process does, whatever pid the client claims; without them (no socket, or a process
+    in a pid namespace the daemon cannot see) a job lives as long as its connection.
+    ``paths`` (a GPU daemon's) chooses how each job's GPU outputs reach its trainer.
+    """
+
+    def __init__(
+        self,
+        device: str | int,
+        outputs: OutputsFactory,
+        push: Push,
+        quotas: Quotas,
+        instance: str | None = None,
+        *,
+        concurrency: int = 4,
+        device_uuid: str = "",
+        repository: PipelineRepository | None = None,
+        sharing: Sharing = SHARING,
+        streams: StreamFactory = no_streams,
+        credentials: Callable[[bytes], PeerProcess | None] = lambda _: None,
+        paths: OutputPaths | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
+        recorder: FlightRecorder | None = None,
+    ) -> None:
+        from nvidia.dali import __version__ as dali_version
+
+        self.repository = LiveRepository(repository)
+        self.device = device
+        self.device_id = None if device == "cpu" else int(device)
+        self.device_uuid = device_uuid
+        self._outputs = outputs
+        self.paths = paths
+        self._push = push
+        self._credentials = credentials
+        self.quotas = quotas
+        # What jobs reserve of output memory, by the device of their stores: shared memory
+        # against --memory-limit, device memory the same way with no limit of its own.
+        self.output_memory = {"cpu": OutputMemory(quotas.memory_limit), "cuda": OutputMemory(0)}
+        self.inputs = InputMemory(quotas.input_memory)
+        self.scheduler = FairScheduler(concurrency)
+        self.dali_version = dali_version
+        # Told to trainers, which say so when they are of another installation.
+        self.release = release()
+        self.installation = installation()
+        self._instance = instance or f"{os.getpid()}-{secrets.token_hex(3)}"
+        self._pid_namespace = pid_namespace()
+        self._started = time.monotonic()
+        self.registry = JobRegistry(self._pid_namespace)
+        self.pipelines = PipelineBuilder(
+            self.device_id,
+            quotas.max_batch_size,
+            self.repository,
+            self.scheduler,
+            push,
+            sharing=sharing,
+            streams=streams,
+            operators=operators,
+            max_threads=quotas.max_threads,
+            max_pipelines=quotas.max_daemon_pipelines,
+            recorder=recorder,
+        )
+        # Jobs that share the runs of batches of the same inputs (cohorts.py).
+        self.cohorts = Cohorts(
+            self._cohort_outputs,
+            quotas.cohort_bytes,
+            self.registry.alive,
+            charge=self.scheduler.charge,
+            share=self.scheduler.share_run,
+        )
+        # A job's pipelines and batches: registrations, submissions, releases, results.
+        self.batches = BatchRequests(
+            self.registry,
+            quotas,
+            self.pipelines,
+            self.inputs,
+            push,
+            cohorts=self.cohorts,
+            prefix=f"dalid-{self._instance}",
+        )
+        self.stop_requested = False
+        self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
+            Hello: self._on_hello,
+            IpcProbeResult: self._on_ipc_probe_result,
+            Goodbye: self._on_goodbye,
+            Ping: self._on_ping,
+            Shutdown: self._on_shutdown,
+            StatusRequest: self._on_status,
+            RegisterPipeline: self.batches.on_register_pipeline,
+            RegisterNamedPipeline: self.batches.on_register_pipeline,
+            SubmitBatch: self.batches.on_submit_batch,
+            ScheduleBatch: self.batches.on_schedule_batch,
+            WantBatch: self.batches.on_want_batch,
+            ReleaseRegions: self.batches.on_release_regions,
+            TrainerProgress: self._on_trainer_progress,
+            ReloadRepository: self._on_reload_repository,
+        }
+
+    @property
+    def jobs(self) -> dict[int, Job]:
+        return self.registry.jobs
+
+    @property
+    def peers(self) -> dict[bytes, Peer]:
+        return self.registry.peers
+
+    # --- entry points ---------------------------------------------------------------------------
+
+    def handle(self, identity: bytes, message: Message, request_id: int | None) -> Message | None:
+        """The reply to one message (None for a notification that went well)."""
+        handler = self._handlers.get(type(message))
+        try:
+            if handler is None:
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_OPERATION, f"{message.OP!r} is not a request to the daemon"
+                )
+            if request_id is None and identity not in self.peers:
+                # A notification (a release, progress figures) from a connection whose job
+                # ended, or that a replaced daemon welcomed: nothing to apply, and an error
+                # pushed back would only be logged by a peer that is going away.
+                log.debug("%s from a connection that is not in a job: ignored", message.OP)
+                return None
+            if not isinstance(message, _NEEDS_NO_HELLO) and identity not in self.peers:
+                raise RequestRefused(
+                    ErrorCode.NOT_WELCOMED, f"{message.OP}: send hello first on this connection"
+                )
+            return handler(identity, message, request_id)
+        except RequestRefused as refusal:
+            return Error(refusal.code, str(refusal), op=message.OP)
+        except Exception as error:
+            log.exception("internal error handling %s", message.OP)
+            return Error(
+                ErrorCode.INTERNAL_ERROR,
+                f"{message.OP}: {type(error).__name__}: {error}",
+                traceback=traceback.format_exc(),
+                op=message.OP,
+            )
+
+    @staticmethod
+    def malformed(error: ProtocolError) -> Error:
+        return Error(error.code, error.message, op=error.op)
+
+    def _cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
+        """A cohort's output memory: shared memory only (its GPU outputs go to each member's
+        own memory), reserved as it grows against the daemon's --memory-limit."""
+        outputs = JobOutputs([SharedMemoryStore(name_prefix, limits, region_ids())])
+        try:
+            reservation = self.output_memory["cpu"].growing(limits.pool_bytes)
+        except QuotaRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+        outputs.stores[0].pool.grow_within(reservation)
+        # A cohort's run never waits for a member's trainer: with no room, it goes to each
+        # member's own memory instead (Note [Cohort outputs] in cohorts.py).
+        outputs.copy_after = 0.0
+        return outputs
+
+    def reap(self) -> list[int]:
+        """Closes the jobs whose trainer process is gone; returns their ids."""
+        for identity in self.registry.dead_workers():
+            self._worker_left(identity)
+            self.registry.forget_peer(identity)
+        dead = self.registry.dead_jobs()
+        for job in dead:
+            log.info("job %d: trainer pid %d is gone, freeing what it held", job.job_id, job.pid)
+            self.close_job(job)
+        for job in self.registry.take_lingering():
+            log.info(
+                "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
+            )
+            job.outputs.free()
+        self.cohorts.reap()
+        return [job.job_id for job in dead]
+
+    def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
+        self.registry.remove(job)
+        share = self.scheduler.stats(job.job_id)
+        log.info(
+            "job %d (%s) ended: %d batches, %d samples, %d failed; its batches waited %.1f s "
+            "for other jobs, passed over %d times",
+            job.job_id,
+            job.name or "?",
+            job.meter.batches,
+            job.meter.samples,
+            job.batches_failed,
+            share.waited_seconds,
+            share.passed_over,
+        )
+        self.scheduler.remove_job(job.job_id)
+        in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
+        waiting, lingering = job.close()
+        for member in in_cohorts:
+            self.cohorts.leave(member, job.pid, job.pid_namespace)
+        for batch in waiting:
+            # Its sender still waits for the acceptance; tell it why none comes.
+            self._push(
+                batch.sender,
+                Error(
+                    ErrorCode.UNKNOWN_JOB,
+                    f"job {job.job_id} ended before its batch was accepted",
+                    op=SubmitBatch.OP,
+                ),
+                batch.request_id,
+            )
+        if lingering and not daemon_stopping and self.registry.alive(job.pid, job.pid_namespace):
+            # Tensors of the trainer still view some of the job's memory, which CUDA forbids
+            # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
+            log.info("job %d: keeping the outputs its trainer still maps until pid %d exits",
+                     job.job_id, job.pid)  # fmt: skip
+            self.registry.linger(job)
+        else:
+            job.outputs.free()
+
+    def trainer_unreachable(self, identity: bytes) -> None:
+        peer = self.peers.get(identity)
+        if peer is not None and peer.role is Role.TRAINER:
+            log.info("job %d: trainer disconnected", peer.job.job_id)
+            self.close_job(peer.job)
+
+    def peer_disconnected(self, identity: bytes) -> None:
+        """The connection of ``identity`` closed or stopped answering heartbeats.
+
+        A trainer's ends its job; a worker's takes with it the batches it sent over the job's
+        limit, which fail (the trainer may wait for them).
+        """
+        peer = self.peers.get(identity)
+        if peer is None:
+            return
+        if peer.role is Role.TRAINER:
+            log.info(
+                "job %d: the trainer's connection closed, freeing what it held", peer.job.job_id
+            )
+            self.close_job(peer.job)
+            return
+        job = peer.job
+        self._worker_left(identity)
+        dropped = job.admission.drop_sender(identity)
+        if dropped:
+            log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, len(dropped))
+        for waiting in dropped:
+            # Its worker handed the batch on already: the trainer may wait for it.
+            job.batches_failed += 1
+            batch = waiting.batch
+            self._push(
+                job.trainer,
+                BatchFailed(
+                    batch.batch_id,
+                    batch.request.pipeline_id,
+                    ErrorCode.UNKNOWN_BATCH,
+                    f"batch {batch.batch_id} was dropped: the connection of the worker that sent "
+                    "it closed while the batch waited for its turn",
+                ),
+                None,
+            )
+        self.registry.forget_peer(identity)
+
+    def close(self) -> None:
+        for job in list(self.jobs.values()):
+            self.close_job(job, daemon_stopping=True)
+        for job in self.registry.take_lingering(everything=True):
+            job.outputs.free()
+        self.cohorts.close()
+        if self.paths is not None:
+            self.paths.close()
+
+    def job_for(self, identity: bytes) -> Job | None:
+        return self.registry.job_for(identity)
+
+    def reload_repository(self, answer: Callable[[Message], None] | None = None) -> None:
+        """Loads the pipeline repository again in the background (see ``reload.py``)."""
+        self.repository.reload(answer)
+
+    # --- handlers -------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, hello: Hello, _request_id: int | None) -> Message:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise RequestRefused(
+                ErrorCode.PROTOCOL_MISMATCH,
+                f"the client speaks dalid protocol version {hello.protocol_version}, this daemon "
+                f"speaks version {PROTOCOL_VERSION}: install matching dalid releases",
+            )
+        if identity in self.peers:
+            raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, "hello sent twice on one connection")
+        earlier_token = ""
+        # The process behind the connection, as its socket tells; hello.client_pid is the
+        # client's word only, and decides nothing.
+        credentials = self._credentials(identity)
+        pid = credentials.pid if credentials is not None else 0
+        if hello.role is Role.TRAINER:
+            job = self._open_job(identity, hello, pid)
+        else:
+            found = self.registry.named(hello.job_id or 0, hello.job_token or "")
+            if found is None:
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_JOB,
+                    f"no job {hello.job_id} with that token on this daemon: the trainer's session "
+                    "was closed, or this worker belongs to another daemon (whose trainer has not "
+                    "reconnected here)",
+                )
+            job, earlier_token = found
+            if earlier_token:
+                log.info(
+                    "job %d: worker pid %d joined as job %d of an earlier daemon",
+                    job.job_id,
+                    pid,
+                    hello.job_id,
+                )
+        peer = self.registry.join(identity, hello, job, pid, earlier_token)
+        return Welcome(
+            protocol_version=PROTOCOL_VERSION,
+            daemon_pid=os.getpid(),
+            device=device_label(self.device),
+            dali_version=self.dali_version,
+            job_id=job.job_id,
+            job_token=job.token,
+            limits=job.limits,
+            device_uuid=self.device_uuid,
+            pid_namespace=self._pid_namespace,
+            ipc_probe=self.paths.probe if self.paths is not None else "",
+            batch_id_base=peer.batch_ids.base,
+            release=self.release,
+            installation=self.installation,
+            want_in_release=True,
+            progress_in_release=True,
+        )
+
+    def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:
+        """A new job for a trainer's hello, within the daemon's quotas; ``pid``: its trainer's
+        process, 0 where the daemon cannot see it.
+
+        Its output memory is reserved now if the job asked for an amount, else as its outputs
+        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
+        """
+        self.registry.check_unclaimed(hello.earlier_jobs)
+        try:
+            limits = grant(
+                hello,
+                self.quotas,
+                jobs=len(self.jobs),
+                max_message_bytes=self.inputs.job_limit,
+                pid=pid,
+                jobs_of_process=sum(1 for job in self.jobs.values() if job.pid == pid),
+            )
+            reservations = {
+                device: memory.fixed(limits.pool_bytes)
+                if hello.memory_bytes
+                else memory.growing(limits.pool_bytes)
+                for device, memory in self.output_memory.items()
+            }
+        except QuotaRefused as refusal:
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+        try:
+            job = self.registry.open(
+                identity,
+                hello,
+                limits,
+                lambda job_id: self._outputs(f"dalid-{self._instance}-j{job_id}", limits),
+                self.quotas.max_waiting_batches,
+                pid=pid,
+            )
+        except BaseException:
+            for reservation in reservations.values():
+                reservation.close()
+            raise
+        # Each store's pool owns its reservation from here (it closes it when it closes).
+        for store in job.outputs.stores:
+            store.pool.grow_within(reservations.pop(store.device))
+        for unused in reservations.values():
+            unused.close()
+        self.scheduler.add_job(job.job_id, limits.weight)
+        if hello.private_copies:
+            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
+        log.info(
+            "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
+            job.job_id,
+            job_label(hello.name, pid),
+            limits.weight,
+            ("" if hello.memory_bytes else "up to ") + str(limits.pool_bytes >> 20),
+            limits.max_inflight_batches,
+            f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
+            "daemons"
+            if hello.earlier_jobs
+            else "",
+        )
+        return job
+
+    def _on_ipc_probe_result(
+        self, identity: bytes, result: IpcProbeResult, _request_id: int | None
+    ) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(ErrorCode.NOT_WELCOMED, "only a trainer answers the IPC probe")
+        if self.paths is None:
+            raise RequestRefused(
+                ErrorCode.MALFORMED_MESSAGE, "this daemon has no GPU outputs and sent no probe"
+            )
+        # Staged outputs are host memory: they count against the daemon's --memory-limit.
+        return self.paths.choose(peer.job, result, self.output_memory["cpu"])
+
+    def _on_goodbye(self, identity: bytes, goodbye: Goodbye, _request_id: int | None) -> Message:
+        peer = self.peers[identity]
+        if peer.role is Role.TRAINER:
+            log.info("job %d said goodbye", peer.job.job_id)
+            # The trainer has unmapped every slab but these (Note [GPU output lifetime]).
+            peer.job.outputs.peer_leaving(goodbye.kept_slabs)
+            self.close_job(peer.job)
+        else:
+            self._worker_left(identity)
+            self.registry.forget_peer(identity)
+        return Ok()
+
+    def _worker_left(self, identity: bytes) -> None:
+        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py,
+        point 6): the trainer asks for none of them after the worker is gone."""
+        peer = self.peers.get(identity)
+        if peer is None or peer.role is Role.TRAINER:
+            return
+        first, end = peer.batch_ids.base, peer.batch_ids.base + BATCH_IDS_PER_CONNECTION
+        job = peer.job
+        for member in job.pipelines.values():
+            if member.executor is not None:
+                member.executor.sender_left(member, first, end)
+            if member.cohort is not None:
+                member.cohort.sender_left(job.job_id, first, end)
+        if job.trainer in self.peers:
+            # Its results the trainer has not asked for wait there unclaimed otherwise.
+            self._push(job.trainer, WorkerLeft(first, end), None)
+
+    def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
+        return Pong(os.getpid())
+
+    def _on_status(self, identity: bytes, _: StatusRequest, _request_id: int | None) -> Message:
+        return self.status()
+
+    def status(self) -> StatusReport:
+        """The daemon and its jobs now (also what the metrics endpoint serves)."""
+        return status_report(self, time.monotonic() - self._started)
+
+    def _on_trainer_progress(
+        self, identity: bytes, progress: TrainerProgress, _request_id: int | None
+    ) -> None:
+        self.peers[identity].job.trainer_waited = progress.waited_seconds
+
+    def _on_reload_repository(
+        self, identity: bytes, _: ReloadRepository, request_id: int | None
+    ) -> None:
+        self.reload_repository(lambda reply: self._push(identity, reply, request_id))
+        # answered once loaded
+
+    def _on_shutdown(self, identity: bytes, _: Shutdown, _request_id: int | None) -> Message:
+        log.info("shutdown requested")
+        self.stop_requested = True
+        return Ok()
+
+
+def job_label(name: str, pid: int) -> str:
+    """How the log names a job once, at connect: its name and its trainer's pid (the client's
+    default name is the pid, said once)."""
+    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

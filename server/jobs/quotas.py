@@ -1,0 +1,105 @@
+"""What the daemon grants a job at connect: output memory, batches in flight, its weight.
+
+A job asks in its ``hello``; :func:`grant` answers with its :class:`Limits` or refuses with a
+message that says what the daemon can give. Output memory is reserved as the job's outputs need
+it, or at connect when the job asks for an amount (:mod:`dalid.server.jobs.reservations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dalid.protocol import Hello, Limits
+
+from ..samples.imagesize import DEFAULT_MAX_IMAGE_PIXELS
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """The daemon's limits.
+
+    ``pool_bytes``: the most output memory of a job that asks for none (it reserves what its
+    outputs need, up to that). ``memory_limit``: the output memory all jobs together may
+    reserve (0: no limit). ``max_inflight_batches``: the most batches one job may have queued
+    or running, and what a job that asks for none gets. ``max_waiting_batches``: batches a job
+    may have waiting over that limit or deferred before more are refused. ``input_memory``: the
+    batch samples the daemon holds for all jobs (one job at most half). ``max_jobs_per_process``:
+    jobs whose trainer is one process (0: no limit). ``max_pipelines``: pipelines one job may
+    have. ``max_image_pixels``: an image sample declaring more is a bad sample (0: no limit).
+    ``max_threads``: DALI threads of all pipelines together, each pipeline's at most the cores
+    the daemon may use (0: eight per core, at least 128). ``max_daemon_pipelines``: pipelines the
+    daemon runs at once (one that jobs share counts once).
+    """
+
+    max_jobs: int = 64
+    max_jobs_per_process: int = 8
+    pool_bytes: int = 1 * GiB
+    slab_bytes: int = 64 * MiB
+    memory_limit: int = 0
+    max_inflight_batches: int = 16
+    max_waiting_batches: int = 256
+    input_memory: int = 2 * GiB
+    max_pipelines: int = 32
+    max_batch_size: int = 4096
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_threads: int = 0
+    max_daemon_pipelines: int = 128
+    # The output memory of one cohort (0: the pool bytes of the job that starts it), half of
+    # which may hold outputs for its trailing members (cohorts.py).
+    cohort_bytes: int = 0
+
+
+class QuotaRefused(Exception):
+    """A job asked for more than the daemon can give; the message says what it can."""
+
+
+def grant(
+    hello: Hello,
+    quotas: Quotas,
+    *,
+    jobs: int,
+    max_message_bytes: int,
+    pid: int = 0,
+    jobs_of_process: int = 0,
+) -> Limits:
+    """The limits of a new job, given the ``jobs`` already open, ``jobs_of_process`` of them
+    with a trainer of process ``pid`` (0: a process the daemon cannot see)."""
+    if jobs >= quotas.max_jobs:
+        raise QuotaRefused(
+            f"this daemon already serves {jobs} jobs, its limit (dalid serve --max-jobs "
+            f"{quotas.max_jobs}): wait for one to end, or start the daemon with a higher limit"
+        )
+    per_process = quotas.max_jobs_per_process
+    if pid and per_process and jobs_of_process >= per_process:
+        raise QuotaRefused(
+            f"process {pid} already has {jobs_of_process} jobs on this daemon, the limit of one "
+            f"process (dalid serve --max-jobs-per-process {per_process}): close a session "
+            "first, or start the daemon with a higher limit"
+        )
+    memory = hello.memory_bytes or quotas.pool_bytes
+    inflight = hello.max_inflight_batches or quotas.max_inflight_batches
+    if inflight > quotas.max_inflight_batches:
+        raise QuotaRefused(
+            f"the job asks for {inflight} batches in flight and this daemon allows at most "
+            f"{quotas.max_inflight_batches} per job (dalid serve --max-inflight-batches)"
+        )
+    return Limits(
+        max_batch_size=quotas.max_batch_size,
+        max_message_bytes=max_message_bytes,
+        pool_bytes=memory,
+        slab_bytes=quotas.slab_bytes,
+        max_inflight_batches=inflight,
+        weight=hello.weight,
+        max_image_pixels=quotas.max_image_pixels,
+    )
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people: 1.5 GiB, 64 MiB, 12 KiB, 300 B."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"

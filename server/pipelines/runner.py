@@ -1,0 +1,387 @@
+"""A DALI pipeline rebuilt from its serialized form: plain DALI, no sockets, no threads.
+
+The daemon's executors drive it; tests drive it directly in-process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dalid.protocol import ErrorCode, OnError, RegisterPipeline
+from dalid.protocol.file_inputs import path_inputs
+from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
+
+from ..samples.paths import padded_paths
+from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
+from .sharing import batches_a_run, read_graph
+
+log = logging.getLogger("dalid.server")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the daemon needs to build (and rebuild) a client's pipeline.
+
+    A serialized pipeline, or a ``definition`` of the daemon's repository: a callable that
+    returns a new unbuilt pipeline at each call (see :meth:`PipelineRunner.from_definition`).
+    """
+
+    serialized: bytes
+    input_names: tuple[str, ...]
+    num_outputs: int
+    max_batch_size: int
+    num_threads: int
+    prefetch_queue_depth: int
+    seed: int | None = None
+    exec_dynamic: bool = True
+    name: str = ""
+    on_error: OnError = OnError.RAISE
+    definition: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    # The inputs whose samples are file paths (they feed fn.io.file.read).
+    path_inputs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_message(cls, message: RegisterPipeline) -> PipelineSpec:
+        return cls(
+            serialized=bytes(message.serialized),
+            input_names=message.input_names,
+            num_outputs=message.num_outputs,
+            max_batch_size=message.max_batch_size,
+            num_threads=message.num_threads,
+            prefetch_queue_depth=message.prefetch_queue_depth,
+            seed=message.seed,
+            exec_dynamic=message.exec_dynamic,
+            name=message.name,
+            on_error=message.on_error,
+            path_inputs=message.path_inputs,
+        )
+
+
+class PipelineBuildError(Exception):
+    """The pipeline could not be built on this daemon; ``code`` says why."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def feedable(samples: np.ndarray | Sequence[np.ndarray], paths: bool = False) -> Any:
+    """One input's samples of a run as ``feed_input`` takes them fastest, with no Python step
+    per sample here.
+
+    An array (samples of one shape, viewed in their frame, or batches of them joined) goes as
+    it is: DALI takes a dense batch at once. A list (samples of several shapes) goes as a
+    ``TensorListCPU`` made of it without gathering it into one buffer (``contiguous=False``):
+    DALI builds that in C++ at about 1 µs a sample, where ``feed_input`` given the list itself
+    converts each sample in Python at 3 to 5 µs. ``paths``: the samples are absolute paths
+    that only ``fn.io.file.read`` reads; of several lengths, they go as one dense array
+    (:func:`padded_paths`).
+    """
+    if isinstance(samples, np.ndarray):
+        return samples
+    if paths:
+        padded = padded_paths(samples)
+        if padded is not None:
+            return padded
+    from nvidia.dali.tensors import TensorListCPU
+
+    # (DALI's stubs lack the keyword.)
+    return TensorListCPU(list(samples), contiguous=False)  # type: ignore[call-overload]
+
+
+class PipelineRunner:
+    """Builds the pipeline of ``spec`` for ``device_id`` (None: CPU only) and runs batches.
+
+    ``schedule`` feeds one run and starts it; ``collect`` returns the outputs of the oldest
+    scheduled run. After a failure the DALI pipeline object is dead: ``rebuild`` replaces it.
+    A run holds up to ``run_batches`` batches of ``spec.max_batch_size`` samples (a pipeline
+    several jobs share runs their batches together; 0: ``batches_a_run``'s choice);
+    ``num_threads``, when given, replaces the spec's (a shared pipeline's threads are the
+    daemon's to choose).
+    """
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        device_id: int | None,
+        pipeline: Any = None,
+        *,
+        run_batches: int = 1,
+        num_threads: int | None = None,
+        max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        # Told when DALI starts holding runs of this pipeline, and when it holds none (flight.py).
+        self._on_run = on_run
+        self.device_id = device_id
+        self.run_size = spec.max_batch_size * batches_a_run(run_batches, spec.max_batch_size)
+        asked = num_threads or spec.num_threads
+        # A pipeline's DALI threads are at most its share of the daemon's (PipelineBuilder).
+        self.num_threads = min(asked, max_threads) if max_threads else asked
+        self.threads_asked = asked if self.num_threads < asked else 0
+        if self.threads_asked:
+            log.info(
+                "pipeline %r asked for %d DALI threads and gets %d, its share of the daemon's "
+                "(dalid serve --max-threads)",
+                spec.name,
+                asked,
+                self.num_threads,
+            )
+        self._pipeline: Any = None
+        # What each scheduled run was fed, oldest first (``schedule``).
+        self._fed: collections.deque[list[Any]] = collections.deque()
+        # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
+        # (only where it is built as defined: one batch a run, its own threads).
+        if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
+            pipeline = None
+        self._build(pipeline)
+        # The path inputs fed as one dense array of padded paths (``padded_paths``).
+        self.padded_paths = self._read_as_files_only()
+
+    @classmethod
+    def from_definition(
+        cls,
+        name: str,
+        definition: Callable[[], Any],
+        device_id: int | None,
+        max_batch_size: int,
+        on_error: OnError = OnError.RAISE,
+        *,
+        run_batches: int = 1,
+        num_threads: int | None = None,
+        max_threads: int = 0,
+        on_run: Callable[[bool], None] | None = None,
+        operators: OperatorPolicy = ALLOW_LIST,
+    ) -> PipelineRunner:
+        """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
+
+        ``definition`` makes a new unbuilt pipeline at each call (a rebuild calls it again),
+        taking ``batch_size`` and ``num_threads`` to override its own.
+        """
+        try:
+            pipeline = definition()
+        except Exception as error:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE,
+                f"pipeline {name!r} of the repository raised {type(error).__name__}: {error}\n"
+                + traceback.format_exc(),
+            ) from None
+        input_names, num_outputs = _graph_summary(pipeline, name)
+        try:
+            operators.check(_schema_names(pipeline), repository=True)
+        except OperatorRefused as refusal:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} of the repository: {refusal}"
+            ) from None
+        if pipeline.max_batch_size > max_batch_size:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE,
+                f"pipeline {name!r}: batch size {pipeline.max_batch_size} is over this daemon's "
+                f"limit of {max_batch_size}",
+            )
+        depth = pipeline.prefetch_queue_depth
+        if isinstance(depth, dict):
+            depth = max(depth.values())
+        spec = PipelineSpec(
+            serialized=b"",
+            input_names=input_names,
+            num_outputs=num_outputs,
+            max_batch_size=pipeline.max_batch_size,
+            num_threads=pipeline.num_threads,
+            prefetch_queue_depth=int(depth),
+            seed=pipeline.seed,
+            exec_dynamic=bool(pipeline.exec_dynamic),
+            name=name,
+            on_error=on_error,
+            definition=definition,
+            path_inputs=path_inputs(pipeline),
+        )
+        return cls(
+            spec,
+            device_id,
+            pipeline,
+            run_batches=run_batches,
+            num_threads=num_threads,
+            max_threads=max_threads,
+            on_run=on_run,
+        )
+
+    def _build(self, pipeline: Any = None) -> None:
+        from nvidia.dali.pipeline import Pipeline
+
+        kwargs: dict[str, Any] = {
+            "batch_size": self.run_size,
+            "num_threads": self.num_threads,
+            "device_id": self.device_id,
+            "prefetch_queue_depth": self.spec.prefetch_queue_depth,
+            # A deserialized pipeline defaults to the legacy executor; keep the client's choice.
+            "exec_dynamic": self.spec.exec_dynamic,
+        }
+        if self.spec.seed is not None:
+            kwargs["seed"] = self.spec.seed
+        try:
+            if pipeline is None and self.spec.definition is not None:
+                pipeline = self.spec.definition(
+                    batch_size=self.run_size, num_threads=self.num_threads
+                )
+            elif pipeline is None:
+                pipeline = Pipeline.deserialize(serialized_pipeline=self.spec.serialized, **kwargs)
+            pipeline.build()
+        except Exception as error:
+            text = str(error)
+            if self.device_id is None and ("CUDA" in text or "GPU" in text):
+                raise PipelineBuildError(
+                    ErrorCode.DEVICE_MISMATCH,
+                    "the pipeline has GPU operators (device='mixed' or 'gpu') but this daemon runs "
+                    "CPU pipelines only: connect to a daemon started with `dalid serve --device N` "
+                    f"(DALI said: {text.strip().splitlines()[-1]})",
+                ) from None
+            raise PipelineBuildError(
+                ErrorCode.INVALID_PIPELINE, f"DALI could not build the pipeline: {text.strip()}"
+            ) from None
+        self._pipeline = pipeline
+        self._fed.clear()
+
+    def _read_as_files_only(self) -> frozenset[str]:
+        """The path inputs that go to ``fn.io.file.read`` and nowhere else in the graph."""
+        if not self.spec.path_inputs:
+            return frozenset()
+        try:
+            graph = read_graph(self.spec.serialized or self._pipeline.serialize())
+        except Exception:  # Python operators cannot be serialized, for one: fed as they came
+            return frozenset()
+        return frozenset(name for name in self.spec.path_inputs if graph.read_as_files_only(name))
+
+    def schedule(self, inputs: Mapping[str, np.ndarray | Sequence[np.ndarray]]) -> None:
+        """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""
+        fed = []
+        for name in self.spec.input_names:
+            batch = feedable(inputs[name], name in self.padded_paths)
+            self._pipeline.feed_input(name, batch)
+            fed.append(batch)
+        # An external_source with no_copy=True reads what it was fed when the run starts; a
+        # stacked batch is ours alone, so it lives until the run is collected (the samples
+        # themselves are kept by their batch, see executor.py).
+        self._fed.append(fed)
+        if len(self._fed) == 1 and self._on_run is not None:
+            self._on_run(True)  # DALI holds a run now, and held none (told once, not each run)
+        # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
+        # which needs that many batches fed up front. DALI's own proxy schedules this way.
+        self._pipeline._run_once()
+
+    @property
+    def scheduled(self) -> int:
+        """Runs scheduled and not collected yet."""
+        return len(self._fed)
+
+    def collect(self, cuda_stream: int | None = None) -> tuple[Any, ...]:
+        """The outputs (DALI TensorLists) of the oldest scheduled run.
+
+        With ``cuda_stream`` (a ``cudaStream_t``; the default executor only) GPU outputs, and CPU
+        outputs copied from the GPU, are ready in that stream's order instead of on the host.
+        """
+        outputs = tuple(self._pipeline.outputs(cuda_stream))
+        # A run that failed keeps what it was fed until the pipeline is rebuilt.
+        self._fed.popleft()
+        if not self._fed and self._on_run is not None:
+            self._on_run(False)
+        if len(outputs) != self.spec.num_outputs:
+            raise PipelineBuildError(
+                ErrorCode.INVALID_OUTPUT,
+                f"the pipeline returned {len(outputs)} outputs, the client declared "
+                f"{self.spec.num_outputs}",
+            )
+        return outputs
+
+    def release(self) -> None:
+        """Returns the collected outputs' buffers to DALI once they have been copied out.
+
+        The legacy executor (``exec_dynamic=False``) keeps them in its prefetch queue until
+        this call, and blocks the next run while the queue is full.
+        """
+        if not self.spec.exec_dynamic:
+            self._pipeline.release_outputs()
+
+    def unshareable(self) -> str:
+        """Why the built pipeline's runs must not mix jobs' samples ("" if they may), read from
+        its operators (``sharing.py``)."""
+        try:
+            graph = read_graph(self._pipeline.serialize())
+        except Exception as error:  # Python operators cannot be serialized, for one
+            # DALI's own words (an assert on the operator's schema, say) are for debugging.
+            log.debug(
+                "pipeline %r cannot be serialized: %s: %s",
+                self.spec.name,
+                type(error).__name__,
+                error,
+            )
+            return (
+                "DALI cannot serialize it (a Python operator, for one), so dalid cannot tell "
+                "whether its operators work sample by sample"
+            )
+        return graph.unshareable()
+
+    def rebuild(self) -> None:
+        """A fresh pipeline after an error; batches scheduled on the old one are gone."""
+        self.close()
+        self._build()
+
+    def close(self) -> None:
+        self._pipeline = None
+        self._fed.clear()
+        if self._on_run is not None:
+            self._on_run(False)
+
+
+def _schema_names(pipeline: Any) -> list[str]:
+    """The schema names of a defined pipeline's operators (external_source has none)."""
+    return [
+        getattr(op._op, "schema_name", None) or type(op._op).__name__ for op in pipeline._ops or ()
+    ]
+
+
+def _graph_summary(pipeline: Any, name: str) -> tuple[tuple[str, ...], int]:
+    """The external_source names (in definition order) and output count of a pipeline."""
+    from nvidia.dali.external_source import ExternalSource
+    from nvidia.dali.pipeline import Pipeline
+
+    if not isinstance(pipeline, Pipeline):
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE,
+            f"pipeline {name!r} of the repository returned a {type(pipeline).__name__}, not a "
+            "DALI pipeline: decorate it with @pipeline_def",
+        )
+    try:
+        if not pipeline._py_graph_built:
+            pipeline._build_graph()
+    except Exception as error:
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE,
+            f"pipeline {name!r} of the repository could not be defined: {type(error).__name__}: "
+            f"{error}",
+        ) from None
+    names = tuple(op.name for op in pipeline._ops or () if isinstance(op._op, ExternalSource))
+    problems = []
+    if not 0 < len(names) <= MAX_INPUTS:
+        problems.append(f"it has {len(names)} external_source inputs (1 to {MAX_INPUTS} needed)")
+    if any(not 0 < len(input_name) <= MAX_NAME_LENGTH for input_name in names):
+        problems.append("an external_source name is empty or too long: name each one")
+    if len(set(names)) != len(names):
+        problems.append(f"external_source names repeat: {list(names)}")
+    num_outputs = int(pipeline._num_outputs)
+    if not 0 < num_outputs <= MAX_OUTPUTS:
+        problems.append(f"it has {num_outputs} outputs (1 to {MAX_OUTPUTS} allowed)")
+    if problems:
+        raise PipelineBuildError(
+            ErrorCode.INVALID_PIPELINE, f"pipeline {name!r} cannot be served: {'; '.join(problems)}"
+        )
+    return names, num_outputs
