@@ -88,6 +88,7 @@ from dalid.protocol import (
     OutputDescriptor,
 )
 
+from ..outputs.cuda import CudaStore
 from ..outputs.outputs import JobOutputs, OutputFailure, RunOutput
 from ..outputs.pool import PoolClosed, PoolFull
 from .cohort_matching import batch_digest, same_inputs
@@ -140,6 +141,8 @@ class Entry:
     state: str = "pending"
     served: set[int] = field(default_factory=set)  # the jobs given it, or waiting for it
     descriptors: tuple[OutputDescriptor, ...] = ()
+    # The run's batch event, where it wrote GPU outputs: every member's stream waits on it.
+    event: str = ""
     nbytes: int = 0
     leases: int = 0
     cached: bool = False
@@ -159,14 +162,19 @@ class Entry:
     def write(
         self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
     ) -> tuple[OutputDescriptor, ...] | None:
-        return self.cohort.write(outputs, rows, source_stream)
+        return self.cohort.write(outputs, rows, source_stream, self)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether its outputs are in the cohort's GPU memory (point 1)."""
+        return any(d.device == "cuda" for d in self.descriptors)
 
     def account(self, seconds: float) -> None:
         self.cohort.account(self, seconds)
 
     def publish(
         self, descriptors: tuple[OutputDescriptor, ...], settle: Settle
-    ) -> list[tuple[PendingBatch, BatchReady]]:
+    ) -> list[tuple[PendingBatch, BatchReady | None]]:
         return self.cohort.publish(self, descriptors, settle)
 
     def take_recipients(self) -> list[PendingBatch]:
@@ -214,6 +222,12 @@ class Cohort:
         self.name = name
         self.key = key
         self.outputs = outputs
+        # Its GPU memory, on a GPU daemon: each slab mapped by the members given its regions.
+        self._device = next((s for s in outputs.stores if isinstance(s, CudaStore)), None)
+        if self._device is not None:
+            self._device.for_members()
+        # Members gone whose trainer process may still map its GPU slabs: (pid, namespace).
+        self._mapping: dict[int, tuple[int, int]] = {}
         self.window_bytes = window_bytes
         self._alive = alive
         self._charge = charge
@@ -293,18 +307,42 @@ class Cohort:
                     self._lingering[job_id] = (pid, namespace)
                 else:
                     self._end_leases_of(job_id)
+            if self._device is not None:
+                if pid > 0 and not self._alive(pid, namespace):
+                    self._device.peer_gone(job_id)  # what it mapped went with its process
+                else:
+                    # Its slabs not kept at its goodbye were let go of then (``peer_leaving``);
+                    # a process the daemon cannot watch keeps the rest until the daemon exits.
+                    self._mapping[job_id] = (pid, namespace)
             self._uncache_served()
         for batch in resubmit:
             _resubmit(batch)
         self._flush()
 
     def reap(self) -> None:
-        """Ends the leases of members gone whose trainer process has exited since."""
+        """Ends the leases of members gone whose trainer process has exited since, and lets
+        the cohort's GPU slabs they mapped go."""
         with self._lock:
             for job_id, (pid, namespace) in list(self._lingering.items()):
                 if not self._alive(pid, namespace):
                     del self._lingering[job_id]
                     self._end_leases_of(job_id)
+            for job_id, (pid, namespace) in list(self._mapping.items()):
+                if pid > 0 and not self._alive(pid, namespace):
+                    del self._mapping[job_id]
+                    if self._device is not None:
+                        self._device.peer_gone(job_id)
+
+    def peer_leaving(self, job_id: int, kept_slabs: Sequence[str]) -> None:
+        """The trainer of member ``job_id`` said goodbye: it maps ``kept_slabs`` still, and no
+        other slab of the cohort's GPU memory (Note [GPU output lifetime] in cuda.py)."""
+        if self._device is not None:
+            self._device.peer_leaving(kept_slabs, job_id)
+
+    @property
+    def awaiting_peers(self) -> bool:
+        """Whether GPU slabs of the closed cohort wait for members' processes to unmap them."""
+        return self._device is not None and self._device.awaiting_peers
 
     @property
     def empty(self) -> bool:
@@ -338,6 +376,9 @@ class Cohort:
                 continue
             if not same_inputs(entry.inputs, request.inputs, entry.unreadable, request.unreadable):
                 continue
+            if entry.state == "ready" and entry.on_gpu and not _maps_gpu(member):
+                # It cannot map the cohort's GPU memory (point 4): it runs them for itself.
+                return Outcome.ALONE, None
             entry.served.add(member.job_id)
             if entry.state == "pending":
                 entry.followers.append(batch)
@@ -353,7 +394,7 @@ class Cohort:
                 return Outcome.HIT, None  # answered by ``_flush``, with its copies
             self.hits += 1
             descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
-            ready = self._ready(batch, descriptors)
+            ready = self._ready(batch, entry, descriptors)
             self._uncache_served()
             return Outcome.HIT, ready
         if member.overflow:
@@ -375,17 +416,26 @@ class Cohort:
     # --- runs (executor threads) ----------------------------------------------------------------
 
     def write(
-        self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
+        self,
+        outputs: Sequence[RunOutput],
+        rows: range,
+        source_stream: int | None,
+        entry: Entry | None = None,
     ) -> tuple[OutputDescriptor, ...] | None:
-        """Copies an entry's rows of a run into the cohort's memory; None where they cannot go
-        there (Note [Cohort outputs], point 4)."""
-        if not all(type(output.tensors).__name__ == "TensorListCPU" for output in outputs):
+        """Copies an entry's rows of a run into the cohort's memory (the run's batch event, for
+        GPU outputs, goes to ``entry``); None where they cannot go there (Note [Cohort
+        outputs], point 4)."""
+        takes = {store.takes for store in self.outputs.stores}
+        kinds = {"cuda" if _on_gpu(output) else "cpu" for output in outputs}
+        if not kinds <= takes:
             return None
         while True:
             try:
-                descriptors, _ = self.outputs.write_batch(
+                descriptors, event = self.outputs.write_batch(
                     outputs, rows, source_stream=source_stream, wait=False
                 )
+                if entry is not None:
+                    entry.event = event
                 return descriptors
             except PoolFull:
                 with self._lock:
@@ -412,10 +462,12 @@ class Cohort:
 
     def publish(
         self, entry: Entry, descriptors: tuple[OutputDescriptor, ...], settle: Settle
-    ) -> list[tuple[PendingBatch, BatchReady]]:
+    ) -> list[tuple[PendingBatch, BatchReady | None]]:
         """The run of ``entry`` is in the cohort's memory: the results for its producer (whose
-        window ``settle`` frees once its trainer released them) and its followers."""
-        results = []
+        window ``settle`` frees once its trainer released them) and its followers; None for
+        one whose trainer cannot map the cohort's GPU memory, to be written into its own
+        memory from the run (Note [Cohort outputs], point 4)."""
+        results: list[tuple[PendingBatch, BatchReady | None]] = []
         with self._lock:
             entry.state = "ready"
             entry.descriptors = descriptors
@@ -423,14 +475,25 @@ class Cohort:
             recipients = [b for b in (entry.producer, *entry.followers) if b is not None]
             entry.followers = []
             self.runs += 1
+            private = False
             for batch in recipients:
                 member = batch.member
                 assert member is not None
                 if member.closed or member.job_id not in self.members:
                     continue
+                if entry.on_gpu and not _maps_gpu(member):
+                    # Its own copy, from the run (as ``take_recipients``): outside the cohort's
+                    # memory, so outside its window here; its own memory bounds it.
+                    if entry.cost and member.job_id not in entry.charged:
+                        self._share_charge(entry, member.job_id)
+                    self.served[member.job_id] = self.served.get(member.job_id, 0) + 1
+                    self.hits += batch is not entry.producer
+                    results.append((batch, None))
+                    private = True
+                    continue
                 if batch is entry.producer:
                     leased = self._lease(entry, member.job_id, settle, batch.batch_id)
-                    results.append((batch, self._ready(batch, leased)))
+                    results.append((batch, self._ready(batch, entry, leased)))
                     continue
                 # A hit once it is served (a parked one, by ``_serve`` when it is).
                 admit = self._admit(member, batch.batch_id)
@@ -442,11 +505,15 @@ class Cohort:
                 else:
                     self.hits += 1
                     leased = self._lease(entry, member.job_id, None, batch.batch_id)
-                    results.append((batch, self._ready(batch, leased)))
+                    results.append((batch, self._ready(batch, entry, leased)))
+            self.copied += private
             entry.cached = True
             self._cache[id(entry)] = entry
             self._uncache_served()
             self._free_if_done(entry)
+        for batch, ready in results:
+            if ready is None:
+                batch.cohort_entry = None
         self._flush()
         return results
 
@@ -483,11 +550,30 @@ class Cohort:
 
     # --- releases (the I/O thread) --------------------------------------------------------------
 
-    def release(self, job_id: int, region_ids: Sequence[int]) -> list[int]:
-        """Ends ``job_id``'s leases of these cohort region ids; returns the ids not leased."""
+    def release(
+        self,
+        job_id: int,
+        region_ids: Sequence[int],
+        fence: str = "",
+        closed_slabs: Sequence[str] = (),
+    ) -> list[int]:
+        """Ends ``job_id``'s leases of these cohort region ids, after its trainer's release
+        ``fence`` (hex; for GPU regions), and notes the cohort's GPU slabs it reports unmapped;
+        returns the ids not leased. Raises ReleaseRefused for a fence that cannot be used."""
         unknown = []
         settled: list[Settle] = []
         with self._lock:
+            if self._device is not None:
+                if fence and any(
+                    (job_id, region_id) in self._leases
+                    and self._leases[(job_id, region_id)].entry.on_gpu
+                    for region_id in region_ids
+                ):
+                    # Before a region can go back: later writes into it wait for the fence,
+                    # each member's in turn (Note [GPU output lifetime], point 4).
+                    self._device.fence(fence, job_id)
+                if closed_slabs:
+                    self._device.peer_unmapped(closed_slabs, job_id)
             for region_id in region_ids:
                 lease = self._leases.pop((job_id, region_id), None)
                 if lease is None:
@@ -563,15 +649,25 @@ class Cohort:
                 leased_bytes=leased,
                 dropped=self.dropped,
                 copied=self.copied,
+                device_bytes=self._device.pool.slab_bytes_total if self._device else 0,
             )
 
-    def close(self) -> None:
-        """Frees the cohort's memory (its last member has gone). Idempotent."""
+    def close(self) -> bool:
+        """Closes the cohort's memory (its last member has gone) and frees it, but for GPU
+        slabs that members' processes may still map: whether some do (then :meth:`reap` and
+        :meth:`free` once ``awaiting_peers`` is false, or at the daemon's exit). Idempotent."""
         with self._lock:
             self._closed = True
             self._by_digest.clear()
             self._cache.clear()
             self._leases.clear()
+        if self.outputs.close():
+            return True
+        self.outputs.free()
+        return False
+
+    def free(self) -> None:
+        """Frees all the cohort's memory, what members' processes still map included."""
         self.outputs.close()
         self.outputs.free()
 
@@ -594,6 +690,9 @@ class Cohort:
             self._counted[job_id] += 1
         if entry.cost and job_id not in entry.charged:
             self._share_charge(entry, job_id)
+        if self._device is not None and entry.on_gpu:
+            # Its trainer maps the slabs from now on: none is freed until it unmapped them.
+            self._device.give(job_id, entry.descriptors)
         entry.leases += 1
         self.served[job_id] = self.served.get(job_id, 0) + 1
         return tuple(
@@ -601,7 +700,9 @@ class Cohort:
             for descriptor, region_id in zip(entry.descriptors, ids, strict=True)
         )
 
-    def _ready(self, batch: PendingBatch, descriptors: tuple[OutputDescriptor, ...]) -> BatchReady:
+    def _ready(
+        self, batch: PendingBatch, entry: Entry, descriptors: tuple[OutputDescriptor, ...]
+    ) -> BatchReady:
         member = batch.member
         assert member is not None
         return BatchReady(
@@ -609,6 +710,7 @@ class Cohort:
             member.pipeline_id,
             descriptors,
             retired_slabs=self._take_retired(member.job_id),
+            event=entry.event if entry.on_gpu else "",
         )
 
     def _take_retired(self, job_id: int) -> tuple[str, ...]:
@@ -742,7 +844,7 @@ class Cohort:
         assert member is not None
         self.hits += 1
         descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
-        self._to_answer.append((batch, self._ready(batch, descriptors)))
+        self._to_answer.append((batch, self._ready(batch, entry, descriptors)))
 
     def _copy(self, batch: PendingBatch, entry: Entry) -> bool:
         """A batch past its member's window, served from ``entry`` as private copies rather
@@ -838,3 +940,13 @@ def resubmit(batches: Sequence[PendingBatch]) -> None:
     """Batches whose cohort run was abandoned: each runs for its own job."""
     for batch in batches:
         _resubmit(batch)
+
+
+def _on_gpu(output: RunOutput) -> bool:
+    return type(output.tensors).__name__.endswith("GPU")
+
+
+def _maps_gpu(member: Member) -> bool:
+    """Whether ``member``'s trainer maps GPU memory by CUDA IPC (else its GPU outputs are
+    staged: ``cuda_staged.py``), so may be given the cohort's GPU regions."""
+    return any(store.device == "cuda" for store in member.outputs.stores)

@@ -647,6 +647,12 @@ class PipelineExecutor:
             for recipient, ready in entry.publish(descriptors, settle):
                 member = recipient.member
                 assert member is not None
+                if ready is None:
+                    # Its trainer cannot map the cohort's GPU memory: its own copy, from the run.
+                    with member.writing:
+                        if not member.closed:
+                            self._write(recipient, outputs, rows)
+                    continue
                 member.answer(recipient, ready)
                 if member.alone:
                     member.alone -= 1
