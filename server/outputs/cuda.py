@@ -41,6 +41,11 @@ How the daemon keeps what CUDA adds:
    freed at once.
 7. Events at the end (rule 12). The daemon destroys the fences it opened when the job closes,
    while the trainer still has them, and its ring with the job's last slab.
+8. A cohort's store (``for_members``) keeps these points with a peer per member instead of one
+   trainer: a slab is mapped by each member given its regions (``give``), so point 5 waits for
+   each of them, and point 6 is a member's; point 4 opens and bounds each member's fences
+   apart, and point 7 destroys a member's when it is gone (Note [Cohort outputs] in
+   runs/cohorts.py).
 """
 
 from __future__ import annotations

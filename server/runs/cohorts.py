@@ -8,11 +8,20 @@ same inputs meanwhile); one that matches an entry is served its outputs without 
 
 Note [Cohort outputs]
 ---------------------
-1. Where. A run of an entry writes its rows into the cohort's own shared-memory pool (one
-   :class:`~dalid.server.outputs.outputs.JobOutputs`, CPU only), whose slabs every member's trainer
-   maps by name like its own. Every member served the entry gets descriptors of the same regions,
-   under region ids of its own (from ``COHORT_REGION_BASE`` up: a job's own ids count from 1),
-   so a release names the member's lease, never another's.
+1. Where. A run of an entry writes its rows into the cohort's own memory (one
+   :class:`~dalid.server.outputs.outputs.JobOutputs`, of the stores a job has: shared memory,
+   and on a GPU daemon device memory, each at most ``--cohort-memory``), whose slabs every
+   member's trainer maps like its own: by name, or a GPU slab by its CUDA IPC handle, opened
+   once per process. Every member served the entry gets descriptors of the same regions, under
+   region ids of its own (from ``COHORT_REGION_BASE`` up: a job's own ids count from 1), so a
+   release names the member's lease, never another's; with GPU outputs, the run's one batch
+   event, on which its trainer's stream waits (never a host wait). The device store knows each
+   member as a peer of its own (``CudaStore.give``, Note [GPU output lifetime] in cuda.py): a
+   member's release fence is waited on by the cohort's stream before its lease ends, so a
+   region is written again only after every member's last use; a GPU slab the pool lets go of
+   is freed once every member given it has unmapped it, left it out of its goodbye's
+   ``kept_slabs``, or is gone (its process exited: ``reap``; one the daemon cannot watch, at
+   the daemon's exit). A cohort that ends while a live process maps its slabs is freed then.
 2. Leases. An entry's regions go back to the cohort's pool once no member holds a lease of them
    and the entry has left the cache. A member's lease ends when its trainer released every
    region of it, or when its job ended and its trainer process is gone (a trainer that said
@@ -24,10 +33,15 @@ Note [Cohort outputs]
    whose batch finds no entry any more gets a run of its own (and that run is an entry for
    members further behind). So a stalled member holds at most its own leases (point 6) and a
    share of ``window_bytes``, and stalls no one.
-4. What is not shared. Outputs the pool cannot take (GPU outputs, or no room even after the
-   cache is emptied) are written from the one run into each member's own memory: the
-   preprocessing still ran once, the copy is the member's. A run that fails or has bad samples
-   shares nothing: its followers run for themselves, each under its own ``on_error``.
+4. What is not shared. Outputs the pool cannot take (no room even after the cache is
+   emptied; GPU outputs on a daemon without a GPU store) are written from the one run into each
+   member's own memory: the preprocessing still ran once, the copy is the member's (``copied``
+   in the status). So are a run's GPU outputs for a member whose trainer cannot map the
+   daemon's GPU memory (its job's GPU outputs are staged: ``cuda_staged.py``) that waited for
+   the run (its producer or a follower); such a member's batch that finds a run already done
+   runs for its job alone, since nothing but a mapping would serve it without a copy. The
+   others still share the regions. A run that fails or has bad samples shares nothing: its
+   followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that consumed it: its producer
    when it ends, then each member as it is given the run's outputs (a follower at publication
    or once its window has room, a member served from the cache later, a copy written into a
