@@ -77,9 +77,10 @@ Note [Cohort outputs]
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 850 lines: the note above is the lifetime contract of a cohort's
+Why one module of some 970 lines: the note above is the lifetime contract of a cohort's
 regions, and the one class here keeps every point of it under one lock: a member's window
-(point 6) decides which leases are made, and the charges (point 5) follow the leases and copies.
+(point 6) decides which leases are made, the charges (point 5) follow the leases and copies,
+and the GPU slabs each member may map (point 1) follow the leases too.
 """
 
 from __future__ import annotations
@@ -391,7 +392,10 @@ class Cohort:
             if not same_inputs(entry.inputs, request.inputs, entry.unreadable, request.unreadable):
                 continue
             if entry.state == "ready" and entry.on_gpu and not _maps_gpu(member):
-                # It cannot map the cohort's GPU memory (point 4): it runs them for itself.
+                # It cannot map the cohort's GPU memory (point 4): it runs them for itself, and
+                # the outputs wait for it no longer.
+                entry.served.add(member.job_id)
+                self._uncache_served()
                 return Outcome.ALONE, None
             entry.served.add(member.job_id)
             if entry.state == "pending":
