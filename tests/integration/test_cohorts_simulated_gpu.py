@@ -26,7 +26,8 @@ from dalid.protocol import CohortStatus
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
 from ..simulated_gpu import SimulatedDevices
 from .helpers import BATCH, run_in_process, sample, two_output_pipeline
-from .test_cohorts import _lines, _start_together
+from .test_cohorts import BATCH_BYTES as COHORT_JOB_BATCH_BYTES
+from .test_cohorts import _lines, _lines_until_done, _start_together
 
 # One batch's outputs: 8 samples of 4x3 float32 (the simulated GPU output) and 4x3 int32.
 OUTPUT_BYTES = BATCH * 12 * 4
@@ -111,6 +112,7 @@ def test_every_member_maps_the_same_gpu_region_of_one_run_and_nothing_is_copied(
 ) -> None:
     batches = 6
     reference = _reference(batches)
+    before = _gpu_segments(daemon)
     with _member(daemon, "gpu-a") as first, _member(daemon, "gpu-a") as second:
         sessions = (first, second)
         proxies = [session.proxy(two_output_pipeline()) for session in sessions]
@@ -128,7 +130,7 @@ def test_every_member_maps_the_same_gpu_region_of_one_run_and_nothing_is_copied(
             # One run, one region of the cohort's GPU memory, viewed by both members.
             assert regions[0] == regions[1]
             handles.add(regions[0][0])
-            del outputs, scaled, shifted
+            del outputs, scaled, shifted, refs  # a ref holds its batch's outputs
         cohort = _cohort(daemon, "gpu-a")
         assert cohort is not None
         assert (cohort.runs, cohort.hits, cohort.copied) == (batches, batches, 0)
@@ -141,6 +143,9 @@ def test_every_member_maps_the_same_gpu_region_of_one_run_and_nothing_is_copied(
         # Each member opened each of the cohort's slabs once, whatever the batches.
         assert first.slabs_opened == second.slabs_opened
     wait_for(lambda: _cohort(daemon, "gpu-a") is None, 10, "the cohort to end")
+    # Both trainers said goodbye having unmapped its slabs (this process lives on): the
+    # cohort's GPU memory is freed at once, not when this process exits.
+    wait_for(lambda: _gpu_segments(daemon) <= before, 10, "the cohort's GPU memory to be freed")
 
 
 def test_a_gpu_region_returns_to_the_cohorts_pool_only_once_the_last_member_released_it(
@@ -226,24 +231,44 @@ def test_killing_a_member_mid_epoch_frees_its_leases_and_the_others_finish(
     daemon = roomy
     before = _gpu_segments(daemon)
     batches = 12
+    directory = own_directory()
+    end = directory / "end"
     member = ("--cohort", "gpu-k", "--batches", str(batches), "--simulated-gpu")
-    jobs, directory = _start_together(daemon, member, member, (*member, "--die-after", "4"))
+    survivor = (*member, "--end-when", str(end))
+    jobs, started = _start_together(daemon, survivor, survivor, (*member, "--die-after", "4"))
     try:
-        results = [_lines(job) for job in jobs]
+        survivors = [_lines_until_done(job) for job in jobs[:2]]
+        killed = _lines(jobs[2])
         assert jobs[2].returncode == -9
-        for lines in results:
+        for lines in [*survivors, killed]:
             assert not [line for line in lines if "wrong" in line], lines
-        survivors = results[:2]
-        for lines in survivors:
-            assert lines[-1] == {"done": batches}, lines
         digests = [[line["digest"] for line in lines if "digest" in line] for lines in survivors]
         assert len(digests[0]) == batches and digests[0] == digests[1]
-        assert [line["digest"] for line in results[2] if "digest" in line] == digests[0][:5]
+        assert [line["digest"] for line in killed if "digest" in line] == digests[0][:5]
+
+        def settled() -> bool:
+            cohort = _cohort(daemon, "gpu-k")
+            # The killed member's leases (the batch it held and those it had submitted ahead)
+            # ended with its process; the others hold at most their last batch, one region.
+            return (
+                cohort is not None
+                and len(cohort.jobs) == 2
+                and cohort.leased_bytes <= COHORT_JOB_BATCH_BYTES
+            )
+
+        wait_for(settled, 15, "the killed member's leases to end")
+        cohort = _cohort(daemon, "gpu-k")
+        assert cohort is not None and cohort.copied == 0 and cohort.hits >= batches
+        end.touch()
+        for job in jobs[:2]:
+            job.communicate(timeout=60)
+            assert job.returncode == 0
     finally:
         kill_leftovers(jobs)
+        shutil.rmtree(started, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
-    # Every member is gone, the killed one's leases with it: the cohort ends and its GPU
-    # memory is freed (what the killed process mapped went with it).
+    # Every member is gone: the cohort ends and its GPU memory is freed (what the killed
+    # process mapped went with it).
     wait_for(lambda: _cohort(daemon, "gpu-k") is None, 15, "the cohort to end")
     wait_for(lambda: _gpu_segments(daemon) <= before, 10, "the cohort's GPU memory to be freed")
     assert not daemon.status().jobs
