@@ -12,7 +12,7 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 510 lines: the store interface, the job's stores and a run's outputs
+Why one module of some 530 lines: the store interface, the job's stores and a run's outputs
 are the one boundary between the executor and output memory.
 """
 

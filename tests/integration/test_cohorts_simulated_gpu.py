@@ -11,6 +11,7 @@ tests/integration/test_cohorts_gpu.py.
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..simulated_gpu import SimulatedDevices
 from .helpers import BATCH, run_in_process, sample, two_output_pipeline
 from .test_cohorts import BATCH_BYTES as COHORT_JOB_BATCH_BYTES
 from .test_cohorts import _lines, _lines_until_done, _start_together
+from .test_many_jobs import _free_port
 
 # One batch's outputs: 8 samples of 4x3 float32 (the simulated GPU output) and 4x3 int32.
 OUTPUT_BYTES = BATCH * 12 * 4
@@ -47,12 +49,22 @@ def _simulated_daemon(*args: str) -> Iterator[DaemonProcess]:
         assert not segments, f"daemon left shared memory: {segments}"
 
 
+METRICS_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     """A simulated GPU daemon whose cohorts hold 8 KiB of each kind of output memory: some 16
     regions of these tests' outputs, so that their regions are reused within a test."""
     yield from _simulated_daemon(
-        "--pool-bytes", "16K", "--slab-bytes", "4K", "--cohort-memory", "8K"
+        "--pool-bytes",
+        "16K",
+        "--slab-bytes",
+        "4K",
+        "--cohort-memory",
+        "8K",
+        "--metrics-port",
+        str(METRICS_PORT),
     )
 
 
@@ -103,6 +115,12 @@ def _region(devices: SimulatedDevices, tensor: torch.Tensor) -> tuple[str, int]:
     raise AssertionError("the GPU output is a copy, not a view of the daemon's memory")
 
 
+def _scrape() -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as reply:
+        body: bytes = reply.read()
+        return body.decode()
+
+
 def _gpu_segments(daemon: DaemonProcess) -> set[str]:
     return {name for name in daemon.segments() if "simgpu" in name}
 
@@ -140,6 +158,16 @@ def test_every_member_maps_the_same_gpu_region_of_one_run_and_nothing_is_copied(
             assert jobs[session.job_id].output_path == "cuda_ipc"
             assert jobs[session.job_id].batches_copied == 0
         assert all(device.uploads == 0 for device in trainer_gpu.opened)
+        # The metrics say so too (a snapshot the daemon refreshes every second).
+        labels = 'cohort="gpu-a",device="gpu0"'
+        wait_for(
+            lambda: f"dalid_cohort_hits_total{{{labels}}} {float(batches)}" in _scrape(),
+            10,
+            "the cohort's hits in the metrics",
+        )
+        text = _scrape()
+        assert f"dalid_cohort_copied_total{{{labels}}} 0.0" in text
+        assert f"dalid_cohort_device_bytes{{{labels}}} {float(cohort.device_bytes)}" in text
         # Each member opened each of the cohort's slabs once, whatever the batches.
         assert first.slabs_opened == second.slabs_opened
     wait_for(lambda: _cohort(daemon, "gpu-a") is None, 10, "the cohort to end")
