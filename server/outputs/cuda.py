@@ -236,6 +236,11 @@ class CudaBackend:
         for slab in freed:
             self._api.free(slab.ptr)
 
+    def maps(self, peer: int) -> bool:
+        """Whether ``peer`` may map a slab not yet freed."""
+        with self._lock:
+            return any(peer in slab.peers for slab in self._slabs.values())
+
     @property
     def awaiting_peer(self) -> int:
         """Slabs the pool has let go of that the trainer still maps."""
@@ -467,6 +472,14 @@ class CudaStore(GpuOutputStore):
     def peer_gone(self, peer: int) -> None:
         """Member ``peer`` maps nothing of this store any more (its process is gone)."""
         self.backend.peer_gone(peer)
+
+    def maps(self, peer: int) -> bool:
+        """Whether member ``peer`` may still map a slab of this store."""
+        return self.backend.maps(peer)
+
+    def forget_fences(self, peer: int) -> None:
+        """Member ``peer``'s job ended: the fences opened for it go (point 7)."""
+        self.backend.forget_peer_events(peer)
 
     @property
     def awaiting_peers(self) -> bool:

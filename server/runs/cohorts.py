@@ -323,6 +323,8 @@ class Cohort:
                 else:
                     self._end_leases_of(job_id)
             if self._device is not None:
+                self._device.forget_fences(job_id)  # while its trainer may still have them
+            if self._device is not None and self._device.maps(job_id):
                 if pid > 0 and not self._alive(pid, namespace):
                     self._device.peer_gone(job_id)  # what it mapped went with its process
                 else:

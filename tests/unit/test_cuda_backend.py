@@ -177,11 +177,13 @@ def test_a_member_gone_or_leaving_lets_go_of_what_it_mapped(api: FakeApi) -> Non
         slab.close()
     backend.peer_kept(["c-1"], peer=2)  # member 2's goodbye: it still views c-1
     assert api.freed == []
+    assert backend.maps(1) and backend.maps(2)
     backend.peer_gone(1)  # member 1 was killed: its mappings went with its process
     assert sorted(api.freed) == sorted([slabs[0].ptr, slabs[2].ptr])
     assert sorted(api.destroyed) == [min(api.opened)]  # its fence only
+    assert not backend.maps(1) and backend.maps(2)
     backend.peer_gone(2)
-    assert api.allocated == {}
+    assert api.allocated == {} and not backend.maps(2)
 
 
 def test_fences_are_bounded_per_member(api: FakeApi) -> None:
