@@ -194,7 +194,11 @@ def cohort_lines(report: StatusReport, width: int = 200) -> list[str]:
         if cohort.dropped:
             line += f"; {cohort.dropped} outputs dropped unserved"
         if cohort.device_bytes:
-            line += f"; {cohort.device_bytes >> 20} MiB of GPU memory, mapped by every member"
+            # Its GPU memory is bounded by --cohort-memory, twice what waits for trailing members.
+            line += (
+                f"; {size(cohort.device_bytes)} of GPU memory of at most "
+                f"{size(2 * cohort.window_bytes)}, mapped by every member"
+            )
         if cohort.copied:
             line += f"; {cohort.copied} runs copied to each member's own memory"
         lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")

@@ -11,6 +11,8 @@ tests/integration/test_cohorts_gpu.py.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +170,13 @@ def test_every_member_maps_the_same_gpu_region_of_one_run_and_nothing_is_copied(
         text = _scrape()
         assert f"dalid_cohort_copied_total{{{labels}}} 0.0" in text
         assert f"dalid_cohort_device_bytes{{{labels}}} {float(cohort.device_bytes)}" in text
+        shown = subprocess.run(
+            [sys.executable, "-m", "dalid.server", "status", "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "of GPU memory of at most 8.0K, mapped by every member" in " ".join(shown.split())
         # Each member opened each of the cohort's slabs once, whatever the batches.
         assert first.slabs_opened == second.slabs_opened
     wait_for(lambda: _cohort(daemon, "gpu-a") is None, 10, "the cohort to end")
