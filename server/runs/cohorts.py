@@ -899,7 +899,10 @@ class Cohort:
                 self._fit_window()
             retired = self._take_retired(member.job_id)
         descriptors = tuple(
-            dataclasses.replace(d, region_id=0, slab="", slab_size=d.nbytes, offset=0)
+            # A copy names no slab, so no GPU slab's IPC handle either.
+            dataclasses.replace(
+                d, region_id=0, slab="", slab_size=d.nbytes, offset=0, ipc_handle=""
+            )
             for d in entry.descriptors
         )
         return BatchReady(

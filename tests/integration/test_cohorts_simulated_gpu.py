@@ -28,9 +28,11 @@ from dalid.protocol import CohortStatus
 
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
 from ..simulated_gpu import SimulatedDevices
+from .cohort_job import augmenting
+from .cohort_job import submit as cohort_submit
 from .helpers import BATCH, run_in_process, sample, two_output_pipeline
 from .test_cohorts import BATCH_BYTES as COHORT_JOB_BATCH_BYTES
-from .test_cohorts import _lines, _lines_until_done, _start_together
+from .test_cohorts import _digest, _lines, _lines_until_done, _start_together
 from .test_many_jobs import _free_port
 
 # One batch's outputs: 8 samples of 4x3 float32 (the simulated GPU output) and 4x3 int32.
@@ -309,3 +311,38 @@ def test_killing_a_member_mid_epoch_frees_its_leases_and_the_others_finish(
     wait_for(lambda: _cohort(daemon, "gpu-k") is None, 15, "the cohort to end")
     wait_for(lambda: _gpu_segments(daemon) <= before, 10, "the cohort's GPU memory to be freed")
     assert not daemon.status().jobs
+
+
+def test_a_keeper_past_its_window_is_served_copies_read_from_the_cohorts_gpu_memory(
+    roomy: DaemonProcess, trainer_gpu: SimulatedDevices
+) -> None:
+    daemon = roomy
+    batches = 12
+    with _member(daemon, "gpu-w") as leader, _member(daemon, "gpu-w") as keeper:
+        proxies = [leader.proxy(augmenting()), keeper.proxy(augmenting())]
+        outputs: list[list[str]] = [[], []]
+        kept = []
+        for number in range(batches):
+            for member, session in enumerate((leader, keeper)):
+                ref = cohort_submit(proxies[member], 0, number)
+                produced = session.produce_data(ref)
+                outputs[member].append(_digest(produced))
+                if session is keeper:
+                    kept.append(produced)  # it keeps every output: its window fills for good
+                del produced, ref
+        # One run of each batch (its random noise) for both: past its window the keeper got
+        # copies of the leader's runs, its GPU output read back from the cohort's GPU memory.
+        assert outputs[0] == outputs[1] and len(set(outputs[0])) == batches
+        cohort = _cohort(daemon, "gpu-w")
+        assert cohort is not None and (cohort.runs, cohort.hits, cohort.copied) == (
+            batches,
+            batches,
+            0,
+        )
+        jobs = {job.job_id: job for job in daemon.status().jobs}
+        copied = jobs[keeper.job_id].batches_copied
+        assert 0 < copied < batches and jobs[leader.job_id].batches_copied == 0
+        # Each copy's GPU output was uploaded to the keeper's GPU (a tensor of its own).
+        assert sum(device.uploads for device in trainer_gpu.opened) == copied
+        del kept
+    wait_for(lambda: _cohort(daemon, "gpu-w") is None, 10, "the cohort to end")
