@@ -987,8 +987,12 @@ class CohortStatus:
     leased_bytes: int = 0
     dropped: int = 0
     # Batches run once and then copied into each member's own memory (outputs the cohort's
-    # shared memory cannot hold: GPU outputs, or a full cohort memory).
+    # memory cannot hold, it being full; or GPU outputs for a member whose trainer cannot map
+    # the cohort's GPU memory by CUDA IPC, which are staged for it).
     copied: int = 0
+    # The cohort's GPU output memory now (a GPU daemon's), at most --cohort-memory: every
+    # member maps its regions by CUDA IPC.
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,8 @@ class SimulatedDevice:
     ipc: bool = True
     refusal: str = "cudaErrorNotSupported: operation not supported (simulated)"
     mapped: dict[int, mmap.mmap] = field(default_factory=dict)
+    # The daemon's segment each mapping is of (its "IPC handle"), by address.
+    names: dict[int, str] = field(default_factory=dict)
     pinned: set[int] = field(default_factory=set)
     uploads: int = 0
     _fences: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -232,10 +234,21 @@ class SimulatedDevice:
             os.close(fd)
         ptr = _address(mapping)
         self.mapped[ptr] = mapping
+        self.names[ptr] = name
         return ptr
 
     def close_memory(self, ptr: int) -> None:
+        self.names.pop(ptr)
         self.mapped.pop(ptr).close()
+
+    def region_of(self, tensor: torch.Tensor) -> tuple[str, int]:
+        """Which of the daemon's device memory a tensor views: (the slab's handle, offset).
+        Two trainers' tensors with the same answer view one region, neither a copy."""
+        address = tensor.data_ptr()
+        for ptr, mapping in self.mapped.items():
+            if ptr <= address < ptr + len(mapping):
+                return self.names[ptr], address - ptr
+        raise ValueError("the tensor views none of the daemon's memory: it is a copy")
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         return ctypes.string_at(ptr, nbytes)
@@ -308,6 +321,15 @@ class SimulatedDevices:
         device = SimulatedDevice(ipc=self.ipc)
         self.opened.append(device)
         return device
+
+
+def install_trainer(ipc: bool = True) -> SimulatedDevices:
+    """This trainer process's GPUs: the simulated daemon's (a job process of the tests)."""
+    from dalid.client.outputs import cuda_device
+
+    devices = SimulatedDevices(ipc=ipc)
+    cuda_device.DEVICES = devices  # type: ignore[assignment]
+    return devices
 
 
 if __name__ == "__main__":

@@ -246,9 +246,9 @@ class BatchRequests:
 
     def _release(self, job: Job, request: ReleaseRegions) -> None:
         region_ids: Sequence[int] = request.region_ids
-        if any(region_id >= COHORT_REGION_BASE for region_id in region_ids):
-            region_ids = self._release_cohort_regions(job, region_ids)
         try:
+            if request.closed_slabs or any(r >= COHORT_REGION_BASE for r in region_ids):
+                region_ids = self._release_cohort_regions(job, request)
             unknown = job.outputs.release(region_ids, request.event, request.closed_slabs)
         except ReleaseRefused as refusal:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, f"{request.OP}: {refusal}") from None
@@ -258,14 +258,15 @@ class BatchRequests:
                 f"regions {unknown[:8]} are not leased to job {job.job_id}",
             )
 
-    def _release_cohort_regions(self, job: Job, region_ids: Sequence[int]) -> list[int]:
-        """Ends the job's leases of its cohorts' regions among ``region_ids``; the job's own
-        ids, and those no cohort leased to it (refused with them), are left."""
+    def _release_cohort_regions(self, job: Job, request: ReleaseRegions) -> list[int]:
+        """Ends the job's leases of its cohorts' regions among the request's, after its fence
+        (GPU regions), and hands its cohorts the slabs it reports unmapped; the job's own ids,
+        and those no cohort leased to it (refused with them), are left."""
+        region_ids = request.region_ids
         own = [region_id for region_id in region_ids if region_id < COHORT_REGION_BASE]
         shared = [region_id for region_id in region_ids if region_id >= COHORT_REGION_BASE]
         for cohort in {id(m.cohort): m.cohort for m in job.pipelines.values() if m.cohort}.values():
-            if shared:
-                shared = cohort.release(job.job_id, shared)
+            shared = cohort.release(job.job_id, shared, request.event, request.closed_slabs)
         return own + shared
 
 

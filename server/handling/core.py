@@ -65,8 +65,7 @@ from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import QuotaRefused, Quotas, grant
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
-from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams, region_ids
-from ..outputs.shm import SharedMemoryStore
+from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
@@ -250,14 +249,17 @@ class DaemonCore:
         return Error(error.code, error.message, op=error.op)
 
     def _cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
-        """A cohort's output memory: shared memory only (its GPU outputs go to each member's
-        own memory), reserved as it grows against the daemon's --memory-limit."""
-        outputs = JobOutputs([SharedMemoryStore(name_prefix, limits, region_ids())])
+        """A cohort's output memory, of the kinds a job's is (shared memory; on a GPU daemon,
+        device memory too, whose regions every member maps: cohorts.py), each reserved as it
+        grows as a job's is (shared memory against the daemon's --memory-limit)."""
+        outputs = self._outputs(name_prefix, limits)
         try:
-            reservation = self.output_memory["cpu"].growing(limits.pool_bytes)
+            for store in outputs.stores:
+                store.pool.grow_within(self.output_memory[store.device].growing(limits.pool_bytes))
         except QuotaRefused as refusal:
+            outputs.close()
+            outputs.free()
             raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        outputs.stores[0].pool.grow_within(reservation)
         # A cohort's run never waits for a member's trainer: with no room, it goes to each
         # member's own memory instead (Note [Cohort outputs] in cohorts.py).
         outputs.copy_after = 0.0
@@ -511,6 +513,7 @@ class DaemonCore:
             log.info("job %d said goodbye", peer.job.job_id)
             # The trainer has unmapped every slab but these (Note [GPU output lifetime]).
             peer.job.outputs.peer_leaving(goodbye.kept_slabs)
+            self.cohorts.peer_leaving(peer.job.job_id, goodbye.kept_slabs)
             self.close_job(peer.job)
         else:
             self._worker_left(identity)

@@ -53,6 +53,8 @@ COHORT_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_cohort_window_bytes", "The most held for trailing members", "gauge", "window_bytes"),
     ("dalid_cohort_leased_bytes", "Cohort memory tensors view", "gauge", "leased_bytes"),
     ("dalid_cohort_dropped", "Outputs dropped unserved", "counter", "dropped"),
+    ("dalid_cohort_copied", "Runs copied into each member's own memory", "counter", "copied"),
+    ("dalid_cohort_device_bytes", "GPU memory every member maps", "gauge", "device_bytes"),
 )  # fmt: skip
 
 

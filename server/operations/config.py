@@ -263,7 +263,9 @@ OPTIONS: tuple[Option, ...] = (
         parse_size,
         None,
         "output memory of one cohort (jobs that share the runs of batches of the same inputs), "
-        "half of which may hold outputs for its trailing members; counted in --memory-limit",
+        "of each kind: shared memory, counted in --memory-limit, and on a GPU daemon as much GPU "
+        "memory, whose buffers every member maps by CUDA IPC; half of it may hold outputs for "
+        "its trailing members",
         "SIZE",
         default_text="--pool-bytes",
     ),

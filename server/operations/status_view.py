@@ -175,7 +175,8 @@ COHORT_LINE = (
     "Then a line per cohort (jobs that registered the same pipeline under one cohort name, whose "
     "batches of the same inputs run once): its jobs, the batches that ran and those served from "
     "another member's run (hits), how many batches the leading member is ahead of the trailing "
-    "one, and the output memory held for trailing members, of the most it may hold"
+    "one, the output memory held for trailing members, of the most it may hold, and on a GPU "
+    "daemon the cohort's GPU memory, whose buffers every member maps"
 )
 
 
@@ -192,6 +193,12 @@ def cohort_lines(report: StatusReport, width: int = 200) -> list[str]:
         )
         if cohort.dropped:
             line += f"; {cohort.dropped} outputs dropped unserved"
+        if cohort.device_bytes:
+            # Its GPU memory is bounded by --cohort-memory, twice what waits for trailing members.
+            line += (
+                f"; {size(cohort.device_bytes)} of GPU memory of at most "
+                f"{size(2 * cohort.window_bytes)}, mapped by every member"
+            )
         if cohort.copied:
             line += f"; {cohort.copied} runs copied to each member's own memory"
         lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")

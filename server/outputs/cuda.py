@@ -6,8 +6,8 @@ from :class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors'
 GPU outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
 real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
-Why one module of some 440 lines: the note below and the code that keeps it (slabs, the job's
-stream, its event ring and the peer's fences) read best together.
+Why one module of some 530 lines: the note below and the code that keeps it (slabs, the job's
+stream, its event ring, the peers' fences and, for a cohort, a peer per member) read best together.
 
 Note [GPU output lifetime]
 --------------------------
@@ -41,6 +41,11 @@ How the daemon keeps what CUDA adds:
    freed at once.
 7. Events at the end (rule 12). The daemon destroys the fences it opened when the job closes,
    while the trainer still has them, and its ring with the job's last slab.
+8. A cohort's store (``for_members``) keeps these points with a peer per member instead of one
+   trainer: a slab is mapped by each member given its regions (``give``), so point 5 waits for
+   each of them, and point 6 is a member's; point 4 opens and bounds each member's fences
+   apart, and point 7 destroys a member's when it is gone (Note [Cohort outputs] in
+   runs/cohorts.py).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from dalid.protocol import Limits
+from dalid.protocol import Limits, OutputDescriptor
 
 from . import cuda_api
 from .cuda_api import DeviceApi
@@ -73,13 +78,17 @@ EVENT_RING = 32
 """Interprocess batch events per job (Note [GPU output lifetime], point 3)."""
 MAX_PEER_EVENTS = 256
 """Release fences a trainer may have the daemon open; the client keeps at most 64."""
+TRAINER = 0
+"""The one peer of a job's backend: its trainer. A cohort's backend has one per member (its job
+id: Note [Cohort outputs] in runs/cohorts.py)."""
 
 
 class CudaSlab:
     """One block of device memory, exported by its CUDA IPC handle.
 
     ``close()`` hands it back to its backend, which frees it now or, once exported, when the
-    trainer reports it unmapped (Note [GPU output lifetime], point 5). Idempotent.
+    trainer reports it unmapped (Note [GPU output lifetime], point 5). Idempotent. ``peers``:
+    the trainers that may map it (given its handle, not yet reported it unmapped).
     """
 
     device = "cuda"
@@ -90,8 +99,7 @@ class CudaSlab:
         self.ipc_handle = handle
         self._backend = backend
         self._ptr = ptr
-        self.exported = False
-        self.peer_closed = False
+        self.peers: set[int] = set()
         self.closed = False
 
     @property
@@ -109,8 +117,9 @@ class CudaSlab:
         self._backend.copy(self.address(offset), source)
 
     def export(self) -> str:
-        """The IPC handle (hex) for a descriptor; from now on the trainer may map the slab."""
-        self.exported = True
+        """The IPC handle (hex) for a descriptor; from now on the trainer may map the slab
+        (a cohort's: each member it is given to, ``CudaBackend.give``)."""
+        self._backend.exported(self)
         return self.ipc_handle
 
     def close(self, unmap: bool = True) -> None:
@@ -125,21 +134,32 @@ class CudaBackend:
 
     Thread-safe: executors create slabs, copy and record from their threads; the I/O thread
     applies release fences and closed slabs.
+
+    A job's backend has one peer, its trainer (``TRAINER``), which may map a slab once it is
+    exported. A cohort's (``shared``) has one per member, named by the member's job id: a slab
+    exported is mapped by the members it is given to (:meth:`give`), and is freed once each of
+    them has unmapped it or is gone; their fences are opened and destroyed member by member.
     """
 
     device = "cuda"
 
     def __init__(
-        self, device_id: int, api: DeviceApi | None = None, ring_size: int = EVENT_RING
+        self,
+        device_id: int,
+        api: DeviceApi | None = None,
+        ring_size: int = EVENT_RING,
+        *,
+        shared: bool = False,
     ) -> None:
         self.device_id = device_id
+        self.shared = shared
         self._api: DeviceApi = api if api is not None else cuda_api.CupyApi(device_id)
         self._lock = threading.Lock()
         self.stream = self._api.create_stream()
         self._ring_size = ring_size
         self._ring: list[tuple[int, str]] = []  # (event, handle), created as first needed
         self._next_event = 0
-        self._peer_events: dict[str, int] = {}
+        self._peer_events: dict[int, dict[str, int]] = {}  # by peer, by handle
         self._private: list[int] = []  # see _private_event
         self._slabs: dict[str, CudaSlab] = {}  # every slab not yet freed
         self._kept = False  # a slab was kept for a writer that could not be stopped
@@ -160,8 +180,23 @@ class CudaBackend:
             self._slabs[name] = slab
         return slab
 
+    def exported(self, slab: CudaSlab) -> None:
+        """``slab``'s handle goes out: a job's trainer may map it from now on."""
+        if not self.shared:
+            with self._lock:
+                slab.peers.add(TRAINER)
+
+    def give(self, peer: int, names: Sequence[str]) -> None:
+        """A cohort's backend: member ``peer`` is given regions of these slabs, so may map
+        them until it reports them unmapped or is gone."""
+        with self._lock:
+            for name in names:
+                slab = self._slabs.get(name)
+                if slab is not None:
+                    slab.peers.add(peer)
+
     def slab_closed(self, slab: CudaSlab, free: bool) -> None:
-        """The pool let go of ``slab``: free it unless the trainer may still map it."""
+        """The pool let go of ``slab``: free it unless a trainer may still map it."""
         with self._lock:
             if slab.closed:
                 return
@@ -170,30 +205,41 @@ class CudaBackend:
                 self._slabs.pop(slab.name, None)
                 self._kept = True
                 return
-            if slab.exported and not slab.peer_closed:
-                return  # freed by peer_closed(), or by close() once the trainer is gone
+            if slab.peers:
+                return  # freed by peer_closed(), or by close() once the trainers are gone
             self._slabs.pop(slab.name, None)
         self._api.free(slab.ptr)
 
-    def peer_closed(self, names: Sequence[str]) -> None:
+    def peer_closed(self, names: Sequence[str], peer: int = TRAINER) -> None:
         """The trainer unmapped these slabs: free those the pool has let go of already."""
-        self._peer_closed(lambda name: name in names)
+        self._peer_closed(peer, lambda name: name in names)
 
-    def peer_kept(self, names: Sequence[str]) -> None:
+    def peer_kept(self, names: Sequence[str], peer: int = TRAINER) -> None:
         """The trainer, leaving, still maps these slabs and has unmapped every other one."""
-        self._peer_closed(lambda name: name not in names)
+        self._peer_closed(peer, lambda name: name not in names)
 
-    def _peer_closed(self, unmapped: Callable[[str], bool]) -> None:
+    def peer_gone(self, peer: int) -> None:
+        """Member ``peer``'s process is gone (it mapped nothing any more) or its job ended:
+        its slabs no longer wait for it, and the fences opened for it are destroyed."""
+        self._peer_closed(peer, lambda name: True)
+        self.forget_peer_events(peer)
+
+    def _peer_closed(self, peer: int, unmapped: Callable[[str], bool]) -> None:
         freed = []
         with self._lock:
             for name, slab in list(self._slabs.items()):
                 if not unmapped(name):
                     continue
-                slab.peer_closed = True
-                if slab.closed:
+                slab.peers.discard(peer)
+                if slab.closed and not slab.peers:
                     freed.append(self._slabs.pop(name))
         for slab in freed:
             self._api.free(slab.ptr)
+
+    def maps(self, peer: int) -> bool:
+        """Whether ``peer`` may map a slab not yet freed."""
+        with self._lock:
+            return any(peer in slab.peers for slab in self._slabs.values())
 
     @property
     def awaiting_peer(self) -> int:
@@ -222,24 +268,34 @@ class CudaBackend:
             self._api.record(event, self.stream)
         return handle_hex
 
-    def wait_for_peer(self, handle: str) -> None:
+    def wait_for_peer(self, handle: str, peer: int = TRAINER) -> None:
         """Later work on the stream waits for the trainer's release fence ``handle`` (hex)."""
         with self._lock:
-            event = self._peer_events.get(handle)
+            events = self._peer_events.setdefault(peer, {})
+            event = events.get(handle)
             if event is None:
-                if len(self._peer_events) >= MAX_PEER_EVENTS:
+                if len(events) >= MAX_PEER_EVENTS:
                     raise ValueError(
                         f"the trainer has sent more than {MAX_PEER_EVENTS} different release "
                         "events; reuse them once they complete"
                     )
                 event = self._api.open_event(bytes.fromhex(handle))
-                self._peer_events[handle] = event
+                events[handle] = event
             self._api.wait(self.stream, event)
 
     def synchronize(self, stream: int | None = None) -> None:
         """Waits on the host until the work queued so far on the job's stream (or ``stream``)
         is done."""
         self._api.synchronize(self.stream if stream is None else stream)
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of device memory at ``ptr`` in a new host buffer, once the work queued on
+        the job's stream so far is done (a host wait: a private copy's bytes)."""
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            self._api.copy_to_host(buffer.ctypes.data, ptr, nbytes, self.stream)
+            self._api.synchronize(self.stream)
+        return buffer
 
     def copy_range(self, ptr: int, source: int, nbytes: int) -> None:
         """Copies ``nbytes`` of device memory at ``source`` to ``ptr`` on the job's stream."""
@@ -264,12 +320,16 @@ class CudaBackend:
             self._private.append(self._api.create_private_event())
         return self._private[which]
 
-    def forget_peer_events(self) -> None:
-        """The job has ended: destroys the trainer's release fences opened here, while the
-        trainer still has them (waits already queued on the stream stay valid)."""
+    def forget_peer_events(self, peer: int | None = None) -> None:
+        """The job (or member ``peer`` of a cohort) has ended: destroys the trainer's release
+        fences opened here, while the trainer still has them (waits already queued on the
+        stream stay valid)."""
         with self._lock:
-            events, self._peer_events = list(self._peer_events.values()), {}
-        for event in events:
+            if peer is None:
+                opened, self._peer_events = list(self._peer_events.values()), {}
+            else:
+                opened = [self._peer_events.pop(peer, {})]
+        for event in [event for events in opened for event in events.values()]:
             self._api.destroy_event(event)
 
     # --- the end ------------------------------------------------------------------------------
@@ -287,8 +347,8 @@ class CudaBackend:
             self.closed = True
             slabs = list(self._slabs.values())
             self._slabs.clear()
-            events = [event for event, _ in self._ring] + list(self._peer_events.values())
-            events += self._private
+            events = [event for event, _ in self._ring] + self._private
+            events += [event for opened in self._peer_events.values() for event in opened.values()]
             self._ring, self._peer_events, self._private = [], {}, []
             kept = self._kept
         for slab in slabs:
@@ -366,6 +426,9 @@ class CudaStore(GpuOutputStore):
         # Exported: the daemon frees the slab only once the trainer unmapped it.
         return slab.export()
 
+    def read(self, address: int, nbytes: int) -> np.ndarray:
+        return self.backend.read(address, nbytes)
+
     def finish(self, wrote: bool, source_stream: int | None) -> str:
         if not wrote:
             return ""
@@ -380,17 +443,48 @@ class CudaStore(GpuOutputStore):
             self.backend.lead(source_stream)
         return event
 
-    def fence(self, event: str) -> None:
+    def fence(self, event: str, peer: int = TRAINER) -> None:
         try:
-            self.backend.wait_for_peer(event)
+            self.backend.wait_for_peer(event, peer)
         except Exception as error:
             raise ReleaseRefused(f"the release event cannot be used: {error}") from None
 
-    def peer_unmapped(self, slabs: Sequence[str]) -> None:
-        self.backend.peer_closed(slabs)
+    def peer_unmapped(self, slabs: Sequence[str], peer: int = TRAINER) -> None:
+        self.backend.peer_closed(slabs, peer)
 
-    def peer_leaving(self, kept: Sequence[str]) -> None:
-        self.backend.peer_kept(kept)
+    def peer_leaving(self, kept: Sequence[str], peer: int = TRAINER) -> None:
+        self.backend.peer_kept(kept, peer)
+
+    # --- a cohort's store: its members are its peers (Note [Cohort outputs] in cohorts.py) ---
+
+    def for_members(self) -> None:
+        """Makes this a cohort's store, before it made a slab: each slab is mapped by the
+        members given its regions (:meth:`give`), named by their job ids, not by one trainer."""
+        if self.pool.slab_count:
+            raise ValueError("a store becomes a cohort's before it makes a slab")
+        self.backend.shared = True
+
+    def give(self, peer: int, regions: Sequence[OutputDescriptor]) -> None:
+        """Member ``peer`` is given these regions (descriptors of this store's): it may map
+        their slabs from now on, until it reports them unmapped or is gone."""
+        self.backend.give(peer, [d.slab for d in regions if d.device == self.device])
+
+    def peer_gone(self, peer: int) -> None:
+        """Member ``peer`` maps nothing of this store any more (its process is gone)."""
+        self.backend.peer_gone(peer)
+
+    def maps(self, peer: int) -> bool:
+        """Whether member ``peer`` may still map a slab of this store."""
+        return self.backend.maps(peer)
+
+    def forget_fences(self, peer: int) -> None:
+        """Member ``peer``'s job ended: the fences opened for it go (point 7)."""
+        self.backend.forget_peer_events(peer)
+
+    @property
+    def awaiting_peers(self) -> bool:
+        """Whether slabs the pool let go of wait for a trainer that may still map them."""
+        return self.backend.awaiting_peer > 0
 
     def close(self, unmap: bool) -> bool:
         self.pool.close(unmap=unmap)

@@ -37,10 +37,13 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 
 from ..errors import RequestRefused
 from . import cuda_api
+from .copies import host_copy
 from .cuda import CudaBackend, CudaStore, GpuOutputStore
 from .cuda_api import DeviceApi
 from .outputs import JobOutputs, ReleaseRefused, RunOutput
@@ -144,6 +147,9 @@ class StagedStore(GpuOutputStore):
 
     def export(self, region: Region) -> str:
         return ""  # the trainer maps the slab by its name
+
+    def read(self, address: int, nbytes: int) -> np.ndarray:
+        return host_copy(address, nbytes)
 
     def finish(self, wrote: bool, source_stream: int | None) -> str:
         if wrote:

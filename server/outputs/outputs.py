@@ -12,7 +12,7 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 510 lines: the store interface, the job's stores and a run's outputs
+Why one module of some 530 lines: the store interface, the job's stores and a run's outputs
 are the one boundary between the executor and output memory.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
-from .copies import host_copy, private_copy
+from .copies import private_copy
 from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
 
 
@@ -87,6 +87,10 @@ class OutputStore(Protocol):
     def export(self, region: Region) -> str:
         """The handle a descriptor of ``region`` carries ("" where the slab name is enough);
         from then on the trainer may map its slab."""
+
+    def read(self, address: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` at ``address`` of one of its regions, in a new host buffer (a private
+        copy of a region still leased: ``JobOutputs.copies_of``)."""
 
     def finish(self, wrote: bool, source_stream: int | None) -> str:
         """Called once a batch's outputs are copied; the batch's event handle, or ""."""
@@ -239,15 +243,16 @@ class JobOutputs:
         return tuple(descriptors), tuple(frames)
 
     def copies_of(self, descriptors: Sequence[OutputDescriptor]) -> tuple[memoryview, ...]:
-        """The bytes of regions of this memory, still leased, as private copies (host memory
-        only): a cohort's outputs for a member past its window (Note [Cohort outputs],
-        point 6, in cohorts.py)."""
-        return tuple(
-            host_copy(
-                self.store(d.device).pool.address(d.region_id) if d.nbytes else 0, d.nbytes
-            ).data
-            for d in descriptors
-        )
+        """The bytes of regions of this memory, still leased, as private copies (a GPU region's
+        through the host, once the copies queued so far are done): a cohort's outputs for a
+        member past its window, or one that cannot map the cohort's GPU memory (Note [Cohort
+        outputs], points 4 and 6, in cohorts.py)."""
+        copies = []
+        for d in descriptors:
+            store = self.store(d.device)
+            address = store.pool.address(d.region_id) if d.nbytes else 0
+            copies.append(store.read(address, d.nbytes).data)
+        return tuple(copies)
 
     def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
         """Calls ``released`` once the trainer has released every one of ``region_ids`` (a

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 from dalid.protocol import CohortStatus, ErrorCode, Limits
 
@@ -41,6 +41,8 @@ class Cohorts:
         self._charge = charge
         self._share = share
         self._cohorts: dict[str, Cohort] = {}
+        # Ended cohorts whose GPU slabs members' processes may still map (cohorts.py).
+        self._closing: list[Cohort] = []
         self._numbers = itertools.count(1)
 
     def check(self, name: str, key: Hashable, deterministic: bool, job_id: int = 0) -> None:
@@ -98,20 +100,34 @@ class Cohorts:
         cohort = self._cohorts.get(joined.name)
         if cohort is joined and cohort.empty:
             del self._cohorts[cohort.name]
-            cohort.close()
+            if cohort.close():
+                self._closing.append(cohort)
             log.info("cohort %r ended with its last member", cohort.name)
+
+    def peer_leaving(self, job_id: int, kept_slabs: Sequence[str]) -> None:
+        """Job ``job_id``'s trainer said goodbye, still mapping ``kept_slabs`` only."""
+        for cohort in list(self._cohorts.values()):
+            if job_id in cohort.members:
+                cohort.peer_leaving(job_id, kept_slabs)
 
     def reap(self) -> None:
         for cohort in list(self._cohorts.values()):
             cohort.reap()
+        for cohort in list(self._closing):
+            cohort.reap()
+            if not cohort.awaiting_peers:
+                self._closing.remove(cohort)
+                cohort.free()
 
     def status(self) -> tuple[CohortStatus, ...]:
         return tuple(cohort.status() for cohort in list(self._cohorts.values()))
 
     def close(self) -> None:
         cohorts, self._cohorts = list(self._cohorts.values()), {}
-        for cohort in cohorts:
+        closing, self._closing = self._closing, []
+        for cohort in [*cohorts, *closing]:
             cohort.close()
+            cohort.free()
 
 
 def _difference(theirs: Hashable, ours: Hashable) -> str:

@@ -8,11 +8,20 @@ same inputs meanwhile); one that matches an entry is served its outputs without 
 
 Note [Cohort outputs]
 ---------------------
-1. Where. A run of an entry writes its rows into the cohort's own shared-memory pool (one
-   :class:`~dalid.server.outputs.outputs.JobOutputs`, CPU only), whose slabs every member's trainer
-   maps by name like its own. Every member served the entry gets descriptors of the same regions,
-   under region ids of its own (from ``COHORT_REGION_BASE`` up: a job's own ids count from 1),
-   so a release names the member's lease, never another's.
+1. Where. A run of an entry writes its rows into the cohort's own memory (one
+   :class:`~dalid.server.outputs.outputs.JobOutputs`, of the stores a job has: shared memory,
+   and on a GPU daemon device memory, each at most ``--cohort-memory``), whose slabs every
+   member's trainer maps like its own: by name, or a GPU slab by its CUDA IPC handle, opened
+   once per process. Every member served the entry gets descriptors of the same regions, under
+   region ids of its own (from ``COHORT_REGION_BASE`` up: a job's own ids count from 1), so a
+   release names the member's lease, never another's; with GPU outputs, the run's one batch
+   event, on which its trainer's stream waits (never a host wait). The device store knows each
+   member as a peer of its own (``CudaStore.give``, Note [GPU output lifetime] in cuda.py): a
+   member's release fence is waited on by the cohort's stream before its lease ends, so a
+   region is written again only after every member's last use; a GPU slab the pool lets go of
+   is freed once every member given it has unmapped it, left it out of its goodbye's
+   ``kept_slabs``, or is gone (its process exited: ``reap``; one the daemon cannot watch, at
+   the daemon's exit). A cohort that ends while a live process maps its slabs is freed then.
 2. Leases. An entry's regions go back to the cohort's pool once no member holds a lease of them
    and the entry has left the cache. A member's lease ends when its trainer released every
    region of it, or when its job ended and its trainer process is gone (a trainer that said
@@ -24,10 +33,15 @@ Note [Cohort outputs]
    whose batch finds no entry any more gets a run of its own (and that run is an entry for
    members further behind). So a stalled member holds at most its own leases (point 6) and a
    share of ``window_bytes``, and stalls no one.
-4. What is not shared. Outputs the pool cannot take (GPU outputs, or no room even after the
-   cache is emptied) are written from the one run into each member's own memory: the
-   preprocessing still ran once, the copy is the member's. A run that fails or has bad samples
-   shares nothing: its followers run for themselves, each under its own ``on_error``.
+4. What is not shared. Outputs the pool cannot take (no room even after the cache is
+   emptied; GPU outputs on a daemon without a GPU store) are written from the one run into each
+   member's own memory: the preprocessing still ran once, the copy is the member's (``copied``
+   in the status). So are a run's GPU outputs for a member whose trainer cannot map the
+   daemon's GPU memory (its job's GPU outputs are staged: ``cuda_staged.py``) that waited for
+   the run (its producer or a follower); such a member's batch that finds a run already done
+   runs for its job alone, since nothing but a mapping would serve it without a copy. The
+   others still share the regions. A run that fails or has bad samples shares nothing: its
+   followers run for themselves, each under its own ``on_error``.
 5. Charging. A run is charged once, split among the members that consumed it: its producer
    when it ends, then each member as it is given the run's outputs (a follower at publication
    or once its window has room, a member served from the cache later, a copy written into a
@@ -63,9 +77,10 @@ Note [Cohort outputs]
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 850 lines: the note above is the lifetime contract of a cohort's
+Why one module of some 970 lines: the note above is the lifetime contract of a cohort's
 regions, and the one class here keeps every point of it under one lock: a member's window
-(point 6) decides which leases are made, and the charges (point 5) follow the leases and copies.
+(point 6) decides which leases are made, the charges (point 5) follow the leases and copies,
+and the GPU slabs each member may map (point 1) follow the leases too.
 """
 
 from __future__ import annotations
@@ -88,6 +103,7 @@ from dalid.protocol import (
     OutputDescriptor,
 )
 
+from ..outputs.cuda import CudaStore
 from ..outputs.outputs import JobOutputs, OutputFailure, RunOutput
 from ..outputs.pool import PoolClosed, PoolFull
 from .cohort_matching import batch_digest, same_inputs
@@ -140,6 +156,8 @@ class Entry:
     state: str = "pending"
     served: set[int] = field(default_factory=set)  # the jobs given it, or waiting for it
     descriptors: tuple[OutputDescriptor, ...] = ()
+    # The run's batch event, where it wrote GPU outputs: every member's stream waits on it.
+    event: str = ""
     nbytes: int = 0
     leases: int = 0
     cached: bool = False
@@ -159,14 +177,19 @@ class Entry:
     def write(
         self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
     ) -> tuple[OutputDescriptor, ...] | None:
-        return self.cohort.write(outputs, rows, source_stream)
+        return self.cohort.write(outputs, rows, source_stream, self)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether its outputs are in the cohort's GPU memory (point 1)."""
+        return any(d.device == "cuda" for d in self.descriptors)
 
     def account(self, seconds: float) -> None:
         self.cohort.account(self, seconds)
 
     def publish(
         self, descriptors: tuple[OutputDescriptor, ...], settle: Settle
-    ) -> list[tuple[PendingBatch, BatchReady]]:
+    ) -> list[tuple[PendingBatch, BatchReady | None]]:
         return self.cohort.publish(self, descriptors, settle)
 
     def take_recipients(self) -> list[PendingBatch]:
@@ -214,6 +237,12 @@ class Cohort:
         self.name = name
         self.key = key
         self.outputs = outputs
+        # Its GPU memory, on a GPU daemon: each slab mapped by the members given its regions.
+        self._device = next((s for s in outputs.stores if isinstance(s, CudaStore)), None)
+        if self._device is not None:
+            self._device.for_members()
+        # Members gone whose trainer process may still map its GPU slabs: (pid, namespace).
+        self._mapping: dict[int, tuple[int, int]] = {}
         self.window_bytes = window_bytes
         self._alive = alive
         self._charge = charge
@@ -293,18 +322,44 @@ class Cohort:
                     self._lingering[job_id] = (pid, namespace)
                 else:
                     self._end_leases_of(job_id)
+            if self._device is not None:
+                self._device.forget_fences(job_id)  # while its trainer may still have them
+            if self._device is not None and self._device.maps(job_id):
+                if pid > 0 and not self._alive(pid, namespace):
+                    self._device.peer_gone(job_id)  # what it mapped went with its process
+                else:
+                    # Its slabs not kept at its goodbye were let go of then (``peer_leaving``);
+                    # a process the daemon cannot watch keeps the rest until the daemon exits.
+                    self._mapping[job_id] = (pid, namespace)
             self._uncache_served()
         for batch in resubmit:
             _resubmit(batch)
         self._flush()
 
     def reap(self) -> None:
-        """Ends the leases of members gone whose trainer process has exited since."""
+        """Ends the leases of members gone whose trainer process has exited since, and lets
+        the cohort's GPU slabs they mapped go."""
         with self._lock:
             for job_id, (pid, namespace) in list(self._lingering.items()):
                 if not self._alive(pid, namespace):
                     del self._lingering[job_id]
                     self._end_leases_of(job_id)
+            for job_id, (pid, namespace) in list(self._mapping.items()):
+                if pid > 0 and not self._alive(pid, namespace):
+                    del self._mapping[job_id]
+                    if self._device is not None:
+                        self._device.peer_gone(job_id)
+
+    def peer_leaving(self, job_id: int, kept_slabs: Sequence[str]) -> None:
+        """The trainer of member ``job_id`` said goodbye: it maps ``kept_slabs`` still, and no
+        other slab of the cohort's GPU memory (Note [GPU output lifetime] in cuda.py)."""
+        if self._device is not None:
+            self._device.peer_leaving(kept_slabs, job_id)
+
+    @property
+    def awaiting_peers(self) -> bool:
+        """Whether GPU slabs of the closed cohort wait for members' processes to unmap them."""
+        return self._device is not None and self._device.awaiting_peers
 
     @property
     def empty(self) -> bool:
@@ -338,6 +393,12 @@ class Cohort:
                 continue
             if not same_inputs(entry.inputs, request.inputs, entry.unreadable, request.unreadable):
                 continue
+            if entry.state == "ready" and entry.on_gpu and not _maps_gpu(member):
+                # It cannot map the cohort's GPU memory (point 4): it runs them for itself, and
+                # the outputs wait for it no longer.
+                entry.served.add(member.job_id)
+                self._uncache_served()
+                return Outcome.ALONE, None
             entry.served.add(member.job_id)
             if entry.state == "pending":
                 entry.followers.append(batch)
@@ -353,7 +414,7 @@ class Cohort:
                 return Outcome.HIT, None  # answered by ``_flush``, with its copies
             self.hits += 1
             descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
-            ready = self._ready(batch, descriptors)
+            ready = self._ready(batch, entry, descriptors)
             self._uncache_served()
             return Outcome.HIT, ready
         if member.overflow:
@@ -375,17 +436,26 @@ class Cohort:
     # --- runs (executor threads) ----------------------------------------------------------------
 
     def write(
-        self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
+        self,
+        outputs: Sequence[RunOutput],
+        rows: range,
+        source_stream: int | None,
+        entry: Entry | None = None,
     ) -> tuple[OutputDescriptor, ...] | None:
-        """Copies an entry's rows of a run into the cohort's memory; None where they cannot go
-        there (Note [Cohort outputs], point 4)."""
-        if not all(type(output.tensors).__name__ == "TensorListCPU" for output in outputs):
+        """Copies an entry's rows of a run into the cohort's memory (the run's batch event, for
+        GPU outputs, goes to ``entry``); None where they cannot go there (Note [Cohort
+        outputs], point 4)."""
+        takes = {store.takes for store in self.outputs.stores}
+        kinds = {"cuda" if _on_gpu(output) else "cpu" for output in outputs}
+        if not kinds <= takes:
             return None
         while True:
             try:
-                descriptors, _ = self.outputs.write_batch(
+                descriptors, event = self.outputs.write_batch(
                     outputs, rows, source_stream=source_stream, wait=False
                 )
+                if entry is not None:
+                    entry.event = event
                 return descriptors
             except PoolFull:
                 with self._lock:
@@ -412,10 +482,12 @@ class Cohort:
 
     def publish(
         self, entry: Entry, descriptors: tuple[OutputDescriptor, ...], settle: Settle
-    ) -> list[tuple[PendingBatch, BatchReady]]:
+    ) -> list[tuple[PendingBatch, BatchReady | None]]:
         """The run of ``entry`` is in the cohort's memory: the results for its producer (whose
-        window ``settle`` frees once its trainer released them) and its followers."""
-        results = []
+        window ``settle`` frees once its trainer released them) and its followers; None for
+        one whose trainer cannot map the cohort's GPU memory, to be written into its own
+        memory from the run (Note [Cohort outputs], point 4)."""
+        results: list[tuple[PendingBatch, BatchReady | None]] = []
         with self._lock:
             entry.state = "ready"
             entry.descriptors = descriptors
@@ -423,14 +495,25 @@ class Cohort:
             recipients = [b for b in (entry.producer, *entry.followers) if b is not None]
             entry.followers = []
             self.runs += 1
+            private = False
             for batch in recipients:
                 member = batch.member
                 assert member is not None
                 if member.closed or member.job_id not in self.members:
                     continue
+                if entry.on_gpu and not _maps_gpu(member):
+                    # Its own copy, from the run (as ``take_recipients``): outside the cohort's
+                    # memory, so outside its window here; its own memory bounds it.
+                    if entry.cost and member.job_id not in entry.charged:
+                        self._share_charge(entry, member.job_id)
+                    self.served[member.job_id] = self.served.get(member.job_id, 0) + 1
+                    self.hits += batch is not entry.producer
+                    results.append((batch, None))
+                    private = True
+                    continue
                 if batch is entry.producer:
                     leased = self._lease(entry, member.job_id, settle, batch.batch_id)
-                    results.append((batch, self._ready(batch, leased)))
+                    results.append((batch, self._ready(batch, entry, leased)))
                     continue
                 # A hit once it is served (a parked one, by ``_serve`` when it is).
                 admit = self._admit(member, batch.batch_id)
@@ -442,11 +525,15 @@ class Cohort:
                 else:
                     self.hits += 1
                     leased = self._lease(entry, member.job_id, None, batch.batch_id)
-                    results.append((batch, self._ready(batch, leased)))
+                    results.append((batch, self._ready(batch, entry, leased)))
+            self.copied += private
             entry.cached = True
             self._cache[id(entry)] = entry
             self._uncache_served()
             self._free_if_done(entry)
+        for batch, ready in results:
+            if ready is None:
+                batch.cohort_entry = None
         self._flush()
         return results
 
@@ -483,11 +570,30 @@ class Cohort:
 
     # --- releases (the I/O thread) --------------------------------------------------------------
 
-    def release(self, job_id: int, region_ids: Sequence[int]) -> list[int]:
-        """Ends ``job_id``'s leases of these cohort region ids; returns the ids not leased."""
+    def release(
+        self,
+        job_id: int,
+        region_ids: Sequence[int],
+        fence: str = "",
+        closed_slabs: Sequence[str] = (),
+    ) -> list[int]:
+        """Ends ``job_id``'s leases of these cohort region ids, after its trainer's release
+        ``fence`` (hex; for GPU regions), and notes the cohort's GPU slabs it reports unmapped;
+        returns the ids not leased. Raises ReleaseRefused for a fence that cannot be used."""
         unknown = []
         settled: list[Settle] = []
         with self._lock:
+            if self._device is not None:
+                if fence and any(
+                    (job_id, region_id) in self._leases
+                    and self._leases[(job_id, region_id)].entry.on_gpu
+                    for region_id in region_ids
+                ):
+                    # Before a region can go back: later writes into it wait for the fence,
+                    # each member's in turn (Note [GPU output lifetime], point 4).
+                    self._device.fence(fence, job_id)
+                if closed_slabs:
+                    self._device.peer_unmapped(closed_slabs, job_id)
             for region_id in region_ids:
                 lease = self._leases.pop((job_id, region_id), None)
                 if lease is None:
@@ -563,15 +669,25 @@ class Cohort:
                 leased_bytes=leased,
                 dropped=self.dropped,
                 copied=self.copied,
+                device_bytes=self._device.pool.slab_bytes_total if self._device else 0,
             )
 
-    def close(self) -> None:
-        """Frees the cohort's memory (its last member has gone). Idempotent."""
+    def close(self) -> bool:
+        """Closes the cohort's memory (its last member has gone) and frees it, but for GPU
+        slabs that members' processes may still map: whether some do (then :meth:`reap` and
+        :meth:`free` once ``awaiting_peers`` is false, or at the daemon's exit). Idempotent."""
         with self._lock:
             self._closed = True
             self._by_digest.clear()
             self._cache.clear()
             self._leases.clear()
+        if self.outputs.close():
+            return True
+        self.outputs.free()
+        return False
+
+    def free(self) -> None:
+        """Frees all the cohort's memory, what members' processes still map included."""
         self.outputs.close()
         self.outputs.free()
 
@@ -594,6 +710,9 @@ class Cohort:
             self._counted[job_id] += 1
         if entry.cost and job_id not in entry.charged:
             self._share_charge(entry, job_id)
+        if self._device is not None and entry.on_gpu:
+            # Its trainer maps the slabs from now on: none is freed until it unmapped them.
+            self._device.give(job_id, entry.descriptors)
         entry.leases += 1
         self.served[job_id] = self.served.get(job_id, 0) + 1
         return tuple(
@@ -601,7 +720,9 @@ class Cohort:
             for descriptor, region_id in zip(entry.descriptors, ids, strict=True)
         )
 
-    def _ready(self, batch: PendingBatch, descriptors: tuple[OutputDescriptor, ...]) -> BatchReady:
+    def _ready(
+        self, batch: PendingBatch, entry: Entry, descriptors: tuple[OutputDescriptor, ...]
+    ) -> BatchReady:
         member = batch.member
         assert member is not None
         return BatchReady(
@@ -609,6 +730,7 @@ class Cohort:
             member.pipeline_id,
             descriptors,
             retired_slabs=self._take_retired(member.job_id),
+            event=entry.event if entry.on_gpu else "",
         )
 
     def _take_retired(self, job_id: int) -> tuple[str, ...]:
@@ -742,7 +864,7 @@ class Cohort:
         assert member is not None
         self.hits += 1
         descriptors = self._lease(entry, member.job_id, None, batch.batch_id)
-        self._to_answer.append((batch, self._ready(batch, descriptors)))
+        self._to_answer.append((batch, self._ready(batch, entry, descriptors)))
 
     def _copy(self, batch: PendingBatch, entry: Entry) -> bool:
         """A batch past its member's window, served from ``entry`` as private copies rather
@@ -777,7 +899,10 @@ class Cohort:
                 self._fit_window()
             retired = self._take_retired(member.job_id)
         descriptors = tuple(
-            dataclasses.replace(d, region_id=0, slab="", slab_size=d.nbytes, offset=0)
+            # A copy names no slab, so no GPU slab's IPC handle either.
+            dataclasses.replace(
+                d, region_id=0, slab="", slab_size=d.nbytes, offset=0, ipc_handle=""
+            )
             for d in entry.descriptors
         )
         return BatchReady(
@@ -838,3 +963,13 @@ def resubmit(batches: Sequence[PendingBatch]) -> None:
     """Batches whose cohort run was abandoned: each runs for its own job."""
     for batch in batches:
         _resubmit(batch)
+
+
+def _on_gpu(output: RunOutput) -> bool:
+    return type(output.tensors).__name__.endswith("GPU")
+
+
+def _maps_gpu(member: Member) -> bool:
+    """Whether ``member``'s trainer maps GPU memory by CUDA IPC (else its GPU outputs are
+    staged: ``cuda_staged.py``), so may be given the cohort's GPU regions."""
+    return any(store.device == "cuda" for store in member.outputs.stores)

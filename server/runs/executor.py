@@ -644,12 +644,24 @@ class PipelineExecutor:
         descriptors = entry.write(outputs, rows, self._stream)
         if descriptors is not None:
             settle = functools.partial(self._planner.settle, batch, released=True)
+            own_copies = []
             for recipient, ready in entry.publish(descriptors, settle):
                 member = recipient.member
                 assert member is not None
+                if ready is None:
+                    own_copies.append(recipient)
+                    continue
                 member.answer(recipient, ready)
                 if member.alone:
                     member.alone -= 1
+            for recipient in own_copies:
+                # Its trainer cannot map the cohort's GPU memory: its own copy, from the run,
+                # once the members that share it have theirs (this may wait for its memory).
+                member = recipient.member
+                assert member is not None
+                with member.writing:
+                    if not member.closed:
+                        self._write(recipient, outputs, rows)
             if batch.member is not None and batch.member.closed:
                 self._planner.settle(batch)
             return

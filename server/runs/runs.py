@@ -173,7 +173,13 @@ class JoinedCohort(Protocol):
 
     def want(self, job_id: int, batch_id: int) -> None: ...
 
-    def release(self, job_id: int, region_ids: Sequence[int]) -> list[int]: ...
+    def release(
+        self,
+        job_id: int,
+        region_ids: Sequence[int],
+        fence: str = "",
+        closed_slabs: Sequence[str] = (),
+    ) -> list[int]: ...
 
     def sender_left(self, job_id: int, first_id: int, end_id: int) -> None: ...
 
@@ -191,7 +197,7 @@ class CohortRun(Protocol):
 
     def publish(
         self, descriptors: tuple[OutputDescriptor, ...], settle: Callable[[], None]
-    ) -> list[tuple[PendingBatch, BatchReady]]: ...
+    ) -> list[tuple[PendingBatch, BatchReady | None]]: ...
 
     def take_recipients(self) -> list[PendingBatch]: ...
 

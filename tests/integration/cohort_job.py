@@ -7,7 +7,8 @@ jobs started one after another begin together). ``--die-after N``: kills itself 
 holding the outputs of batch N and the batches submitted ahead of it. ``--stall-after N``: stops
 consuming after batch N, holding what it has and has submitted, until it is killed. ``--keep``:
 keeps every output it consumes (as a loop that stores its outputs does).
-``--end-when PATH``: once done, stays in its cohort until PATH exists.
+``--end-when PATH``: once done, stays in its cohort until PATH exists. ``--simulated-gpu``: the
+daemon's GPU is simulated (tests/simulated_gpu.py), and so is this process's.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--start-when", type=Path)
     parser.add_argument("--end-when", type=Path)
+    parser.add_argument("--simulated-gpu", action="store_true")
     args = parser.parse_args()
+    if args.simulated_gpu:
+        from ..simulated_gpu import install_trainer
+
+        install_trainer()
     with dalid.connect(socket=args.socket, autostart=False, cohort=args.cohort) as session:
         proxy = session.proxy(augmenting())
         print(json.dumps({"job": session.job_id}), flush=True)

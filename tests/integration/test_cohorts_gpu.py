@@ -1,6 +1,7 @@
-"""A cohort on a GPU daemon: the members' batches of the same inputs run once, and the run's GPU
-outputs are copied into each member's own GPU memory (the cohort's shared memory holds CPU
-outputs only: Note [Cohort outputs], point 4). Skipped without CUDA."""
+"""A cohort on a GPU daemon: the members' batches of the same inputs run once, and every member
+maps the same region of the cohort's GPU memory by CUDA IPC, with no copy (Note [Cohort
+outputs] in cohorts.py). Skipped without CUDA; the same on a simulated GPU, with a member
+without IPC and one killed: tests/integration/test_cohorts_simulated_gpu.py."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
         assert not segments
 
 
-def test_members_on_a_gpu_daemon_share_the_run_and_get_their_own_copies(
+def test_members_on_a_gpu_daemon_map_one_region_of_one_run_with_no_copy(
     gpu_daemon: DaemonProcess,
 ) -> None:
     batches = 4
@@ -52,17 +53,25 @@ def test_members_on_a_gpu_daemon_share_the_run_and_get_their_own_copies(
             refs = [
                 torch.utils.data.default_collate([proxy(s) for s in batch]) for proxy in proxies
             ]
-            for session, ref in zip((first, second), refs, strict=True):
-                scaled, shifted = session.produce_data(ref)
+            produced = [
+                session.produce_data(ref)
+                for session, ref in zip((first, second), refs, strict=True)
+            ]
+            for scaled, shifted in produced:
                 assert scaled.is_cuda and not shifted.is_cuda
                 np.testing.assert_allclose(scaled.cpu().numpy(), want[0], rtol=1e-6)
                 np.testing.assert_array_equal(shifted.numpy(), want[1])
-                del scaled, shifted
+            # Both members' trainers (one process here) opened the same slab by its handle:
+            # CUDA returns the one mapping, so one region of one run has one address.
+            assert produced[0][0].data_ptr() == produced[1][0].data_ptr()
+            del produced, scaled, shifted
         report = gpu_daemon.status()
         (cohort,) = [c for c in report.cohorts if c.name == "gpu"]
-        # A batch that arrived before its twin had run was served a copy of that run; one that
-        # arrived later ran again (nothing waits in the cohort's memory for GPU outputs).
-        assert cohort.hits >= 1 and cohort.runs + cohort.hits == 2 * batches
-        assert cohort.copied == cohort.runs
+        assert (cohort.runs, cohort.hits, cohort.copied) == (batches, batches, 0)
+        assert cohort.device_bytes > 0
+        jobs = {job.job_id: job for job in report.jobs}
+        for session in (first, second):
+            assert jobs[session.job_id].output_path == "cuda_ipc"
+            assert jobs[session.job_id].batches_copied == 0
         (pipeline,) = [p for p in report.pipelines if first.job_id in p.jobs]
-        assert pipeline.samples == cohort.runs * BATCH
+        assert pipeline.samples == batches * BATCH

@@ -134,6 +134,77 @@ def test_memory_kept_for_a_writer_that_cannot_be_stopped(api: FakeApi) -> None:
     assert not any(call[0] == "destroy_stream" for call in api.calls)
 
 
+# --- a cohort's slabs: one peer per member -------------------------------------------------------
+
+
+def _shared(api: FakeApi) -> CudaBackend:
+    return CudaBackend(0, api=api, ring_size=4, shared=True)
+
+
+def test_a_cohorts_slab_is_freed_once_every_member_given_it_unmapped_it(api: FakeApi) -> None:
+    backend = _shared(api)
+    slab = backend.create("c-1", PAGE)
+    slab.export()  # in the descriptors of a run: mapped by the members given them, no other
+    backend.give(1, ["c-1"])
+    backend.give(2, ["c-1", "unknown"])
+    slab.close()
+    assert api.freed == [] and backend.awaiting_peer == 1
+    backend.peer_closed(["c-1"], peer=1)
+    assert api.freed == []  # member 2 may still map it
+    backend.peer_closed(["c-1"], peer=2)
+    assert api.freed == [slab.ptr] and backend.awaiting_peer == 0
+
+
+def test_a_cohorts_slab_no_member_was_given_is_freed_when_the_pool_lets_go(api: FakeApi) -> None:
+    backend = _shared(api)
+    slab = backend.create("c-1", PAGE)
+    slab.export()
+    slab.close()
+    assert api.freed == [slab.ptr]
+
+
+def test_a_member_gone_or_leaving_lets_go_of_what_it_mapped(api: FakeApi) -> None:
+    backend = _shared(api)
+    slabs = [backend.create(f"c-{n}", PAGE) for n in range(3)]
+    for slab in slabs:
+        slab.export()
+    backend.give(1, ["c-0", "c-1", "c-2"])
+    backend.give(2, ["c-0", "c-1"])
+    backend.wait_for_peer("01" * 64, peer=1)
+    backend.wait_for_peer("01" * 64, peer=2)  # another process's event: opened for each
+    assert len(api.opened) == 2
+    for slab in slabs:
+        slab.close()
+    backend.peer_kept(["c-1"], peer=2)  # member 2's goodbye: it still views c-1
+    assert api.freed == []
+    assert backend.maps(1) and backend.maps(2)
+    backend.peer_gone(1)  # member 1 was killed: its mappings went with its process
+    assert sorted(api.freed) == sorted([slabs[0].ptr, slabs[2].ptr])
+    assert sorted(api.destroyed) == [min(api.opened)]  # its fence only
+    assert not backend.maps(1) and backend.maps(2)
+    backend.peer_gone(2)
+    assert api.allocated == {} and not backend.maps(2)
+
+
+def test_fences_are_bounded_per_member(api: FakeApi) -> None:
+    backend = _shared(api)
+    for n in range(MAX_PEER_EVENTS):
+        backend.wait_for_peer(n.to_bytes(64, "little").hex(), peer=1)
+    backend.wait_for_peer("ff" * 64, peer=2)  # another member's fences count apart
+    with pytest.raises(ValueError, match="release events"):
+        backend.wait_for_peer("ff" * 64, peer=1)
+
+
+def test_a_gpu_region_is_read_to_the_host_after_the_copies_queued(api: FakeApi) -> None:
+    backend = _backend(api)
+    slab = backend.create("s-1", PAGE)
+    copy = backend.read(slab.address(256), 64)
+    assert copy.nbytes == 64
+    (copied,) = [call for call in api.calls if call[0] == "copy_to_host"]
+    assert copied[2:] == (slab.ptr + 256, 64, backend.stream)
+    assert api.calls[-1] == ("synchronize", backend.stream)
+
+
 # --- events -------------------------------------------------------------------------------------
 
 
