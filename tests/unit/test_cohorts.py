@@ -542,3 +542,59 @@ def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
         assert inputs.held == 0
     finally:
         gc.enable()
+
+
+def _marking(outputs: JobOutputs, window: int) -> tuple[Cohort, list[tuple[int, bool]]]:
+    """A cohort whose marks of trailing members (point 8) are recorded, as the scheduler hears
+    them."""
+    marks: list[tuple[int, bool]] = []
+    cohort = Cohort(
+        "sweep",
+        ("key",),
+        outputs,
+        window,
+        lambda pid, namespace: False,
+        trailing=lambda job_id, trails: marks.append((job_id, trails)),
+    )
+    return cohort, marks
+
+
+def test_a_member_that_comes_for_dropped_outputs_trails_until_it_matches_again(
+    outputs: JobOutputs,
+) -> None:
+    cohort, marks = _marking(outputs, window=2 * BATCH_BYTES)
+    leader, trailing = _Job(1), _Job(2)
+    cohort.join(leader.member)
+    cohort.join(trailing.member)
+    _served_by(cohort, leader, range(5))  # the oldest three are dropped unserved to job 2
+    assert cohort.status().trailing == () and marks == []
+    # It comes for inputs that ran and went before it had them: it trails past the window.
+    batch = trailing.batch(0)
+    assert cohort.take(batch)[0] == Outcome.RUN
+    assert marks == [(2, True)] and cohort.status().trailing == (2,)
+    _run(cohort, batch, 0.0, [])
+    assert cohort.take(trailing.batch(1))[0] == Outcome.RUN and marks == [(2, True)]
+    # Its batch matches a run of the leader's again: it is back.
+    assert cohort.take(trailing.batch(4))[0] == Outcome.HIT
+    assert marks == [(2, True), (2, False)] and cohort.status().trailing == ()
+
+
+def test_neither_a_member_ahead_of_dropped_outputs_nor_one_on_other_inputs_trails(
+    outputs: JobOutputs,
+) -> None:
+    cohort, marks = _marking(outputs, window=BATCH_BYTES)
+    leader, slow, other = _Job(1), _Job(2), _Job(3)
+    for job in (leader, slow, other):
+        cohort.join(job.member)
+    _served_by(cohort, leader, range(4))
+    _served_by(cohort, other, range(20, 24))  # its sampler differs: none of these match
+    # The slow member comes for the leader's dropped outputs: it trails. Its own runs of them
+    # are dropped in turn, unserved to the leader, who passed those inputs long ago.
+    _served_by(cohort, slow, range(3))
+    assert marks == [(2, True)] and cohort.status().dropped >= 6
+    # A second epoch: the leader comes with the inputs of the slow member's dropped runs, the
+    # other member with its own again. Neither is behind them: neither trails.
+    for seed in range(4):
+        cohort.take(leader.batch(seed))
+        cohort.take(other.batch(20 + seed))
+    assert marks == [(2, True)] and cohort.status().trailing == (2,)
