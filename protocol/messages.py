@@ -993,9 +993,6 @@ class CohortStatus:
     # The cohort's GPU output memory now (a GPU daemon's), at most --cohort-memory: every
     # member maps its regions by CUDA IPC.
     device_bytes: int = 0
-    # Its members past its window now: their own runs rank behind the others' (SPEC.md,
-    # "Cohorts").
-    trailing: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

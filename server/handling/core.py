@@ -175,7 +175,6 @@ class DaemonCore:
             self.registry.alive,
             charge=self.scheduler.charge,
             share=self.scheduler.share_run,
-            trailing=self.scheduler.trailing,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(

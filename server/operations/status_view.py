@@ -175,8 +175,7 @@ COHORT_LINE = (
     "Then a line per cohort (jobs that registered the same pipeline under one cohort name, whose "
     "batches of the same inputs run once): its jobs, the batches that ran and those served from "
     "another member's run (hits), how many batches the leading member is ahead of the trailing "
-    "one, the output memory held for trailing members, of the most it may hold, the members "
-    "past that window (whose own runs rank behind the others'), and on a GPU "
+    "one, the output memory held for trailing members, of the most it may hold, and on a GPU "
     "daemon the cohort's GPU memory, whose buffers every member maps"
 )
 
@@ -194,10 +193,6 @@ def cohort_lines(report: StatusReport, width: int = 200) -> list[str]:
         )
         if cohort.dropped:
             line += f"; {cohort.dropped} outputs dropped unserved"
-        if cohort.trailing:
-            # Their own runs rank behind the others' while they trail (cohorts.py, point 8).
-            jobs = ", ".join(str(job_id) for job_id in cohort.trailing)
-            line += f"; past the window, its own runs behind the others': job {jobs}"
         if cohort.device_bytes:
             # Its GPU memory is bounded by --cohort-memory, twice what waits for trailing members.
             line += (

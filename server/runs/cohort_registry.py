@@ -12,7 +12,7 @@ from dalid.protocol import CohortStatus, ErrorCode, Limits
 
 from ..errors import RequestRefused
 from ..outputs.outputs import JobOutputs
-from .cohorts import Alive, Charge, Cohort, Trailing, no_charge, no_trailing
+from .cohorts import Alive, Charge, Cohort, no_charge
 from .runs import Member
 
 log = logging.getLogger("dalid.server")
@@ -32,17 +32,14 @@ class Cohorts:
         make_outputs: MakeOutputs,
         memory_bytes: int,
         alive: Alive,
-        *,
         charge: Charge = no_charge,
         share: Charge = no_charge,
-        trailing: Trailing = no_trailing,
     ) -> None:
         self._make_outputs = make_outputs
         self.memory_bytes = memory_bytes
         self._alive = alive
         self._charge = charge
         self._share = share
-        self._trailing = trailing
         self._cohorts: dict[str, Cohort] = {}
         # Ended cohorts whose GPU slabs members' processes may still map (cohorts.py).
         self._closing: list[Cohort] = []
@@ -87,14 +84,7 @@ class Cohorts:
                 dataclasses.replace(limits, pool_bytes=memory),
             )
             cohort = Cohort(
-                name,
-                key,
-                outputs,
-                memory // 2,
-                self._alive,
-                charge=self._charge,
-                share=self._share,
-                trailing=self._trailing,
+                name, key, outputs, memory // 2, self._alive, charge=self._charge, share=self._share
             )
             self._cohorts[name] = cohort
             log.info("cohort %r started, %d MiB of output memory", name, memory >> 20)

@@ -73,26 +73,11 @@ Note [Cohort outputs]
 7. Inputs. An entry keeps its producer's batch, and so its input frames (counted in
    ``--input-memory`` as long as the batch lives: inputs.py), only while other members may
    still match it; once it leaves the cache it lets go of both, and the count goes with them.
-8. A member past the window. A member whose batch comes with inputs whose outputs were
-   dropped unserved to it (point 3) while it was behind the members they were served to trails
-   past the window: every batch it needs now is a run of its own, and on a machine the
-   others keep busy that run is taken from them (one trailing member of four took 30% of the
-   pipeline, and the others lost a quarter of their rate). So while it trails, the fair
-   scheduler weighs it at ``TRAILING_SHARE`` (a tenth) of its weight
-   (``FairScheduler.trailing``): its runs rank behind the others' and ride in theirs only
-   while its tag allows, so it takes under a tenth of a pipeline the others keep busy, and
-   whatever they leave idle. It never starves: its tags still move, and an idle pipeline runs
-   it at once. Its batch that matches an entry again (it caught up, or the others wait for
-   it) ends that, and its tags start again from the virtual time. Charges (point 5) are
-   unchanged: its runs are its own. A member behind only because it reads other inputs (its
-   sampler differs) never comes with dropped inputs, and one ahead of dropped outputs (they
-   were a trailing member's own run) is not behind them, so neither is taken for trailing.
-   ``dalid status`` names the members that trail.
 
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 1,030 lines: the note above is the lifetime contract of a cohort's
+Why one module of some 970 lines: the note above is the lifetime contract of a cohort's
 regions, and the one class here keeps every point of it under one lock: a member's window
 (point 6) decides which leases are made, the charges (point 5) follow the leases and copies,
 and the GPU slabs each member may map (point 1) follow the leases too.
@@ -137,17 +122,9 @@ Alive = Callable[[int, int], bool]
 # charge(job_id, seconds): counts seconds of a run to a job's ``run_seconds``; share(job_id,
 # seconds) also moves its fair-share tag (FairScheduler.share_run); negative, takes back.
 Charge = Callable[[int, float], None]
-# trailing(job_id, trails): a member fell past the window, or is back within it (point 8).
-Trailing = Callable[[int, bool], None]
-# Digests of outputs dropped unserved, kept to tell a trailing member's batch (point 8).
-DROPPED_KEPT = 1024
 
 
 def no_charge(job_id: int, seconds: float) -> None:
-    pass
-
-
-def no_trailing(job_id: int, trails: bool) -> None:
     pass
 
 
@@ -256,7 +233,6 @@ class Cohort:
         *,
         charge: Charge = no_charge,
         share: Charge = no_charge,
-        trailing: Trailing = no_trailing,
     ) -> None:
         self.name = name
         self.key = key
@@ -271,12 +247,6 @@ class Cohort:
         self._alive = alive
         self._charge = charge
         self._share = share
-        self._trailing = trailing
-        # Point 8: the members past the window now; for outputs dropped unserved, by their
-        # inputs' digest, the members behind them then; marks to hand the scheduler.
-        self.trailing: set[int] = set()
-        self._dropped_for: collections.OrderedDict[bytes, set[int]] = collections.OrderedDict()
-        self._marks: list[tuple[int, bool]] = []
         self._lock = threading.Lock()
         self.members: dict[int, Member] = {}
         self._by_digest: dict[bytes, list[Entry]] = {}
@@ -326,7 +296,6 @@ class Cohort:
             self.served.pop(job_id, None)
             self._retired.pop(job_id, None)
             self._wanted.pop(job_id, None)
-            self._mark(job_id, False)
             for _, entry in self._parked.pop(job_id, {}).values():
                 entry.parked -= 1
             for entries in list(self._by_digest.values()):
@@ -424,7 +393,6 @@ class Cohort:
                 continue
             if not same_inputs(entry.inputs, request.inputs, entry.unreadable, request.unreadable):
                 continue
-            self._mark(member.job_id, False)  # within the window again (point 8)
             if entry.state == "ready" and entry.on_gpu and not _maps_gpu(member):
                 # It cannot map the cohort's GPU memory (point 4): it runs them for itself, and
                 # the outputs wait for it no longer.
@@ -449,11 +417,6 @@ class Cohort:
             ready = self._ready(batch, entry, descriptors)
             self._uncache_served()
             return Outcome.HIT, ready
-        behind = self._dropped_for.get(digest)
-        if behind is not None and member.job_id in behind:
-            # These inputs ran and were dropped before it came: it trails past the window.
-            behind.discard(member.job_id)
-            self._mark(member.job_id, True)
         if member.overflow:
             # Its trainer keeps its outputs (Note [A job's window], point 4): its runs go to its
             # own memory, as private copies once that is full, not to the cohort's.
@@ -707,7 +670,6 @@ class Cohort:
                 dropped=self.dropped,
                 copied=self.copied,
                 device_bytes=self._device.pool.slab_bytes_total if self._device else 0,
-                trailing=tuple(sorted(self.trailing)),
             )
 
     def close(self) -> bool:
@@ -818,47 +780,17 @@ class Cohort:
                 break
             if not entry.leases:
                 held -= entry.nbytes
-                self._note_dropped(entry)
+                self.dropped += 1
                 self._uncache(entry)
 
     def _evict_oldest(self) -> bool:
         """Drops the oldest cached outputs no member holds, to make room; whether any went."""
         for entry in list(self._cache.values()):
             if not entry.leases:
-                self._note_dropped(entry)
+                self.dropped += 1
                 self._uncache(entry)
                 return True
         return False
-
-    def _note_dropped(self, entry: Entry) -> None:
-        """``entry``'s outputs leave the cache unserved to some members: those behind the
-        members it was served to (fewer batches served) are noted, to be told trailing if
-        they come with its inputs (point 8). A member ahead of it (it passed these inputs, and
-        the entry is a trailing member's own run) or on other inputs is never noted so."""
-        self.dropped += 1
-        ahead = max((self.served.get(job_id, 0) for job_id in entry.served), default=0)
-        behind = {
-            job_id
-            for job_id in self.members
-            if job_id not in entry.served and self.served.get(job_id, 0) < ahead
-        }
-        if behind:
-            self._dropped_for[entry.digest] = behind
-            self._dropped_for.move_to_end(entry.digest)
-            while len(self._dropped_for) > DROPPED_KEPT:
-                self._dropped_for.popitem(last=False)
-
-    def _mark(self, job_id: int, trails: bool) -> None:
-        """Notes that member ``job_id`` trails past the window, or no longer (point 8); the
-        scheduler hears of a change in ``_flush``."""
-        if trails == (job_id in self.trailing):
-            return
-        if trails:
-            self.trailing.add(job_id)
-            log.info("cohort %r: job %d trails past the window", self.name, job_id)
-        else:
-            self.trailing.discard(job_id)
-        self._marks.append((job_id, trails))
 
     def _uncache(self, entry: Entry) -> None:
         self._cache.pop(id(entry), None)
@@ -994,9 +926,6 @@ class Cohort:
             answers, self._to_answer = self._to_answer, []
             to_copy, self._to_copy = self._to_copy, []
             to_run, self._to_run = self._to_run, []
-            marks, self._marks = self._marks, []
-        for job_id, trails in marks:
-            self._trailing(job_id, trails)
         for job_id, seconds, tag in charges:
             (self._share if tag else self._charge)(job_id, seconds)
         for batch, entry in to_copy:

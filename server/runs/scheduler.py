@@ -38,10 +38,6 @@ from dataclasses import dataclass, field
 
 # How often a blocked request checks whether it was cancelled.
 CANCEL_POLL_S = 0.1
-# What a cohort member past its cohort's window weighs, as a share of its weight, while it
-# trails (Note [Cohort outputs], point 8, in cohorts.py): at most a tenth, so that its own runs
-# take under a tenth of a pipeline the others keep busy, however many the others are.
-TRAILING_SHARE = 0.1
 
 
 @dataclass
@@ -60,8 +56,6 @@ class _Request:
 class _JobShare:
     weight: float
     finish_tag: float = 0.0
-    # A cohort member past its cohort's window (``FairScheduler.trailing``).
-    trailing: bool = False
     running: int = 0
     # Slots won for the job that none of its executors has taken yet.
     reserved: int = 0
@@ -72,11 +66,6 @@ class _JobShare:
     passed_over: int = 0
     run_seconds: float = 0.0
     waiting: list[_Request] = field(default_factory=list)
-
-    @property
-    def rate(self) -> float:
-        """The weight its tags move by: its own, or ``TRAILING_SHARE`` of it while it trails."""
-        return self.weight * TRAILING_SHARE if self.trailing else self.weight
 
 
 @dataclass(frozen=True)
@@ -149,7 +138,7 @@ class FairScheduler:
             if len(share.waiting) < share.claimants:
                 request = _Request(job_id, start_tag, cost, next(self._sequence), time.monotonic())
                 # The tag is taken now, so the job's next request queues behind this one.
-                share.finish_tag = start_tag + cost / share.rate
+                share.finish_tag = start_tag + cost / share.weight
                 share.waiting.append(request)
                 self._grant_waiting()
             while not self._take_reserved(share):
@@ -178,7 +167,7 @@ class FairScheduler:
             self._free += 1
             if next_cost is not None:
                 start_tag = max(self._virtual_time, share.finish_tag)
-                share.finish_tag = start_tag + next_cost / share.rate
+                share.finish_tag = start_tag + next_cost / share.weight
                 share.waiting.append(
                     _Request(
                         job_id,
@@ -196,20 +185,6 @@ class FairScheduler:
         with self._changed:
             share = self._jobs.get(job_id)
             return share.weight if share is not None else 1.0
-
-    def trailing(self, job_id: int, trailing: bool) -> None:
-        """Job ``job_id`` is a cohort member that fell past its cohort's window (or is back
-        within it): while it trails, its tags move on as if its weight were ``TRAILING_SHARE``
-        of its own, so the runs it needs for itself rank behind the others' (Note [Cohort
-        outputs], point 8, in cohorts.py). Back, it starts again from the virtual time: what it
-        ran while it trailed is not held against it."""
-        with self._changed:
-            share = self._jobs.get(job_id)
-            if share is None or share.trailing == trailing:
-                return
-            share.trailing = trailing
-            if not trailing:
-                share.finish_tag = min(share.finish_tag, self._virtual_time)
 
     def start_tag(self, job_id: int) -> float | None:
         """The start tag the job's next request would get (None for a removed job): a pipeline
@@ -231,7 +206,7 @@ class FairScheduler:
             # The virtual time stays the run's (its first batch's start tag): a rider's later
             # tag moved it on, and other jobs' next tags with it, as if they had been served.
             start_tag = max(self._virtual_time, share.finish_tag)
-            share.finish_tag = start_tag + cost / share.rate
+            share.finish_tag = start_tag + cost / share.weight
             share.granted += 1
 
     def forfeit(self, job_id: int) -> None:
@@ -279,7 +254,7 @@ class FairScheduler:
             share = self._jobs.get(job_id)
             if share is not None:
                 share.run_seconds += seconds
-                share.finish_tag += seconds / share.rate
+                share.finish_tag += seconds / share.weight
 
     @property
     def free(self) -> int:
@@ -308,7 +283,7 @@ class FairScheduler:
         """Gives ``share`` a slot for a request that did not wait."""
         self._free -= 1
         self._virtual_time = max(self._virtual_time, start_tag)
-        share.finish_tag = start_tag + cost / share.rate
+        share.finish_tag = start_tag + cost / share.weight
         share.running += 1
         share.granted += 1
         self._count_passed_over(share)
@@ -326,7 +301,7 @@ class FairScheduler:
                 waiting,
                 key=lambda r: (
                     r.start_tag,
-                    r.start_tag + r.cost / self._jobs[r.job_id].rate,
+                    r.start_tag + r.cost / self._jobs[r.job_id].weight,
                     r.sequence,
                 ),
             )

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dalid.server.runs.scheduler import TRAILING_SHARE, FairScheduler, ServiceClock
+from dalid.server.runs.scheduler import FairScheduler, ServiceClock
 
 
 def never() -> bool:
@@ -277,22 +277,3 @@ def test_a_run_shared_with_other_jobs_moves_each_ones_tag_by_its_share() -> None
     # A tag moved back below the virtual time saves up no credit.
     scheduler.share_run(1, -5.0)
     assert scheduler.start_tag(1) == pytest.approx(0.0)
-
-
-def test_a_trailing_cohort_member_weighs_a_tenth_until_it_is_back() -> None:
-    # A cohort member past its cohort's window (server/runs/cohorts.py, point 8): its own runs
-    # rank behind the others', so it takes about a tenth of what they take, not an equal share.
-    scheduler = FairScheduler(1)
-    scheduler.add_job(1, weight=1.0)
-    scheduler.add_job(2, weight=1.0)
-    scheduler.trailing(2, True)
-    served = _serve_backlogged(scheduler, {1: 8, 2: 8}, grants=440)
-    assert served[1] / served[2] == pytest.approx(1 / TRAILING_SHARE, rel=0.15)
-    assert scheduler.weight(2) == 1.0  # its weight is unchanged, only what it weighs now
-    # Back within the window: what it ran meanwhile is not held against it, and the two share
-    # evenly again.
-    scheduler.trailing(2, False)
-    tags = [scheduler.start_tag(job_id) for job_id in (1, 2)]
-    assert tags[1] is not None and tags[0] is not None and tags[1] <= tags[0]
-    served = _serve_backlogged(scheduler, {1: 8, 2: 8}, grants=400)
-    assert served[1] / served[2] == pytest.approx(1.0, rel=0.1)
