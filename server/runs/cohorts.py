@@ -214,13 +214,14 @@ _SERVE, _PARK, _ALONE = "serve", "park", "alone"
 
 
 class Cohort:
-    """The members of one cohort, its entries and the shared memory their outputs live in.
+    """The members of one cohort, its entries and the memory their outputs live in.
 
     Thread-safe: the I/O thread submits, releases and removes members; executor threads write
-    and publish runs. ``outputs``: the cohort's own CPU output memory; ``window_bytes``: the most
-    bytes of outputs held for trailing members only (Note [Cohort outputs], point 3); ``alive``
-    tells whether a trainer process lives (pid, pid namespace); ``charge`` counts a share of a
-    run to a job (point 5).
+    and publish runs. ``outputs``: the cohort's own output memory (shared memory, and on a GPU
+    daemon device memory every member maps: Note [Cohort outputs], point 1); ``window_bytes``:
+    the most bytes of outputs held for trailing members only (point 3); ``alive`` tells whether
+    a trainer process lives (pid, pid namespace); ``charge`` counts a share of a run to a job
+    (point 5).
     """
 
     def __init__(

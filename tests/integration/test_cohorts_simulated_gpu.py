@@ -258,9 +258,12 @@ def test_a_member_that_cannot_map_the_daemons_gpu_memory_gets_its_own_correct_ou
             cohort = _cohort(daemon, "gpu-c")
             assert cohort is not None
             # Every batch ran once for the two that share; the third was written its own copy
-            # of that run where it waited for it, or ran the batch alone where it came later.
-            assert cohort.runs == batches and cohort.hits >= batches
-            assert cohort.copied <= batches
+            # of that run where it waited for it (a hit, ``copied``), or ran the batch alone
+            # where it came later: each of its batches one or the other, never both.
+            assert cohort.runs == batches and cohort.hits == batches + cohort.copied
+            (pipeline,) = [p for p in daemon.status().pipelines if first.job_id in p.jobs]
+            alone = batches - cohort.copied
+            assert pipeline.samples == (cohort.runs + alone) * BATCH
     wait_for(lambda: _cohort(daemon, "gpu-c") is None, 10, "the cohort to end")
 
 

@@ -155,6 +155,31 @@ def test_a_member_that_cannot_map_device_memory_gets_its_own_copy_of_the_run(
     assert cohort.take(staged.batch(1))[0] == Outcome.ALONE
 
 
+def test_a_run_whose_producer_cannot_map_device_memory_is_still_shared_by_the_others(
+    outputs: JobOutputs, api: FakeApi
+) -> None:
+    cohort = Cohort("sweep", ("key",), outputs, 16 * PAGE, lambda pid, ns: False)
+    staged, first, second = _member(1, device="staged"), _member(2), _member(3)
+    for job in (staged, first, second):
+        cohort.join(job.member)
+    producer = staged.batch(0)
+    assert cohort.take(producer)[0] == Outcome.RUN
+    assert cohort.take(first.batch(0))[0] == Outcome.FOLLOW
+    (batch, own), (_, mine) = _run(cohort, producer, 1.0)
+    # The producer's rows go to its own memory from the run; the follower maps the cohort's.
+    assert batch is producer and own is None and producer.cohort_entry is None
+    assert isinstance(mine, BatchReady) and mine.event
+    outcome, theirs = cohort.take(second.batch(0))
+    assert outcome == Outcome.HIT and theirs is not None
+    assert (_gpu(theirs).slab, _gpu(theirs).offset) == (_gpu(mine).slab, _gpu(mine).offset)
+    # One run, served to three members: two hits, one copy (the producer's own).
+    status = cohort.status()
+    assert (status.runs, status.hits, status.copied) == (1, 2, 1)
+    # The producer was never given the cohort's slabs: it maps none of them.
+    assert not outputs.store("cuda").maps(1)  # type: ignore[attr-defined]
+    assert outputs.store("cuda").maps(2)  # type: ignore[attr-defined]
+
+
 def test_members_gone_let_go_of_the_slabs_their_processes_mapped(
     outputs: JobOutputs, api: FakeApi
 ) -> None:
