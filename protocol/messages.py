@@ -989,6 +989,10 @@ class CohortStatus:
     # Batches run once and then copied into each member's own memory (outputs the cohort's
     # shared memory cannot hold: GPU outputs, or a full cohort memory).
     copied: int = 0
+    # Members trailing past the window, whose batches run for them alone behind the cohort's
+    # shared runs, and how many batches ran so.
+    behind: tuple[int, ...] = ()
+    behind_runs: int = 0
 
 
 @dataclass(frozen=True)

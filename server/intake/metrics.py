@@ -53,6 +53,8 @@ COHORT_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_cohort_window_bytes", "The most held for trailing members", "gauge", "window_bytes"),
     ("dalid_cohort_leased_bytes", "Cohort memory tensors view", "gauge", "leased_bytes"),
     ("dalid_cohort_dropped", "Outputs dropped unserved", "counter", "dropped"),
+    ("dalid_cohort_behind", "Members past the window, ranked behind", "gauge", "behind"),
+    ("dalid_cohort_behind_runs", "Batches run for members behind", "counter", "behind_runs"),
 )  # fmt: skip
 
 
