@@ -65,7 +65,10 @@ Note [Cohort outputs]
    in step (a member that waits 0.1 s a batch asks for half of a 2-core machine's decoding),
    so while it is behind the fair scheduler ranks them at ``BEHIND_SHARE`` of its weight
    (``FairScheduler.set_behind``): the cohort's shared runs come first, it takes what they
-   leave, and that fraction is its floor, so it still gets every batch. Its charges stay
+   leave, and that fraction is its floor, so it still gets every batch. And a run of it
+   starts only on an instance of the pipeline with no run in flight, unless its turn came
+   (``RunPlanner._behind_waits``): a run started in a moment the others left the pipeline
+   cannot be preempted, and kept their next batch out. Its charges stay
    those of point 5 (it pays its own runs alone). It regains its rank once a batch of it
    matches an entry again, or finds inputs no member ran (it leads or caught up). The
    digests of entries that left unserved are kept, a bounded number, to tell "behind" from
