@@ -993,6 +993,10 @@ class CohortStatus:
     # The cohort's GPU output memory now (a GPU daemon's), at most --cohort-memory: every
     # member maps its regions by CUDA IPC.
     device_bytes: int = 0
+    # Members trailing past the window, whose batches run for them alone behind the cohort's
+    # shared runs, and how many batches ran so.
+    behind: tuple[int, ...] = ()
+    behind_runs: int = 0
 
 
 @dataclass(frozen=True)

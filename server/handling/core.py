@@ -175,6 +175,7 @@ class DaemonCore:
             self.registry.alive,
             charge=self.scheduler.charge,
             share=self.scheduler.share_run,
+            behind=self.scheduler.set_behind,
         )
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(

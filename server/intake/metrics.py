@@ -55,6 +55,8 @@ COHORT_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_cohort_dropped", "Outputs dropped unserved", "counter", "dropped"),
     ("dalid_cohort_copied", "Runs copied into each member's own memory", "counter", "copied"),
     ("dalid_cohort_device_bytes", "GPU memory every member maps", "gauge", "device_bytes"),
+    ("dalid_cohort_behind", "Members past the window, ranked behind", "gauge", "behind"),
+    ("dalid_cohort_behind_runs", "Batches run for members behind", "counter", "behind_runs"),
 )  # fmt: skip
 
 

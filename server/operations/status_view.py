@@ -201,6 +201,11 @@ def cohort_lines(report: StatusReport, width: int = 200) -> list[str]:
             )
         if cohort.copied:
             line += f"; {cohort.copied} runs copied to each member's own memory"
+        if cohort.behind:
+            behind = ",".join(str(job) for job in cohort.behind)
+            line += f"; jobs {behind} past the window, served runs of their own behind the others'"
+        if cohort.behind_runs:
+            line += f"; {cohort.behind_runs} batches ran for members past the window"
         lines += textwrap.wrap(line, width=max(width, 20), subsequent_indent="  ")
     return lines
 

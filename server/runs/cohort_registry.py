@@ -12,7 +12,7 @@ from dalid.protocol import CohortStatus, ErrorCode, Limits
 
 from ..errors import RequestRefused
 from ..outputs.outputs import JobOutputs
-from .cohorts import Alive, Charge, Cohort, no_charge
+from .cohorts import Alive, Charge, Cohort, Rank, no_charge, no_rank
 from .runs import Member
 
 log = logging.getLogger("dalid.server")
@@ -25,21 +25,24 @@ class Cohorts:
     output memory; ``memory_bytes``: the most output memory of one cohort (0: the pool bytes of
     the job that starts it), of which half may wait for trailing members; ``charge``
     and ``share`` count a share of a cohort's run to a job (the scheduler's: cohorts.py,
-    point 5)."""
+    point 5); ``behind`` ranks a member past the window (point 8)."""
 
     def __init__(
         self,
         make_outputs: MakeOutputs,
         memory_bytes: int,
         alive: Alive,
+        *,
         charge: Charge = no_charge,
         share: Charge = no_charge,
+        behind: Rank = no_rank,
     ) -> None:
         self._make_outputs = make_outputs
         self.memory_bytes = memory_bytes
         self._alive = alive
         self._charge = charge
         self._share = share
+        self._behind = behind
         self._cohorts: dict[str, Cohort] = {}
         # Ended cohorts whose GPU slabs members' processes may still map (cohorts.py).
         self._closing: list[Cohort] = []
@@ -84,7 +87,14 @@ class Cohorts:
                 dataclasses.replace(limits, pool_bytes=memory),
             )
             cohort = Cohort(
-                name, key, outputs, memory // 2, self._alive, charge=self._charge, share=self._share
+                name,
+                key,
+                outputs,
+                memory // 2,
+                self._alive,
+                charge=self._charge,
+                share=self._share,
+                behind=self._behind,
             )
             self._cohorts[name] = cohort
             log.info("cohort %r started, %d MiB of output memory", name, memory >> 20)

@@ -73,11 +73,25 @@ Note [Cohort outputs]
 7. Inputs. An entry keeps its producer's batch, and so its input frames (counted in
    ``--input-memory`` as long as the batch lives: inputs.py), only while other members may
    still match it; once it leaves the cache it lets go of both, and the count goes with them.
+8. Past the window. A member whose batch finds no entry because the entry of the same inputs
+   left the cache before it was served (point 3) trails past the window: it is *behind*. Its
+   batches run for it alone, and they would take a fair share of the daemon from the members
+   in step (a member that waits 0.1 s a batch asks for half of a 2-core machine's decoding),
+   so while it is behind the fair scheduler ranks them at ``BEHIND_SHARE`` of its weight
+   (``FairScheduler.set_behind``): the cohort's shared runs come first, it takes what they
+   leave, and that fraction is its floor, so it still gets every batch. And a run of it
+   starts only on an instance of the pipeline with no run in flight, unless its turn came
+   (``RunPlanner._behind_waits``): a run started in a moment the others left the pipeline
+   cannot be preempted, and kept their next batch out. Its charges stay
+   those of point 5 (it pays its own runs alone). It regains its rank once a batch of it
+   matches an entry again, or finds inputs no member ran (it leads or caught up). The
+   digests of entries that left unserved are kept, a bounded number, to tell "behind" from
+   "ahead"; a digest that collides only changes a rank, never an output.
 
 The daemon's cohorts by name, and who may join one, are ``cohort_registry.py``; how batches are
 compared, ``cohort_matching.py``.
 
-Why one module of some 970 lines: the note above is the lifetime contract of a cohort's
+Why one module of some 1,030 lines: the note above is the lifetime contract of a cohort's
 regions, and the one class here keeps every point of it under one lock: a member's window
 (point 6) decides which leases are made, the charges (point 5) follow the leases and copies,
 and the GPU slabs each member may map (point 1) follow the leases too.
@@ -126,6 +140,19 @@ Charge = Callable[[int, float], None]
 
 def no_charge(job_id: int, seconds: float) -> None:
     pass
+
+
+# rank(job_id, behind): a member fell past the window, or is back (FairScheduler.set_behind).
+Rank = Callable[[int, bool], None]
+
+
+def no_rank(job_id: int, behind: bool) -> None:
+    pass
+
+
+# How many digests of entries that left the cache unserved are kept (point 8): some 40 bytes
+# each, and more than any window holds batches.
+_PASSED_KEPT = 4096
 
 
 @dataclass(eq=False)
@@ -234,6 +261,7 @@ class Cohort:
         *,
         charge: Charge = no_charge,
         share: Charge = no_charge,
+        behind: Rank = no_rank,
     ) -> None:
         self.name = name
         self.key = key
@@ -248,6 +276,7 @@ class Cohort:
         self._alive = alive
         self._charge = charge
         self._share = share
+        self._behind = behind
         self._lock = threading.Lock()
         self.members: dict[int, Member] = {}
         self._by_digest: dict[bytes, list[Entry]] = {}
@@ -268,6 +297,12 @@ class Cohort:
         self._to_copy: list[tuple[PendingBatch, Entry]] = []  # served as private copies
         self._charges: list[tuple[int, float, bool]] = []  # (job, seconds, tag moves too)
         self.served: dict[int, int] = {}  # batches served to each member
+        # Point 8: the digests of entries that left the cache unserved, and the members that
+        # were not served them; the members behind now, and the batches run for them so.
+        self._passed: collections.OrderedDict[bytes, set[int]] = collections.OrderedDict()
+        self.behind: set[int] = set()
+        self.behind_runs = 0
+        self._ranks: list[tuple[int, bool]] = []
         self._closed = False
         self.runs = 0
         self.hits = 0
@@ -297,6 +332,7 @@ class Cohort:
             self.served.pop(job_id, None)
             self._retired.pop(job_id, None)
             self._wanted.pop(job_id, None)
+            self.behind.discard(job_id)
             for _, entry in self._parked.pop(job_id, {}).values():
                 entry.parked -= 1
             for entries in list(self._by_digest.values()):
@@ -401,6 +437,7 @@ class Cohort:
                 self._uncache_served()
                 return Outcome.ALONE, None
             entry.served.add(member.job_id)
+            self._rank(member.job_id, behind=False)
             if entry.state == "pending":
                 entry.followers.append(batch)
                 return Outcome.FOLLOW, None
@@ -418,6 +455,15 @@ class Cohort:
             ready = self._ready(batch, entry, descriptors)
             self._uncache_served()
             return Outcome.HIT, ready
+        passed = self._passed.get(digest)
+        behind = passed is not None and member.job_id in passed
+        if passed is not None and behind:
+            passed.discard(member.job_id)
+            if not passed:
+                del self._passed[digest]
+        self._rank(member.job_id, behind)
+        if behind:
+            self.behind_runs += 1
         if member.overflow:
             # Its trainer keeps its outputs (Note [A job's window], point 4): its runs go to its
             # own memory, as private copies once that is full, not to the cohort's.
@@ -671,6 +717,8 @@ class Cohort:
                 dropped=self.dropped,
                 copied=self.copied,
                 device_bytes=self._device.pool.slab_bytes_total if self._device else 0,
+                behind=tuple(sorted(self.behind)),
+                behind_runs=self.behind_runs,
             )
 
     def close(self) -> bool:
@@ -794,6 +842,12 @@ class Cohort:
         return False
 
     def _uncache(self, entry: Entry) -> None:
+        unserved = set(self.members) - entry.served
+        if unserved and entry.state == "ready":
+            # Members not served it that submit these inputs later are behind (point 8).
+            self._passed[entry.digest] = unserved | self._passed.pop(entry.digest, set())
+            while len(self._passed) > _PASSED_KEPT:
+                self._passed.popitem(last=False)
         self._cache.pop(id(entry), None)
         entry.cached = False
         if entry.parked:
@@ -910,6 +964,21 @@ class Cohort:
             batch.batch_id, member.pipeline_id, descriptors, retired_slabs=retired, copies=copies
         )
 
+    def _rank(self, job_id: int, behind: bool) -> None:
+        """``job_id`` is behind the window now, or not (point 8); told to the scheduler by
+        ``_flush``, on a change only."""
+        if behind == (job_id in self.behind):
+            return
+        if behind:
+            self.behind.add(job_id)
+            log.info(
+                "cohort %r: job %d trails past the window; its runs rank behind", self.name, job_id
+            )
+        else:
+            self.behind.discard(job_id)
+            log.info("cohort %r: job %d is back within the window", self.name, job_id)
+        self._ranks.append((job_id, behind))
+
     def _share_charge(self, entry: Entry, job_id: int) -> None:
         """``job_id`` consumed the run of ``entry`` too: the run's cost, split once more, the
         others' share taken back (Note [Cohort outputs], point 5)."""
@@ -927,6 +996,9 @@ class Cohort:
             answers, self._to_answer = self._to_answer, []
             to_copy, self._to_copy = self._to_copy, []
             to_run, self._to_run = self._to_run, []
+            ranks, self._ranks = self._ranks, []
+        for job_id, behind in ranks:
+            self._behind(job_id, behind)
         for job_id, seconds, tag in charges:
             (self._share if tag else self._charge)(job_id, seconds)
         for batch, entry in to_copy:

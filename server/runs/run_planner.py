@@ -414,6 +414,8 @@ class RunPlanner:
                 if found is None:
                     continue  # its job has ended
                 tag = found
+                if not pop and self._behind_waits(member.job_id, found):
+                    continue
             if best is None or (tag, head.arrival) < best:
                 best, chosen = (tag, head.arrival), (member, head)
         if chosen is None:
@@ -429,6 +431,19 @@ class RunPlanner:
         if not taken:
             return None  # its job left meanwhile, or a want changed its queue
         return head
+
+    def _behind_waits(self, job_id: int, tag: float) -> bool:
+        """Whether a run for a cohort's member past the window waits (Note [Cohort outputs],
+        point 8, in cohorts.py): not while this instance has a run in flight, unless its turn
+        came (no other member's tag is earlier). Else a run of it started in a moment the
+        others left the pipeline would keep out their next batch, which cannot preempt it."""
+        scheduler = self._scheduler
+        if scheduler is None or not self._slots_held or not scheduler.behind(job_id):
+            return False
+        with self.changed:
+            others = [m.job_id for m in self.members if m.job_id != job_id]
+        tags = [scheduler.start_tag(other) for other in others]
+        return any(other is not None and other < tag for other in tags)
 
     def _mixes(self, first: PendingBatch) -> bool:
         member = first.member

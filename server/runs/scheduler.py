@@ -26,6 +26,12 @@ next request then competes for that very slot, by its tag, before the slot goes 
 Without this, the slot would always pass to whoever else waits, and two busy jobs would simply
 alternate whatever their weights. A slot won that way is held for the job (``reserved``) until
 one of its executors takes it.
+
+A cohort's member that trails the others past the cohort's window (cohorts.py, Note [Cohort
+outputs], point 8) is *behind*: its batches run for it alone, and its tags move on at
+``BEHIND_SHARE`` of its weight, so the cohort's shared runs come first and it takes what they
+leave, with that fraction of a weight as its floor. It is still served in its turn: never
+starved, and work-conserving (a daemon the others leave idle is its).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ from dataclasses import dataclass, field
 
 # How often a blocked request checks whether it was cancelled.
 CANCEL_POLL_S = 0.1
+
+# The fraction of its weight a cohort's member past the window competes with: with three members
+# in step splitting their runs' cost, one behind them takes about 3% of a saturated daemon.
+BEHIND_SHARE = 0.1
 
 
 @dataclass
@@ -66,6 +76,13 @@ class _JobShare:
     passed_over: int = 0
     run_seconds: float = 0.0
     waiting: list[_Request] = field(default_factory=list)
+    # A cohort's member past the window (set_behind): its tags move on at BEHIND_SHARE pace.
+    behind: bool = False
+
+    @property
+    def pace(self) -> float:
+        """The weight its tags move on by: its weight, or a fraction of it while behind."""
+        return self.weight * BEHIND_SHARE if self.behind else self.weight
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,7 @@ class FairScheduler:
             if len(share.waiting) < share.claimants:
                 request = _Request(job_id, start_tag, cost, next(self._sequence), time.monotonic())
                 # The tag is taken now, so the job's next request queues behind this one.
-                share.finish_tag = start_tag + cost / share.weight
+                share.finish_tag = start_tag + cost / share.pace
                 share.waiting.append(request)
                 self._grant_waiting()
             while not self._take_reserved(share):
@@ -167,7 +184,7 @@ class FairScheduler:
             self._free += 1
             if next_cost is not None:
                 start_tag = max(self._virtual_time, share.finish_tag)
-                share.finish_tag = start_tag + next_cost / share.weight
+                share.finish_tag = start_tag + next_cost / share.pace
                 share.waiting.append(
                     _Request(
                         job_id,
@@ -185,6 +202,20 @@ class FairScheduler:
         with self._changed:
             share = self._jobs.get(job_id)
             return share.weight if share is not None else 1.0
+
+    def set_behind(self, job_id: int, behind: bool) -> None:
+        """Marks a cohort's member past the cohort's window (or back within it): its next
+        requests compete at ``BEHIND_SHARE`` of its weight (or at all of it again). The tags
+        already taken stay: a member that caught up does not wait out its slow ones."""
+        with self._changed:
+            share = self._jobs.get(job_id)
+            if share is not None:
+                share.behind = behind
+
+    def behind(self, job_id: int) -> bool:
+        with self._changed:
+            share = self._jobs.get(job_id)
+            return share is not None and share.behind
 
     def start_tag(self, job_id: int) -> float | None:
         """The start tag the job's next request would get (None for a removed job): a pipeline
@@ -206,7 +237,7 @@ class FairScheduler:
             # The virtual time stays the run's (its first batch's start tag): a rider's later
             # tag moved it on, and other jobs' next tags with it, as if they had been served.
             start_tag = max(self._virtual_time, share.finish_tag)
-            share.finish_tag = start_tag + cost / share.weight
+            share.finish_tag = start_tag + cost / share.pace
             share.granted += 1
 
     def forfeit(self, job_id: int) -> None:
@@ -254,7 +285,7 @@ class FairScheduler:
             share = self._jobs.get(job_id)
             if share is not None:
                 share.run_seconds += seconds
-                share.finish_tag += seconds / share.weight
+                share.finish_tag += seconds / share.pace
 
     @property
     def free(self) -> int:
@@ -283,7 +314,7 @@ class FairScheduler:
         """Gives ``share`` a slot for a request that did not wait."""
         self._free -= 1
         self._virtual_time = max(self._virtual_time, start_tag)
-        share.finish_tag = start_tag + cost / share.weight
+        share.finish_tag = start_tag + cost / share.pace
         share.running += 1
         share.granted += 1
         self._count_passed_over(share)
@@ -301,7 +332,7 @@ class FairScheduler:
                 waiting,
                 key=lambda r: (
                     r.start_tag,
-                    r.start_tag + r.cost / self._jobs[r.job_id].weight,
+                    r.start_tag + r.cost / self._jobs[r.job_id].pace,
                     r.sequence,
                 ),
             )

@@ -6,7 +6,8 @@ a digest of its outputs.
 jobs started one after another begin together). ``--die-after N``: kills itself (SIGKILL)
 holding the outputs of batch N and the batches submitted ahead of it. ``--stall-after N``: stops
 consuming after batch N, holding what it has and has submitted, until it is killed. ``--keep``:
-keeps every output it consumes (as a loop that stores its outputs does).
+keeps every output it consumes (as a loop that stores its outputs does). ``--pause-after N
+--resume-when PATH``: after batch N, waits for PATH to exist (holding what it has), then goes on.
 ``--end-when PATH``: once done, stays in its cohort until PATH exists. ``--simulated-gpu``: the
 daemon's GPU is simulated (tests/simulated_gpu.py), and so is this process's.
 """
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--stall-after", type=int, default=-1)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--pause-after", type=int, default=-1)
+    parser.add_argument("--resume-when", type=Path)
     parser.add_argument("--start-when", type=Path)
     parser.add_argument("--end-when", type=Path)
     parser.add_argument("--simulated-gpu", action="store_true")
@@ -101,6 +104,10 @@ def main() -> None:
             if number == args.stall_after:
                 print(json.dumps({"stalled": number}), flush=True)
                 time.sleep(3600)
+            if number == args.pause_after and args.resume_when is not None:
+                print(json.dumps({"paused": number}), flush=True)
+                while not args.resume_when.exists():
+                    time.sleep(0.01)
             if args.keep:
                 kept.append((noisy, shifted))
             del noisy, shifted

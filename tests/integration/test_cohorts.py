@@ -375,3 +375,64 @@ def test_a_member_that_keeps_its_outputs_holds_no_more_than_its_window_of_the_co
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(end.parent, ignore_errors=True)
     wait_until(lambda: _cohort(daemon, "sweep-w") is None, 15, "the cohort to end")
+
+
+def test_a_member_past_the_window_gets_every_batch_ranked_behind_and_frees_all_when_killed(
+    small_window: DaemonProcess,
+) -> None:
+    batches = 24
+    control = own_directory()
+    end, resume = control / "end", control / "resume"
+    member = ("--cohort", "sweep-b", "--batches", str(batches), "--end-when", str(end))
+    trailing = (*member, "--pause-after", "1", "--resume-when", str(resume))
+    jobs, directory = _start_together(small_window, trailing, member, member)
+    try:
+        leaders = [_lines_until_done(job) for job in jobs[1:]]
+        digests = [line["digest"] for line in leaders[0] if "digest" in line]
+        assert len(digests) == batches
+        cohort = _cohort(small_window, "sweep-b")
+        # The leaders went on: outputs the paused member had not had left the window unserved.
+        assert cohort is not None and cohort.dropped > 0 and cohort.behind == ()
+        resume.touch()
+        lines = _lines_until_done(jobs[0])
+        # Past the window it still gets every batch, each with its correct outputs.
+        assert not [line for line in lines if "wrong" in line]
+        own = [line["digest"] for line in lines if "digest" in line]
+        assert len(own) == batches
+        # Those served before it paused came from the leaders' runs.
+        assert own[:2] == digests[:2]
+        cohort = _cohort(small_window, "sweep-b")
+        assert cohort is not None and len(cohort.jobs) == 3
+        # Its batches whose entries had gone ran for it alone, ranked behind the others'; it
+        # caught up with the leaders' newest outputs, still in the window, and is back in rank.
+        assert cohort.behind_runs > 0 and cohort.behind == ()
+        assert cohort.behind_runs <= batches - (AHEAD + 1)
+        assert own[-1] == digests[-1]
+        report = subprocess.run(
+            [*STATUS[:-1], "--socket", str(small_window.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        report = " ".join(report.split())  # as wrapped for the terminal
+        assert f"{cohort.behind_runs} batches ran for members past the window" in report
+        # kill -9 of it: it leaves the cohort, nothing of it stays ranked or leased.
+        jobs[0].kill()
+        jobs[0].communicate(timeout=30)
+        wait_until(
+            lambda: (c := _cohort(small_window, "sweep-b")) is not None and len(c.jobs) == 2,
+            15,
+            "the killed member to leave",
+        )
+        cohort = _cohort(small_window, "sweep-b")
+        assert cohort is not None and cohort.behind == ()
+        end.touch()
+        for job in jobs[1:]:
+            job.communicate(timeout=30)
+            assert job.returncode == 0
+    finally:
+        kill_leftovers(jobs)
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(control, ignore_errors=True)
+    wait_until(lambda: _cohort(small_window, "sweep-b") is None, 15, "the cohort to end")

@@ -542,3 +542,64 @@ def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
         assert inputs.held == 0
     finally:
         gc.enable()
+
+
+def test_a_member_past_the_window_ranks_behind_until_it_matches_again(outputs: JobOutputs) -> None:
+    ranks: list[tuple[int, bool]] = []
+    cohort = Cohort(
+        "sweep",
+        ("key",),
+        outputs,
+        2 * BATCH_BYTES,
+        lambda pid, namespace: False,
+        behind=lambda job_id, behind: ranks.append((job_id, behind)),
+    )
+    leader, trailing = _Job(1), _Job(2)
+    cohort.join(leader.member)
+    cohort.join(trailing.member)
+    for seed in range(5):
+        batch = leader.batch(seed)
+        assert cohort.take(batch)[0] == Outcome.RUN
+        ((_, ready),) = _run(cohort, batch, float(seed), [])
+        cohort.release(1, _ids(ready))
+    # The leader's batches of seeds 0-2 left the cache before the trailing member had them.
+    assert cohort.status().dropped == 3 and not ranks
+    # Its batch of those inputs runs for it alone, ranked behind; still one entry of its own.
+    assert cohort.take(trailing.batch(0))[0] == Outcome.RUN
+    assert ranks == [(2, True)]
+    status = cohort.status()
+    assert status.behind == (2,) and status.behind_runs == 1
+    # A second such batch changes nothing more; the leader's new inputs do not rank it.
+    assert cohort.take(trailing.batch(1))[0] == Outcome.RUN
+    assert cohort.take(leader.batch(9))[0] == Outcome.RUN
+    assert ranks == [(2, True)] and cohort.status().behind_runs == 2
+    # Caught up: its batch matches an entry in the cache again, and it regains its rank.
+    assert cohort.take(trailing.batch(4))[0] == Outcome.HIT
+    assert ranks == [(2, True), (2, False)] and cohort.status().behind == ()
+
+
+def test_a_member_that_leads_or_was_served_everything_is_never_behind(outputs: JobOutputs) -> None:
+    ranks: list[tuple[int, bool]] = []
+    cohort = Cohort(
+        "sweep",
+        ("key",),
+        outputs,
+        2 * BATCH_BYTES,
+        lambda pid, namespace: False,
+        behind=lambda job_id, behind: ranks.append((job_id, behind)),
+    )
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    for seed in range(5):
+        batch = first.batch(seed)
+        cohort.take(batch)
+        ((_, ready),) = _run(cohort, batch, float(seed), [])
+        cohort.release(1, _ids(ready))
+        # In step: the second member is served each before it leaves the cache.
+        outcome, hit = cohort.take(second.batch(seed))
+        assert outcome == Outcome.HIT and hit is not None
+        cohort.release(2, _ids(hit))
+    # Inputs no member ran: it leads, at its normal rank.
+    assert cohort.take(second.batch(7))[0] == Outcome.RUN
+    assert not ranks and cohort.status().dropped == 0

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dalid.server.runs.scheduler import FairScheduler, ServiceClock
+from dalid.server.runs.scheduler import BEHIND_SHARE, FairScheduler, ServiceClock
 
 
 def never() -> bool:
@@ -277,3 +277,34 @@ def test_a_run_shared_with_other_jobs_moves_each_ones_tag_by_its_share() -> None
     # A tag moved back below the virtual time saves up no credit.
     scheduler.share_run(1, -5.0)
     assert scheduler.start_tag(1) == pytest.approx(0.0)
+
+
+def _serve_in_tag_order(scheduler: FairScheduler, runs: int) -> list[int]:
+    """Jobs 1 and 2 always have a batch of one sample ready; each run goes to the job whose
+    start tag comes first (as a shared pipeline's planner picks: run_planner.py)."""
+    order = []
+    for _ in range(runs):
+        tags = {job_id: scheduler.start_tag(job_id) for job_id in (1, 2)}
+        job_id = min((1, 2), key=lambda j: (tags[j], j))
+        assert scheduler.acquire(job_id, 1.0, block=False, cancelled=lambda: False)
+        scheduler.release(job_id)
+        order.append(job_id)
+    return order
+
+
+def test_a_cohort_member_behind_the_window_takes_what_the_others_leave_and_never_starves() -> None:
+    scheduler = FairScheduler(slots=1)
+    for job_id in (1, 2):
+        scheduler.add_job(job_id, 1.0)
+    scheduler.set_behind(2, True)
+    assert scheduler.behind(2) and not scheduler.behind(1)
+    order = _serve_in_tag_order(scheduler, 44)
+    # One run of it per 1 / BEHIND_SHARE of the other's, and never none (its floor).
+    assert order.count(2) == round(len(order) * BEHIND_SHARE / (1 + BEHIND_SHARE)), order
+    assert all(part.count(2) >= 1 for part in (order[:12], order[11:23], order[22:34]))
+    # Back within the window: its whole weight again, the two alternate.
+    scheduler.set_behind(2, False)
+    later = _serve_in_tag_order(scheduler, 30)[10:]
+    assert later.count(1) == later.count(2) == 10, later
+    # Its rank is not its charge: what its runs took is counted as ever.
+    assert scheduler.weight(2) == 1.0
