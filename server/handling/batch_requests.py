@@ -247,9 +247,14 @@ class BatchRequests:
     def _release(self, job: Job, request: ReleaseRegions) -> None:
         region_ids: Sequence[int] = request.region_ids
         try:
+            fence = request.event
             if request.closed_slabs or any(r >= COHORT_REGION_BASE for r in region_ids):
                 region_ids = self._release_cohort_regions(job, request)
-            unknown = job.outputs.release(region_ids, request.event, request.closed_slabs)
+                if not any(r < COHORT_REGION_BASE for r in region_ids):
+                    # The fence was for the cohort's regions only: the job's own stream need
+                    # not wait for the trainer's work.
+                    fence = ""
+            unknown = job.outputs.release(region_ids, fence, request.closed_slabs)
         except ReleaseRefused as refusal:
             raise RequestRefused(ErrorCode.MALFORMED_MESSAGE, f"{request.OP}: {refusal}") from None
         if unknown:

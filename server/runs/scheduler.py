@@ -205,11 +205,14 @@ class FairScheduler:
 
     def set_behind(self, job_id: int, behind: bool) -> None:
         """Marks a cohort's member past the cohort's window (or back within it): its next
-        requests compete at ``BEHIND_SHARE`` of its weight (or at all of it again). The tags
-        already taken stay: a member that caught up does not wait out its slow ones."""
+        requests compete at ``BEHIND_SHARE`` of its weight (or at all of it again). Back, its
+        next tag starts from the virtual time at the latest: a member that caught up does not
+        wait out the tags its runs took while behind (each of them ten times its cost)."""
         with self._changed:
             share = self._jobs.get(job_id)
             if share is not None:
+                if share.behind and not behind:
+                    share.finish_tag = min(share.finish_tag, self._virtual_time)
                 share.behind = behind
 
     def behind(self, job_id: int) -> bool:

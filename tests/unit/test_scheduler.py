@@ -303,7 +303,12 @@ def test_a_cohort_member_behind_the_window_takes_what_the_others_leave_and_never
     assert order.count(2) == round(len(order) * BEHIND_SHARE / (1 + BEHIND_SHARE)), order
     assert all(part.count(2) >= 1 for part in (order[:12], order[11:23], order[22:34]))
     # Back within the window: its whole weight again, the two alternate.
+    assert scheduler.acquire(2, 1.0, block=False, cancelled=never)  # one more run of it
+    scheduler.release(2)
     scheduler.set_behind(2, False)
+    # ... at once: it does not wait out the tags its runs took while behind.
+    back, other = scheduler.start_tag(2), scheduler.start_tag(1)
+    assert back is not None and other is not None and back <= other
     later = _serve_in_tag_order(scheduler, 30)[10:]
     assert later.count(1) == later.count(2) == 10, later
     # Its rank is not its charge: what its runs took is counted as ever.
