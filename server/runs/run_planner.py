@@ -2,7 +2,7 @@
 order, and how many of a job's batches the daemon holds at once (Note [A job's window]); the
 batches, members and runs themselves are in :mod:`dalid.server.runs.runs`.
 
-Why one module of some 500 lines: the window decides which batch may run next, so it lives
+Why one module of some 570 lines: the window decides which batch may run next, so it lives
 beside the choice it limits, in the one planner that several executors of a graph would share.
 
 Note [A job's window]
