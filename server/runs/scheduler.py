@@ -32,6 +32,9 @@ outputs], point 8) is *behind*: its batches run for it alone, and its tags move 
 ``BEHIND_SHARE`` of its weight, so the cohort's shared runs come first and it takes what they
 leave, with that fraction of a weight as its floor. It is still served in its turn: never
 starved, and work-conserving (a daemon the others leave idle is its).
+
+Why one module of some 420 lines: the fair queue and the clock that prices its requests
+(``ServiceClock``) are one policy: a tag means nothing without the cost it moved by.
 """
 
 from __future__ import annotations
