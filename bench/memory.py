@@ -126,6 +126,47 @@ def by_role(readings: dict[int, tuple[str, ProcessReading]]) -> dict[str, dict[s
     return totals
 
 
+# glibc maps each heap of an arena other than the main one as 64 MiB (HEAP_MAX_SIZE on 64-bit)
+# aligned to its size, read-write as far as it has grown and inaccessible beyond.
+_ARENA_HEAP = 64 * MIB
+
+
+def malloc_arenas(pid: int) -> int | None:
+    """How many heaps of glibc malloc arenas besides the main one a live process maps (one per
+    arena until an arena outgrows 64 MiB), told from ``/proc/PID/maps`` by their shape; None
+    when the process has exited."""
+    try:
+        lines = (_PROC / str(pid) / "maps").read_text().splitlines()
+    except OSError:
+        return None
+    regions = []
+    for line in lines:
+        fields = line.split()
+        low, _, high = fields[0].partition("-")
+        # An anonymous mapping has no path, and inode 0.
+        regions.append((int(low, 16), int(high, 16), fields[1], len(fields) == 5))
+    heaps = 0
+    for index, (start, end, mode, anonymous) in enumerate(regions):
+        if not anonymous or mode != "rw-p" or start % _ARENA_HEAP:
+            continue
+        if end - start == _ARENA_HEAP:
+            heaps += 1
+            continue
+        after = regions[index + 1] if index + 1 < len(regions) else None
+        if (
+            after
+            and after[3]
+            and after[2] == "---p"
+            and (after[0], after[1])
+            == (
+                end,
+                start + _ARENA_HEAP,
+            )
+        ):
+            heaps += 1
+    return heaps
+
+
 def shm_mib(daemon_pid: int) -> float:
     """Memory held by the daemon's shared-memory segments (allocated pages, not their sizes)."""
     total = 0
@@ -240,6 +281,9 @@ class MemorySample:
     gpu_busy_pct: float | None = None
     # PSS by role and kind of page (see by_role): where all_pss_mb is.
     roles: dict[str, dict[str, float]] | None = None
+    # The daemon's malloc arenas besides the main one (malloc_arenas): 0 under its default
+    # limit of one (dalid serve --malloc-arenas).
+    daemon_arenas: int | None = None
 
     @classmethod
     def take(
@@ -281,6 +325,7 @@ class MemorySample:
             all_gpu_mb=all_gpu,
             gpu_busy_pct=busy,
             roles=by_role(roled),
+            daemon_arenas=malloc_arenas(daemon_pid) if daemon_pid else None,
         )
 
 

@@ -20,6 +20,7 @@ from bench.memory import (
     WORKER,
     MemorySample,
     MemorySampler,
+    malloc_arenas,
     memory_metrics,
     parent_pid,
     process_memory,
@@ -244,3 +245,43 @@ def test_memory_metrics_give_each_roles_median_in_the_window() -> None:
     assert metrics["role_daemon_pss_mb"] == 0.0
     # Samples taken before the split existed have no roles: no figure, rather than zeros.
     assert memory_metrics({"samples": [_sample(1, 100, None)]}, 0, 2)["role_worker_pss_mb"] is None
+
+
+# Threads that each allocate with malloc and stay alive until stdin closes: glibc gives each a
+# malloc arena of its own, unless MALLOC_ARENA_MAX says otherwise.
+_THREADS = """
+import ctypes, sys, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+started = threading.Barrier(4)
+def allocate():
+    libc.malloc(4096)
+    started.wait()
+    sys.stdin.read()
+threads = [threading.Thread(target=allocate) for _ in range(3)]
+for thread in threads:
+    thread.start()
+started.wait()
+print("ready", flush=True)
+for thread in threads:
+    thread.join()
+"""
+
+
+@pytest.mark.parametrize(("arena_max", "expected"), [(None, 3), ("1", 0)])
+def test_malloc_arenas_are_counted_from_the_maps(arena_max: str | None, expected: int) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if arena_max is not None:
+        env["MALLOC_ARENA_MAX"] = arena_max
+    process = subprocess.Popen(
+        [sys.executable, "-c", _THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        assert process.stdout.readline() == b"ready\n"
+        assert malloc_arenas(process.pid) == expected
+    finally:
+        process.stdin.close()
+        process.wait()
+        process.stdout.close()
+    assert malloc_arenas(process.pid) is None  # gone
