@@ -1,4 +1,5 @@
-"""The daemon the bench measures: a real ``dalid serve`` run with the bench's thread probes."""
+"""The daemon the bench measures (a real ``dalid serve`` run with the bench's thread probes) keeps
+to one malloc arena, as ``dalid serve`` does."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 from bench.daemon import running_daemon
 from bench.memory import malloc_arenas
+
+from ..daemons import module_daemon
 
 
 def test_the_measured_daemon_keeps_to_one_malloc_arena(tmp_path: Path) -> None:
@@ -15,3 +18,9 @@ def test_the_measured_daemon_keeps_to_one_malloc_arena(tmp_path: Path) -> None:
     with running_daemon("cpu", tmp_path) as daemon:
         assert malloc_arenas(daemon.pid) == 0
     assert daemon.threads, "the probes wrote no snapshot"
+
+
+def test_dalid_serve_keeps_to_one_malloc_arena() -> None:
+    # What the bench's daemon is compared with: dalid serve as users run it, supervised.
+    with module_daemon(supervised=True) as daemon:
+        assert malloc_arenas(daemon.daemon_pid()) == 0
