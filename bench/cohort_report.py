@@ -89,9 +89,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "/proc/PID/smaps_rollup splits it (anonymous: heaps, a page shared by a trainer and "
         "the workers it forked split among them; file-backed: mapped libraries and files; "
         "shared memory: the daemon's /dev/shm slabs, shared by it and the trainers that map "
-        "them). Medians over the timed window's samples, medians over repeats; a role's figures are its "
-        "processes together, those alive at each sample (with one member trailing, the "
-        "others have mostly ended while it runs on).",
+        "them). Medians over the timed window's samples, medians over repeats; a role's "
+        "figures are its processes together, those alive at each sample (with one member "
+        "trailing, the others have mostly ended while it runs on).",
         "",
         *roles,
         "",
