@@ -9,6 +9,11 @@ high-water mark (``VmHWM``), the bytes its ``/dev/shm`` segments hold, and, with
 a GPU, the GPU memory in use (``nvidia-smi``, over the reading before the run) and each process's
 share of it (``nvidia-smi --query-compute-apps``): the trainers with their workers, and the
 daemon.
+
+Where the PSS is: each sample also adds it up by role (the daemon; trainers; DataLoader
+workers, a trainer's children; other, their descendants) and by kind of page, as
+``smaps_rollup`` splits it: anonymous (heaps, the private pages a worker copied from its
+trainer), file-backed (mapped libraries and files) and shared memory (``/dev/shm`` slabs).
 """
 
 from __future__ import annotations
@@ -52,9 +57,114 @@ def _kib_fields(path: Path, names: Sequence[str]) -> dict[str, float]:
 
 def process_memory(pid: int) -> tuple[float, float | None, float]:
     """RSS, PSS (None where the kernel does not say) and VmHWM of a live process, in MiB."""
+    reading = process_reading(pid)
+    return reading.rss, reading.pss, reading.hwm
+
+
+# The roles of a run's processes, as the breakdown names them.
+DAEMON, TRAINER, WORKER, OTHER = "daemon", "trainer", "worker", "other"
+ROLES = (DAEMON, TRAINER, WORKER, OTHER)
+# smaps_rollup's split of PSS by kind of page (Linux 5.4 on): anonymous, file-backed, shared
+# memory (shmem and tmpfs, /dev/shm among them).
+_KINDS = {"Pss_Anon": "anon", "Pss_File": "file", "Pss_Shmem": "shmem"}
+# Each role's figures in a sample: how many processes, their PSS, and its split.
+ROLE_FIGURES = ("processes", "pss_mb", *(f"{kind}_mb" for kind in _KINDS.values()))
+
+
+@dataclass(frozen=True)
+class ProcessReading:
+    """One process's memory, in MiB; PSS and its split None where the kernel does not say."""
+
+    rss: float
+    pss: float | None
+    hwm: float
+    kinds: dict[str, float]  # anon, file, shmem: what smaps_rollup says of them
+
+
+def process_reading(pid: int) -> ProcessReading:
+    """RSS, VmHWM, PSS and PSS by kind of page of a live process (RSS 0: no such process)."""
     status = _kib_fields(_PROC / str(pid) / "status", ("VmRSS", "VmHWM"))
-    rollup = _kib_fields(_PROC / str(pid) / "smaps_rollup", ("Pss",))
-    return status.get("VmRSS", 0.0), rollup.get("Pss"), status.get("VmHWM", 0.0)
+    rollup = _kib_fields(_PROC / str(pid) / "smaps_rollup", ("Pss", *_KINDS))
+    kinds = {kind: rollup[name] for name, kind in _KINDS.items() if name in rollup}
+    return ProcessReading(
+        status.get("VmRSS", 0.0), rollup.get("Pss"), status.get("VmHWM", 0.0), kinds
+    )
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a live process (``/proc/PID/stat``), None when it has exited."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name, in parentheses, may hold spaces and parentheses: fields follow the last.
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def role_of(pid: int, trainer_pids: Sequence[int], daemon_pid: int) -> str:
+    """A run's process by role: the daemon, a trainer, a DataLoader worker (a trainer's
+    child), or other (a worker's own children, and anything else)."""
+    if pid == daemon_pid:
+        return DAEMON
+    if pid in trainer_pids:
+        return TRAINER
+    return WORKER if parent_pid(pid) in trainer_pids else OTHER
+
+
+def by_role(readings: dict[int, tuple[str, ProcessReading]]) -> dict[str, dict[str, float]]:
+    """The PSS of live processes (``pid: (role, reading)``) summed by role and kind of page,
+    every role present (zeros where none ran); a process without PSS is left out."""
+    totals = {role: dict.fromkeys(ROLE_FIGURES, 0.0) for role in ROLES}
+    for role, reading in readings.values():
+        if reading.pss is None:
+            continue
+        figures = totals[role]
+        figures["processes"] += 1
+        figures["pss_mb"] += reading.pss
+        for kind, value in reading.kinds.items():
+            figures[f"{kind}_mb"] += value
+    return totals
+
+
+# glibc maps each heap of an arena other than the main one as 64 MiB (HEAP_MAX_SIZE on 64-bit)
+# aligned to its size, read-write as far as it has grown and inaccessible beyond.
+_ARENA_HEAP = 64 * MIB
+
+
+def malloc_arenas(pid: int) -> int | None:
+    """How many heaps of glibc malloc arenas besides the main one a live process maps (one per
+    arena until an arena outgrows 64 MiB), told from ``/proc/PID/maps`` by their shape; None
+    when the process has exited."""
+    try:
+        lines = (_PROC / str(pid) / "maps").read_text().splitlines()
+    except OSError:
+        return None
+    regions = []
+    for line in lines:
+        fields = line.split()
+        low, _, high = fields[0].partition("-")
+        # An anonymous mapping has no path, and inode 0.
+        regions.append((int(low, 16), int(high, 16), fields[1], len(fields) == 5))
+    heaps = 0
+    for index, (start, end, mode, anonymous) in enumerate(regions):
+        if not anonymous or mode != "rw-p" or start % _ARENA_HEAP:
+            continue
+        if end - start == _ARENA_HEAP:
+            heaps += 1
+            continue
+        after = regions[index + 1] if index + 1 < len(regions) else None
+        if (
+            after
+            and after[3]
+            and after[2] == "---p"
+            and (after[0], after[1])
+            == (
+                end,
+                start + _ARENA_HEAP,
+            )
+        ):
+            heaps += 1
+    return heaps
 
 
 def shm_mib(daemon_pid: int) -> float:
@@ -169,18 +279,31 @@ class MemorySample:
     # How busy the GPUs were (nvidia-smi's utilization.gpu, %): what a daemon that keeps its
     # GPU busy shows.
     gpu_busy_pct: float | None = None
+    # PSS by role and kind of page (see by_role): where all_pss_mb is.
+    roles: dict[str, dict[str, float]] | None = None
+    # The daemon's malloc arenas besides the main one (malloc_arenas): 0 under its default
+    # limit of one (dalid serve --malloc-arenas).
+    daemon_arenas: int | None = None
 
     @classmethod
     def take(
         cls, trainer_pids: Sequence[int], daemon_pid: int, gpu_baseline: float | None
     ) -> MemorySample:
         pids = [p for trainer in trainer_pids for p in (trainer, *descendants(trainer))]
-        live = [reading for reading in map(process_memory, pids) if reading[0] > 0]
+        readings = {pid: process_reading(pid) for pid in pids}
+        live = [reading for reading in readings.values() if reading.rss > 0]
         # A process that exits between the two reads has an RSS and no PSS: leave it out.
-        pss = [reading[1] for reading in live if reading[1] is not None]
+        pss = [reading.pss for reading in live if reading.pss is not None]
         trainers_pss = sum(pss) if pss or not live else None
-        daemon = process_memory(daemon_pid) if daemon_pid else None
-        daemon_pss = daemon[1] if daemon else 0.0
+        daemon = process_reading(daemon_pid) if daemon_pid else None
+        daemon_pss = daemon.pss if daemon else 0.0
+        roled = {
+            pid: (role_of(pid, trainer_pids, daemon_pid), reading)
+            for pid, reading in readings.items()
+            if reading.rss > 0
+        }
+        if daemon is not None and daemon.rss > 0:
+            roled[daemon_pid] = (DAEMON, daemon)
         missing = trainers_pss is None or daemon_pss is None
         reading = gpu_reading() if gpu_baseline is not None else None
         gpu, busy = reading if reading is not None else (None, None)
@@ -189,11 +312,11 @@ class MemorySample:
         return cls(
             t_ns=time.monotonic_ns(),
             processes=len(live),
-            trainers_rss_mb=sum(reading[0] for reading in live),
+            trainers_rss_mb=sum(reading.rss for reading in live),
             trainers_pss_mb=trainers_pss,
-            daemon_rss_mb=daemon[0] if daemon else None,
-            daemon_pss_mb=daemon[1] if daemon else None,
-            daemon_hwm_mb=daemon[2] if daemon else None,
+            daemon_rss_mb=daemon.rss if daemon else None,
+            daemon_pss_mb=daemon.pss if daemon else None,
+            daemon_hwm_mb=daemon.hwm if daemon else None,
             daemon_shm_mb=shm_mib(daemon_pid) if daemon_pid else None,
             gpu_mb=None if gpu is None or gpu_baseline is None else gpu - gpu_baseline,
             all_pss_mb=None if missing else (trainers_pss or 0.0) + (daemon_pss or 0.0),
@@ -201,6 +324,8 @@ class MemorySample:
             daemon_gpu_mb=daemon_gpu,
             all_gpu_mb=all_gpu,
             gpu_busy_pct=busy,
+            roles=by_role(roled),
+            daemon_arenas=malloc_arenas(daemon_pid) if daemon_pid else None,
         )
 
 
@@ -260,9 +385,11 @@ FIELDS = (
 )  # fmt: skip
 # The figures memory_metrics returns: each field's median in the window and its peak, and
 # how busy the GPU was in the window (median).
+# Where the PSS is: ``role_<role>_<figure>``, each the median in the window.
+ROLE_METRICS = tuple(f"role_{role}_{figure}" for role in ROLES for figure in ROLE_FIGURES)
 METRICS = (
     *FIELDS, *(name.replace("_mb", "_peak_mb") for name in FIELDS), "daemon_peak_rss_mb",
-    "gpu_busy_pct",
+    "gpu_busy_pct", *ROLE_METRICS,
 )  # fmt: skip
 
 
@@ -288,4 +415,9 @@ def memory_metrics(memory: dict[str, Any], start_ns: int, end_ns: int) -> dict[s
     metrics["gpu_busy_pct"] = statistics.median(busy) if busy else None
     hwm = [s["daemon_hwm_mb"] for s in samples if s["daemon_hwm_mb"] is not None]
     metrics["daemon_peak_rss_mb"] = max(hwm) if hwm else None
+    roles = [s["roles"] for s in inside if s.get("roles")]
+    for role in ROLES:
+        for figure in ROLE_FIGURES:
+            values = [r[role][figure] for r in roles if role in r]
+            metrics[f"role_{role}_{figure}"] = statistics.median(values) if values else None
     return metrics

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from . import scaling_report
+from . import cohort_report, scaling_report
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
@@ -246,6 +246,7 @@ def markdown(report: dict[str, Any]) -> str:
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),
         scaling_report.weighted_markdown(report),
+        cohort_report.markdown(report),
         _transport(summary),
     ]
     return "\n".join(line for section in sections for line in section).rstrip() + "\n"

@@ -384,7 +384,6 @@ def serve(argv: Sequence[str]) -> int:
     writer = threading.Thread(
         target=_write_snapshots, args=(path, stop), name="bench-threads", daemon=True
     )
-    writer.start()
 
     def last() -> None:
         stop.set()
@@ -392,10 +391,22 @@ def serve(argv: Sequence[str]) -> int:
         with path.open("a") as out:
             out.write(json.dumps(TOTALS.snapshot()) + "\n")
 
-    atexit.register(last)
-    from dalid.server.operations.cli import main
+    from dalid.server.intake.heap import limit_malloc_arenas as limit
+    from dalid.server.operations import cli
 
-    return main(["serve", *argv])
+    # The writer starts once the daemon has set its malloc arena limit, as the daemon makes
+    # its own threads: a thread that allocates before the limit gets an arena of its own, which
+    # DALI's threads then share with the main one, and the daemon measured would hold more
+    # memory than one run without the probes (two arenas of some 55 MiB each, measured).
+    @functools.wraps(limit)
+    def limit_then_write(arenas: int) -> bool:
+        limited = limit(arenas)
+        writer.start()
+        atexit.register(last)
+        return limited
+
+    vars(cli)["limit_malloc_arenas"] = limit_then_write  # the name cli calls it by
+    return cli.main(["serve", *argv])
 
 
 def read_snapshots(path: Path) -> list[dict[str, Any]]:

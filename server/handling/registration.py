@@ -196,7 +196,7 @@ class PipelineBuilder:
                 self._mark(shared.instance_id)
             shared.join(member, on_built)
         else:
-            self._new_instance(job, plan, member, on_built, threads)
+            self._new_instance(job, plan, member, on_built, threads, cohort=bool(request.cohort))
         job.pipelines[pipeline_id] = member
         return member
 
@@ -207,9 +207,18 @@ class PipelineBuilder:
         member: Member,
         on_built: Callable[[PipelineSpec | PipelineBuildError], None],
         max_threads: int,
+        *,
+        cohort: bool = False,
     ) -> None:
         shared = plan.key is not None
         run_batches = self._sharing.run_batches if shared else 1
+        if cohort and not run_batches:
+            # Under auto, a pipeline a cohort member starts runs one batch a run: its members
+            # submit the same batches, each run once for all, so a run of several would only
+            # pack one member's prefetched batches, and DALI keeps buffers for the largest run
+            # it has seen (4 jobs, batch 32: the daemon 148 MiB smaller, samples/s the same;
+            # bench/README.md, "Where a 4-job cohort's memory goes").
+            run_batches = 1
         threads = self._sharing.threads if shared else 0
         with self._lock:
             instance_id = self._next_instance_id

@@ -342,7 +342,8 @@ OPTIONS: tuple[Option, ...] = (
         0,
         "the samples of this many batches at most in one run of a shared pipeline, one batch of "
         "each job: 'auto' takes as many as fit 256 samples, 1 to 4 (DALI keeps buffers for the "
-        "largest run, so larger runs cost memory for every stage)",
+        "largest run, so larger runs cost memory for every stage), and one batch for a pipeline "
+        "a cohort member starts (its members' batches run once for all)",
         "N|auto",
         default_text="auto",
     ),

@@ -436,3 +436,26 @@ def test_a_member_past_the_window_gets_every_batch_ranked_behind_and_frees_all_w
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(control, ignore_errors=True)
     wait_until(lambda: _cohort(small_window, "sweep-b") is None, 15, "the cohort to end")
+
+
+def test_a_cohorts_pipeline_runs_one_batch_a_run(daemon: DaemonProcess) -> None:
+    # Under --run-batches auto (the default), a pipeline a cohort member starts runs one batch
+    # a run: its members' batches run once for all, so a run of several would only pack one
+    # member's batches ahead, and DALI keeps buffers for the largest run it has seen.
+    with (
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-r") as first,
+        dalid.connect(socket=daemon.socket, autostart=False, cohort="sweep-r") as second,
+    ):
+        proxies = [first.proxy(augmenting()), second.proxy(augmenting())]
+        # Each member's batches queued together, as a DataLoader's prefetching sends them.
+        refs = [[submit(proxy, 0, number) for number in range(AHEAD)] for proxy in proxies]
+        produced = [
+            [_digest(session.produce_data(ref)) for ref in member_refs]
+            for session, member_refs in zip((first, second), refs, strict=True)
+        ]
+        assert produced[0] == produced[1]
+        members = {first.job_id, second.job_id}
+        (pipeline,) = [p for p in daemon.status().pipelines if members & set(p.jobs)]
+        assert pipeline.run_size == BATCH
+        assert (pipeline.runs, pipeline.samples) == (AHEAD, AHEAD * BATCH)
+    wait_until(lambda: _cohort(daemon, "sweep-r") is None, 10, "the cohort to end")
