@@ -161,6 +161,20 @@ class CudaOutputs:
     def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
         return self.device.upload(copied_tensor(output, frame))
 
+    def take_copies(self, outputs: Sequence[OutputDescriptor], event: str) -> list[torch.Tensor]:
+        """Private copies left on the device (``OutputDescriptor.copy``: protocol/SPEC.md,
+        "Outputs", rule 4): each region copied, on the current stream once it has waited for
+        the batch's ``event``, into a tensor of this process's own; the region is released at
+        once, its fence recorded after that copy. No host copy, no host wait."""
+        stream = self._begin_batch(event)
+        copies = []
+        for descriptor in outputs:
+            view = self._tensor(descriptor, stream)
+            copies.append(self.device.copy(view, stream))
+            # The view was the region's only tensor: its release is due now (``released``).
+            del view
+        return copies
+
     def _begin_batch(self, event: str) -> Any:
         """Makes the current stream wait for the batch's event; that stream."""
         if not event:

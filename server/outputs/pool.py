@@ -228,6 +228,15 @@ class RegionPool:
             self._growth = growth
             self.limit_bytes = growth.bytes
 
+    def hold_sets(self, sizes: Sequence[int], sets: int) -> None:
+        """Raises the pool's limit, where it is lower, to hold ``sets`` sets of regions of
+        ``sizes`` at once, each set in a slab of its own (the memory of a job's private copies
+        kept on the device: Note [Private copies] in copies.py)."""
+        per_set = _align(sum(_align(size, self._alignment) for size in sizes), PAGE)
+        with self._condition:
+            self.limit_bytes = max(self.limit_bytes, sets * per_set)
+            self.slab_bytes = max(self.slab_bytes, per_set)
+
     @property
     def slab_bytes_total(self) -> int:
         return sum(space.slab.size for space in self._spaces)

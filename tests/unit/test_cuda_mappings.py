@@ -66,6 +66,7 @@ class FakeDevice:
         self.fences: list[FakeEvent] = []
         self.markers: list[FakeEvent] = []
         self.synchronized: list[FakeEvent] = []
+        self.copies: list[int] = []  # the streams device-to-device copies were made on
 
     def open_memory(self, handle: bytes) -> int:
         assert handle not in self.handles, "a slab handle opened twice"
@@ -120,6 +121,10 @@ class FakeDevice:
 
     def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
         return host.clone()  # "on the device": a copy
+
+    def copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        self.copies.append(stream.cuda_stream)
+        return tensor.clone()
 
     def write(self, handle: str, offset: int, data: np.ndarray) -> None:
         buffer = self.buffers[self.handles[bytes.fromhex(handle)]]
