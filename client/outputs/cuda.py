@@ -10,7 +10,10 @@ keeps the trainer's half:
 - a region is released when the last tensor viewing it dies, with a release fence recorded on
   the stream it was delivered on, so the daemon writes it again only after that stream's work;
 - slabs are reported unmapped so the daemon can free them (CUDA forbids freeing them earlier):
-  retired ones as they are unmapped, and at the end all but those that tensors still view.
+  retired ones as they are unmapped, and at the end all but those that tensors still view;
+- a private copy left on the device (rule 4) is a region like the others, viewed only long
+  enough to copy it into a tensor of this process's own on the same stream: released at once,
+  its fence recorded after that copy.
 
 CUDA is touched only for a daemon on a GPU (the device is opened with the first GPU output), so
 CPU-only users never need it. The device calls, and finding the daemon's GPU among this

@@ -6,8 +6,9 @@ from :class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors'
 GPU outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
 real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
-Why one module of some 530 lines: the note below and the code that keeps it (slabs, the job's
-stream, its event ring, the peers' fences and, for a cohort, a peer per member) read best together.
+Why one module of some 580 lines: the note below and the code that keeps it (slabs, the job's
+stream, its event ring, the peers' fences, the copy memory and, for a cohort, a peer per member)
+read best together.
 
 Note [GPU output lifetime]
 --------------------------

@@ -12,8 +12,9 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 530 lines: the store interface, the job's stores and a run's outputs
-are the one boundary between the executor and output memory.
+Why one module of some 670 lines: the store interface, the job's stores and a run's outputs
+are the one boundary between the executor and output memory, private copies included (a batch
+that finds no room goes out through the same stores, into their copy memory or as frames).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 480 lines: the note below is the lifetime contract the pool enforces,
+Why one module of some 490 lines: the note below is the lifetime contract the pool enforces,
 and it reads best beside the code that keeps each of its rules.
 
 Note [Output buffer lifetime]
