@@ -3,7 +3,9 @@ copies] in dalid.server.outputs.copies).
 
 With DALI's proxy each step's tensors are new, so keeping them all only costs memory. Through
 dalid they view the job's output memory: once the trainer holds it all, later batches come as
-private copies, said once in the daemon's log and counted in ``dalid status``.
+private copies, said once in the daemon's log and counted in ``dalid status``. On a GPU, the
+copies of GPU outputs never leave the device: here on a simulated GPU (tests/simulated_gpu.py),
+on a real one in tests/integration/test_gpu.py.
 """
 
 from __future__ import annotations
