@@ -147,13 +147,18 @@ class Delivery:
         outputs = self._daemon.generation.outputs
         outputs.retire(result.retired_slabs)
         try:
-            return outputs.tensors(result)
+            tensors = outputs.tensors(result)
         except FileNotFoundError as error:
             # Only a daemon that died, its memory removed by its successor, loses a slab it has
             # just named (protocol/SPEC.md, "Outputs", rule 6).
             raise self._daemon.link.gone_error(
                 f"its output memory {error.filename} was removed"
             ) from None
+        if result.copied:
+            # Copies left on the device are copied already: their regions go back now, for the
+            # daemon's next copies (SPEC.md, "Outputs", rule 4).
+            self.flush_releases()
+        return tensors
 
     def _wait(self, batch_id: int) -> BatchReady | BatchFailed:
         progress = self._progress

@@ -199,6 +199,10 @@ class Hello(Message):
     # A trainer that takes outputs as private copies when its output memory is all held
     # (``BatchReady.copies``); without it, batches wait for the trainer's releases.
     private_copies: bool = False
+    # A trainer that takes a GPU output's private copy as a region of the daemon's copy memory
+    # (``OutputDescriptor.copy``), copied on its GPU at once and released: such a copy never
+    # leaves the device. Without it, GPU outputs' private copies come as frames too.
+    device_copies: bool = False
 
     def __post_init__(self) -> None:
         _check(len(self.name) <= MAX_NAME_LENGTH, "hello.name is too long")
@@ -729,6 +733,9 @@ class OutputDescriptor:
     ``device`` "staged": a GPU output the daemon copied into the shared-memory segment ``slab``,
     for the trainer to upload to its GPU (``OutputPath`` "staged").
     ``strides`` are in bytes; empty means C-contiguous.
+    ``copy``: a GPU output's private copy left on the device (a "cuda" region of the job's copy
+    memory): the trainer copies it into memory of its own once the batch's event is done, and
+    releases the region at once; no tensor views it.
     """
 
     region_id: int
@@ -742,9 +749,14 @@ class OutputDescriptor:
     device: str = "cpu"
     strides: tuple[int, ...] = ()
     ipc_handle: str = ""
+    copy: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"unsupported output dtype {self.dtype!r}")
+        _check(
+            not self.copy or (self.device == "cuda" and bool(self.slab)),
+            "only a region of GPU memory is a copy left on the device",
+        )
         _check_shape(self.shape, "an output")
         _check(
             self.offset >= 0 and self.offset + self.nbytes <= self.slab_size, "region outside slab"
@@ -797,7 +809,8 @@ class BatchReady(Message):
     # Samples left out (outputs have fewer rows) or replaced, by the pipeline's on_error.
     bad_samples: tuple[BadSample, ...] = ()
     # A batch delivered as private copies (its job's memory was all held): one frame per
-    # output, whose descriptor names no slab. Only to a trainer whose hello took copies.
+    # output, whose descriptor names no slab, or an empty one for an output left on the device
+    # (``OutputDescriptor.copy``). Only to a trainer whose hello took copies.
     copies: tuple[memoryview, ...] = ()
 
     def __post_init__(self) -> None:
@@ -807,9 +820,17 @@ class BatchReady(Message):
         if self.copies:
             _check(len(self.copies) == len(self.outputs), "one copy per output")
             for output, copy in zip(self.outputs, self.copies, strict=True):
-                _check(not output.slab and copy.nbytes == output.nbytes, "a copy's size")
+                if output.copy:
+                    _check(not copy.nbytes, "a copy left on the device has no frame")
+                else:
+                    _check(not output.slab and copy.nbytes == output.nbytes, "a copy's size")
         else:
             _check(all(output.slab for output in self.outputs), "an output names no slab")
+
+    @property
+    def copied(self) -> bool:
+        """Whether the batch came as private copies (frames, or regions left on the device)."""
+        return bool(self.copies) or any(output.copy for output in self.outputs)
 
 
 @dataclass(frozen=True)
@@ -921,8 +942,10 @@ class JobStatus:
     slabs: int
     memory_bytes: int
     connected_seconds: float
-    # Batches delivered as private copies, their job's output memory being all held.
+    # Batches delivered as private copies, their job's output memory being all held; of them,
+    # those whose GPU outputs stayed on the device (``OutputDescriptor.copy``).
     batches_copied: int = 0
+    batches_copied_on_device: int = 0
     # How its outputs reach the trainer: "shm" (CPU outputs only), "cuda_ipc" or "staged" for
     # GPU outputs (see OutputPath).
     output_path: str = ""
@@ -930,6 +953,8 @@ class JobStatus:
     # kind of memory together).
     slab_bytes: int = 0
     peak_slab_bytes: int = 0
+    # Of ``slab_bytes``, those of its copy memory (private copies left on the device).
+    copy_slab_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,15 @@ simulated, on both sides.
   numbers, since every copy is done when it returns. Its GPU is :data:`SIMULATED_UUID`. DALI
   cannot make GPU tensors without a GPU, so pipelines run on the CPU and the first output of
   each run stands for a GPU output (as in ``helpers.gpu_pipeline`` on a real GPU, whose first
-  output is computed on the GPU and the second on the CPU).
+  output is computed on the GPU and the second on the CPU). Every copy of "device" memory to
+  the host, through the CUDA calls or DALI's ``as_cpu()``, says so in the daemon's log
+  (:data:`TO_HOST`), for tests to count.
 - The trainer (:class:`SimulatedDevices`, installed as
   ``dalid.client.outputs.cuda_device.DEVICES``): it opens the daemon's "IPC handles" by mapping
   the segments they name, or refuses as CUDA does where IPC cannot work (``ipc=False``), and
   sees the daemon's GPU or not (``sees_daemon``). Tensors it hands out are CPU tensors: views
-  of the mapping for CUDA IPC, copies for uploads.
+  of the mapping for CUDA IPC, copies for uploads and device-to-device copies (counted:
+  ``uploads``, ``copies``).
 
 What CUDA itself does (streams, events, page-locking, IPC between processes) is tested on a GPU:
 tests/integration/test_gpu.py.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import mmap
 import os
 import sys
@@ -37,6 +41,8 @@ import numpy as np
 import torch
 
 SIMULATED_UUID = "GPU-51a1a7ed-0000-4000-8000-00000000cafe"
+TO_HOST = "simulated GPU: device-to-host copy"
+"""What the simulated daemon logs for each copy of device memory to the host."""
 SHM = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
 HANDLE_BYTES = 64
@@ -122,6 +128,7 @@ class SimulatedApi:
         ctypes.memmove(ptr, source, nbytes)
 
     def copy_to_host(self, ptr: int, source: int, nbytes: int, stream: int) -> None:
+        logging.getLogger("dalid.server").info("%s of %d bytes", TO_HOST, nbytes)
         ctypes.memmove(ptr, source, nbytes)
 
     def write(self, ptr: int, data: bytes) -> None:
@@ -133,6 +140,28 @@ class SimulatedApi:
 
     def unregister_host(self, ptr: int) -> None:
         self.registered.remove(ptr)
+
+
+class TensorGPU:
+    """A DALI CPU tensor standing for a GPU one (a dense GPU output, ``as_tensor()``): what the
+    output stores read of it; ``as_cpu()`` is a device-to-host copy, logged."""
+
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor
+
+    def shape(self) -> Any:
+        return self._tensor.shape()
+
+    def data_ptr(self) -> int:
+        return int(self._tensor.data_ptr())
+
+    def copy_to_external(self, ptr: Any, **kw: Any) -> None:
+        self._tensor.copy_to_external(ptr)
+
+    def as_cpu(self) -> Any:
+        nbytes = int(np.prod(self._tensor.shape())) * np.dtype(self._tensor.dtype()).itemsize
+        logging.getLogger("dalid.server").info("%s of %d bytes", TO_HOST, nbytes)
+        return self._tensor
 
 
 class TensorListGPU:
@@ -151,8 +180,8 @@ class TensorListGPU:
     def is_dense_tensor(self) -> bool:
         return bool(self._tensors.is_dense_tensor())
 
-    def as_tensor(self) -> Any:
-        return self._tensors.as_tensor()
+    def as_tensor(self) -> TensorGPU:
+        return TensorGPU(self._tensors.as_tensor())
 
     def __getitem__(self, index: int) -> Any:
         return self._tensors[index]
@@ -221,6 +250,7 @@ class SimulatedDevice:
     names: dict[int, str] = field(default_factory=dict)
     pinned: set[int] = field(default_factory=set)
     uploads: int = 0
+    copies: int = 0
     _fences: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def open_memory(self, handle: bytes) -> int:
@@ -286,6 +316,10 @@ class SimulatedDevice:
     def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
         self.uploads += 1
         return host.clone()
+
+    def copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        self.copies += 1
+        return tensor.clone()
 
     def pin(self, ptr: int, size: int) -> bool:
         self.pinned.add(ptr)

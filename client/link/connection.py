@@ -188,6 +188,7 @@ class Connection:
                 max_inflight_batches=max_inflight_batches,
                 earlier_jobs=earlier_jobs,
                 private_copies=role is Role.TRAINER,
+                device_copies=role is Role.TRAINER,
             )
             reply = self.request(hello, timeout=hello_timeout, ping=False)
         except BaseException:

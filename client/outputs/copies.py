@@ -2,7 +2,9 @@
 
 A batch comes so when the job's output memory is all held by live tensors (a loop that keeps
 its outputs): see protocol/SPEC.md, "Outputs", rule 4. Nothing is released for such tensors;
-they live as long as the trainer keeps them, as with DALI's proxy.
+they live as long as the trainer keeps them, as with DALI's proxy. This module makes them from
+frames; a GPU output's copy left on the device is copied on the GPU instead
+(``CudaOutputs.take_copies`` in ``cuda.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ keeps the trainer's half:
 - a region is released when the last tensor viewing it dies, with a release fence recorded on
   the stream it was delivered on, so the daemon writes it again only after that stream's work;
 - slabs are reported unmapped so the daemon can free them (CUDA forbids freeing them earlier):
-  retired ones as they are unmapped, and at the end all but those that tensors still view.
+  retired ones as they are unmapped, and at the end all but those that tensors still view;
+- a private copy left on the device (rule 4) is a region like the others, viewed only long
+  enough to copy it into a tensor of this process's own on the same stream: released at once,
+  its fence recorded after that copy.
 
 CUDA is touched only for a daemon on a GPU (the device is opened with the first GPU output), so
 CPU-only users never need it. The device calls, and finding the daemon's GPU among this
@@ -160,6 +163,20 @@ class CudaOutputs:
 
     def copy(self, output: OutputDescriptor, frame: memoryview) -> torch.Tensor:
         return self.device.upload(copied_tensor(output, frame))
+
+    def take_copies(self, outputs: Sequence[OutputDescriptor], event: str) -> list[torch.Tensor]:
+        """Private copies left on the device (``OutputDescriptor.copy``: protocol/SPEC.md,
+        "Outputs", rule 4): each region copied, on the current stream once it has waited for
+        the batch's ``event``, into a tensor of this process's own; the region is released at
+        once, its fence recorded after that copy. No host copy, no host wait."""
+        stream = self._begin_batch(event)
+        copies = []
+        for descriptor in outputs:
+            view = self._tensor(descriptor, stream)
+            copies.append(self.device.copy(view, stream))
+            # The view was the region's only tensor: its release is due now (``released``).
+            del view
+        return copies
 
     def _begin_batch(self, event: str) -> Any:
         """Makes the current stream wait for the batch's event; that stream."""

@@ -51,6 +51,8 @@ class Device(Protocol):
 
     def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor: ...
 
+    def copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor: ...
+
 
 class TorchDevice:
     """:class:`Device` on CUDA device ``index`` of this process: memory handles through CuPy
@@ -91,6 +93,12 @@ class TorchDevice:
         the current stream), without a host wait where ``host`` is page-locked."""
         with torch.cuda.stream(stream if stream is not None else self.current_stream()):
             return host.to(self.torch_device, non_blocking=True)
+
+    def copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A copy of the device tensor ``tensor`` in memory of this process's own (torch's
+        caching allocator, for ``stream``), made on ``stream``: device to device, no host wait."""
+        with torch.cuda.stream(stream):
+            return tensor.clone()
 
     def pin(self, ptr: int, size: int) -> bool:
         """Page-locks host memory (``cudaHostRegister``); whether it could."""

@@ -21,7 +21,7 @@ to 17 for staged GPU outputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -111,11 +111,8 @@ class Outputs:
 
     def tensors(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
         """The batch's outputs as tensors, in order; each backend wraps its outputs at once."""
-        if result.copies:  # the job's memory was all held: the batch came as copies
-            return tuple(
-                self._backend(output.device).copy(output, frame)
-                for output, frame in zip(result.outputs, result.copies, strict=True)
-            )
+        if result.copied:  # the job's memory was all held: the batch came as copies
+            return self._copies(result)
         outputs = result.outputs
         device = outputs[0].device if outputs else "cpu"
         if all(output.device == device for output in outputs):  # the usual batch: one backend
@@ -130,6 +127,23 @@ class Outputs:
             for position, tensor in zip(indices, wrapped, strict=True):
                 tensors[position] = tensor
         return tuple(tensor for tensor in tensors if tensor is not None)
+
+    def _copies(self, result: BatchReady) -> tuple[torch.Tensor, ...]:
+        """A batch of private copies as tensors of this process's own: frames copied into them,
+        and copies left on the device copied from the daemon's copy memory on this GPU."""
+        outputs = result.outputs
+        on_device = [output for output in outputs if output.copy]
+        kept: Iterator[torch.Tensor] = iter(())
+        if on_device:
+            backend = self._backend("cuda")
+            if not isinstance(backend, CudaOutputs):
+                raise DeviceMismatch("the daemon sent a GPU output's copy to a staged trainer")
+            kept = iter(backend.take_copies(on_device, result.event))
+        frames = result.copies or (memoryview(b""),) * len(outputs)
+        return tuple(
+            next(kept) if output.copy else self._backend(output.device).copy(output, frame)
+            for output, frame in zip(outputs, frames, strict=True)
+        )
 
     def _backend(self, device: str) -> OutputBackend:
         backend = self._backends.get(device)

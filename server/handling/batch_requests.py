@@ -177,8 +177,9 @@ class BatchRequests:
         if isinstance(result, BatchFailed):
             job.batches_failed += 1
         else:
-            if result.copies:
+            if result.copied:
                 job.batches_copied += 1
+                job.batches_copied_on_device += any(output.copy for output in result.outputs)
                 if job.batches_copied == 1:
                     log.warning(
                         "job %d: its trainer holds all %d MiB of its output memory (it keeps "

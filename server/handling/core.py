@@ -481,6 +481,7 @@ class DaemonCore:
         self.scheduler.add_job(job.job_id, limits.weight)
         if hello.private_copies:
             job.outputs.copy_after = PRIVATE_COPY_AFTER_S
+            job.outputs.device_copies = hello.device_copies
         log.info(
             "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
             job.job_id,

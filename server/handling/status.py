@@ -60,6 +60,8 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         samples_done=job.meter.samples,
         batches_failed=job.batches_failed,
         batches_copied=job.batches_copied,
+        batches_copied_on_device=job.batches_copied_on_device,
+        copy_slab_bytes=job.outputs.copy_slab_bytes,
         batches_per_second=batches_per_second,
         samples_per_second=samples_per_second,
         queued=queued,

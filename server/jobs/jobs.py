@@ -87,6 +87,7 @@ class Job:
     batches_failed: int = 0
     # Batches delivered as private copies (Note [Private copies] in copies.py).
     batches_copied: int = 0
+    batches_copied_on_device: int = 0
     meter: RateMeter = field(default_factory=RateMeter)
     trainer_waited: float = 0.0
     connected_at: float = field(default_factory=time.monotonic)

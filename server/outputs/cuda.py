@@ -6,8 +6,9 @@ from :class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors'
 GPU outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
 real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
 
-Why one module of some 530 lines: the note below and the code that keeps it (slabs, the job's
-stream, its event ring, the peers' fences and, for a cohort, a peer per member) read best together.
+Why one module of some 580 lines: the note below and the code that keeps it (slabs, the job's
+stream, its event ring, the peers' fences, the copy memory and, for a cohort, a peer per member)
+read best together.
 
 Note [GPU output lifetime]
 --------------------------
@@ -60,6 +61,7 @@ import numpy as np
 from dalid.protocol import Limits, OutputDescriptor
 
 from . import cuda_api
+from .copies import COPY_BATCHES, DeviceCopies
 from .cuda_api import DeviceApi
 from .outputs import (
     JobOutputs,
@@ -69,7 +71,7 @@ from .outputs import (
     StreamFactory,
     region_ids,
 )
-from .pool import Region, RegionPool
+from .pool import PoolFull, PoolTooSmall, Region, RegionPool, SlabUnavailable
 from .shm import SharedMemoryStore
 
 log = logging.getLogger("dalid.server")
@@ -390,7 +392,12 @@ class GpuOutputStore:
 
 class CudaStore(GpuOutputStore):
     """A job's GPU outputs: regions of its :class:`CudaBackend`'s slabs, written on its stream
-    and released after the trainer's fences (Note [GPU output lifetime])."""
+    and released after the trainer's fences (Note [GPU output lifetime]).
+
+    Its ``copy_pool`` is the job's copy memory: slabs of the same backend, outside the job's
+    pool, where private copies of GPU outputs stay on the device (Note [Private copies] in
+    copies.py); its regions follow the same note as the pool's.
+    """
 
     device = "cuda"
     takes = "cuda"
@@ -405,6 +412,8 @@ class CudaStore(GpuOutputStore):
         self.pool = RegionPool(
             backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
         )
+        # Sized by the batches it holds once one needs it (``copy_regions``).
+        self.copy_pool = RegionPool(backend, f"{name_prefix}-cudacopy", 0, 0, region_ids=ids)
 
     def write(self, region: Region, output: RunOutput, rows: range) -> None:
         dense = output.dense()
@@ -419,6 +428,42 @@ class CudaStore(GpuOutputStore):
             for row in rows:
                 self.backend.copy(address, output.tensors[row])
                 address += output.row_bytes(rows)
+
+    # --- private copies left on the device (Note [Private copies], point 2, in copies.py) ---
+
+    def copy_regions(self, sizes: Sequence[int]) -> list[Region] | None:
+        self.copy_pool.hold_sets(sizes, COPY_BATCHES)
+        try:
+            return self.copy_pool.allocate(sizes, give_up_after=0.0)
+        except (PoolFull, PoolTooSmall, SlabUnavailable):
+            return None  # no room now, or no device memory: the copy goes through the host
+
+    def write_copies(
+        self,
+        regions: Sequence[Region],
+        outputs: Sequence[Any],
+        rows: range,
+        others: bool,
+        source_stream: int | None,
+    ) -> str:
+        self.prepare(others, source_stream)
+        for region, output in zip(regions, outputs, strict=True):
+            if region.nbytes:
+                self.write(region, output, rows)
+        return self.finish(True, source_stream)
+
+    def copy_from(self, source: DeviceCopies, copies: Sequence[tuple[Region, int]]) -> str:
+        theirs = source.stream
+        assert theirs is not None
+        # After the run that wrote them (its event was recorded on that stream), with no host
+        # wait; and the source's later writes into those regions after these copies.
+        self.backend.follow(theirs)
+        for region, address in copies:
+            if region.nbytes:
+                self.backend.copy_range(region.slab.address(region.offset), address, region.nbytes)
+        event = self.backend.record_batch()
+        self.backend.lead(theirs)
+        return event
 
     def export(self, region: Region) -> str:
         slab = region.slab
@@ -488,6 +533,7 @@ class CudaStore(GpuOutputStore):
 
     def close(self, unmap: bool) -> bool:
         self.pool.close(unmap=unmap)
+        self.copy_pool.close(unmap=unmap)
         # The trainer still has its fences; destroy ours of them while it does (point 7).
         self.backend.forget_peer_events()
         return self.backend.awaiting_peer > 0
@@ -505,12 +551,8 @@ def device_outputs(device_id: int, api: DeviceApi | None = None) -> OutputsFacto
 
     def outputs(name_prefix: str, limits: Limits) -> JobOutputs:
         ids = region_ids()
-        return JobOutputs(
-            [
-                SharedMemoryStore(name_prefix, limits, ids),
-                CudaStore(name_prefix, limits, ids, CudaBackend(device_id, api=api)),
-            ]
-        )
+        gpu = CudaStore(name_prefix, limits, ids, CudaBackend(device_id, api=api))
+        return JobOutputs([SharedMemoryStore(name_prefix, limits, ids), gpu], on_device=gpu)
 
     return outputs
 

@@ -12,12 +12,14 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 530 lines: the store interface, the job's stores and a run's outputs
-are the one boundary between the executor and output memory.
+Why one module of some 670 lines: the store interface, the job's stores and a run's outputs
+are the one boundary between the executor and output memory, private copies included (a batch
+that finds no room goes out through the same stores, into their copy memory or as frames).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import sys
@@ -29,7 +31,7 @@ import numpy as np
 
 from dalid.protocol import ErrorCode, Limits, OutputDescriptor
 
-from .copies import private_copy
+from .copies import DeviceCopies, private_copy
 from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
 
 
@@ -121,12 +123,18 @@ class JobOutputs:
     its store.
     """
 
-    def __init__(self, stores: Sequence[OutputStore]) -> None:
+    def __init__(
+        self, stores: Sequence[OutputStore], on_device: DeviceCopies | None = None
+    ) -> None:
         self.stores = tuple(stores)
         self.closed = False
         # How long a batch waits for memory before it goes as a private copy; None: it waits
         # for ever (a trainer that takes no copies). Note [Private copies] in copies.py.
         self.copy_after: float | None = None
+        # The store (one of ``stores``) whose copy memory keeps GPU outputs' private copies on
+        # the device, and whether the trainer takes them so (``hello.device_copies``).
+        self.on_device = on_device
+        self.device_copies = False
         # Delivered batches by their leased region ids: what to call once all are released.
         self._batches: dict[int, _LeasedBatch] = {}
         self._batches_lock = threading.Lock()
@@ -151,6 +159,8 @@ class JobOutputs:
         if old.pool.slab_count:
             raise ValueError(f"the job's {device} outputs are in use already")
         self.stores = tuple(store if s is old else s for s in self.stores)
+        if self.on_device is not None and id(old) == id(self.on_device):
+            self.on_device = None  # staged outputs' copies go through the host anyway
         return old
 
     # --- a batch ------------------------------------------------------------------------------
@@ -200,47 +210,68 @@ class JobOutputs:
             self._release_regions(regions)
             raise
         descriptors = tuple(
-            OutputDescriptor(
-                region_id=region.region_id,
-                slab=region.slab.name,
-                slab_size=region.slab.size,
-                offset=region.offset,
-                nbytes=region.nbytes,
-                dtype=output.dtype,
-                shape=shape,
-                layout=output.layout,
-                device=store.device,
-                ipc_handle=store.export(region),
-            )
+            _descriptor(store.device, region, output, shape, store.export(region))
             for store, region, output, shape in zip(stores, regions, outputs, shapes, strict=True)
         )
         return descriptors, next((event for event in events if event), "")
 
     def private_copies(
-        self, outputs: Sequence[RunOutput], rows: range
-    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...]]:
-        """A batch's ``rows`` of a run's outputs as private copies: descriptors that name no
-        slab, and the bytes of each output (Note [Private copies] in copies.py)."""
+        self, outputs: Sequence[RunOutput], rows: range, *, source_stream: int | None = None
+    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...], str]:
+        """A batch's ``rows`` of a run's outputs as private copies: descriptors, the frame of
+        each output, and the batch's event (Note [Private copies] in copies.py). GPU outputs
+        stay on the device where the trainer takes them so and the copy memory has room: their
+        descriptors name regions of it (``copy``), with empty frames; the others name no slab,
+        and their frames hold their bytes. ``source_stream``: as for :meth:`write_batch`."""
+        kept, event = self._copies_on_device(outputs, rows, source_stream)
         descriptors, frames = [], []
-        for output in outputs:
+        for index, output in enumerate(outputs):
+            descriptor = kept.get(index)
+            if descriptor is not None:
+                descriptors.append(descriptor)
+                frames.append(memoryview(b""))
+                continue
             store = self._store_of(output)
             shape = output.shape_of(rows)
             nbytes = math.prod(shape) * output.itemsize
             frames.append(private_copy(output, rows, nbytes).data)
-            descriptors.append(
-                OutputDescriptor(
-                    region_id=0,
-                    slab="",
-                    slab_size=nbytes,
-                    offset=0,
-                    nbytes=nbytes,
-                    dtype=output.dtype,
-                    shape=shape,
-                    layout=output.layout,
-                    device=store.device,
-                )
+            descriptors.append(_host_copy(store.device, output, shape, nbytes))
+        return tuple(descriptors), tuple(frames), event
+
+    def _copies_on_device(
+        self, outputs: Sequence[RunOutput], rows: range, source_stream: int | None
+    ) -> tuple[dict[int, OutputDescriptor], str]:
+        """The GPU outputs' private copies written into the copy memory, by output index, and
+        the batch's event; none where they go through the host (point 2 of the note)."""
+        store = self.on_device
+        if store is None or not self.device_copies:
+            return {}, ""
+        indices = [i for i, output in enumerate(outputs) if store.holds(output.tensors)]
+        if not indices:
+            return {}, ""
+        shapes = [outputs[i].shape_of(rows) for i in indices]
+        sizes = [
+            math.prod(shape) * outputs[i].itemsize for i, shape in zip(indices, shapes, strict=True)
+        ]
+        regions = store.copy_regions(sizes)
+        if regions is None:
+            return {}, ""
+        try:
+            event = store.write_copies(
+                regions,
+                [outputs[i] for i in indices],
+                rows,
+                others=len(indices) < len(outputs),
+                source_stream=source_stream,
             )
-        return tuple(descriptors), tuple(frames)
+        except BaseException:
+            store.copy_pool.release([region.region_id for region in regions])
+            raise
+        kept = {
+            i: _descriptor(store.device, region, outputs[i], shape, store.export(region), copy=True)
+            for i, region, shape in zip(indices, regions, shapes, strict=True)
+        }
+        return kept, event
 
     def copies_of(self, descriptors: Sequence[OutputDescriptor]) -> tuple[memoryview, ...]:
         """The bytes of regions of this memory, still leased, as private copies (a GPU region's
@@ -253,6 +284,61 @@ class JobOutputs:
             address = store.pool.address(d.region_id) if d.nbytes else 0
             copies.append(store.read(address, d.nbytes).data)
         return tuple(copies)
+
+    def copies_from(
+        self, source: JobOutputs, descriptors: Sequence[OutputDescriptor]
+    ) -> tuple[tuple[OutputDescriptor, ...], tuple[memoryview, ...], str]:
+        """``source``'s regions (a cohort's, still leased) as this job's private copies, as
+        :meth:`private_copies` makes them: GPU ones into this job's copy memory, on its stream
+        after ``source``'s, where the trainer takes them so and it has room, the others
+        through the host (Note [Private copies], point 7)."""
+        store, theirs = self.on_device, source.on_device
+        on_gpu: list[int] = []
+        regions: list[Region] | None = None
+        if store is not None and theirs is not None and self.device_copies:
+            on_gpu = [i for i, d in enumerate(descriptors) if d.device == theirs.device]
+            if on_gpu:
+                regions = store.copy_regions([descriptors[i].nbytes for i in on_gpu])
+        kept: dict[int, OutputDescriptor] = {}
+        event = ""
+        if store is not None and theirs is not None and regions is not None:
+            pool = source.store(theirs.device).pool
+            pairs = [
+                (region, pool.address(descriptors[i].region_id) if region.nbytes else 0)
+                for i, region in zip(on_gpu, regions, strict=True)
+            ]
+            try:
+                event = store.copy_from(theirs, pairs)
+            except BaseException:
+                store.copy_pool.release([region.region_id for region in regions])
+                raise
+            for i, region in zip(on_gpu, regions, strict=True):
+                d = descriptors[i]
+                kept[i] = dataclasses.replace(
+                    d,
+                    region_id=region.region_id,
+                    slab=region.slab.name,
+                    slab_size=region.slab.size,
+                    offset=region.offset,
+                    ipc_handle=store.export(region),
+                    copy=True,
+                )
+        through_host = [d for i, d in enumerate(descriptors) if i not in kept]
+        frames = iter(source.copies_of(through_host))
+        copied, all_frames = [], []
+        for i, d in enumerate(descriptors):
+            if i in kept:
+                copied.append(kept[i])
+                all_frames.append(memoryview(b""))
+            else:
+                # A copy through the host names no slab, so no GPU slab's IPC handle either.
+                copied.append(
+                    dataclasses.replace(
+                        d, region_id=0, slab="", slab_size=d.nbytes, offset=0, ipc_handle=""
+                    )
+                )
+                all_frames.append(next(frames))
+        return tuple(copied), tuple(all_frames), event
 
     def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
         """Calls ``released`` once the trainer has released every one of ``region_ids`` (a
@@ -274,9 +360,16 @@ class JobOutputs:
         for released in done:
             released()
 
+    def _pools(self) -> list[RegionPool]:
+        """Every pool of the job's memory: its stores' and the copy memory."""
+        pools = [store.pool for store in self.stores]
+        if self.on_device is not None:
+            pools.append(self.on_device.copy_pool)
+        return pools
+
     def take_retired(self) -> tuple[str, ...]:
         """Slabs freed since the last call, for the trainer to unmap."""
-        return tuple(name for store in self.stores for name in store.pool.take_retired())
+        return tuple(name for pool in self._pools() for name in pool.take_retired())
 
     def has_room(self, sizes: Sequence[tuple[str, int]]) -> bool:
         """Whether outputs of these (DALI device, bytes) would fit now, without waiting."""
@@ -357,9 +450,9 @@ class JobOutputs:
             for store in ordered:
                 store.fence(fence)
         unknown = list(region_ids)
-        for store in self.stores:
+        for pool in self._pools():
             if unknown:
-                unknown = store.pool.release(unknown)
+                unknown = pool.release(unknown)
         if self._batches:
             self._batches_released(region_ids)
         if closed_slabs:
@@ -402,25 +495,30 @@ class JobOutputs:
 
     @property
     def leased_regions(self) -> int:
-        return sum(store.pool.leased_regions for store in self.stores)
+        return sum(pool.leased_regions for pool in self._pools())
 
     @property
     def leased_bytes(self) -> int:
-        return sum(store.pool.leased_bytes for store in self.stores)
+        return sum(pool.leased_bytes for pool in self._pools())
 
     @property
     def slab_count(self) -> int:
-        return sum(store.pool.slab_count for store in self.stores)
+        return sum(pool.slab_count for pool in self._pools())
 
     @property
     def slab_bytes(self) -> int:
-        """The bytes of the job's slabs now, of every kind of memory."""
-        return sum(store.pool.slab_bytes_total for store in self.stores)
+        """The bytes of the job's slabs now, of every kind of memory, the copy memory's too."""
+        return sum(pool.slab_bytes_total for pool in self._pools())
+
+    @property
+    def copy_slab_bytes(self) -> int:
+        """The bytes of the slabs of its copy memory now (Note [Private copies], point 2)."""
+        return self.on_device.copy_pool.slab_bytes_total if self.on_device is not None else 0
 
     @property
     def peak_slab_bytes(self) -> int:
-        """The most bytes of slabs each store has held at once, summed over the stores."""
-        return sum(store.pool.peak_slab_bytes for store in self.stores)
+        """The most bytes of slabs each pool has held at once, summed over the pools."""
+        return sum(pool.peak_slab_bytes for pool in self._pools())
 
 
 class RunOutput:
@@ -490,6 +588,48 @@ class RunOutput:
             return math.prod(self._sample_shape) * self.itemsize if rows else 0
         assert self._shapes is not None
         return math.prod(self._shapes[rows.start].tolist()) * self.itemsize if rows else 0
+
+
+def _descriptor(
+    device: str,
+    region: Region,
+    output: RunOutput,
+    shape: tuple[int, ...],
+    ipc_handle: str,
+    *,
+    copy: bool = False,
+) -> OutputDescriptor:
+    """The descriptor of one output written into ``region``."""
+    return OutputDescriptor(
+        region_id=region.region_id,
+        slab=region.slab.name,
+        slab_size=region.slab.size,
+        offset=region.offset,
+        nbytes=region.nbytes,
+        dtype=output.dtype,
+        shape=shape,
+        layout=output.layout,
+        device=device,
+        ipc_handle=ipc_handle,
+        copy=copy,
+    )
+
+
+def _host_copy(
+    device: str, output: RunOutput, shape: tuple[int, ...], nbytes: int
+) -> OutputDescriptor:
+    """The descriptor of an output whose private copy travels as a frame: it names no slab."""
+    return OutputDescriptor(
+        region_id=0,
+        slab="",
+        slab_size=nbytes,
+        offset=0,
+        nbytes=nbytes,
+        dtype=output.dtype,
+        shape=shape,
+        layout=output.layout,
+        device=device,
+    )
 
 
 OutputsFactory = Callable[[str, Limits], JobOutputs]

@@ -1,6 +1,6 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 480 lines: the note below is the lifetime contract the pool enforces,
+Why one module of some 490 lines: the note below is the lifetime contract the pool enforces,
 and it reads best beside the code that keeps each of its rules.
 
 Note [Output buffer lifetime]
@@ -227,6 +227,15 @@ class RegionPool:
                 raise RuntimeError("a pool takes its growth before it makes a slab")
             self._growth = growth
             self.limit_bytes = growth.bytes
+
+    def hold_sets(self, sizes: Sequence[int], sets: int) -> None:
+        """Raises the pool's limit, where it is lower, to hold ``sets`` sets of regions of
+        ``sizes`` at once, each set in a slab of its own (the memory of a job's private copies
+        kept on the device: Note [Private copies] in copies.py)."""
+        per_set = _align(sum(_align(size, self._alignment) for size in sizes), PAGE)
+        with self._condition:
+            self.limit_bytes = max(self.limit_bytes, sets * per_set)
+            self.slab_bytes = max(self.slab_bytes, per_set)
 
     @property
     def slab_bytes_total(self) -> int:

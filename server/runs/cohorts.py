@@ -947,21 +947,22 @@ class Cohort:
             if self._closed:
                 return None
             try:
-                copies = self.outputs.copies_of(entry.descriptors)
+                # GPU outputs into the member's copy memory, on its stream: no host wait here.
+                descriptors, copies, event = member.outputs.copies_from(
+                    self.outputs, entry.descriptors
+                )
             finally:
                 entry.leases -= 1
                 self._free_if_done(entry)
                 self._fit_window()
-            retired = self._take_retired(member.job_id)
-        descriptors = tuple(
-            # A copy names no slab, so no GPU slab's IPC handle either.
-            dataclasses.replace(
-                d, region_id=0, slab="", slab_size=d.nbytes, offset=0, ipc_handle=""
-            )
-            for d in entry.descriptors
-        )
+            retired = self._take_retired(member.job_id) + member.outputs.take_retired()
         return BatchReady(
-            batch.batch_id, member.pipeline_id, descriptors, retired_slabs=retired, copies=copies
+            batch.batch_id,
+            member.pipeline_id,
+            descriptors,
+            retired_slabs=retired,
+            event=event,
+            copies=copies,
         )
 
     def _rank(self, job_id: int, behind: bool) -> None:

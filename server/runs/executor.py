@@ -712,8 +712,9 @@ class PipelineExecutor:
                 )
             except PoolFull:
                 # Note [Private copies] in copies.py.
-                descriptors, copies = member.outputs.private_copies(outputs, rows)
-                event = ""
+                descriptors, copies, event = member.outputs.private_copies(
+                    outputs, rows, source_stream=self._stream
+                )
         except OutputFailure as failure:
             self._fail(batch, failure.code, str(failure))
             return
@@ -728,7 +729,8 @@ class PipelineExecutor:
             return
         # The regions are now leased to the trainer (Note [Output buffer lifetime]); the batch
         # leaves its job's window once they all come back, or now if it holds none.
-        leased = [descriptor.region_id for descriptor in descriptors if descriptor.region_id]
+        # (A private copy left on the device is taken at once: it is no part of the window.)
+        leased = [d.region_id for d in descriptors if d.region_id and not d.copy]
         if leased:
             member.outputs.when_released(
                 leased, functools.partial(self._planner.settle, batch, released=True)

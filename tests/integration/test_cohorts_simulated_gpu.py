@@ -27,7 +27,7 @@ from dalid.client.outputs import cuda_staged as staged
 from dalid.protocol import CohortStatus
 
 from ..daemons import DaemonProcess, kill_leftovers, own_directory, start_daemon, wait_for
-from ..simulated_gpu import SimulatedDevices
+from ..simulated_gpu import TO_HOST, SimulatedDevices
 from .cohort_job import augmenting
 from .cohort_job import submit as cohort_submit
 from .helpers import BATCH, run_in_process, sample, two_output_pipeline
@@ -321,6 +321,7 @@ def test_a_keeper_past_its_window_is_served_copies_read_from_the_cohorts_gpu_mem
 ) -> None:
     daemon = roomy
     batches = 12
+    read_back = daemon.log_text().count(TO_HOST)
     with _member(daemon, "gpu-w") as leader, _member(daemon, "gpu-w") as keeper:
         proxies = [leader.proxy(augmenting()), keeper.proxy(augmenting())]
         outputs: list[list[str]] = [[], []]
@@ -334,8 +335,10 @@ def test_a_keeper_past_its_window_is_served_copies_read_from_the_cohorts_gpu_mem
                     kept.append(produced)  # it keeps every output: its window fills for good
                 del produced, ref
         # One run of each batch (its random noise) for both: past its window the keeper got
-        # copies of the leader's runs, its GPU output read back from the cohort's GPU memory.
+        # copies of the leader's runs, its GPU output copied from the cohort's GPU memory; the
+        # copies are its own, which the later runs into that memory did not change.
         assert outputs[0] == outputs[1] and len(set(outputs[0])) == batches
+        assert [_digest(produced) for produced in kept] == outputs[1]
         cohort = _cohort(daemon, "gpu-w")
         assert cohort is not None and (cohort.runs, cohort.hits, cohort.copied) == (
             batches,
@@ -345,7 +348,11 @@ def test_a_keeper_past_its_window_is_served_copies_read_from_the_cohorts_gpu_mem
         jobs = {job.job_id: job for job in daemon.status().jobs}
         copied = jobs[keeper.job_id].batches_copied
         assert 0 < copied < batches and jobs[leader.job_id].batches_copied == 0
-        # Each copy's GPU output was uploaded to the keeper's GPU (a tensor of its own).
-        assert sum(device.uploads for device in trainer_gpu.opened) == copied
+        # Each copy's GPU output stayed on the device: copied there by the keeper into a tensor
+        # of its own, neither read back to the host by the daemon nor uploaded by the keeper.
+        assert jobs[keeper.job_id].batches_copied_on_device == copied
+        assert sum(device.copies for device in trainer_gpu.opened) == copied
+        assert sum(device.uploads for device in trainer_gpu.opened) == 0
+        assert daemon.log_text().count(TO_HOST) == read_back
         del kept
     wait_for(lambda: _cohort(daemon, "gpu-w") is None, 10, "the cohort to end")

@@ -194,6 +194,40 @@ def test_the_daemon_reuses_a_region_only_after_the_trainers_stream_used_it(
         np.testing.assert_array_equal(copy[0].cpu().numpy(), sample(first) * 0.5 + 1.0)
 
 
+def test_a_loop_that_keeps_every_output_gets_private_copies_that_stay_on_the_device(
+    small_daemon: DaemonProcess,
+) -> None:
+    # The 8 KiB GPU pool holds 16 batches of the 40 of two epochs: the rest come as private
+    # copies (Note [Private copies] in dalid.server.outputs.copies), which the trainer copies on
+    # its GPU from the daemon's copy memory, on its stream, without a host synchronization.
+    length = 20 * BATCH
+    side = torch.cuda.Stream()
+    with _session(small_daemon, "keeper") as session:
+        proxy = session.proxy(gpu_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, length), batch_size=BATCH)
+        kept: list[Any] = []
+        torch.cuda.synchronize()
+        with host_syncs_raise(), torch.cuda.stream(side):
+            for _ in range(2):
+                kept.extend(loader)
+        side.synchronize()
+        assert len(kept) == 40
+        # Correct after the last batch: the copies are the trainer's own, and the later copies
+        # through the same copy memory changed none of them.
+        for (scaled, shifted), indices in kept:
+            expected = np.stack([sample(index) for index in indices.tolist()])
+            assert scaled.is_cuda
+            np.testing.assert_array_equal(scaled.cpu().numpy(), expected * 0.5 + 1.0)
+            np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+        (job,) = [job for job in small_daemon.status().jobs if job.job_id == session.job_id]
+        assert 0 < job.batches_copied <= 40 - 16
+        # Every copy's GPU output stayed on the device (none went through the host), through
+        # copy memory of two batches (a page each here) at most.
+        assert job.batches_copied_on_device == job.batches_copied
+        assert 0 < job.copy_slab_bytes <= 2 * 4096
+        del kept
+
+
 def test_a_closed_session_keeps_the_tensors_it_handed_out(gpu_daemon: DaemonProcess) -> None:
     with _session(gpu_daemon) as session:
         proxy = session.proxy(gpu_pipeline())

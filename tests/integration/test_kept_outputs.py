@@ -3,20 +3,30 @@ copies] in dalid.server.outputs.copies).
 
 With DALI's proxy each step's tensors are new, so keeping them all only costs memory. Through
 dalid they view the job's output memory: once the trainer holds it all, later batches come as
-private copies, said once in the daemon's log and counted in ``dalid status``.
+private copies, said once in the daemon's log and counted in ``dalid status``. On a GPU, the
+copies of GPU outputs never leave the device: here on a simulated GPU (tests/simulated_gpu.py),
+on a real one in tests/integration/test_gpu.py.
 """
 
 from __future__ import annotations
 
 import gc
+import mmap
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+import torch
 
 import dalid.client as dalid
+from dalid.client.outputs import cuda_device
+from dalid.client.outputs import cuda_staged as staged
+from dalid.server.outputs.copies import COPY_BATCHES
 
-from ..daemons import start_daemon
+from ..daemons import own_directory, start_daemon, wait_for
+from ..simulated_gpu import TO_HOST, SimulatedDevice, SimulatedDevices
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 LENGTH = 20 * BATCH
@@ -58,3 +68,81 @@ def test_keeping_every_output_of_two_epochs(short_tmp: Path) -> None:
         assert daemon.stop() == 0
     log = daemon.log_text()
     assert log.count("so batches that find no room come as private copies") == 1, log
+
+
+def test_keeping_every_gpu_output_gets_copies_that_never_leave_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a daemon whose GPU is simulated (tests/simulated_gpu.py: the first output stands for a
+    # GPU output, the second is a CPU one), with 8 KiB of each kind of output memory: room for
+    # 16 of the 40 batches' GPU outputs.
+    devices = SimulatedDevices()
+    monkeypatch.setattr(cuda_device, "DEVICES", devices)
+    monkeypatch.setattr(staged, "_probed", {})
+    directory = own_directory()
+    daemon = start_daemon(
+        directory,
+        "--device",
+        "0",
+        "--pool-bytes",
+        "8K",
+        "--slab-bytes",
+        "4K",
+        module="tests.simulated_gpu",
+    )
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="keeper") as session:
+            proxy = session.proxy(two_output_pipeline())
+            loader = dalid.DataLoader(
+                session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=2
+            )
+            kept: list[Any] = []
+            for _ in range(2):
+                kept.extend(loader)
+            assert len(kept) == 40
+            # Correct, and the copies are the trainer's own: the copy memory they came through
+            # was written again by the later copies, and changed none of them.
+            for (scaled, shifted), indices in kept:
+                expected = np.stack([sample(index) for index in indices.tolist()])
+                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+                np.testing.assert_array_equal(scaled.numpy(), expected * 0.5 + 1.0)
+            (job,) = daemon.status().jobs
+            copied = job.batches_copied
+            assert 0 < copied <= 40 - 16
+            # Every copy's GPU output stayed on the device: copied there by the trainer, never
+            # uploaded from the host, never read back to the host by the daemon.
+            assert job.batches_copied_on_device == copied
+            opened = devices.opened
+            assert sum(device.copies for device in opened) == copied
+            assert sum(device.uploads for device in opened) == 0
+            owned = sum(1 for (scaled, _), _ in kept if not _views_the_daemon(opened, scaled))
+            assert owned == copied
+            # The copy memory holds two batches (a page each, here) at most, and is counted.
+            assert 0 < job.copy_slab_bytes <= COPY_BATCHES * mmap.PAGESIZE
+            assert job.slab_bytes >= job.copy_slab_bytes
+            assert job.regions_held <= 32  # the memory the job had: no copy region stays held
+            job_id = session.job_id
+            del kept
+            gc.collect()
+        wait_for(lambda: not daemon.job_segments(job_id), 10, "the job's memory to be freed")
+    finally:
+        code = daemon.stop()
+        log = daemon.log_text()
+        segments = daemon.segments()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code == 0, log
+    assert not segments, f"daemon left shared memory: {segments}"
+    assert TO_HOST not in log, log
+    assert log.count("so batches that find no room come as private copies") == 1, log
+
+
+def _views_the_daemon(devices: list[SimulatedDevice], tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` views the daemon's memory (mapped by one of ``devices``), rather than
+    being the trainer's own."""
+    for device in devices:
+        try:
+            device.region_of(tensor)
+        except ValueError:
+            continue
+        return True
+    return False

@@ -66,6 +66,9 @@ class FakeDevice:
         self.fences: list[FakeEvent] = []
         self.markers: list[FakeEvent] = []
         self.synchronized: list[FakeEvent] = []
+        self.copies: list[int] = []  # the streams device-to-device copies were made on
+        # What the daemon wrote into a slab before this process mapped it, by handle.
+        self.written: dict[bytes, list[tuple[int, np.ndarray]]] = {}
 
     def open_memory(self, handle: bytes) -> int:
         assert handle not in self.handles, "a slab handle opened twice"
@@ -73,6 +76,8 @@ class FakeDevice:
         ptr = buffer.ctypes.data
         self.buffers[ptr] = buffer
         self.handles[handle] = ptr
+        for offset, data in self.written.pop(handle, []):
+            self.write(handle.hex(), offset, data)
         return ptr
 
     def close_memory(self, ptr: int) -> None:
@@ -121,7 +126,14 @@ class FakeDevice:
     def upload(self, host: torch.Tensor, stream: Any = None) -> torch.Tensor:
         return host.clone()  # "on the device": a copy
 
+    def copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        self.copies.append(stream.cuda_stream)
+        return tensor.clone()
+
     def write(self, handle: str, offset: int, data: np.ndarray) -> None:
+        if bytes.fromhex(handle) not in self.handles:  # not mapped here yet
+            self.written.setdefault(bytes.fromhex(handle), []).append((offset, data))
+            return
         buffer = self.buffers[self.handles[bytes.fromhex(handle)]]
         raw = data.view(np.uint8).reshape(-1)
         buffer[offset : offset + raw.size] = raw
@@ -251,6 +263,56 @@ def test_a_region_returns_with_a_fence_once_its_last_view_dies(
     assert fence.records == [device.stream.cuda_stream]  # recorded on the stream it came on
     assert mappings.live_regions == 0
     assert mappings.releases() == []
+
+
+def test_a_copy_left_on_the_device_is_copied_after_the_event_and_released_at_once(
+    device: FakeDevice, mappings: CudaOutputs
+) -> None:
+    descriptor = dataclasses.replace(_descriptor(5, slab=1, offset=256, shape=(2, 2)), copy=True)
+    device.write(descriptor.ipc_handle, 256, np.arange(4, dtype=np.float32))
+    (copy,) = mappings.take_copies([descriptor], EVENT_A)
+    # Copied on the delivery stream once it waited for the batch's event: no host wait.
+    assert device.waits == [(device.stream.cuda_stream, "aaaaaaaa")]
+    assert device.copies == [device.stream.cuda_stream] and not device.synchronized
+    assert copy.tolist() == [[0, 1], [2, 3]]
+    # The tensor is the trainer's own: the daemon's next copy into the region changes nothing.
+    device.write(descriptor.ipc_handle, 256, np.full(4, 9, dtype=np.float32))
+    assert copy.tolist() == [[0, 1], [2, 3]]
+    # The region is due back at once, with a fence recorded after the copy, while the copy lives.
+    (released,) = mappings.releases()
+    (fence,) = device.fences
+    assert released == ReleaseRegions((5,), event=device.fence_handle(fence).hex())
+    assert fence.records == [device.stream.cuda_stream]
+    assert mappings.live_regions == 0
+    # Its slab is mapped once, as any slab, and unmapped when the daemon retires it.
+    assert mappings.opened == 1
+    mappings.retire([descriptor.slab])
+    device.markers[-1].complete = True
+    assert _closed(mappings) == [descriptor.slab]
+
+
+def test_a_batch_of_copies_mixes_frames_and_copies_left_on_the_device(
+    device: FakeDevice,
+) -> None:
+    outputs = Outputs({"cpu": SharedMemoryOutputs(), "cuda": CudaOutputs(lambda: device)})
+    on_device = dataclasses.replace(_descriptor(3, slab=1, offset=0, shape=(3,)), copy=True)
+    device.write(on_device.ipc_handle, 0, np.array([1, 2, 3], dtype=np.float32))
+    frame = np.array([7, 8], dtype=np.int64)
+    through_host = OutputDescriptor(
+        region_id=0, slab="", slab_size=16, offset=0, nbytes=16, dtype="int64", shape=(2,)
+    )
+    result = BatchReady(
+        1,
+        1,
+        (on_device, through_host),
+        event=EVENT_A,
+        copies=(memoryview(b""), memoryview(frame.tobytes())),
+    )
+    assert result.copied
+    first, second = outputs.tensors(result)
+    assert first.tolist() == [1, 2, 3] and second.tolist() == [7, 8]
+    assert device.copies == [device.stream.cuda_stream]
+    assert [message.region_ids for message in outputs.releases()] == [(3,)]
 
 
 def test_releases_are_grouped_by_delivery_stream(device: FakeDevice, mappings: CudaOutputs) -> None:
