@@ -59,6 +59,12 @@ def _setup(report: dict[str, Any]) -> list[str]:
         "average while this ran (0: the benchmark had the machine to itself)."
         + (DISTURBED if report["foreign_cores"] > BUSY_CORES else "")
         + (
+            f" The bench's own background load, {settings['background_load']} spinning "
+            "processes, ran through every run (not counted in this figure)."
+            if settings.get("background_load")
+            else ""
+        )
+        + (
             f" {report['redone_runs']} run(s) that other processes disturbed were redone."
             if report.get("redone_runs")
             else ""
