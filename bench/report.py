@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from . import scaling_report
+from . import scaling_report, threads_report
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
@@ -249,6 +249,7 @@ def markdown(report: dict[str, Any]) -> str:
         targets_table(summary),
         _contenders(summary, _main_rows(report)),
         _handles(_main_rows(report)),
+        threads_report.markdown(summary["rows"]),
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),
         scaling_report.weighted_markdown(report),

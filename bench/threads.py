@@ -35,6 +35,7 @@ import atexit
 import functools
 import json
 import os
+import resource
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +97,18 @@ def _sched_by_thread() -> dict[str, list[Any]]:
     return threads
 
 
+def _run_delay_s(native_id: int | None) -> float:
+    """Seconds a thread of this process has been runnable but waiting for a core
+    (``/proc/self/task/<tid>/schedstat``); 0 for none, or one that has ended."""
+    if native_id is None:
+        return 0.0
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 # Thread names by id, read once named (a Python thread is "python" until DALI names its own).
 _THREAD_NAMES: dict[str, str] = {}
 
@@ -117,8 +130,19 @@ class _Totals:
         self.messages = 0
         self.message_wall_ns = 0
         self.message_cpu_ns = 0
-        # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns).
-        self.message_started: tuple[int, int] | None = None
+        # The I/O thread's context switches inside its messages (getrusage(RUSAGE_THREAD)):
+        # voluntary, where it blocked (on the GIL, which pyzmq lets go of around a send or a
+        # receive, or a lock: its socket is never waited on inside a message), and involuntary,
+        # where the kernel took its core away.
+        self.message_blocks = 0
+        self.message_preemptions = 0
+        # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns,
+        # voluntary and involuntary switches so far).
+        self.message_started: tuple[int, int, int, int] | None = None
+        # The I/O thread's id in /proc (its scheduler statistics: time runnable, waiting for a
+        # core).
+        self.io_native_id: int | None = None
+        self.io_run_delay_done_s = 0.0  # the I/O thread's, once its loop has ended
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
@@ -165,9 +189,11 @@ class _Totals:
             wall_now = time.perf_counter()
             message_wall, message_cpu = self.message_wall_ns / 1e9, self.message_cpu_ns / 1e9
             if self.message_started is not None and self.io_ident:
-                wall0, cpu0 = self.message_started
+                wall0, cpu0, _, _ = self.message_started
                 message_wall += wall_now - wall0 / 1e9
                 message_cpu += io_now - cpu0 / 1e9
+            blocks, preemptions = self.message_blocks, self.message_preemptions
+            io_native_id = self.io_native_id
             by_op = {op: list(figures) for op, figures in self.by_op.items()}
             if self.op_started is not None and self.io_ident:
                 op, cpu1, wall1 = self.op_started
@@ -182,6 +208,11 @@ class _Totals:
             "messages": messages,
             "message_wall_s": message_wall,
             "message_cpu_s": message_cpu,
+            "message_blocks": blocks,
+            "message_preemptions": preemptions,
+            "io_run_delay_s": (
+                _run_delay_s(io_native_id) if io_native_id else self.io_run_delay_done_s
+            ),
             "by_op": by_op,
             "departure_trim_cpu_s": trims,
             "executor_cpu_s": executor_cpu,
@@ -220,6 +251,7 @@ def install() -> None:
         with TOTALS.lock:
             TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
             TOTALS.io_ident = ident
+            TOTALS.io_native_id = threading.get_native_id()
             TOTALS.daemon = self
             TOTALS.departures_trimmed = self._departures()
         try:
@@ -228,6 +260,8 @@ def install() -> None:
             with TOTALS.lock:
                 TOTALS.io_cpu_done_s += _thread_cpu_s(ident)
                 TOTALS.io_ident = None
+                TOTALS.io_run_delay_done_s = _run_delay_s(TOTALS.io_native_id)
+                TOTALS.io_native_id = None
 
     receive = SharedSocket.receive
     handle = Daemon._receive
@@ -236,8 +270,12 @@ def install() -> None:
     # that finds nothing waiting (the end of a turn) is the loop's, not a message's.
     @functools.wraps(receive)
     def timed_receive(self: Any) -> Any:
+        switches = resource.getrusage(resource.RUSAGE_THREAD)
         with TOTALS.lock:
-            TOTALS.message_started = (time.perf_counter_ns(), time.thread_time_ns())
+            TOTALS.message_started = (
+                time.perf_counter_ns(), time.thread_time_ns(), switches.ru_nvcsw,
+                switches.ru_nivcsw,
+            )  # fmt: skip
         frames = receive(self)
         if frames is None:
             with TOTALS.lock:
@@ -250,11 +288,14 @@ def install() -> None:
             handle(self, frames)
         finally:
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            switches = resource.getrusage(resource.RUSAGE_THREAD)
             with TOTALS.lock:
                 if TOTALS.message_started is not None:
-                    wall0, cpu0 = TOTALS.message_started
+                    wall0, cpu0, blocks0, preemptions0 = TOTALS.message_started
                     TOTALS.message_wall_ns += wall - wall0
                     TOTALS.message_cpu_ns += cpu - cpu0
+                    TOTALS.message_blocks += switches.ru_nvcsw - blocks0
+                    TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
                     TOTALS.messages += 1
                 TOTALS.message_started = None
 
@@ -466,6 +507,11 @@ DAEMON_THREAD_FIGURES = (
     "dali_calls_us_per_sample",
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
+    "io_wait_us_per_message",
+    "io_blocks_per_message",
+    "io_preemptions_per_message",
+    "io_run_delay_us_per_message",
+    "messages_per_run",
     "samples_per_run",
     "executors_waiting_for_batches",
     "executors_waiting_for_dali",
@@ -523,7 +569,38 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "dali_calls_us_per_sample": per_sample(used.get("dali_calls_cpu_s") or 0.0),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
+        **_io_waits(used, messages, message_wall - message_cpu),
         **_feeding(used, samples),
+    }
+
+
+def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str, float | None]:
+    """What the I/O thread's messages waited for, per message: wall less CPU time (µs); the
+    times it blocked inside one (voluntary context switches: the GIL, taken back after pyzmq's
+    send or receive let go of it, or a lock) and had its core taken away (involuntary); and its
+    time runnable without a core over the whole window (µs a message: a wake from ``poll``
+    included, so an upper bound of what the messages waited for cores); and the messages a run
+    of the executors (about a batch)."""
+    runs = used.get("executor_runs") or 0
+    taken = used.get("messages") or 0
+    if not messages:
+        return dict.fromkeys(
+            ("io_wait_us_per_message", "io_blocks_per_message", "io_preemptions_per_message",
+             "io_run_delay_us_per_message"),
+            None,
+        ) | {"messages_per_run": taken / runs if runs else None}  # fmt: skip
+    return {
+        "io_wait_us_per_message": 1e6 * waited_s / messages,
+        "io_blocks_per_message": (
+            used["message_blocks"] / taken if taken and "message_blocks" in used else None
+        ),
+        "io_preemptions_per_message": (
+            used["message_preemptions"] / taken if taken and "message_preemptions" in used else None
+        ),
+        "io_run_delay_us_per_message": (
+            1e6 * used["io_run_delay_s"] / taken if taken and "io_run_delay_s" in used else None
+        ),
+        "messages_per_run": taken / runs if runs else None,
     }
 
 
