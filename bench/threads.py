@@ -143,6 +143,11 @@ class _Totals:
         # core).
         self.io_native_id: int | None = None
         self.io_run_delay_done_s = 0.0  # the I/O thread's, once its loop has ended
+        # The I/O loop's turns (each a wake from poll, or a look that found news waiting), and
+        # its once-a-second reap's CPU time (every peer's process looked at): the two parts
+        # of its chores that may grow with the number of jobs.
+        self.io_wakes = 0
+        self.reap_cpu_s = 0.0
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
@@ -202,6 +207,7 @@ class _Totals:
                 figures[2] += wall_now - wall1
             messages = self.messages
             trims = self.departure_trim_cpu_s
+            wakes, reap = self.io_wakes, self.reap_cpu_s
         return {
             "t_ns": time.monotonic_ns(),
             "io_loop_cpu_s": self.io_cpu_done_s + io_now,
@@ -210,6 +216,8 @@ class _Totals:
             "message_cpu_s": message_cpu,
             "message_blocks": blocks,
             "message_preemptions": preemptions,
+            "io_wakes": wakes,
+            "reap_cpu_s": reap,
             "io_run_delay_s": (
                 _run_delay_s(io_native_id) if io_native_id else self.io_run_delay_done_s
             ),
@@ -318,6 +326,25 @@ def install() -> None:
                 figures[1] += used
                 figures[2] += took
 
+    sleep_ms = daemon_module.sleep_ms
+
+    @functools.wraps(sleep_ms)
+    def counted_sleep_ms(*args: Any, **kwargs: Any) -> Any:
+        TOTALS.io_wakes += 1  # once a turn of the loop, on its thread
+        return sleep_ms(*args, **kwargs)
+
+    reap = DaemonCore.reap
+
+    @functools.wraps(reap)
+    def timed_reap(self: Any) -> Any:
+        cpu = time.thread_time()
+        try:
+            return reap(self)
+        finally:
+            used = time.thread_time() - cpu
+            with TOTALS.lock:
+                TOTALS.reap_cpu_s += used
+
     trim = daemon_module.give_back_free_memory  # type: ignore[attr-defined]
 
     @functools.wraps(trim)
@@ -396,6 +423,8 @@ def install() -> None:
         return accounted(method, TOTALS.calling_dali, "dali_calls_cpu_s")
 
     daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
+    daemon_module.sleep_ms = counted_sleep_ms
+    DaemonCore.reap = timed_reap  # type: ignore[method-assign]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
@@ -512,6 +541,8 @@ DAEMON_THREAD_FIGURES = (
     "io_preemptions_per_message",
     "io_run_delay_us_per_message",
     "messages_per_run",
+    "io_wakes_per_s",
+    "io_reap_ms_per_s",
     "samples_per_run",
     "executors_waiting_for_batches",
     "executors_waiting_for_dali",
@@ -570,6 +601,16 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
         **_io_waits(used, messages, message_wall - message_cpu),
+        "io_wakes_per_s": (
+            used["io_wakes"] / used["seconds"]
+            if used.get("seconds") and "io_wakes" in used
+            else None
+        ),
+        "io_reap_ms_per_s": (
+            1e3 * used["reap_cpu_s"] / used["seconds"]
+            if used.get("seconds") and "reap_cpu_s" in used
+            else None
+        ),
         **_feeding(used, samples),
     }
 

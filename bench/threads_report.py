@@ -17,6 +17,8 @@ COLUMNS = (
     ("I/O thread, µs a sample", "io_us_per_sample", 1),
     ("of it messages", "io_messages_us_per_sample", 1),
     ("I/O chores, ms a second", "io_chores_ms_per_s", 2),
+    ("I/O wakes a second / its reap, ms a second", "io_wakes_per_s", 0),
+    ("", "io_reap_ms_per_s", 2),
     ("executors less copies, µs a sample", "executor_us_per_sample", 1),
     ("of it DALI's calls", "dali_calls_us_per_sample", 1),
     ("messages a run", "messages_per_run", 2),

@@ -361,7 +361,8 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     snapshots = [
         {"t_ns": t, "io_loop_cpu_s": 0.004 * k, "messages": 4 * k, "message_wall_s": 0.003 * k,
          "message_cpu_s": 0.001 * k, "message_blocks": 2 * k, "message_preemptions": k,
-         "io_run_delay_s": 0.0008 * k, "by_op": {"submit_batch": [k, 0.0001 * k, 0.0002 * k]},
+         "io_run_delay_s": 0.0008 * k, "io_wakes": 30 * k, "reap_cpu_s": 0.0001 * k,
+         "by_op": {"submit_batch": [k, 0.0001 * k, 0.0002 * k]},
          "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
          "executor_runs": k}
         for k, t in enumerate([0, 10, 20])
@@ -373,11 +374,15 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     assert found["io_preemptions_per_message"] == pytest.approx(0.25)
     assert found["io_run_delay_us_per_message"] == pytest.approx(200.0)
     assert found["messages_per_run"] == pytest.approx(4.0)
+    assert found["io_wakes_per_s"] == pytest.approx(60 / 20e-9)
+    assert found["io_reap_ms_per_s"] == pytest.approx(0.2 / 20e-9)
     # An older daemon's snapshots without the switch counts: those figures are not made up.
-    bare = [{k: v for k, v in s.items() if not k.startswith(("message_b", "message_p", "io_run"))}
+    new = ("message_b", "message_p", "io_run", "io_wakes", "reap")
+    bare = [{k: v for k, v in s.items() if not k.startswith(new)}
             for s in snapshots]  # fmt: skip
     old = figures(window(bare, 0, 20))
     assert old["io_blocks_per_message"] is None and old["io_run_delay_us_per_message"] is None
+    assert old["io_wakes_per_s"] is None and old["io_reap_ms_per_s"] is None
     assert old["io_wait_us_per_message"] == pytest.approx(500.0)
     row = {
         "label": "dalid (shared), 8 jobs",
