@@ -169,6 +169,11 @@ class _Totals:
         # inputs, starting the run, taking its outputs), done and under way, as for the copies.
         self.dali_calls_cpu_s = 0.0
         self.calling_dali: dict[int, float] = {}
+        # The executors' forming of runs (``RunPlanner.next_run``: the scheduler's order, the
+        # jobs' windows and memory, a slot, the paths' checks), done and under way: the step
+        # whose looks may grow with the number of jobs of a pipeline.
+        self.forming_cpu_s = 0.0
+        self.forming: dict[int, float] = {}
         # Wall time the executors spent waiting: in ``RunPlanner.next_run`` (for batches to run,
         # or for room in the jobs' windows) and in ``PipelineRunner.collect`` (for DALI to
         # finish a run); counted when each call returns.
@@ -185,6 +190,9 @@ class _Totals:
             copy_out += sum(_thread_cpu_s(ident) - cpu for ident, cpu in self.copying.items())
             dali_calls = self.dali_calls_cpu_s + sum(
                 _thread_cpu_s(ident) - cpu for ident, cpu in self.calling_dali.items()
+            )
+            forming = self.forming_cpu_s + sum(
+                _thread_cpu_s(ident) - cpu for ident, cpu in self.forming.items()
             )
             samples = self.executor_samples_done
             samples += sum(instance.samples for _, instance in running)
@@ -226,6 +234,7 @@ class _Totals:
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
             "dali_calls_cpu_s": dali_calls,
+            "forming_cpu_s": forming,
             "executor_samples": samples,
             "executor_runs": runs,
             "next_run_wall_s": next_run_wall,
@@ -435,6 +444,7 @@ def install() -> None:
     PipelineRunner.schedule = calling_dali(PipelineRunner.schedule)  # type: ignore[method-assign]
     PipelineRunner.collect = calling_dali(PipelineRunner.collect)  # type: ignore[method-assign]
     PipelineRunner.collect = waited(PipelineRunner.collect, "collect_wall_s")  # type: ignore[method-assign]
+    RunPlanner.next_run = accounted(RunPlanner.next_run, TOTALS.forming, "forming_cpu_s")  # type: ignore[method-assign]
     RunPlanner.next_run = waited(RunPlanner.next_run, "next_run_wall_s")  # type: ignore[method-assign]
 
 
@@ -534,6 +544,7 @@ DAEMON_THREAD_FIGURES = (
     "executor_us_per_sample",
     "copy_out_us_per_sample",
     "dali_calls_us_per_sample",
+    "forming_us_per_sample",
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
     "io_wait_us_per_message",
@@ -598,6 +609,9 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "executor_us_per_sample": per_sample(executor - copy_out),
         "copy_out_us_per_sample": per_sample(copy_out),
         "dali_calls_us_per_sample": per_sample(used.get("dali_calls_cpu_s") or 0.0),
+        "forming_us_per_sample": (
+            per_sample(used["forming_cpu_s"]) if "forming_cpu_s" in used else None
+        ),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
         **_io_waits(used, messages, message_wall - message_cpu),

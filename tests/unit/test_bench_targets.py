@@ -364,6 +364,7 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
          "io_run_delay_s": 0.0008 * k, "io_wakes": 30 * k, "reap_cpu_s": 0.0001 * k,
          "by_op": {"submit_batch": [k, 0.0001 * k, 0.0002 * k]},
          "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
+         "forming_cpu_s": 0.001 * k,
          "executor_runs": k}
         for k, t in enumerate([0, 10, 20])
     ]  # fmt: skip
@@ -374,15 +375,17 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     assert found["io_preemptions_per_message"] == pytest.approx(0.25)
     assert found["io_run_delay_us_per_message"] == pytest.approx(200.0)
     assert found["messages_per_run"] == pytest.approx(4.0)
+    assert found["forming_us_per_sample"] == pytest.approx(1e6 * 0.002 / 512)
     assert found["io_wakes_per_s"] == pytest.approx(60 / 20e-9)
     assert found["io_reap_ms_per_s"] == pytest.approx(0.2 / 20e-9)
     # An older daemon's snapshots without the switch counts: those figures are not made up.
-    new = ("message_b", "message_p", "io_run", "io_wakes", "reap")
+    new = ("message_b", "message_p", "io_run", "io_wakes", "reap", "forming")
     bare = [{k: v for k, v in s.items() if not k.startswith(new)}
             for s in snapshots]  # fmt: skip
     old = figures(window(bare, 0, 20))
     assert old["io_blocks_per_message"] is None and old["io_run_delay_us_per_message"] is None
     assert old["io_wakes_per_s"] is None and old["io_reap_ms_per_s"] is None
+    assert old["forming_us_per_sample"] is None
     assert old["io_wait_us_per_message"] == pytest.approx(500.0)
     row = {
         "label": "dalid (shared), 8 jobs",
