@@ -109,6 +109,17 @@ def _run_delay_s(native_id: int | None) -> float:
         return 0.0
 
 
+def _core_wait_ns(fd: int | None) -> int:
+    """Nanoseconds the thread whose ``schedstat`` ``fd`` reads has been runnable without a
+    core (one ``pread``: the file is made anew at each read from its start); 0 without one."""
+    if fd is None:
+        return 0
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 # Thread names by id, read once named (a Python thread is "python" until DALI names its own).
 _THREAD_NAMES: dict[str, str] = {}
 
@@ -136,9 +147,14 @@ class _Totals:
         # where the kernel took its core away.
         self.message_blocks = 0
         self.message_preemptions = 0
+        # Of the messages' wall time, what the I/O thread spent runnable without a core (its
+        # scheduler statistics read around each message, outside the clocks of its CPU and
+        # wall time): the rest of wall less CPU is what it spent blocked.
+        self.message_core_wait_ns = 0
+        self.io_schedstat_fd: int | None = None
         # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns,
-        # voluntary and involuntary switches so far).
-        self.message_started: tuple[int, int, int, int] | None = None
+        # voluntary and involuntary switches so far, its time without a core so far).
+        self.message_started: tuple[int, int, int, int, int] | None = None
         # The I/O thread's id in /proc (its scheduler statistics: time runnable, waiting for a
         # core).
         self.io_native_id: int | None = None
@@ -202,10 +218,11 @@ class _Totals:
             wall_now = time.perf_counter()
             message_wall, message_cpu = self.message_wall_ns / 1e9, self.message_cpu_ns / 1e9
             if self.message_started is not None and self.io_ident:
-                wall0, cpu0, _, _ = self.message_started
+                wall0, cpu0, _, _, _ = self.message_started
                 message_wall += wall_now - wall0 / 1e9
                 message_cpu += io_now - cpu0 / 1e9
             blocks, preemptions = self.message_blocks, self.message_preemptions
+            core_wait = self.message_core_wait_ns / 1e9
             io_native_id = self.io_native_id
             by_op = {op: list(figures) for op, figures in self.by_op.items()}
             if self.op_started is not None and self.io_ident:
@@ -224,6 +241,7 @@ class _Totals:
             "message_cpu_s": message_cpu,
             "message_blocks": blocks,
             "message_preemptions": preemptions,
+            "message_core_wait_s": core_wait,
             "io_wakes": wakes,
             "reap_cpu_s": reap,
             "io_run_delay_s": (
@@ -269,6 +287,9 @@ def install() -> None:
             TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
             TOTALS.io_ident = ident
             TOTALS.io_native_id = threading.get_native_id()
+            TOTALS.io_schedstat_fd = os.open(
+                f"/proc/self/task/{TOTALS.io_native_id}/schedstat", os.O_RDONLY | os.O_CLOEXEC
+            )
             TOTALS.daemon = self
             TOTALS.departures_trimmed = self._departures()
         try:
@@ -279,6 +300,9 @@ def install() -> None:
                 TOTALS.io_ident = None
                 TOTALS.io_run_delay_done_s = _run_delay_s(TOTALS.io_native_id)
                 TOTALS.io_native_id = None
+                if TOTALS.io_schedstat_fd is not None:
+                    os.close(TOTALS.io_schedstat_fd)
+                    TOTALS.io_schedstat_fd = None
 
     receive = SharedSocket.receive
     handle = Daemon._receive
@@ -288,10 +312,11 @@ def install() -> None:
     @functools.wraps(receive)
     def timed_receive(self: Any) -> Any:
         switches = resource.getrusage(resource.RUSAGE_THREAD)
+        core_wait = _core_wait_ns(TOTALS.io_schedstat_fd)
         with TOTALS.lock:
             TOTALS.message_started = (
                 time.perf_counter_ns(), time.thread_time_ns(), switches.ru_nvcsw,
-                switches.ru_nivcsw,
+                switches.ru_nivcsw, core_wait,
             )  # fmt: skip
         frames = receive(self)
         if frames is None:
@@ -306,13 +331,15 @@ def install() -> None:
         finally:
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
             switches = resource.getrusage(resource.RUSAGE_THREAD)
+            core_wait = _core_wait_ns(TOTALS.io_schedstat_fd)
             with TOTALS.lock:
                 if TOTALS.message_started is not None:
-                    wall0, cpu0, blocks0, preemptions0 = TOTALS.message_started
+                    wall0, cpu0, blocks0, preemptions0, core_wait0 = TOTALS.message_started
                     TOTALS.message_wall_ns += wall - wall0
                     TOTALS.message_cpu_ns += cpu - cpu0
                     TOTALS.message_blocks += switches.ru_nvcsw - blocks0
                     TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
+                    TOTALS.message_core_wait_ns += core_wait - core_wait0
                     TOTALS.messages += 1
                 TOTALS.message_started = None
 
@@ -548,6 +575,7 @@ DAEMON_THREAD_FIGURES = (
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
     "io_wait_us_per_message",
+    "io_core_wait_us_per_message",
     "io_blocks_per_message",
     "io_preemptions_per_message",
     "io_run_delay_us_per_message",
@@ -640,12 +668,17 @@ def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str,
     taken = used.get("messages") or 0
     if not messages:
         return dict.fromkeys(
-            ("io_wait_us_per_message", "io_blocks_per_message", "io_preemptions_per_message",
-             "io_run_delay_us_per_message"),
+            ("io_wait_us_per_message", "io_core_wait_us_per_message", "io_blocks_per_message",
+             "io_preemptions_per_message", "io_run_delay_us_per_message"),
             None,
         ) | {"messages_per_run": taken / runs if runs else None}  # fmt: skip
     return {
         "io_wait_us_per_message": 1e6 * waited_s / messages,
+        "io_core_wait_us_per_message": (
+            1e6 * used["message_core_wait_s"] / taken
+            if taken and "message_core_wait_s" in used
+            else None
+        ),
         "io_blocks_per_message": (
             used["message_blocks"] / taken if taken and "message_blocks" in used else None
         ),

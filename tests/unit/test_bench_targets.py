@@ -361,7 +361,8 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     snapshots = [
         {"t_ns": t, "io_loop_cpu_s": 0.004 * k, "messages": 4 * k, "message_wall_s": 0.003 * k,
          "message_cpu_s": 0.001 * k, "message_blocks": 2 * k, "message_preemptions": k,
-         "io_run_delay_s": 0.0008 * k, "io_wakes": 30 * k, "reap_cpu_s": 0.0001 * k,
+         "message_core_wait_s": 0.0005 * k, "io_run_delay_s": 0.0008 * k, "io_wakes": 30 * k,
+         "reap_cpu_s": 0.0001 * k,
          "by_op": {"submit_batch": [k, 0.0001 * k, 0.0002 * k]},
          "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
          "forming_cpu_s": 0.001 * k,
@@ -371,6 +372,7 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     used = window(snapshots, 0, 20)
     found = figures(used)
     assert found["io_wait_us_per_message"] == pytest.approx(500.0)  # 6 ms less 2, 8 messages
+    assert found["io_core_wait_us_per_message"] == pytest.approx(125.0)
     assert found["io_blocks_per_message"] == pytest.approx(0.5)
     assert found["io_preemptions_per_message"] == pytest.approx(0.25)
     assert found["io_run_delay_us_per_message"] == pytest.approx(200.0)
@@ -379,13 +381,13 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     assert found["io_wakes_per_s"] == pytest.approx(60 / 20e-9)
     assert found["io_reap_ms_per_s"] == pytest.approx(0.2 / 20e-9)
     # An older daemon's snapshots without the switch counts: those figures are not made up.
-    new = ("message_b", "message_p", "io_run", "io_wakes", "reap", "forming")
+    new = ("message_b", "message_p", "message_core", "io_run", "io_wakes", "reap", "forming")
     bare = [{k: v for k, v in s.items() if not k.startswith(new)}
             for s in snapshots]  # fmt: skip
     old = figures(window(bare, 0, 20))
     assert old["io_blocks_per_message"] is None and old["io_run_delay_us_per_message"] is None
     assert old["io_wakes_per_s"] is None and old["io_reap_ms_per_s"] is None
-    assert old["forming_us_per_sample"] is None
+    assert old["forming_us_per_sample"] is None and old["io_core_wait_us_per_message"] is None
     assert old["io_wait_us_per_message"] == pytest.approx(500.0)
     row = {
         "label": "dalid (shared), 8 jobs",
@@ -395,7 +397,11 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
     }
     table = threads_report.markdown([row, {"label": "DALI in-process", "daemon_threads": {}}])
     assert len(table) == 6 and table[2].startswith("| dalid (shared), 8 jobs |")
-    assert "| 0.50 / 0.25 |" in table[2] and table[2].endswith("| 2.00 / 0.05 |")
+    assert (
+        "| 500 / 125 |" in table[2]
+        and "| 0.50 / 0.25 |" in table[2]
+        and table[2].endswith("| 2.00 / 0.05 |")
+    )
     assert threads_report.markdown([{"label": "DALI in-process", "daemon_threads": {}}]) == []
 
 
@@ -407,6 +413,8 @@ def test_a_snapshot_counts_the_io_threads_switches_and_its_time_without_a_core()
     snapshot = totals.snapshot()
     after = threads._run_delay_s(totals.io_native_id)
     assert snapshot["message_blocks"] == 3 and snapshot["message_preemptions"] == 1
+    assert snapshot["message_core_wait_s"] == 0.0
+    assert threads._core_wait_ns(None) == 0
     assert before <= snapshot["io_run_delay_s"] <= after
     # Once the I/O thread's loop has ended, its last reading stands.
     totals.io_native_id, totals.io_run_delay_done_s = None, 0.5
