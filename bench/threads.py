@@ -151,6 +151,10 @@ class _Totals:
         # scheduler statistics read around each message, outside the clocks of its CPU and
         # wall time): the rest of wall less CPU is what it spent blocked.
         self.message_core_wait_ns = 0
+        # Whether the message under way starts or ends a job (LIFECYCLE_OPS): its waits are
+        # left out of these, as its times are out of the figures per message (a goodbye takes
+        # some 160 ms, and is preempted as often as that lasts).
+        self.message_lifecycle = False
         self.io_schedstat_fd: int | None = None
         # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns,
         # voluntary and involuntary switches so far, its time without a core so far).
@@ -337,11 +341,13 @@ def install() -> None:
                     wall0, cpu0, blocks0, preemptions0, core_wait0 = TOTALS.message_started
                     TOTALS.message_wall_ns += wall - wall0
                     TOTALS.message_cpu_ns += cpu - cpu0
-                    TOTALS.message_blocks += switches.ru_nvcsw - blocks0
-                    TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
-                    TOTALS.message_core_wait_ns += core_wait - core_wait0
+                    if not TOTALS.message_lifecycle:
+                        TOTALS.message_blocks += switches.ru_nvcsw - blocks0
+                        TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
+                        TOTALS.message_core_wait_ns += core_wait - core_wait0
                     TOTALS.messages += 1
                 TOTALS.message_started = None
+                TOTALS.message_lifecycle = False
 
     core_handle = DaemonCore.handle
 
@@ -351,6 +357,7 @@ def install() -> None:
         cpu, wall = time.thread_time(), time.perf_counter()
         with TOTALS.lock:
             TOTALS.op_started = (op, cpu, wall)
+            TOTALS.message_lifecycle = op in LIFECYCLE_OPS
         try:
             return core_handle(self, identity, message, request_id)
         finally:
@@ -675,15 +682,13 @@ def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str,
     return {
         "io_wait_us_per_message": 1e6 * waited_s / messages,
         "io_core_wait_us_per_message": (
-            1e6 * used["message_core_wait_s"] / taken
-            if taken and "message_core_wait_s" in used
-            else None
+            1e6 * used["message_core_wait_s"] / messages if "message_core_wait_s" in used else None
         ),
         "io_blocks_per_message": (
-            used["message_blocks"] / taken if taken and "message_blocks" in used else None
+            used["message_blocks"] / messages if "message_blocks" in used else None
         ),
         "io_preemptions_per_message": (
-            used["message_preemptions"] / taken if taken and "message_preemptions" in used else None
+            used["message_preemptions"] / messages if "message_preemptions" in used else None
         ),
         "io_run_delay_us_per_message": (
             1e6 * used["io_run_delay_s"] / taken if taken and "io_run_delay_s" in used else None
