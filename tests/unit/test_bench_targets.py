@@ -416,6 +416,9 @@ def test_a_snapshot_counts_the_io_threads_switches_and_its_time_without_a_core()
     assert snapshot["message_core_wait_s"] == 0.0
     assert threads._core_wait_ns(None) == 0
     assert before <= snapshot["io_run_delay_s"] <= after
+    # The probe's own reads around each message are not the loop's.
+    totals.io_cpu_done_s, totals.probe_cpu_ns = 1.0, 200_000_000
+    assert totals.snapshot()["io_loop_cpu_s"] == pytest.approx(0.8)
     # Once the I/O thread's loop has ended, its last reading stands.
     totals.io_native_id, totals.io_run_delay_done_s = None, 0.5
     assert totals.snapshot()["io_run_delay_s"] == 0.5
