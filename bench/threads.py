@@ -27,6 +27,10 @@ and the jobs' teardown:
 DALI's own worker threads are what the process used beyond these. A live thread's CPU time is
 read from its own clock (``pthread_getcpuclockid``), so nothing outside the daemon has to tell
 its threads apart (Python threads have no names of their own in ``/proc``).
+
+Why one module of some 740 lines: the probes that count inside the daemon and the figures
+made of their counts change together (a count the figures misread is a wrong figure), and
+neither is of use without the other.
 """
 
 from __future__ import annotations

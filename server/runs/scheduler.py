@@ -33,7 +33,7 @@ outputs], point 8) is *behind*: its batches run for it alone, and its tags move 
 leave, with that fraction of a weight as its floor. It is still served in its turn: never
 starved, and work-conserving (a daemon the others leave idle is its).
 
-Why one module of some 420 lines: the fair queue and the clock that prices its requests
+Why one module of some 430 lines: the fair queue and the clock that prices its requests
 (``ServiceClock``) are one policy: a tag means nothing without the cost it moved by.
 """
 
