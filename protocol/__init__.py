@@ -18,7 +18,7 @@ from .address import (
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
 from .gpu import GpuUnavailable, format_uuid, gpu_count, gpu_uuid
-from .liveness import pid_namespace, process_running, processes_exited
+from .liveness import pid_namespace, process_running
 from .messages import (
     BATCH_IDS_PER_CONNECTION,
     CUDA_IPC_HANDLE_BYTES,
@@ -134,7 +134,6 @@ __all__ = [
     "parse_device",
     "pid_namespace",
     "process_running",
-    "processes_exited",
     "release",
     "runtime_dir",
     "socket_path",

@@ -48,7 +48,6 @@ from dalid.protocol import (
     Role,
     SubmitBatch,
     process_running,
-    processes_exited,
 )
 
 from ..errors import RequestRefused
@@ -276,23 +275,14 @@ class JobRegistry:
         return process_running(pid)
 
     def dead_workers(self) -> list[bytes]:
-        workers = [
-            (i, p.pid)
-            for i, p in self.peers.items()
-            if p.role is Role.WORKER and self._here(p.pid_namespace)
+        return [
+            identity
+            for identity, peer in self.peers.items()
+            if peer.role is Role.WORKER and not self.alive(peer.pid, peer.pid_namespace)
         ]
-        exited = processes_exited(pid for _, pid in workers)
-        return [identity for identity, pid in workers if pid in exited]
 
     def dead_jobs(self) -> list[Job]:
-        jobs = [job for job in self.jobs.values() if self._here(job.pid_namespace)]
-        exited = processes_exited(job.pid for job in jobs)
-        return [job for job in jobs if job.pid in exited]
-
-    def _here(self, namespace: int) -> bool:
-        """Whether a peer's pid means something in this daemon's pid namespace (``alive``: a
-        peer of another is taken as alive; the reap asks about the others all at once)."""
-        return namespace == self._pid_namespace
+        return [job for job in self.jobs.values() if not self.alive(job.pid, job.pid_namespace)]
 
     def linger(self, job: Job) -> None:
         """Keeps an ended job's outputs until its trainer process is gone."""

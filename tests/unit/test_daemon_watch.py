@@ -55,31 +55,3 @@ def test_process_running_answers_for_a_thread_id_and_keeps_using_pidfds() -> Non
     finally:
         done.set()
         thread.join()
-
-
-@pytest.mark.parametrize("pidfds", [True, False])
-def test_the_reap_asks_about_every_peer_at_once(
-    pidfds: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # One poll of all the peers' pidfds tells the same as a check of each: a live process, a
-    # zombie and a reaped one apart; a pid of 0 (none to ask about) is not taken for exited.
-    # Where pidfds are refused, each is asked the old way.
-    monkeypatch.setattr(liveness, "_pidfds", pidfds and hasattr(os, "pidfd_open"))
-    command = [sys.executable, "-c", "import sys; sys.stdin.read()"]
-    live, zombie, reaped = (subprocess.Popen(command, stdin=subprocess.PIPE) for _ in range(3))
-    try:
-        for child in (zombie, reaped):
-            assert child.stdin is not None
-            child.stdin.close()
-        reaped.wait()
-        deadline = time.monotonic() + 10
-        while process_running(zombie.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        pids = [live.pid, zombie.pid, reaped.pid, 0, live.pid]
-        assert liveness.processes_exited(pids) == {zombie.pid, reaped.pid}
-        assert liveness.processes_exited([]) == set()
-    finally:
-        for child in (live, zombie):
-            if child.stdin is not None:
-                child.stdin.close()
-            child.wait()
