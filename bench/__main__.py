@@ -93,6 +93,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="before each run, wait up to this long for other processes to go quiet, and redo "
         "(twice at most) a run they disturbed anyway (default 0: neither)",
     )
+    parser.add_argument(
+        "--background-load",
+        type=int,
+        metavar="N",
+        help="N processes that each spin on a core through every run: the machine saturated "
+        "by a load that is not dalid's, to tell it from more jobs (default 0)",
+    )
     parser.add_argument("--cpu", action="store_true", help="CPU pipelines even if a GPU is present")
     parser.add_argument(
         "--output", type=Path, default=RESULTS_DIR, help="results folder (default bench/results)"
@@ -108,7 +115,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 _OVERRIDABLE = (
     "images", "repeats", "jobs", "scaling_jobs", "epochs", "batch_size", "workers", "threads",
     "classes", "seed", "transport_iterations", "jpeg_subsampling", "jpeg_quality",
-    "hw_decoder_load",
+    "hw_decoder_load", "background_load",
 )  # fmt: skip
 
 
@@ -126,6 +133,8 @@ def make_settings(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--jpeg-subsampling/--jpeg-quality: {error}") from None
     if settings.images < settings.batch_size:
         raise SystemExit("--images must hold at least one batch")
+    if settings.background_load < 0:
+        raise SystemExit("--background-load must be 0 or more")
     if settings.epochs <= settings.warmup_epochs:
         raise SystemExit(f"--epochs must be more than the {settings.warmup_epochs} warm-up epoch")
     return settings

@@ -63,6 +63,9 @@ class Settings:
     # Seconds job 0 of a run waits before each batch it takes: a cohort member that trails the
     # others (the dalid-cohort-trailing runs); 0: none waits.
     trailing_s: float = 0.0
+    # Processes that each spin on a core for the whole of every run (bench.background): the
+    # machine saturated by a load that is not dalid's; 0: none.
+    background_load: int = 0
     # Filled in per trainer by the orchestrator.
     dataset_root: str = ""
     socket: str = ""

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from . import cohort_report, scaling_report
+from . import cohort_report, scaling_report, threads_report
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
@@ -58,6 +58,12 @@ def _setup(report: dict[str, Any]) -> list[str]:
         f"- Other processes on the machine used {report['foreign_cores']:.2f} CPU cores on "
         "average while this ran (0: the benchmark had the machine to itself)."
         + (DISTURBED if report["foreign_cores"] > BUSY_CORES else "")
+        + (
+            f" The bench's own background load, {settings['background_load']} spinning "
+            "processes, ran through every run (not counted in this figure)."
+            if settings.get("background_load")
+            else ""
+        )
         + (
             f" {report['redone_runs']} run(s) that other processes disturbed were redone."
             if report.get("redone_runs")
@@ -243,6 +249,7 @@ def markdown(report: dict[str, Any]) -> str:
         targets_table(summary),
         _contenders(summary, _main_rows(report)),
         _handles(_main_rows(report)),
+        threads_report.markdown(summary["rows"]),
         _ratio_matrix(summary, _main_rows(report)),
         scaling_report.markdown(report),
         scaling_report.weighted_markdown(report),

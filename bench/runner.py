@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .background import BackgroundLoad
 from .busy import BusySampler
 from .config import Settings
 from .contenders import CONTENDERS
@@ -40,6 +41,7 @@ class Outcome:
     repeat: int
     wall_s: float = 0.0
     foreign_cores: float = 0.0  # CPU other processes on the machine used meanwhile
+    background_cores: float = 0.0  # CPU the bench's own background load used (--background-load)
     results: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)  # see MemorySampler.to_dict
     queues: list[dict[str, Any]] = field(default_factory=list)  # see QueueWatch
@@ -190,18 +192,21 @@ def run_once(kind: str, jobs: int, repeat: int, settings: Settings, workdir: Pat
     started = time.monotonic()
     load = LoadMeter.start()
     outcome.gpu_baseline_mb = gpu_used_mib() if settings.gpu else None
+    background = BackgroundLoad(settings.background_load)
     try:
-        if needs_daemon(kind):
-            with running_daemon(settings.device, workdir, daemon_options(kind)) as daemon:
-                settings = settings.with_(socket=str(daemon.socket), daemon_pid=daemon.pid)
+        with background.running():
+            if needs_daemon(kind):
+                with running_daemon(settings.device, workdir, daemon_options(kind)) as daemon:
+                    settings = settings.with_(socket=str(daemon.socket), daemon_pid=daemon.pid)
+                    _run_trainers(kind, settings, jobs, workdir, outcome)
+                outcome.daemon_threads = daemon.threads
+            else:
                 _run_trainers(kind, settings, jobs, workdir, outcome)
-            outcome.daemon_threads = daemon.threads
-        else:
-            _run_trainers(kind, settings, jobs, workdir, outcome)
     except DaemonFailed as error:
         outcome.error = str(error)
     except Exception as error:  # one failed run must not end a long benchmark
         outcome.error = f"{type(error).__name__}: {error}"
     outcome.wall_s = time.monotonic() - started
     outcome.foreign_cores = load.foreign_cores()
+    outcome.background_cores = background.cores
     return outcome

@@ -190,6 +190,7 @@ def run_metrics(outcome: Outcome) -> dict[str, Any]:
         + max(loop.daemon_peak_rss_mb for loop in loops),
         "memory": memory_metrics(outcome.memory, first.start.t_ns, last.end.t_ns),
         "foreign_cores": outcome.foreign_cores,
+        "background_cores": outcome.background_cores,
         "pipelines": pipelines,
         "handles": run_handles(outcome.results, warmup_epochs),
         "weighted": weighted_metrics(loops, weights, job_ids, outcome.queues),
@@ -303,6 +304,7 @@ def summarize(
                 "total_peak_rss_mb": spread(m["total_peak_rss_mb"] for m in metrics),
                 "memory": _memory_spreads([m["memory"] for m in metrics]),
                 "foreign_cores": spread(m["foreign_cores"] for m in metrics),
+                "background_cores": spread(m["background_cores"] for m in metrics),
                 "busy_cores": {
                     part: spread(
                         m["busy_cores"][part] for m in metrics if m["busy_cores"][part] is not None

@@ -27,6 +27,10 @@ and the jobs' teardown:
 DALI's own worker threads are what the process used beyond these. A live thread's CPU time is
 read from its own clock (``pthread_getcpuclockid``), so nothing outside the daemon has to tell
 its threads apart (Python threads have no names of their own in ``/proc``).
+
+Why one module of some 740 lines: the probes that count inside the daemon and the figures
+made of their counts change together (a count the figures misread is a wrong figure), and
+neither is of use without the other.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import atexit
 import functools
 import json
 import os
+import resource
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +101,29 @@ def _sched_by_thread() -> dict[str, list[Any]]:
     return threads
 
 
+def _run_delay_s(native_id: int | None) -> float:
+    """Seconds a thread of this process has been runnable but waiting for a core
+    (``/proc/self/task/<tid>/schedstat``); 0 for none, or one that has ended."""
+    if native_id is None:
+        return 0.0
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _core_wait_ns(fd: int | None) -> int:
+    """Nanoseconds the thread whose ``schedstat`` ``fd`` reads has been runnable without a
+    core (one ``pread``: the file is made anew at each read from its start); 0 without one."""
+    if fd is None:
+        return 0
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 # Thread names by id, read once named (a Python thread is "python" until DALI names its own).
 _THREAD_NAMES: dict[str, str] = {}
 
@@ -117,8 +145,36 @@ class _Totals:
         self.messages = 0
         self.message_wall_ns = 0
         self.message_cpu_ns = 0
-        # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns).
-        self.message_started: tuple[int, int] | None = None
+        # The I/O thread's context switches inside its messages (getrusage(RUSAGE_THREAD)):
+        # voluntary, where it blocked (on the GIL, which pyzmq lets go of around a send or a
+        # receive, or a lock: its socket is never waited on inside a message), and involuntary,
+        # where the kernel took its core away.
+        self.message_blocks = 0
+        self.message_preemptions = 0
+        # Of the messages' wall time, what the I/O thread spent runnable without a core (its
+        # scheduler statistics read around each message, outside the clocks of its CPU and
+        # wall time): the rest of wall less CPU is what it spent blocked.
+        self.message_core_wait_ns = 0
+        # Whether the message under way starts or ends a job (LIFECYCLE_OPS): its waits are
+        # left out of these, as its times are out of the figures per message (a goodbye takes
+        # some 160 ms, and is preempted as often as that lasts).
+        self.message_lifecycle = False
+        # The I/O thread's CPU time in those reads (two system calls before a message and two
+        # after it, outside its clocks): the probe's, taken away from the thread's loop.
+        self.probe_cpu_ns = 0
+        self.io_schedstat_fd: int | None = None
+        # The message the I/O thread is taking: its start (perf_counter_ns, thread_time_ns,
+        # voluntary and involuntary switches so far, its time without a core so far).
+        self.message_started: tuple[int, int, int, int, int] | None = None
+        # The I/O thread's id in /proc (its scheduler statistics: time runnable, waiting for a
+        # core).
+        self.io_native_id: int | None = None
+        self.io_run_delay_done_s = 0.0  # the I/O thread's, once its loop has ended
+        # The I/O loop's turns (each a wake from poll, or a look that found news waiting), and
+        # its once-a-second reap's CPU time (every peer's process looked at): the two parts
+        # of its chores that may grow with the number of jobs.
+        self.io_wakes = 0
+        self.reap_cpu_s = 0.0
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
@@ -140,6 +196,11 @@ class _Totals:
         # inputs, starting the run, taking its outputs), done and under way, as for the copies.
         self.dali_calls_cpu_s = 0.0
         self.calling_dali: dict[int, float] = {}
+        # The executors' forming of runs (``RunPlanner.next_run``: the scheduler's order, the
+        # jobs' windows and memory, a slot, the paths' checks), done and under way: the step
+        # whose looks may grow with the number of jobs of a pipeline.
+        self.forming_cpu_s = 0.0
+        self.forming: dict[int, float] = {}
         # Wall time the executors spent waiting: in ``RunPlanner.next_run`` (for batches to run,
         # or for room in the jobs' windows) and in ``PipelineRunner.collect`` (for DALI to
         # finish a run); counted when each call returns.
@@ -157,6 +218,9 @@ class _Totals:
             dali_calls = self.dali_calls_cpu_s + sum(
                 _thread_cpu_s(ident) - cpu for ident, cpu in self.calling_dali.items()
             )
+            forming = self.forming_cpu_s + sum(
+                _thread_cpu_s(ident) - cpu for ident, cpu in self.forming.items()
+            )
             samples = self.executor_samples_done
             samples += sum(instance.samples for _, instance in running)
             runs = self.executor_runs_done + sum(instance.runs for _, instance in running)
@@ -165,9 +229,12 @@ class _Totals:
             wall_now = time.perf_counter()
             message_wall, message_cpu = self.message_wall_ns / 1e9, self.message_cpu_ns / 1e9
             if self.message_started is not None and self.io_ident:
-                wall0, cpu0 = self.message_started
+                wall0, cpu0, _, _, _ = self.message_started
                 message_wall += wall_now - wall0 / 1e9
                 message_cpu += io_now - cpu0 / 1e9
+            blocks, preemptions = self.message_blocks, self.message_preemptions
+            core_wait = self.message_core_wait_ns / 1e9
+            io_native_id = self.io_native_id
             by_op = {op: list(figures) for op, figures in self.by_op.items()}
             if self.op_started is not None and self.io_ident:
                 op, cpu1, wall1 = self.op_started
@@ -176,17 +243,27 @@ class _Totals:
                 figures[2] += wall_now - wall1
             messages = self.messages
             trims = self.departure_trim_cpu_s
+            wakes, reap = self.io_wakes, self.reap_cpu_s
         return {
             "t_ns": time.monotonic_ns(),
-            "io_loop_cpu_s": self.io_cpu_done_s + io_now,
+            "io_loop_cpu_s": self.io_cpu_done_s + io_now - self.probe_cpu_ns / 1e9,
             "messages": messages,
             "message_wall_s": message_wall,
             "message_cpu_s": message_cpu,
+            "message_blocks": blocks,
+            "message_preemptions": preemptions,
+            "message_core_wait_s": core_wait,
+            "io_wakes": wakes,
+            "reap_cpu_s": reap,
+            "io_run_delay_s": (
+                _run_delay_s(io_native_id) if io_native_id else self.io_run_delay_done_s
+            ),
             "by_op": by_op,
             "departure_trim_cpu_s": trims,
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
             "dali_calls_cpu_s": dali_calls,
+            "forming_cpu_s": forming,
             "executor_samples": samples,
             "executor_runs": runs,
             "next_run_wall_s": next_run_wall,
@@ -220,6 +297,10 @@ def install() -> None:
         with TOTALS.lock:
             TOTALS.io_cpu_done_s -= start  # the thread's CPU before its loop is not the loop's
             TOTALS.io_ident = ident
+            TOTALS.io_native_id = threading.get_native_id()
+            TOTALS.io_schedstat_fd = os.open(
+                f"/proc/self/task/{TOTALS.io_native_id}/schedstat", os.O_RDONLY | os.O_CLOEXEC
+            )
             TOTALS.daemon = self
             TOTALS.departures_trimmed = self._departures()
         try:
@@ -228,6 +309,11 @@ def install() -> None:
             with TOTALS.lock:
                 TOTALS.io_cpu_done_s += _thread_cpu_s(ident)
                 TOTALS.io_ident = None
+                TOTALS.io_run_delay_done_s = _run_delay_s(TOTALS.io_native_id)
+                TOTALS.io_native_id = None
+                if TOTALS.io_schedstat_fd is not None:
+                    os.close(TOTALS.io_schedstat_fd)
+                    TOTALS.io_schedstat_fd = None
 
     receive = SharedSocket.receive
     handle = Daemon._receive
@@ -236,8 +322,15 @@ def install() -> None:
     # that finds nothing waiting (the end of a turn) is the loop's, not a message's.
     @functools.wraps(receive)
     def timed_receive(self: Any) -> Any:
+        probe = time.thread_time_ns()
+        switches = resource.getrusage(resource.RUSAGE_THREAD)
+        core_wait = _core_wait_ns(TOTALS.io_schedstat_fd)
         with TOTALS.lock:
-            TOTALS.message_started = (time.perf_counter_ns(), time.thread_time_ns())
+            cpu = time.thread_time_ns()
+            TOTALS.probe_cpu_ns += cpu - probe
+            TOTALS.message_started = (
+                time.perf_counter_ns(), cpu, switches.ru_nvcsw, switches.ru_nivcsw, core_wait,
+            )  # fmt: skip
         frames = receive(self)
         if frames is None:
             with TOTALS.lock:
@@ -250,13 +343,21 @@ def install() -> None:
             handle(self, frames)
         finally:
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            switches = resource.getrusage(resource.RUSAGE_THREAD)
+            core_wait = _core_wait_ns(TOTALS.io_schedstat_fd)
             with TOTALS.lock:
+                TOTALS.probe_cpu_ns += time.thread_time_ns() - cpu
                 if TOTALS.message_started is not None:
-                    wall0, cpu0 = TOTALS.message_started
+                    wall0, cpu0, blocks0, preemptions0, core_wait0 = TOTALS.message_started
                     TOTALS.message_wall_ns += wall - wall0
                     TOTALS.message_cpu_ns += cpu - cpu0
+                    if not TOTALS.message_lifecycle:
+                        TOTALS.message_blocks += switches.ru_nvcsw - blocks0
+                        TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
+                        TOTALS.message_core_wait_ns += core_wait - core_wait0
                     TOTALS.messages += 1
                 TOTALS.message_started = None
+                TOTALS.message_lifecycle = False
 
     core_handle = DaemonCore.handle
 
@@ -266,6 +367,7 @@ def install() -> None:
         cpu, wall = time.thread_time(), time.perf_counter()
         with TOTALS.lock:
             TOTALS.op_started = (op, cpu, wall)
+            TOTALS.message_lifecycle = op in LIFECYCLE_OPS
         try:
             return core_handle(self, identity, message, request_id)
         finally:
@@ -276,6 +378,25 @@ def install() -> None:
                 figures[0] += 1
                 figures[1] += used
                 figures[2] += took
+
+    sleep_ms = daemon_module.sleep_ms
+
+    @functools.wraps(sleep_ms)
+    def counted_sleep_ms(*args: Any, **kwargs: Any) -> Any:
+        TOTALS.io_wakes += 1  # once a turn of the loop, on its thread
+        return sleep_ms(*args, **kwargs)
+
+    reap = DaemonCore.reap
+
+    @functools.wraps(reap)
+    def timed_reap(self: Any) -> Any:
+        cpu = time.thread_time()
+        try:
+            return reap(self)
+        finally:
+            used = time.thread_time() - cpu
+            with TOTALS.lock:
+                TOTALS.reap_cpu_s += used
 
     trim = daemon_module.give_back_free_memory  # type: ignore[attr-defined]
 
@@ -355,6 +476,8 @@ def install() -> None:
         return accounted(method, TOTALS.calling_dali, "dali_calls_cpu_s")
 
     daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
+    daemon_module.sleep_ms = counted_sleep_ms
+    DaemonCore.reap = timed_reap  # type: ignore[method-assign]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
@@ -365,6 +488,7 @@ def install() -> None:
     PipelineRunner.schedule = calling_dali(PipelineRunner.schedule)  # type: ignore[method-assign]
     PipelineRunner.collect = calling_dali(PipelineRunner.collect)  # type: ignore[method-assign]
     PipelineRunner.collect = waited(PipelineRunner.collect, "collect_wall_s")  # type: ignore[method-assign]
+    RunPlanner.next_run = accounted(RunPlanner.next_run, TOTALS.forming, "forming_cpu_s")  # type: ignore[method-assign]
     RunPlanner.next_run = waited(RunPlanner.next_run, "next_run_wall_s")  # type: ignore[method-assign]
 
 
@@ -475,8 +599,17 @@ DAEMON_THREAD_FIGURES = (
     "executor_us_per_sample",
     "copy_out_us_per_sample",
     "dali_calls_us_per_sample",
+    "forming_us_per_sample",
     "io_cpu_us_per_message",
     "io_wall_over_cpu",
+    "io_wait_us_per_message",
+    "io_core_wait_us_per_message",
+    "io_blocks_per_message",
+    "io_preemptions_per_message",
+    "io_run_delay_us_per_message",
+    "messages_per_run",
+    "io_wakes_per_s",
+    "io_reap_ms_per_s",
     "samples_per_run",
     "executors_waiting_for_batches",
     "executors_waiting_for_dali",
@@ -532,9 +665,56 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
         "executor_us_per_sample": per_sample(executor - copy_out),
         "copy_out_us_per_sample": per_sample(copy_out),
         "dali_calls_us_per_sample": per_sample(used.get("dali_calls_cpu_s") or 0.0),
+        "forming_us_per_sample": (
+            per_sample(used["forming_cpu_s"]) if "forming_cpu_s" in used else None
+        ),
         "io_cpu_us_per_message": 1e6 * message_cpu / messages if messages else None,
         "io_wall_over_cpu": message_wall / message_cpu if message_cpu > 0 else None,
+        **_io_waits(used, messages, message_wall - message_cpu),
+        "io_wakes_per_s": (
+            used["io_wakes"] / used["seconds"]
+            if used.get("seconds") and "io_wakes" in used
+            else None
+        ),
+        "io_reap_ms_per_s": (
+            1e3 * used["reap_cpu_s"] / used["seconds"]
+            if used.get("seconds") and "reap_cpu_s" in used
+            else None
+        ),
         **_feeding(used, samples),
+    }
+
+
+def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str, float | None]:
+    """What the I/O thread's messages waited for, per message: wall less CPU time (µs); the
+    times it blocked inside one (voluntary context switches: the GIL, taken back after pyzmq's
+    send or receive let go of it, or a lock) and had its core taken away (involuntary); and its
+    time runnable without a core over the whole window (µs a message: a wake from ``poll``
+    included, so an upper bound of what the messages waited for cores); and the messages a run
+    of the executors (about a batch)."""
+    runs = used.get("executor_runs") or 0
+    taken = used.get("messages") or 0
+    if not messages:
+        return dict.fromkeys(
+            ("io_wait_us_per_message", "io_core_wait_us_per_message", "io_blocks_per_message",
+             "io_preemptions_per_message", "io_run_delay_us_per_message"),
+            None,
+        ) | {"messages_per_run": taken / runs if runs else None}  # fmt: skip
+    return {
+        "io_wait_us_per_message": 1e6 * waited_s / messages,
+        "io_core_wait_us_per_message": (
+            1e6 * used["message_core_wait_s"] / messages if "message_core_wait_s" in used else None
+        ),
+        "io_blocks_per_message": (
+            used["message_blocks"] / messages if "message_blocks" in used else None
+        ),
+        "io_preemptions_per_message": (
+            used["message_preemptions"] / messages if "message_preemptions" in used else None
+        ),
+        "io_run_delay_us_per_message": (
+            1e6 * used["io_run_delay_s"] / taken if taken and "io_run_delay_s" in used else None
+        ),
+        "messages_per_run": taken / runs if runs else None,
     }
 
 

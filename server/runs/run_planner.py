@@ -2,7 +2,7 @@
 order, and how many of a job's batches the daemon holds at once (Note [A job's window]); the
 batches, members and runs themselves are in :mod:`dalid.server.runs.runs`.
 
-Why one module of some 570 lines: the window decides which batch may run next, so it lives
+Why one module of some 600 lines: the window decides which batch may run next, so it lives
 beside the choice it limits, in the one planner that several executors of a graph would share.
 
 Note [A job's window]
@@ -396,28 +396,20 @@ class RunPlanner:
 
     def _pick(self, fits: Callable[[PendingBatch], bool], pop: bool) -> PendingBatch | None:
         """The head batch, among the members', whose job comes first in the scheduler's order
-        (then the oldest), of those that ``fits`` allows; taken off its queue with ``pop``."""
+        (then the oldest), of those that ``fits`` allows; taken off its queue with ``pop``.
+
+        The heads are put in that order first, from one read of the scheduler, and looked at
+        in it until one may run: the looks at a job's window and memory (``_may_take``), a
+        lock or two each, are made for the jobs before the one chosen, not for every job of
+        the pipeline each time a run is formed (with eight jobs, eight of each a run). A job
+        whose turn has not come is not looked at, so a starved job's wait
+        (``Member.starved_since``, ``want_blocked_since``) counts from its turn's first
+        refusal; it runs no sooner either way."""
         with self.changed:
             heads = [(m, m.queue[0]) for m in self.members if m.queue and not m.closed]
-        best: tuple[float, int] | None = None
-        chosen: tuple[Member, PendingBatch] | None = None
-        for member, head in heads:
-            if pop:
-                self.prepare(head)  # a rider's images are checked before it may ride
-            if not fits(head) or not self._may_take(member, head):
-                continue
-            tag = 0.0
-            if member.job_id == self._reserved:
-                tag = -1.0  # a slot is kept for it: its batch goes first
-            elif self._scheduler is not None:
-                found = self._scheduler.start_tag(member.job_id)
-                if found is None:
-                    continue  # its job has ended
-                tag = found
-                if not pop and self._behind_waits(member.job_id, found):
-                    continue
-            if best is None or (tag, head.arrival) < best:
-                best, chosen = (tag, head.arrival), (member, head)
+        if not heads:
+            return None
+        chosen = self._first_that_may_run(heads, fits, pop)
         if chosen is None:
             return None
         member, head = chosen
@@ -431,6 +423,43 @@ class RunPlanner:
         if not taken:
             return None  # its job left meanwhile, or a want changed its queue
         return head
+
+    def _order(self, heads: list[tuple[Member, PendingBatch]]) -> list[tuple[float, int]]:
+        """The indexes of ``heads`` with their tags, in the scheduler's order (the smallest
+        start tag, then the oldest batch); a job that has ended is left out. A member for
+        which a slot is kept goes first; without a scheduler, the oldest batch."""
+        scheduler = self._scheduler
+        tags: list[float | None] = (
+            scheduler.start_tags([member.job_id for member, _ in heads])
+            if scheduler is not None
+            else [0.0] * len(heads)
+        )
+        reserved = self._reserved
+        order = []
+        for index, ((member, _), found) in enumerate(zip(heads, tags, strict=True)):
+            # A member for which a slot is kept goes first.
+            tag = -1.0 if member.job_id == reserved else found
+            if tag is not None:
+                order.append((tag, index))
+        order.sort(key=lambda entry: (entry[0], heads[entry[1]][1].arrival))
+        return order
+
+    def _first_that_may_run(
+        self,
+        heads: list[tuple[Member, PendingBatch]],
+        fits: Callable[[PendingBatch], bool],
+        pop: bool,
+    ) -> tuple[Member, PendingBatch] | None:
+        for tag, index in self._order(heads):
+            member, head = heads[index]
+            if pop:
+                self.prepare(head)  # a rider's images are checked before it may ride
+            if not fits(head) or not self._may_take(member, head):
+                continue
+            if tag >= 0 and not pop and self._behind_waits(member.job_id, tag):
+                continue
+            return member, head
+        return None
 
     def _behind_waits(self, job_id: int, tag: float) -> bool:
         """Whether a run for a cohort's member past the window waits (Note [Cohort outputs],

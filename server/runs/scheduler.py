@@ -33,7 +33,7 @@ outputs], point 8) is *behind*: its batches run for it alone, and its tags move 
 leave, with that fraction of a weight as its floor. It is still served in its turn: never
 starved, and work-conserving (a daemon the others leave idle is its).
 
-Why one module of some 420 lines: the fair queue and the clock that prices its requests
+Why one module of some 430 lines: the fair queue and the clock that prices its requests
 (``ServiceClock``) are one policy: a tag means nothing without the cost it moved by.
 """
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # How often a blocked request checks whether it was cancelled.
@@ -231,6 +231,13 @@ class FairScheduler:
             if share is None:
                 return None
             return max(self._virtual_time, share.finish_tag)
+
+    def start_tags(self, job_ids: Sequence[int]) -> list[float | None]:
+        """``start_tag`` of each job, read at one moment (one lock for a pipeline's members)."""
+        with self._changed:
+            now = self._virtual_time
+            shares = [self._jobs.get(job_id) for job_id in job_ids]
+            return [None if s is None else max(now, s.finish_tag) for s in shares]
 
     def ride(self, job_id: int, cost: float) -> None:
         """Charges a batch of the job that runs in a slot another batch holds (a run of a shared

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from bench import threads
+from bench import threads, threads_report
 from bench.contenders import CONTENDERS
 from bench.report import targets_table
+from bench.stats import spread
 from bench.targets import (
     all_targets,
     daemon_thread_targets,
@@ -351,3 +352,74 @@ def test_the_scheduler_figures_of_this_process_threads() -> None:
     me = str(threading.get_native_id())
     assert after[me][1] - before[me][1] >= 0.02
     assert all(cpu >= 0 and wait >= 0 for _, cpu, wait in after.values())
+
+
+def test_what_the_io_threads_messages_waited_for_per_message() -> None:
+    """The I/O thread's wait a message (wall less CPU), its blocks and preemptions inside
+    messages, its time without a core, and the messages a run, over a window; the report's
+    table of the daemon's threads shows them per dalid row."""
+    snapshots = [
+        {"t_ns": t, "io_loop_cpu_s": 0.004 * k, "messages": 4 * k, "message_wall_s": 0.003 * k,
+         "message_cpu_s": 0.001 * k, "message_blocks": 2 * k, "message_preemptions": k,
+         "message_core_wait_s": 0.0005 * k, "io_run_delay_s": 0.0008 * k, "io_wakes": 30 * k,
+         "reap_cpu_s": 0.0001 * k,
+         "by_op": {"submit_batch": [k, 0.0001 * k, 0.0002 * k]},
+         "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
+         "forming_cpu_s": 0.001 * k,
+         "executor_runs": k}
+        for k, t in enumerate([0, 10, 20])
+    ]  # fmt: skip
+    used = window(snapshots, 0, 20)
+    found = figures(used)
+    assert found["io_wait_us_per_message"] == pytest.approx(500.0)  # 6 ms less 2, 8 messages
+    assert found["io_core_wait_us_per_message"] == pytest.approx(125.0)
+    assert found["io_blocks_per_message"] == pytest.approx(0.5)
+    assert found["io_preemptions_per_message"] == pytest.approx(0.25)
+    assert found["io_run_delay_us_per_message"] == pytest.approx(200.0)
+    assert found["messages_per_run"] == pytest.approx(4.0)
+    assert found["forming_us_per_sample"] == pytest.approx(1e6 * 0.002 / 512)
+    assert found["io_wakes_per_s"] == pytest.approx(60 / 20e-9)
+    assert found["io_reap_ms_per_s"] == pytest.approx(0.2 / 20e-9)
+    # An older daemon's snapshots without the switch counts: those figures are not made up.
+    new = ("message_b", "message_p", "message_core", "io_run", "io_wakes", "reap", "forming")
+    bare = [{k: v for k, v in s.items() if not k.startswith(new)}
+            for s in snapshots]  # fmt: skip
+    old = figures(window(bare, 0, 20))
+    assert old["io_blocks_per_message"] is None and old["io_run_delay_us_per_message"] is None
+    assert old["io_wakes_per_s"] is None and old["io_reap_ms_per_s"] is None
+    assert old["forming_us_per_sample"] is None and old["io_core_wait_us_per_message"] is None
+    assert old["io_wait_us_per_message"] == pytest.approx(500.0)
+    row = {
+        "label": "dalid (shared), 8 jobs",
+        "daemon_threads": {name: spread([v]) for name, v in found.items() if v is not None},
+        "background_cores": spread([2.0]),
+        "foreign_cores": spread([0.05]),
+    }
+    table = threads_report.markdown([row, {"label": "DALI in-process", "daemon_threads": {}}])
+    assert len(table) == 6 and table[2].startswith("| dalid (shared), 8 jobs |")
+    assert (
+        "| 500 / 125 |" in table[2]
+        and "| 0.50 / 0.25 |" in table[2]
+        and table[2].endswith("| 2.00 / 0.05 |")
+    )
+    assert threads_report.markdown([{"label": "DALI in-process", "daemon_threads": {}}]) == []
+
+
+def test_a_snapshot_counts_the_io_threads_switches_and_its_time_without_a_core() -> None:
+    totals = threads._Totals()
+    totals.io_native_id = threading.get_native_id()
+    totals.message_blocks, totals.message_preemptions = 3, 1
+    before = threads._run_delay_s(totals.io_native_id)
+    snapshot = totals.snapshot()
+    after = threads._run_delay_s(totals.io_native_id)
+    assert snapshot["message_blocks"] == 3 and snapshot["message_preemptions"] == 1
+    assert snapshot["message_core_wait_s"] == 0.0
+    assert threads._core_wait_ns(None) == 0
+    assert before <= snapshot["io_run_delay_s"] <= after
+    # The probe's own reads around each message are not the loop's.
+    totals.io_cpu_done_s, totals.probe_cpu_ns = 1.0, 200_000_000
+    assert totals.snapshot()["io_loop_cpu_s"] == pytest.approx(0.8)
+    # Once the I/O thread's loop has ended, its last reading stands.
+    totals.io_native_id, totals.io_run_delay_done_s = None, 0.5
+    assert totals.snapshot()["io_run_delay_s"] == 0.5
+    assert threads._run_delay_s(None) == 0.0

@@ -270,3 +270,48 @@ def test_a_batch_submitted_between_the_look_and_the_wait_is_not_waited_for() -> 
     run = planner.planner.next_run(collections.deque(), block=True)
     assert run is not None and [batch.batch_id for batch in run.batches] == [0]
     assert waits == []
+
+
+def test_forming_a_run_looks_at_the_jobs_in_turn_until_one_may_run_not_at_every_job() -> None:
+    # Eight jobs share a pipeline: the scheduler's order is read once a run, and the looks at
+    # a job's window and memory stop at the first job that may run (they were made for all
+    # eight every run). The order they run in is the fair one, as before.
+    plan = Planner(dict.fromkeys(range(1, 9), 1.0), run_batches=1)
+    plan.planner.window = WINDOW
+    plan.planner.sample_sizes = [("cpu", 1)]
+    for job_id in range(1, 9):
+        plan.submit(job_id, 2)
+    looked: list[int] = []
+    may_take = plan.planner._may_take
+
+    def counted(member: Member, head: PendingBatch) -> bool:
+        looked.append(member.job_id)
+        return may_take(member, head)
+
+    plan.planner._may_take = counted  # type: ignore[method-assign]
+    runs = [plan.run() for _ in range(16)]
+    assert sorted(job for run in runs for job in run) == sorted(list(range(1, 9)) * 2)
+    assert [run[0] for run in runs[:8]] == list(range(1, 9))  # equal tags: the oldest first
+    assert len(looked) == 16  # one look a run
+    # Every window is full now: each job is looked at in its turn and passed over.
+    for job_id in range(1, 9):
+        plan.planner.submit(_batch(plan.members[job_id], 10))
+    looked.clear()
+    assert plan.planner.next_run(collections.deque(), block=False) is None
+    assert sorted(looked) == list(range(1, 9))
+    # A job whose window is full is passed over in its turn, and the next one in turn runs.
+    plan.planner.settle(plan.members[2].holding[0], released=True)
+    looked.clear()
+    assert plan.run() == [2]
+    assert looked == [1, 2]
+
+
+def test_the_scheduler_reads_every_jobs_start_tag_at_one_moment() -> None:
+    scheduler = FairScheduler(1)
+    for job_id, weight in ((1, 1.0), (2, 2.0)):
+        scheduler.add_job(job_id, weight)
+    assert scheduler.start_tags([1, 2, 3]) == [
+        scheduler.start_tag(1),
+        scheduler.start_tag(2),
+        None,
+    ]

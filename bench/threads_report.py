@@ -1,0 +1,75 @@
+"""The report's table of the daemon's own threads (:mod:`bench.threads`), one row a dalid run.
+
+The targets table judges two of these figures; this one shows what they are made of, side by
+side across the job counts and loads of one report (``--jobs``, ``--background-load``), so that
+what grows with the number of jobs can be told from what grows with a saturated machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .table import spread_text
+
+# (header, figure, digits): each a median [min-max] over the repeats.
+COLUMNS = (
+    ("own threads, µs a sample", "daemon_own_us_per_sample", 1),
+    ("I/O thread, µs a sample", "io_us_per_sample", 1),
+    ("of it messages", "io_messages_us_per_sample", 1),
+    ("I/O chores, ms a second", "io_chores_ms_per_s", 2),
+    ("I/O wakes a second / its reap, ms a second", "io_wakes_per_s", 0),
+    ("", "io_reap_ms_per_s", 2),
+    ("executors less copies, µs a sample", "executor_us_per_sample", 1),
+    ("of it DALI's calls / forming runs", "dali_calls_us_per_sample", 1),
+    ("", "forming_us_per_sample", 1),
+    ("messages a run", "messages_per_run", 2),
+    ("I/O CPU a message, µs", "io_cpu_us_per_message", 0),
+    ("I/O wall / CPU a message", "io_wall_over_cpu", 2),
+    ("I/O waited a message / of it without a core, µs", "io_wait_us_per_message", 0),
+    ("", "io_core_wait_us_per_message", 0),
+    ("blocks / preemptions a message", "io_blocks_per_message", 2),
+    ("", "io_preemptions_per_message", 2),
+    ("I/O runnable without a core, µs a message", "io_run_delay_us_per_message", 0),
+)
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The table, for the rows that have the daemon's threads' figures; [] if none has."""
+    measured = [
+        row
+        for row in rows
+        if (row.get("daemon_threads") or {}).get("daemon_own_us_per_sample", {}).get("n")
+    ]
+    if not measured:
+        return []
+    headers = [header for header, _, _ in COLUMNS if header]
+    lines = [
+        "| dalid run | " + " | ".join(headers) + " | background load / other load, cores |",
+        "|---|" + "--:|" * (len(headers) + 1),
+    ]
+    for row in measured:
+        figures = row["daemon_threads"]
+        cells: list[str] = []
+        for header, name, digits in COLUMNS:
+            text = spread_text(figures.get(name), digits)
+            if header:
+                cells.append(text)
+            else:  # a second figure in the previous column
+                cells[-1] += f" / {text}"
+        loads = (
+            f"{spread_text(row.get('background_cores'), 2)} / "
+            f"{spread_text(row.get('foreign_cores'), 2)}"
+        )
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + f" | {loads} |")
+    return [
+        *lines,
+        "",
+        "The daemon's own threads over the jobs' timed window (`bench.threads`), per sample the "
+        "executors ran: the I/O thread (its messages, and the rest of its loop in ms a second) "
+        "and the executors less their output copies (of it, their calls into DALI). A message: "
+        "the I/O thread's CPU and wall time from its receive to its answer; what it waited, "
+        "wall less CPU; the times it blocked inside one (the GIL or a lock) and was preempted; "
+        "its time runnable without a core over the whole window (its wakes from poll "
+        "included). Background load: the bench's own spinning processes (`--background-load`).",
+        "",
+    ]
