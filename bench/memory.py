@@ -14,6 +14,10 @@ Where the PSS is: each sample also adds it up by role (the daemon; trainers; Dat
 workers, a trainer's children; other, their descendants) and by kind of page, as
 ``smaps_rollup`` splits it: anonymous (heaps, the private pages a worker copied from its
 trainer), file-backed (mapped libraries and files) and shared memory (``/dev/shm`` slabs).
+
+Why one module of some 420 lines: a sample is read once from ``/proc`` and its totals, roles
+and kinds of page come from that one reading; split apart, two readers would disagree on
+which processes a sample counted.
 """
 
 from __future__ import annotations
