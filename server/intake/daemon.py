@@ -30,7 +30,7 @@ that (nor from killing it); it refuses every other user's connection at the hand
 (:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
 that another connection or process used first (:mod:`.intake`).
 
-Why one module of some 530 lines: it owns the socket from bind to close (through
+Why one module of some 570 lines: it owns the socket from bind to close (through
 :class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
 them; split further, those would pass between modules.
 """

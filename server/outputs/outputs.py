@@ -12,7 +12,7 @@ The lifetime contract is Note [Output buffer lifetime] in ``pool.py``, with what
 Note [GPU output lifetime] in ``cuda.py``; the parts both sides rely on are in SPEC.md
 ("Outputs").
 
-Why one module of some 670 lines: the store interface, the job's stores and a run's outputs
+Why one module of some 680 lines: the store interface, the job's stores and a run's outputs
 are the one boundary between the executor and output memory, private copies included (a batch
 that finds no room goes out through the same stores, into their copy memory or as frames).
 """
@@ -292,37 +292,7 @@ class JobOutputs:
         :meth:`private_copies` makes them: GPU ones into this job's copy memory, on its stream
         after ``source``'s, where the trainer takes them so and it has room, the others
         through the host (Note [Private copies], point 7)."""
-        store, theirs = self.on_device, source.on_device
-        on_gpu: list[int] = []
-        regions: list[Region] | None = None
-        if store is not None and theirs is not None and self.device_copies:
-            on_gpu = [i for i, d in enumerate(descriptors) if d.device == theirs.device]
-            if on_gpu:
-                regions = store.copy_regions([descriptors[i].nbytes for i in on_gpu])
-        kept: dict[int, OutputDescriptor] = {}
-        event = ""
-        if store is not None and theirs is not None and regions is not None:
-            pool = source.store(theirs.device).pool
-            pairs = [
-                (region, pool.address(descriptors[i].region_id) if region.nbytes else 0)
-                for i, region in zip(on_gpu, regions, strict=True)
-            ]
-            try:
-                event = store.copy_from(theirs, pairs)
-            except BaseException:
-                store.copy_pool.release([region.region_id for region in regions])
-                raise
-            for i, region in zip(on_gpu, regions, strict=True):
-                d = descriptors[i]
-                kept[i] = dataclasses.replace(
-                    d,
-                    region_id=region.region_id,
-                    slab=region.slab.name,
-                    slab_size=region.slab.size,
-                    offset=region.offset,
-                    ipc_handle=store.export(region),
-                    copy=True,
-                )
+        kept, event = self._copied_on_device(source, descriptors)
         through_host = [d for i, d in enumerate(descriptors) if i not in kept]
         frames = iter(source.copies_of(through_host))
         copied, all_frames = [], []
@@ -339,6 +309,44 @@ class JobOutputs:
                 )
                 all_frames.append(next(frames))
         return tuple(copied), tuple(all_frames), event
+
+    def _copied_on_device(
+        self, source: JobOutputs, descriptors: Sequence[OutputDescriptor]
+    ) -> tuple[dict[int, OutputDescriptor], str]:
+        """``source``'s GPU regions copied into this job's copy memory, by index, and the
+        batch's event; none where they go through the host (as :meth:`_copies_on_device`)."""
+        store, theirs = self.on_device, source.on_device
+        if store is None or theirs is None or not self.device_copies:
+            return {}, ""
+        on_gpu = [i for i, d in enumerate(descriptors) if d.device == theirs.device]
+        if not on_gpu:
+            return {}, ""
+        regions = store.copy_regions([descriptors[i].nbytes for i in on_gpu])
+        if regions is None:
+            return {}, ""
+        pool = source.store(theirs.device).pool
+        pairs = [
+            (region, pool.address(descriptors[i].region_id) if region.nbytes else 0)
+            for i, region in zip(on_gpu, regions, strict=True)
+        ]
+        try:
+            event = store.copy_from(theirs, pairs)
+        except BaseException:
+            store.copy_pool.release([region.region_id for region in regions])
+            raise
+        kept = {
+            i: dataclasses.replace(
+                descriptors[i],
+                region_id=region.region_id,
+                slab=region.slab.name,
+                slab_size=region.slab.size,
+                offset=region.offset,
+                ipc_handle=store.export(region),
+                copy=True,
+            )
+            for i, region in zip(on_gpu, regions, strict=True)
+        }
+        return kept, event
 
     def when_released(self, region_ids: Sequence[int], released: Callable[[], None]) -> None:
         """Calls ``released`` once the trainer has released every one of ``region_ids`` (a

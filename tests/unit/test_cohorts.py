@@ -544,7 +544,9 @@ def test_inputs_kept_for_matching_are_counted_until_the_entry_lets_go_of_them(
         gc.enable()
 
 
-def test_a_member_past_the_window_ranks_behind_until_it_matches_again(outputs: JobOutputs) -> None:
+def _ranked_pair(outputs: JobOutputs) -> tuple[Cohort, list[tuple[int, bool]], _Job, _Job]:
+    """A cohort of two members (jobs 1 and 2) whose window holds two batches, and the list of
+    (job, behind) its rank changes append to."""
     ranks: list[tuple[int, bool]] = []
     cohort = Cohort(
         "sweep",
@@ -554,9 +556,14 @@ def test_a_member_past_the_window_ranks_behind_until_it_matches_again(outputs: J
         lambda pid, namespace: False,
         behind=lambda job_id, behind: ranks.append((job_id, behind)),
     )
-    leader, trailing = _Job(1), _Job(2)
-    cohort.join(leader.member)
-    cohort.join(trailing.member)
+    first, second = _Job(1), _Job(2)
+    cohort.join(first.member)
+    cohort.join(second.member)
+    return cohort, ranks, first, second
+
+
+def test_a_member_past_the_window_ranks_behind_until_it_matches_again(outputs: JobOutputs) -> None:
+    cohort, ranks, leader, trailing = _ranked_pair(outputs)
     for seed in range(5):
         batch = leader.batch(seed)
         assert cohort.take(batch)[0] == Outcome.RUN
@@ -579,18 +586,7 @@ def test_a_member_past_the_window_ranks_behind_until_it_matches_again(outputs: J
 
 
 def test_a_member_that_leads_or_was_served_everything_is_never_behind(outputs: JobOutputs) -> None:
-    ranks: list[tuple[int, bool]] = []
-    cohort = Cohort(
-        "sweep",
-        ("key",),
-        outputs,
-        2 * BATCH_BYTES,
-        lambda pid, namespace: False,
-        behind=lambda job_id, behind: ranks.append((job_id, behind)),
-    )
-    first, second = _Job(1), _Job(2)
-    cohort.join(first.member)
-    cohort.join(second.member)
+    cohort, ranks, first, second = _ranked_pair(outputs)
     for seed in range(5):
         batch = first.batch(seed)
         cohort.take(batch)
