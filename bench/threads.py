@@ -48,6 +48,12 @@ from typing import Any
 
 THREADS_ENV = "DALID_BENCH_THREADS"
 SNAPSHOT_INTERVAL_S = 0.25
+# The steps of a message on the I/O thread, each its CPU time: ``receive`` (its frames from
+# the socket), ``admit`` (the intake's look at its connection and sender, their credentials
+# read), ``decode`` (the codec's, the message's own checks included), ``handle`` (the
+# operation's handler) and ``answer`` (the reply encoded and sent); what a message's CPU time
+# holds beyond them is the loop's code between the steps, and the probes' own clocks.
+MESSAGE_STEPS = ("receive", "admit", "decode", "handle", "answer")
 
 
 def _thread_cpu_s(ident: int) -> float:
@@ -175,6 +181,17 @@ class _Totals:
         # of its chores that may grow with the number of jobs.
         self.io_wakes = 0
         self.reap_cpu_s = 0.0
+        # The I/O thread's CPU inside its messages by step (MESSAGE_STEPS), summed over the
+        # messages that neither start nor end a job, and how many those were: the steps of the
+        # message under way are kept apart until it ends, when it is known which it was.
+        self.message_steps_ns: dict[str, int] = dict.fromkeys(MESSAGE_STEPS, 0)
+        self.message_steps_under_way: dict[str, int] = dict.fromkeys(MESSAGE_STEPS, 0)
+        self.stepped_messages = 0
+        self.stepped_cpu_ns = 0  # those messages' whole CPU time
+        # The loop's sends of what waits in its outbox (``SharedSocket.flush``), outside its
+        # messages: their CPU time and the messages sent.
+        self.outbox_cpu_s = 0.0
+        self.outbox_sent = 0
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
@@ -244,6 +261,10 @@ class _Totals:
             messages = self.messages
             trims = self.departure_trim_cpu_s
             wakes, reap = self.io_wakes, self.reap_cpu_s
+            steps = {step: ns / 1e9 for step, ns in self.message_steps_ns.items()}
+            stepped = self.stepped_messages
+            stepped_cpu = self.stepped_cpu_ns / 1e9
+            outbox_cpu, outbox_sent = self.outbox_cpu_s, self.outbox_sent
         return {
             "t_ns": time.monotonic_ns(),
             "io_loop_cpu_s": self.io_cpu_done_s + io_now - self.probe_cpu_ns / 1e9,
@@ -255,6 +276,11 @@ class _Totals:
             "message_core_wait_s": core_wait,
             "io_wakes": wakes,
             "reap_cpu_s": reap,
+            "message_steps": steps,
+            "stepped_messages": stepped,
+            "stepped_cpu_s": stepped_cpu,
+            "outbox_cpu_s": outbox_cpu,
+            "outbox_sent": outbox_sent,
             "io_run_delay_s": (
                 _run_delay_s(io_native_id) if io_native_id else self.io_run_delay_done_s
             ),
@@ -282,6 +308,7 @@ def install() -> None:
     from dalid.server.handling.core import DaemonCore
     from dalid.server.intake import daemon as daemon_module
     from dalid.server.intake.daemon import Daemon
+    from dalid.server.intake.intake import Intake
     from dalid.server.intake.shared_socket import SharedSocket
     from dalid.server.outputs.outputs import JobOutputs
     from dalid.server.pipelines.runner import PipelineRunner
@@ -335,6 +362,8 @@ def install() -> None:
         if frames is None:
             with TOTALS.lock:
                 TOTALS.message_started = None
+        else:
+            TOTALS.message_steps_under_way["receive"] += time.thread_time_ns() - cpu
         return frames
 
     @functools.wraps(handle)
@@ -356,6 +385,12 @@ def install() -> None:
                         TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
                         TOTALS.message_core_wait_ns += core_wait - core_wait0
                     TOTALS.messages += 1
+                    if not TOTALS.message_lifecycle:
+                        TOTALS.stepped_messages += 1
+                        TOTALS.stepped_cpu_ns += cpu - cpu0
+                        for step, ns in TOTALS.message_steps_under_way.items():
+                            TOTALS.message_steps_ns[step] += ns
+                TOTALS.message_steps_under_way = dict.fromkeys(MESSAGE_STEPS, 0)
                 TOTALS.message_started = None
                 TOTALS.message_lifecycle = False
 
@@ -372,12 +407,52 @@ def install() -> None:
             return core_handle(self, identity, message, request_id)
         finally:
             used, took = time.thread_time() - cpu, time.perf_counter() - wall
+            TOTALS.message_steps_under_way["handle"] += int(used * 1e9)
             with TOTALS.lock:
                 TOTALS.op_started = None
                 figures = TOTALS.by_op.setdefault(op, [0, 0.0, 0.0])
                 figures[0] += 1
                 figures[1] += used
                 figures[2] += took
+
+    def step(function: Any, name: str) -> Any:
+        """``function`` with its CPU time counted into step ``name`` of the message under way
+        (MESSAGE_STEPS), when the I/O thread calls it inside one."""
+
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            cpu = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if TOTALS.message_started is not None and threading.get_ident() == TOTALS.io_ident:
+                    TOTALS.message_steps_under_way[name] += time.thread_time_ns() - cpu
+
+        return timed
+
+    flush = SharedSocket.flush
+    send_locked = SharedSocket._send_locked
+    flushing = threading.local()
+
+    @functools.wraps(flush)
+    def timed_flush(self: Any) -> None:
+        if not self._outbox:
+            return flush(self)  # the loop's look at an empty outbox, each turn: its chores'
+        cpu = time.thread_time()
+        flushing.active = True
+        try:
+            return flush(self)
+        finally:
+            flushing.active = False
+            used = time.thread_time() - cpu
+            with TOTALS.lock:
+                TOTALS.outbox_cpu_s += used
+
+    @functools.wraps(send_locked)
+    def counted_send_locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(flushing, "active", False):
+            TOTALS.outbox_sent += 1  # on the loop's thread, in its flush
+        return send_locked(self, *args, **kwargs)
 
     sleep_ms = daemon_module.sleep_ms
 
@@ -478,6 +553,12 @@ def install() -> None:
     daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
     daemon_module.sleep_ms = counted_sleep_ms
     DaemonCore.reap = timed_reap  # type: ignore[method-assign]
+    daemon_module.decode = step(daemon_module.decode, "decode")  # type: ignore[attr-defined]
+    daemon_module.from_message = step(daemon_module.from_message, "admit")  # type: ignore[attr-defined]
+    Intake.admit = step(Intake.admit, "admit")  # type: ignore[method-assign]
+    Daemon._answer = step(Daemon._answer, "answer")  # type: ignore[method-assign]
+    SharedSocket.flush = timed_flush  # type: ignore[method-assign]
+    SharedSocket._send_locked = counted_send_locked  # type: ignore[method-assign]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
@@ -576,6 +657,8 @@ def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> d
             figures[1] += cpu - earlier[tid][1]
             figures[2] += waiting - earlier[tid][2]
     used["sched_by_thread_name"] = sched
+    steps_a, steps_b = a.get("message_steps") or {}, b.get("message_steps") or {}
+    used["message_steps"] = {step: steps_b[step] - steps_a.get(step, 0.0) for step in steps_b}
     used["by_op"] = {
         op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
         for op, now in b["by_op"].items()
@@ -610,6 +693,10 @@ DAEMON_THREAD_FIGURES = (
     "messages_per_run",
     "io_wakes_per_s",
     "io_reap_ms_per_s",
+    "io_outbox_ms_per_s",
+    "io_outbox_sent_per_s",
+    *(f"io_{step}_us_per_message" for step in MESSAGE_STEPS),
+    "io_between_steps_us_per_message",
     "samples_per_run",
     "executors_waiting_for_batches",
     "executors_waiting_for_dali",
@@ -681,8 +768,36 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
             if used.get("seconds") and "reap_cpu_s" in used
             else None
         ),
+        **_steps(used),
         **_feeding(used, samples),
     }
+
+
+def _steps(used: dict[str, Any]) -> dict[str, float | None]:
+    """The I/O thread's CPU a message by step (µs; MESSAGE_STEPS, over the messages that
+    neither start nor end a job) and what was between them; and its sends of the outbox
+    outside its messages (ms and messages a second)."""
+    stepped = used.get("stepped_messages") or 0
+    steps = used.get("message_steps") or {}
+    seconds = used.get("seconds") or 0.0
+    figures: dict[str, float | None] = {
+        "io_outbox_ms_per_s": (
+            1e3 * used["outbox_cpu_s"] / seconds if seconds and "outbox_cpu_s" in used else None
+        ),
+        "io_outbox_sent_per_s": (
+            used["outbox_sent"] / seconds if seconds and "outbox_sent" in used else None
+        ),
+    }
+    for step in MESSAGE_STEPS:
+        figures[f"io_{step}_us_per_message"] = (
+            1e6 * steps[step] / stepped if stepped and step in steps else None
+        )
+    figures["io_between_steps_us_per_message"] = (
+        1e6 * (used["stepped_cpu_s"] - sum(steps.values())) / stepped
+        if stepped and steps and "stepped_cpu_s" in used
+        else None
+    )
+    return figures
 
 
 def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str, float | None]:
