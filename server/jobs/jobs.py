@@ -43,6 +43,7 @@ from dalid.protocol import (
     ErrorCode,
     Hello,
     Limits,
+    ProcessWatch,
     RegisterNamedPipeline,
     RegisterPipeline,
     Role,
@@ -170,6 +171,9 @@ class JobRegistry:
     """The jobs and peers of one daemon, by id and by connection; their liveness.
 
     Used from the I/O thread, except ``lingering``, which ``reap`` and ``close`` share with it.
+    It watches the process of every job, peer and lingering job of this pid namespace while it
+    knows them (a pidfd each, held by its :class:`ProcessWatch` until the job or peer is
+    forgotten, and closed by :meth:`close`): a look at whether any has exited is one ``poll``.
     """
 
     def __init__(self, pid_namespace: int) -> None:
@@ -182,6 +186,12 @@ class JobRegistry:
         # Ended jobs whose trainer still maps some of their output memory: freed once it exits.
         self._lingering: list[Job] = []
         self._lock = threading.Lock()
+        self._watch = ProcessWatch()
+
+    def _watched(self, pid: int, namespace: int) -> int:
+        """The pid to watch for a process of ``namespace``; 0 (none) where the pid means nothing
+        here or is not known (see :meth:`alive`)."""
+        return pid if namespace == self._pid_namespace and pid > 0 else 0
 
     def open(
         self,
@@ -211,6 +221,7 @@ class JobRegistry:
             earlier_jobs=hello.earlier_jobs,
         )
         self.jobs[job_id] = job
+        self._watch.watch(self._watched(pid, job.pid_namespace))
         return job
 
     def join(
@@ -221,12 +232,14 @@ class JobRegistry:
         peer = Peer(identity, hello.role, job, pid, self._pid_namespace, earlier_token)
         job.peers.add(identity)
         self.peers[identity] = peer
+        self._watch.watch(self._watched(pid, peer.pid_namespace))
         return peer
 
     def forget_peer(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
         if peer is not None:
             peer.job.peers.discard(identity)
+            self._watch.unwatch(self._watched(peer.pid, peer.pid_namespace))
 
     def job_for(self, identity: bytes) -> Job | None:
         peer = self.peers.get(identity)
@@ -235,9 +248,12 @@ class JobRegistry:
     def remove(self, job: Job) -> None:
         """Forgets a job and its peers (the caller closes it)."""
         for identity in list(job.peers):
-            self.peers.pop(identity, None)
+            peer = self.peers.pop(identity, None)
+            if peer is not None:
+                self._watch.unwatch(self._watched(peer.pid, peer.pid_namespace))
         if self.jobs.pop(job.job_id, None) is not None:
             self.ended += 1
+            self._watch.unwatch(self._watched(job.pid, job.pid_namespace))
 
     # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
 
@@ -271,35 +287,55 @@ class JobRegistry:
 
     def alive(self, pid: int, namespace: int) -> bool:
         """Whether a peer's process lives, as far as this daemon can tell."""
-        if namespace != self._pid_namespace or pid <= 0:
+        if not self._watched(pid, namespace):
             return True  # another pid namespace: its pid means nothing here
         return process_running(pid)
 
     def dead_workers(self) -> list[bytes]:
+        """The workers whose process has exited (one look at every watched process)."""
+        exited = self._watch.exited()
+        if not exited:
+            return []
         return [
             identity
             for identity, peer in self.peers.items()
-            if peer.role is Role.WORKER and not self.alive(peer.pid, peer.pid_namespace)
+            if peer.role is Role.WORKER and self._watched(peer.pid, peer.pid_namespace) in exited
         ]
 
     def dead_jobs(self) -> list[Job]:
-        return [job for job in self.jobs.values() if not self.alive(job.pid, job.pid_namespace)]
+        """The jobs whose trainer process has exited."""
+        exited = self._watch.exited()
+        if not exited:
+            return []
+        return [
+            job for job in self.jobs.values() if self._watched(job.pid, job.pid_namespace) in exited
+        ]
 
     def linger(self, job: Job) -> None:
         """Keeps an ended job's outputs until its trainer process is gone."""
         with self._lock:
             self._lingering.append(job)
+            self._watch.watch(self._watched(job.pid, job.pid_namespace))
 
     def take_lingering(self, everything: bool = False) -> list[Job]:
         """The lingering jobs whose trainer is gone (``everything``: all of them), forgotten."""
         with self._lock:
+            if not self._lingering:
+                return []
+            exited = set() if everything else self._watch.exited()
             gone = [
                 job
                 for job in self._lingering
-                if everything or not self.alive(job.pid, job.pid_namespace)
+                if everything or self._watched(job.pid, job.pid_namespace) in exited
             ]
             self._lingering = [job for job in self._lingering if job not in gone]
+            for job in gone:
+                self._watch.unwatch(self._watched(job.pid, job.pid_namespace))
         return gone
+
+    def close(self) -> None:
+        """Stops watching every process (their pidfds closed). Idempotent."""
+        self._watch.close()
 
 
 def _same_token(expected: str, given: str) -> bool:
