@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import json
 import os
 import resource
@@ -205,6 +206,11 @@ class _Totals:
         # The I/O thread's heap trims (heap.give_back_free_memory) after jobs or connections
         # went: what a job's end costs, as its goodbye does.
         self.departure_trim_cpu_s = 0.0
+        # Python's cyclic garbage collections on the I/O thread: how many and their CPU time
+        # (each is counted on the thread whose allocation set it off).
+        self.io_gc_collections = 0
+        self.io_gc_cpu_s = 0.0
+        self.gc_started: float | None = None
         self.departures_trimmed = 0
         self.daemon: Any = None
         # Executors' instances running (ident -> the instance) and what the ended ones used.
@@ -265,6 +271,7 @@ class _Totals:
                 figures[2] += wall_now - wall1
             messages = self.messages
             trims = self.departure_trim_cpu_s
+            gc_collections, gc_cpu = self.io_gc_collections, self.io_gc_cpu_s
             wakes, reap = self.io_wakes, self.reap_cpu_s
             steps = {step: ns / 1e9 for step, ns in self.message_steps_ns.items()}
             stepped = self.stepped_messages
@@ -293,6 +300,8 @@ class _Totals:
             ),
             "by_op": by_op,
             "departure_trim_cpu_s": trims,
+            "io_gc_collections": gc_collections,
+            "io_gc_cpu_s": gc_cpu,
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
             "dali_calls_cpu_s": dali_calls,
@@ -461,6 +470,19 @@ def install() -> None:
         if getattr(flushing, "active", False):
             TOTALS.outbox_sent += 1  # on the loop's thread, in its flush
         return send_locked(self, *args, **kwargs)
+
+    def collecting(phase: str, _info: dict[str, Any]) -> None:
+        # gc calls back on the thread that collects, with the GIL held: one at a time.
+        if threading.get_ident() != TOTALS.io_ident:
+            return
+        if phase == "start":
+            TOTALS.gc_started = time.thread_time()
+        elif TOTALS.gc_started is not None:
+            TOTALS.io_gc_cpu_s += time.thread_time() - TOTALS.gc_started
+            TOTALS.io_gc_collections += 1
+            TOTALS.gc_started = None
+
+    gc.callbacks.append(collecting)
 
     sleep_ms = daemon_module.sleep_ms
 
@@ -704,6 +726,8 @@ DAEMON_THREAD_FIGURES = (
     "io_reap_ms_per_s",
     "io_outbox_ms_per_s",
     "io_outbox_sent_per_s",
+    "io_gc_ms_per_s",
+    "io_gc_per_s",
     *(f"io_{step}_us_per_message" for step in MESSAGE_STEPS),
     "io_between_steps_us_per_message",
     "samples_per_run",
@@ -784,12 +808,19 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
 
 def _steps(used: dict[str, Any]) -> dict[str, float | None]:
     """The I/O thread's CPU a message by step (µs; MESSAGE_STEPS, over the messages that
-    neither start nor end a job) and what was between them; and its sends of the outbox
-    outside its messages (ms and messages a second)."""
+    neither start nor end a job) and what was between them; its sends of the outbox outside its
+    messages (ms and messages a second); and its garbage collections, inside messages or not
+    (ms and collections a second)."""
     stepped = used.get("stepped_messages") or 0
     steps = used.get("message_steps") or {}
     seconds = used.get("seconds") or 0.0
     figures: dict[str, float | None] = {
+        "io_gc_ms_per_s": (
+            1e3 * used["io_gc_cpu_s"] / seconds if seconds and "io_gc_cpu_s" in used else None
+        ),
+        "io_gc_per_s": (
+            used["io_gc_collections"] / seconds if seconds and "io_gc_collections" in used else None
+        ),
         "io_outbox_ms_per_s": (
             1e3 * used["outbox_cpu_s"] / seconds if seconds and "outbox_cpu_s" in used else None
         ),

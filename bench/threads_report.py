@@ -43,6 +43,8 @@ STEP_COLUMNS = (
     ("outbox sends, ms a second / messages a second", "io_outbox_ms_per_s", 2),
     ("", "io_outbox_sent_per_s", 0),
     ("reap, ms a second", "io_reap_ms_per_s", 2),
+    ("garbage collections, ms a second / collections a second", "io_gc_ms_per_s", 2),
+    ("", "io_gc_per_s", 1),
 )
 
 
@@ -66,11 +68,15 @@ def _table(rows: list[dict[str, Any]], columns: tuple[tuple[str, str, int], ...]
 
 
 def steps_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The I/O thread's CPU a message by step (µs), for the rows that have them; [] if none."""
+    """The I/O thread's CPU a message by step (µs) and its loop's sends, reap and garbage
+    collections, for the rows that have them; [] if none."""
     measured = [
         row
         for row in rows
-        if (row.get("daemon_threads") or {}).get("io_receive_us_per_message", {}).get("n")
+        if any(
+            (row.get("daemon_threads") or {}).get(name, {}).get("n")
+            for name in ("io_receive_us_per_message", "io_outbox_ms_per_s")
+        )
     ]
     if not measured:
         return []
@@ -81,7 +87,8 @@ def steps_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "end a job: its frames received, the intake's look at its connection, its decoding "
         "(the message's checks included), its handler, its answer encoded and sent, and the "
         "loop's code between them (with the probes' own clocks). Outside its messages: its "
-        "sends of what waited in its outbox, and its once-a-second reap of peers' processes.",
+        "sends of what waited in its outbox, and its once-a-second reap of peers' processes. "
+        "Its garbage collections, inside its messages or not.",
         "",
     ]
 

@@ -437,6 +437,7 @@ def test_the_io_threads_messages_by_step_and_its_outbox() -> None:
          "message_steps": {step: 0.0001 * (i + 1) * k for i, step in enumerate(steps)},
          "stepped_messages": 4 * k, "stepped_cpu_s": 0.0016 * k,
          "outbox_cpu_s": 0.0003 * k, "outbox_sent": 6 * k,
+         "io_gc_collections": 3 * k, "io_gc_cpu_s": 0.0001 * k,
          "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
          "executor_runs": k}
         for k, t in enumerate([0, 10, 20])
@@ -448,17 +449,22 @@ def test_the_io_threads_messages_by_step_and_its_outbox() -> None:
     assert found["io_between_steps_us_per_message"] == pytest.approx(25.0)  # 3.2 less 3.0
     assert found["io_outbox_ms_per_s"] == pytest.approx(0.6 / 20e-9)
     assert found["io_outbox_sent_per_s"] == pytest.approx(12 / 20e-9)
+    assert found["io_gc_ms_per_s"] == pytest.approx(0.2 / 20e-9)
+    assert found["io_gc_per_s"] == pytest.approx(6 / 20e-9)
     old = figures(window([{k: v for k, v in s.items() if not k.startswith(("message_steps",
-                  "stepped", "outbox"))} for s in snapshots], 0, 20))  # fmt: skip
+                  "stepped", "outbox", "io_gc"))} for s in snapshots], 0, 20))  # fmt: skip
     assert old["io_decode_us_per_message"] is None and old["io_outbox_ms_per_s"] is None
-    assert old["io_between_steps_us_per_message"] is None
+    assert old["io_between_steps_us_per_message"] is None and old["io_gc_ms_per_s"] is None
     row = {
         "label": "dalid (shared), 8 jobs",
         "daemon_threads": {name: spread([v]) for name, v in found.items() if v is not None},
     }
     table = threads_report.markdown([row])
-    at = table.index("| dalid run | receive | admit | decode | handle | answer | between the "
-                     "steps | outbox sends, ms a second / messages a second | reap, ms a "
-                     "second |")  # fmt: skip
+    header = (
+        "| dalid run | receive | admit | decode | handle | answer | between the steps | outbox "
+        "sends, ms a second / messages a second | reap, ms a second | garbage collections, ms a "
+        "second / collections a second |"
+    )
+    at = table.index(header)
     assert table[at + 2].startswith("| dalid (shared), 8 jobs | 25.0 | 50.0 | 75.0 | 100.0 |")
     assert threads_report.steps_markdown([{"label": "x", "daemon_threads": {}}]) == []
