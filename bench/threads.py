@@ -56,8 +56,8 @@ SNAPSHOT_INTERVAL_S = 0.25
 # holds beyond them is the loop's code between the steps, and the probes' own clocks.
 MESSAGE_STEPS = ("receive", "admit", "decode", "handle", "answer")
 # Set (to anything but "" or "0") in the bench's environment, the daemon counts its messages'
-# steps: ten more reads of the thread's clock a message, some 20 to 70 µs of CPU a message on
-# a saturated 2-core machine, which the figures of the daemon's own threads would count.
+# steps: ten more reads of the thread's clock a message, CPU of the I/O thread's that the
+# figures of the daemon's own threads would count, so off by default.
 STEPS_ENV = "DALID_BENCH_IO_STEPS"
 
 
