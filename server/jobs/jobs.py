@@ -171,9 +171,9 @@ class JobRegistry:
     """The jobs and peers of one daemon, by id and by connection; their liveness.
 
     Used from the I/O thread, except ``lingering``, which ``reap`` and ``close`` share with it.
-    It watches the process of every job, peer and lingering job of this pid namespace while it
-    knows them (a pidfd each, held by its :class:`ProcessWatch` until the job or peer is
-    forgotten, and closed by :meth:`close`): a look at whether any has exited is one ``poll``.
+    It watches the process of every job and peer of this pid namespace while it knows them (a
+    pidfd each, held by its :class:`ProcessWatch` until the job or peer is forgotten, and
+    closed by :meth:`close`): a look at whether any has exited is one ``poll``.
     """
 
     def __init__(self, pid_namespace: int) -> None:
@@ -187,11 +187,34 @@ class JobRegistry:
         self._lingering: list[Job] = []
         self._lock = threading.Lock()
         self._watch = ProcessWatch()
+        # Jobs and peers whose process it cannot watch (another pid namespace, or none seen).
+        self._unwatched = 0
 
     def _watched(self, pid: int, namespace: int) -> int:
         """The pid to watch for a process of ``namespace``; 0 (none) where the pid means nothing
         here or is not known (see :meth:`alive`)."""
         return pid if namespace == self._pid_namespace and pid > 0 else 0
+
+    def _follow(self, pid: int, namespace: int) -> None:
+        """Watches a new job's or peer's process, or counts one it cannot watch."""
+        watched = self._watched(pid, namespace)
+        if watched:
+            self._watch.watch(watched)
+        else:
+            self._unwatched += 1
+
+    def _unfollow(self, pid: int, namespace: int) -> None:
+        watched = self._watched(pid, namespace)
+        if watched:
+            self._watch.unwatch(watched)
+        else:
+            self._unwatched -= 1
+
+    def _dead(self, pid: int, namespace: int, exited: set[int]) -> bool:
+        """Whether a job's or peer's process has gone: a watched one by the watch's ``exited``,
+        another as :meth:`alive` says."""
+        watched = self._watched(pid, namespace)
+        return watched in exited if watched else not self.alive(pid, namespace)
 
     def open(
         self,
@@ -221,7 +244,7 @@ class JobRegistry:
             earlier_jobs=hello.earlier_jobs,
         )
         self.jobs[job_id] = job
-        self._watch.watch(self._watched(pid, job.pid_namespace))
+        self._follow(pid, job.pid_namespace)
         return job
 
     def join(
@@ -232,14 +255,14 @@ class JobRegistry:
         peer = Peer(identity, hello.role, job, pid, self._pid_namespace, earlier_token)
         job.peers.add(identity)
         self.peers[identity] = peer
-        self._watch.watch(self._watched(pid, peer.pid_namespace))
+        self._follow(pid, peer.pid_namespace)
         return peer
 
     def forget_peer(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
         if peer is not None:
             peer.job.peers.discard(identity)
-            self._watch.unwatch(self._watched(peer.pid, peer.pid_namespace))
+            self._unfollow(peer.pid, peer.pid_namespace)
 
     def job_for(self, identity: bytes) -> Job | None:
         peer = self.peers.get(identity)
@@ -250,10 +273,10 @@ class JobRegistry:
         for identity in list(job.peers):
             peer = self.peers.pop(identity, None)
             if peer is not None:
-                self._watch.unwatch(self._watched(peer.pid, peer.pid_namespace))
+                self._unfollow(peer.pid, peer.pid_namespace)
         if self.jobs.pop(job.job_id, None) is not None:
             self.ended += 1
-            self._watch.unwatch(self._watched(job.pid, job.pid_namespace))
+            self._unfollow(job.pid, job.pid_namespace)
 
     # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
 
@@ -294,43 +317,38 @@ class JobRegistry:
     def dead_workers(self) -> list[bytes]:
         """The workers whose process has exited (one look at every watched process)."""
         exited = self._watch.exited()
-        if not exited:
+        if not exited and not self._unwatched:
             return []
         return [
             identity
             for identity, peer in self.peers.items()
-            if peer.role is Role.WORKER and self._watched(peer.pid, peer.pid_namespace) in exited
+            if peer.role is Role.WORKER and self._dead(peer.pid, peer.pid_namespace, exited)
         ]
 
     def dead_jobs(self) -> list[Job]:
         """The jobs whose trainer process has exited."""
         exited = self._watch.exited()
-        if not exited:
+        if not exited and not self._unwatched:
             return []
-        return [
-            job for job in self.jobs.values() if self._watched(job.pid, job.pid_namespace) in exited
-        ]
+        return [job for job in self.jobs.values() if self._dead(job.pid, job.pid_namespace, exited)]
 
     def linger(self, job: Job) -> None:
         """Keeps an ended job's outputs until its trainer process is gone."""
         with self._lock:
             self._lingering.append(job)
-            self._watch.watch(self._watched(job.pid, job.pid_namespace))
 
     def take_lingering(self, everything: bool = False) -> list[Job]:
         """The lingering jobs whose trainer is gone (``everything``: all of them), forgotten."""
         with self._lock:
             if not self._lingering:
                 return []
-            exited = set() if everything else self._watch.exited()
+            # Few, and only on a GPU daemon: each is asked about on its own (``alive``).
             gone = [
                 job
                 for job in self._lingering
-                if everything or self._watched(job.pid, job.pid_namespace) in exited
+                if everything or not self.alive(job.pid, job.pid_namespace)
             ]
             self._lingering = [job for job in self._lingering if job not in gone]
-            for job in gone:
-                self._watch.unwatch(self._watched(job.pid, job.pid_namespace))
         return gone
 
     def close(self) -> None:
