@@ -118,8 +118,9 @@ def test_the_registry_watches_its_peers_while_it_knows_them_and_names_the_dead(
     the registry close their pidfds."""
     before = _pidfds()
     trainer, worker, other = _child(children), _child(children), _child(children)
+    # w0: a process the daemon cannot see (pid 0), which lives as long as its connection.
     registry, job = _registry_with_a_job(
-        {"trainer": trainer.pid, "w1": worker.pid, "w2": other.pid, "w3": other.pid}
+        {"trainer": trainer.pid, "w0": 0, "w1": worker.pid, "w2": other.pid, "w3": other.pid}
     )
     try:
         assert len(_pidfds() - before) == 3
