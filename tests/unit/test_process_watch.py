@@ -143,3 +143,20 @@ def test_the_registry_watches_its_peers_while_it_knows_them_and_names_the_dead(
     finally:
         registry.close()
     assert _pidfds() == before
+
+
+def test_the_open_file_limit_holds_a_socket_and_a_pidfd_a_connection() -> None:
+    """Under a limit on open files the daemon cannot raise, it takes as many connections as
+    that limit holds with each connection's socket and its process's pidfd beside the daemon's
+    other files (a process of its own, so that the limit set is no other test's)."""
+    script = (
+        "import resource\n"
+        "from dalid.server.intake.intake import OTHER_DESCRIPTORS, reserve_descriptors\n"
+        "limit = OTHER_DESCRIPTORS + 100\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))\n"
+        "print(reserve_descriptors(2048), reserve_descriptors(10))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["50", "10"]
