@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import json
 import os
 import resource
@@ -48,6 +49,16 @@ from typing import Any
 
 THREADS_ENV = "DALID_BENCH_THREADS"
 SNAPSHOT_INTERVAL_S = 0.25
+# The steps of a message on the I/O thread, each its CPU time: ``receive`` (its frames from
+# the socket), ``admit`` (the intake's look at its connection and sender, their credentials
+# read), ``decode`` (the codec's, the message's own checks included), ``handle`` (the
+# operation's handler) and ``answer`` (the reply encoded and sent); what a message's CPU time
+# holds beyond them is the loop's code between the steps, and the probes' own clocks.
+MESSAGE_STEPS = ("receive", "admit", "decode", "handle", "answer")
+# Set (to anything but "" or "0") in the bench's environment, the daemon counts its messages'
+# steps: ten more reads of the thread's clock a message, CPU of the I/O thread's that the
+# figures of the daemon's own threads would count, so off by default.
+STEPS_ENV = "DALID_BENCH_IO_STEPS"
 
 
 def _thread_cpu_s(ident: int) -> float:
@@ -175,6 +186,18 @@ class _Totals:
         # of its chores that may grow with the number of jobs.
         self.io_wakes = 0
         self.reap_cpu_s = 0.0
+        # The I/O thread's CPU inside its messages by step (MESSAGE_STEPS), summed over the
+        # messages that neither start nor end a job, and how many those were: the steps of the
+        # message under way are kept apart until it ends, when it is known which it was.
+        self.message_steps_ns: dict[str, int] = dict.fromkeys(MESSAGE_STEPS, 0)
+        self.message_steps_under_way: dict[str, int] = dict.fromkeys(MESSAGE_STEPS, 0)
+        self.stepped_messages = 0
+        self.stepping = False  # whether the steps are counted (STEPS_ENV)
+        self.stepped_cpu_ns = 0  # those messages' whole CPU time
+        # The loop's sends of what waits in its outbox (``SharedSocket.flush``), outside its
+        # messages: their CPU time and the messages sent.
+        self.outbox_cpu_s = 0.0
+        self.outbox_sent = 0
         # Each operation's count, and the I/O thread's CPU and wall time in its handler
         # (DaemonCore.handle).
         self.by_op: dict[str, list[float]] = {}
@@ -183,6 +206,11 @@ class _Totals:
         # The I/O thread's heap trims (heap.give_back_free_memory) after jobs or connections
         # went: what a job's end costs, as its goodbye does.
         self.departure_trim_cpu_s = 0.0
+        # Python's cyclic garbage collections on the I/O thread: how many and their CPU time
+        # (each is counted on the thread whose allocation set it off).
+        self.io_gc_collections = 0
+        self.io_gc_cpu_s = 0.0
+        self.gc_started: float | None = None
         self.departures_trimmed = 0
         self.daemon: Any = None
         # Executors' instances running (ident -> the instance) and what the ended ones used.
@@ -243,7 +271,12 @@ class _Totals:
                 figures[2] += wall_now - wall1
             messages = self.messages
             trims = self.departure_trim_cpu_s
+            gc_collections, gc_cpu = self.io_gc_collections, self.io_gc_cpu_s
             wakes, reap = self.io_wakes, self.reap_cpu_s
+            steps = {step: ns / 1e9 for step, ns in self.message_steps_ns.items()}
+            stepped = self.stepped_messages
+            stepped_cpu = self.stepped_cpu_ns / 1e9
+            outbox_cpu, outbox_sent = self.outbox_cpu_s, self.outbox_sent
         return {
             "t_ns": time.monotonic_ns(),
             "io_loop_cpu_s": self.io_cpu_done_s + io_now - self.probe_cpu_ns / 1e9,
@@ -255,11 +288,20 @@ class _Totals:
             "message_core_wait_s": core_wait,
             "io_wakes": wakes,
             "reap_cpu_s": reap,
+            **(
+                {"message_steps": steps, "stepped_messages": stepped, "stepped_cpu_s": stepped_cpu}
+                if self.stepping
+                else {}
+            ),
+            "outbox_cpu_s": outbox_cpu,
+            "outbox_sent": outbox_sent,
             "io_run_delay_s": (
                 _run_delay_s(io_native_id) if io_native_id else self.io_run_delay_done_s
             ),
             "by_op": by_op,
             "departure_trim_cpu_s": trims,
+            "io_gc_collections": gc_collections,
+            "io_gc_cpu_s": gc_cpu,
             "executor_cpu_s": executor_cpu,
             "copy_out_cpu_s": copy_out,
             "dali_calls_cpu_s": dali_calls,
@@ -282,6 +324,7 @@ def install() -> None:
     from dalid.server.handling.core import DaemonCore
     from dalid.server.intake import daemon as daemon_module
     from dalid.server.intake.daemon import Daemon
+    from dalid.server.intake.intake import Intake
     from dalid.server.intake.shared_socket import SharedSocket
     from dalid.server.outputs.outputs import JobOutputs
     from dalid.server.pipelines.runner import PipelineRunner
@@ -317,6 +360,7 @@ def install() -> None:
 
     receive = SharedSocket.receive
     handle = Daemon._receive
+    stepping = TOTALS.stepping = os.environ.get(STEPS_ENV, "") not in ("", "0")
 
     # The receive of a message starts its span; the handling that follows ends it. A receive
     # that finds nothing waiting (the end of a turn) is the loop's, not a message's.
@@ -335,6 +379,8 @@ def install() -> None:
         if frames is None:
             with TOTALS.lock:
                 TOTALS.message_started = None
+        elif stepping:
+            TOTALS.message_steps_under_way["receive"] += time.thread_time_ns() - cpu
         return frames
 
     @functools.wraps(handle)
@@ -356,6 +402,12 @@ def install() -> None:
                         TOTALS.message_preemptions += switches.ru_nivcsw - preemptions0
                         TOTALS.message_core_wait_ns += core_wait - core_wait0
                     TOTALS.messages += 1
+                    if not TOTALS.message_lifecycle:
+                        TOTALS.stepped_messages += 1
+                        TOTALS.stepped_cpu_ns += cpu - cpu0
+                        for step, ns in TOTALS.message_steps_under_way.items():
+                            TOTALS.message_steps_ns[step] += ns
+                TOTALS.message_steps_under_way = dict.fromkeys(MESSAGE_STEPS, 0)
                 TOTALS.message_started = None
                 TOTALS.message_lifecycle = False
 
@@ -372,12 +424,65 @@ def install() -> None:
             return core_handle(self, identity, message, request_id)
         finally:
             used, took = time.thread_time() - cpu, time.perf_counter() - wall
+            TOTALS.message_steps_under_way["handle"] += int(used * 1e9)
             with TOTALS.lock:
                 TOTALS.op_started = None
                 figures = TOTALS.by_op.setdefault(op, [0, 0.0, 0.0])
                 figures[0] += 1
                 figures[1] += used
                 figures[2] += took
+
+    def step(function: Any, name: str) -> Any:
+        """``function`` with its CPU time counted into step ``name`` of the message under way
+        (MESSAGE_STEPS), when the I/O thread calls it inside one."""
+
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            cpu = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if TOTALS.message_started is not None and threading.get_ident() == TOTALS.io_ident:
+                    TOTALS.message_steps_under_way[name] += time.thread_time_ns() - cpu
+
+        return timed
+
+    flush = SharedSocket.flush
+    send_locked = SharedSocket._send_locked
+    flushing = threading.local()
+
+    @functools.wraps(flush)
+    def timed_flush(self: Any) -> None:
+        if not self._outbox:
+            return flush(self)  # the loop's look at an empty outbox, each turn: its chores'
+        cpu = time.thread_time()
+        flushing.active = True
+        try:
+            return flush(self)
+        finally:
+            flushing.active = False
+            used = time.thread_time() - cpu
+            with TOTALS.lock:
+                TOTALS.outbox_cpu_s += used
+
+    @functools.wraps(send_locked)
+    def counted_send_locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(flushing, "active", False):
+            TOTALS.outbox_sent += 1  # on the loop's thread, in its flush
+        return send_locked(self, *args, **kwargs)
+
+    def collecting(phase: str, _info: dict[str, Any]) -> None:
+        # gc calls back on the thread that collects, with the GIL held: one at a time.
+        if threading.get_ident() != TOTALS.io_ident:
+            return
+        if phase == "start":
+            TOTALS.gc_started = time.thread_time()
+        elif TOTALS.gc_started is not None:
+            TOTALS.io_gc_cpu_s += time.thread_time() - TOTALS.gc_started
+            TOTALS.io_gc_collections += 1
+            TOTALS.gc_started = None
+
+    gc.callbacks.append(collecting)
 
     sleep_ms = daemon_module.sleep_ms
 
@@ -478,6 +583,13 @@ def install() -> None:
     daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
     daemon_module.sleep_ms = counted_sleep_ms
     DaemonCore.reap = timed_reap  # type: ignore[method-assign]
+    SharedSocket.flush = timed_flush  # type: ignore[method-assign]
+    SharedSocket._send_locked = counted_send_locked  # type: ignore[method-assign]
+    if stepping:
+        daemon_module.decode = step(daemon_module.decode, "decode")  # type: ignore[attr-defined]
+        daemon_module.from_message = step(daemon_module.from_message, "admit")  # type: ignore[attr-defined]
+        Intake.admit = step(Intake.admit, "admit")  # type: ignore[method-assign]
+        Daemon._answer = step(Daemon._answer, "answer")  # type: ignore[method-assign]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
@@ -576,6 +688,8 @@ def window(snapshots: Sequence[dict[str, Any]], start_ns: int, end_ns: int) -> d
             figures[1] += cpu - earlier[tid][1]
             figures[2] += waiting - earlier[tid][2]
     used["sched_by_thread_name"] = sched
+    steps_a, steps_b = a.get("message_steps") or {}, b.get("message_steps") or {}
+    used["message_steps"] = {step: steps_b[step] - steps_a.get(step, 0.0) for step in steps_b}
     used["by_op"] = {
         op: [x - y for x, y in zip(now, a["by_op"].get(op, [0] * len(now)), strict=True)]
         for op, now in b["by_op"].items()
@@ -610,6 +724,12 @@ DAEMON_THREAD_FIGURES = (
     "messages_per_run",
     "io_wakes_per_s",
     "io_reap_ms_per_s",
+    "io_outbox_ms_per_s",
+    "io_outbox_sent_per_s",
+    "io_gc_ms_per_s",
+    "io_gc_per_s",
+    *(f"io_{step}_us_per_message" for step in MESSAGE_STEPS),
+    "io_between_steps_us_per_message",
     "samples_per_run",
     "executors_waiting_for_batches",
     "executors_waiting_for_dali",
@@ -681,8 +801,43 @@ def figures(used: dict[str, Any]) -> dict[str, float | None]:
             if used.get("seconds") and "reap_cpu_s" in used
             else None
         ),
+        **_steps(used),
         **_feeding(used, samples),
     }
+
+
+def _steps(used: dict[str, Any]) -> dict[str, float | None]:
+    """The I/O thread's CPU a message by step (µs; MESSAGE_STEPS, over the messages that
+    neither start nor end a job) and what was between them; its sends of the outbox outside its
+    messages (ms and messages a second); and its garbage collections, inside messages or not
+    (ms and collections a second)."""
+    stepped = used.get("stepped_messages") or 0
+    steps = used.get("message_steps") or {}
+    seconds = used.get("seconds") or 0.0
+    figures: dict[str, float | None] = {
+        "io_gc_ms_per_s": (
+            1e3 * used["io_gc_cpu_s"] / seconds if seconds and "io_gc_cpu_s" in used else None
+        ),
+        "io_gc_per_s": (
+            used["io_gc_collections"] / seconds if seconds and "io_gc_collections" in used else None
+        ),
+        "io_outbox_ms_per_s": (
+            1e3 * used["outbox_cpu_s"] / seconds if seconds and "outbox_cpu_s" in used else None
+        ),
+        "io_outbox_sent_per_s": (
+            used["outbox_sent"] / seconds if seconds and "outbox_sent" in used else None
+        ),
+    }
+    for step in MESSAGE_STEPS:
+        figures[f"io_{step}_us_per_message"] = (
+            1e6 * steps[step] / stepped if stepped and step in steps else None
+        )
+    figures["io_between_steps_us_per_message"] = (
+        1e6 * (used["stepped_cpu_s"] - sum(steps.values())) / stepped
+        if stepped and steps and "stepped_cpu_s" in used
+        else None
+    )
+    return figures
 
 
 def _io_waits(used: dict[str, Any], messages: int, waited_s: float) -> dict[str, float | None]:

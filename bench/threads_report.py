@@ -32,6 +32,66 @@ COLUMNS = (
     ("I/O runnable without a core, µs a message", "io_run_delay_us_per_message", 0),
 )
 
+# The I/O thread's CPU a message by step, and its loop's sends and reap outside messages.
+STEP_COLUMNS = (
+    ("receive", "io_receive_us_per_message", 1),
+    ("admit", "io_admit_us_per_message", 1),
+    ("decode", "io_decode_us_per_message", 1),
+    ("handle", "io_handle_us_per_message", 1),
+    ("answer", "io_answer_us_per_message", 1),
+    ("between the steps", "io_between_steps_us_per_message", 1),
+    ("outbox sends, ms a second / messages a second", "io_outbox_ms_per_s", 2),
+    ("", "io_outbox_sent_per_s", 0),
+    ("reap, ms a second", "io_reap_ms_per_s", 2),
+    ("garbage collections, ms a second / collections a second", "io_gc_ms_per_s", 2),
+    ("", "io_gc_per_s", 1),
+)
+
+
+def _table(rows: list[dict[str, Any]], columns: tuple[tuple[str, str, int], ...]) -> list[str]:
+    headers = [header for header, _, _ in columns if header]
+    lines = [
+        "| dalid run | " + " | ".join(headers) + " |",
+        "|---|" + "--:|" * len(headers),
+    ]
+    for row in rows:
+        figures = row["daemon_threads"]
+        cells: list[str] = []
+        for header, name, digits in columns:
+            text = spread_text(figures.get(name), digits)
+            if header:
+                cells.append(text)
+            else:  # a second figure in the previous column
+                cells[-1] += f" / {text}"
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def steps_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The I/O thread's CPU a message by step (µs) and its loop's sends, reap and garbage
+    collections, for the rows that have them; [] if none."""
+    measured = [
+        row
+        for row in rows
+        if any(
+            (row.get("daemon_threads") or {}).get(name, {}).get("n")
+            for name in ("io_receive_us_per_message", "io_outbox_ms_per_s")
+        )
+    ]
+    if not measured:
+        return []
+    return [
+        *_table(measured, STEP_COLUMNS),
+        "",
+        "The I/O thread's CPU a message by step, µs, over the messages that neither start nor "
+        "end a job: its frames received, the intake's look at its connection, its decoding "
+        "(the message's checks included), its handler, its answer encoded and sent, and the "
+        "loop's code between them (with the probes' own clocks). Outside its messages: its "
+        "sends of what waited in its outbox, and its once-a-second reap of peers' processes. "
+        "Its garbage collections, inside its messages or not.",
+        "",
+    ]
+
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The table, for the rows that have the daemon's threads' figures; [] if none has."""
@@ -72,4 +132,5 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         "its time runnable without a core over the whole window (its wakes from poll "
         "included). Background load: the bench's own spinning processes (`--background-load`).",
         "",
+        *steps_markdown(measured),
     ]

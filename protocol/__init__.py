@@ -18,7 +18,7 @@ from .address import (
 from .codec import Envelope, decode, encode
 from .errors import ErrorCode, ProtocolError
 from .gpu import GpuUnavailable, format_uuid, gpu_count, gpu_uuid
-from .liveness import pid_namespace, process_running
+from .liveness import ProcessWatch, pid_namespace, process_running
 from .messages import (
     BATCH_IDS_PER_CONNECTION,
     CUDA_IPC_HANDLE_BYTES,
@@ -106,6 +106,7 @@ __all__ = [
     "PipelineRegistered",
     "PipelineStatus",
     "Pong",
+    "ProcessWatch",
     "ProtocolError",
     "RegisterNamedPipeline",
     "RegisterPipeline",

@@ -370,6 +370,7 @@ class DaemonCore:
             self.close_job(job, daemon_stopping=True)
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
+        self.registry.close()
         self.cohorts.close()
         if self.paths is not None:
             self.paths.close()

@@ -60,6 +60,9 @@ LOGGED_REFUSALS = 5
 CLOSED_REMEMBERED = 1024
 # Descriptors kept for everything but connections: pipelines, shared memory, logs.
 OTHER_DESCRIPTORS = 512
+# Descriptors a connection may hold: its socket, and a pidfd of its process while it is a job's
+# peer (the registry watches each peer's process through one, server/jobs/jobs.py).
+DESCRIPTORS_PER_CONNECTION = 2
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,7 @@ def reserve_descriptors(max_connections: int) -> int:
     ``max_connections`` connections and the daemon's other files; the connections it can
     hold."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = max_connections + OTHER_DESCRIPTORS
+    wanted = max_connections * DESCRIPTORS_PER_CONNECTION + OTHER_DESCRIPTORS
     if soft != resource.RLIM_INFINITY and soft < wanted:
         new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         try:
@@ -385,7 +388,7 @@ def reserve_descriptors(max_connections: int) -> int:
             pass
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return max_connections
-    held = max(1, soft - OTHER_DESCRIPTORS)
+    held = max(1, (soft - OTHER_DESCRIPTORS) // DESCRIPTORS_PER_CONNECTION)
     log.warning(
         "the limit on open files (%d) holds %d connections, not --max-connections %d: raise "
         "it (ulimit -n) for more",

@@ -43,6 +43,7 @@ from dalid.protocol import (
     ErrorCode,
     Hello,
     Limits,
+    ProcessWatch,
     RegisterNamedPipeline,
     RegisterPipeline,
     Role,
@@ -170,6 +171,9 @@ class JobRegistry:
     """The jobs and peers of one daemon, by id and by connection; their liveness.
 
     Used from the I/O thread, except ``lingering``, which ``reap`` and ``close`` share with it.
+    It watches the process of every job and peer of this pid namespace while it knows them (a
+    pidfd each, held by its :class:`ProcessWatch` until the job or peer is forgotten, and
+    closed by :meth:`close`): a look at whether any has exited is one ``poll``.
     """
 
     def __init__(self, pid_namespace: int) -> None:
@@ -182,6 +186,35 @@ class JobRegistry:
         # Ended jobs whose trainer still maps some of their output memory: freed once it exits.
         self._lingering: list[Job] = []
         self._lock = threading.Lock()
+        self._watch = ProcessWatch()
+        # Jobs and peers whose process it cannot watch (another pid namespace, or none seen).
+        self._unwatched = 0
+
+    def _watched(self, pid: int, namespace: int) -> int:
+        """The pid to watch for a process of ``namespace``; 0 (none) where the pid means nothing
+        here or is not known (see :meth:`alive`)."""
+        return pid if namespace == self._pid_namespace and pid > 0 else 0
+
+    def _follow(self, pid: int, namespace: int) -> None:
+        """Watches a new job's or peer's process, or counts one it cannot watch."""
+        watched = self._watched(pid, namespace)
+        if watched:
+            self._watch.watch(watched)
+        else:
+            self._unwatched += 1
+
+    def _unfollow(self, pid: int, namespace: int) -> None:
+        watched = self._watched(pid, namespace)
+        if watched:
+            self._watch.unwatch(watched)
+        else:
+            self._unwatched -= 1
+
+    def _dead(self, pid: int, namespace: int, exited: set[int]) -> bool:
+        """Whether a job's or peer's process has gone: a watched one by the watch's ``exited``,
+        another as :meth:`alive` says."""
+        watched = self._watched(pid, namespace)
+        return watched in exited if watched else not self.alive(pid, namespace)
 
     def open(
         self,
@@ -211,6 +244,7 @@ class JobRegistry:
             earlier_jobs=hello.earlier_jobs,
         )
         self.jobs[job_id] = job
+        self._follow(pid, job.pid_namespace)
         return job
 
     def join(
@@ -221,12 +255,14 @@ class JobRegistry:
         peer = Peer(identity, hello.role, job, pid, self._pid_namespace, earlier_token)
         job.peers.add(identity)
         self.peers[identity] = peer
+        self._follow(pid, peer.pid_namespace)
         return peer
 
     def forget_peer(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
         if peer is not None:
             peer.job.peers.discard(identity)
+            self._unfollow(peer.pid, peer.pid_namespace)
 
     def job_for(self, identity: bytes) -> Job | None:
         peer = self.peers.get(identity)
@@ -235,9 +271,12 @@ class JobRegistry:
     def remove(self, job: Job) -> None:
         """Forgets a job and its peers (the caller closes it)."""
         for identity in list(job.peers):
-            self.peers.pop(identity, None)
+            peer = self.peers.pop(identity, None)
+            if peer is not None:
+                self._unfollow(peer.pid, peer.pid_namespace)
         if self.jobs.pop(job.job_id, None) is not None:
             self.ended += 1
+            self._unfollow(job.pid, job.pid_namespace)
 
     # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
 
@@ -271,19 +310,27 @@ class JobRegistry:
 
     def alive(self, pid: int, namespace: int) -> bool:
         """Whether a peer's process lives, as far as this daemon can tell."""
-        if namespace != self._pid_namespace or pid <= 0:
+        if not self._watched(pid, namespace):
             return True  # another pid namespace: its pid means nothing here
         return process_running(pid)
 
     def dead_workers(self) -> list[bytes]:
+        """The workers whose process has exited (one look at every watched process)."""
+        exited = self._watch.exited()
+        if not exited and not self._unwatched:
+            return []
         return [
             identity
             for identity, peer in self.peers.items()
-            if peer.role is Role.WORKER and not self.alive(peer.pid, peer.pid_namespace)
+            if peer.role is Role.WORKER and self._dead(peer.pid, peer.pid_namespace, exited)
         ]
 
     def dead_jobs(self) -> list[Job]:
-        return [job for job in self.jobs.values() if not self.alive(job.pid, job.pid_namespace)]
+        """The jobs whose trainer process has exited."""
+        exited = self._watch.exited()
+        if not exited and not self._unwatched:
+            return []
+        return [job for job in self.jobs.values() if self._dead(job.pid, job.pid_namespace, exited)]
 
     def linger(self, job: Job) -> None:
         """Keeps an ended job's outputs until its trainer process is gone."""
@@ -293,6 +340,9 @@ class JobRegistry:
     def take_lingering(self, everything: bool = False) -> list[Job]:
         """The lingering jobs whose trainer is gone (``everything``: all of them), forgotten."""
         with self._lock:
+            if not self._lingering:
+                return []
+            # Few, and only on a GPU daemon: each is asked about on its own (``alive``).
             gone = [
                 job
                 for job in self._lingering
@@ -300,6 +350,10 @@ class JobRegistry:
             ]
             self._lingering = [job for job in self._lingering if job not in gone]
         return gone
+
+    def close(self) -> None:
+        """Stops watching every process (their pidfds closed). Idempotent."""
+        self._watch.close()
 
 
 def _same_token(expected: str, given: str) -> bool:

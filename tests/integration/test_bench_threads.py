@@ -70,3 +70,29 @@ def test_a_dalid_run_beside_a_background_load_reads_the_daemons_waits(workdir: P
         < figures["forming_us_per_sample"]
         <= figures["executor_us_per_sample"] + (figures["copy_out_us_per_sample"] or 0.0)
     )
+
+
+@pytest.mark.slow
+def test_a_probed_daemon_counts_its_messages_steps_when_asked(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With DALID_BENCH_IO_STEPS set, the daemon's I/O thread's CPU a message comes by step,
+    each a part of the messages' CPU; its outbox's sends and garbage collections are counted
+    with or without."""
+    from bench.threads import MESSAGE_STEPS, STEPS_ENV
+
+    dataset = make_imagefolder(workdir / "steps", num_images=32, num_classes=2, seed=6)
+    settings = QUICK.with_(
+        images=32, batch_size=16, workers=1, threads=1, epochs=3, dataset_root=str(dataset.root)
+    )
+    monkeypatch.setenv(STEPS_ENV, "1")
+    outcome = run_once("dalid", 1, 0, settings, workdir)
+    assert outcome.error is None, outcome.error
+    figures = run_metrics(outcome)["daemon_threads"]
+    assert figures is not None
+    steps = [figures[f"io_{step}_us_per_message"] for step in MESSAGE_STEPS]
+    assert all(value is not None and value >= 0 for value in steps), steps
+    assert figures["io_decode_us_per_message"] > 0 and figures["io_handle_us_per_message"] > 0
+    between = figures["io_between_steps_us_per_message"]
+    assert between is not None and between >= 0  # the steps are parts of the messages' CPU
+    assert figures["io_outbox_ms_per_s"] is not None and figures["io_gc_ms_per_s"] is not None

@@ -396,6 +396,7 @@ def test_what_the_io_threads_messages_waited_for_per_message() -> None:
         "foreign_cores": spread([0.05]),
     }
     table = threads_report.markdown([row, {"label": "DALI in-process", "daemon_threads": {}}])
+    # No step figures in these snapshots: no table of steps.
     assert len(table) == 6 and table[2].startswith("| dalid (shared), 8 jobs |")
     assert (
         "| 500 / 125 |" in table[2]
@@ -423,3 +424,47 @@ def test_a_snapshot_counts_the_io_threads_switches_and_its_time_without_a_core()
     totals.io_native_id, totals.io_run_delay_done_s = None, 0.5
     assert totals.snapshot()["io_run_delay_s"] == 0.5
     assert threads._run_delay_s(None) == 0.0
+
+
+def test_the_io_threads_messages_by_step_and_its_outbox() -> None:
+    """The I/O thread's CPU a message by step, over the messages that neither start nor end a
+    job, what was between the steps, and its sends of the outbox outside messages, over a
+    window; the report shows them in a table of their own."""
+    steps = ("receive", "admit", "decode", "handle", "answer")
+    snapshots = [
+        {"t_ns": t, "io_loop_cpu_s": 0.004 * k, "messages": 5 * k, "message_wall_s": 0.003 * k,
+         "message_cpu_s": 0.002 * k, "by_op": {"goodbye": [k, 0.0005 * k, 0.0005 * k]},
+         "message_steps": {step: 0.0001 * (i + 1) * k for i, step in enumerate(steps)},
+         "stepped_messages": 4 * k, "stepped_cpu_s": 0.0016 * k,
+         "outbox_cpu_s": 0.0003 * k, "outbox_sent": 6 * k,
+         "io_gc_collections": 3 * k, "io_gc_cpu_s": 0.0001 * k,
+         "executor_cpu_s": 0.01 * k, "copy_out_cpu_s": 0.0, "executor_samples": 256 * k,
+         "executor_runs": k}
+        for k, t in enumerate([0, 10, 20])
+    ]  # fmt: skip
+    found = figures(window(snapshots, 0, 20))
+    # 2 windows' worth: 8 stepped messages; receive 0.2 ms, ..., answer 1.0 ms; 3.2 ms in all.
+    assert found["io_receive_us_per_message"] == pytest.approx(25.0)
+    assert found["io_answer_us_per_message"] == pytest.approx(125.0)
+    assert found["io_between_steps_us_per_message"] == pytest.approx(25.0)  # 3.2 less 3.0
+    assert found["io_outbox_ms_per_s"] == pytest.approx(0.6 / 20e-9)
+    assert found["io_outbox_sent_per_s"] == pytest.approx(12 / 20e-9)
+    assert found["io_gc_ms_per_s"] == pytest.approx(0.2 / 20e-9)
+    assert found["io_gc_per_s"] == pytest.approx(6 / 20e-9)
+    old = figures(window([{k: v for k, v in s.items() if not k.startswith(("message_steps",
+                  "stepped", "outbox", "io_gc"))} for s in snapshots], 0, 20))  # fmt: skip
+    assert old["io_decode_us_per_message"] is None and old["io_outbox_ms_per_s"] is None
+    assert old["io_between_steps_us_per_message"] is None and old["io_gc_ms_per_s"] is None
+    row = {
+        "label": "dalid (shared), 8 jobs",
+        "daemon_threads": {name: spread([v]) for name, v in found.items() if v is not None},
+    }
+    table = threads_report.markdown([row])
+    header = (
+        "| dalid run | receive | admit | decode | handle | answer | between the steps | outbox "
+        "sends, ms a second / messages a second | reap, ms a second | garbage collections, ms a "
+        "second / collections a second |"
+    )
+    at = table.index(header)
+    assert table[at + 2].startswith("| dalid (shared), 8 jobs | 25.0 | 50.0 | 75.0 | 100.0 |")
+    assert threads_report.steps_markdown([{"label": "x", "daemon_threads": {}}]) == []
