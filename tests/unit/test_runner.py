@@ -209,10 +209,14 @@ def _count_checked_calls(runner: PipelineRunner) -> dict[str, int]:
     return counts
 
 
-def test_only_a_built_pipelines_first_run_goes_through_dalis_checked_calls() -> None:
+@pytest.mark.parametrize("exec_dynamic", [True, False], ids=["dynamic", "legacy"])
+def test_only_a_built_pipelines_first_run_goes_through_dalis_checked_calls(
+    exec_dynamic: bool,
+) -> None:
     """Note [Feeding DALI without its checks of every call]: later runs, dense or ragged, give
     what the checked calls give without making them; a rebuilt pipeline checks once again."""
-    runner = PipelineRunner(_spec(_any_ndim_pipeline(), ("x",), 1), device_id=None)
+    spec = _spec(_any_ndim_pipeline(), ("x",), 1, exec_dynamic=exec_dynamic)
+    runner = PipelineRunner(spec, device_id=None)
     try:
         for _ in range(2):
             counts = _count_checked_calls(runner)
