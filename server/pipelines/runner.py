@@ -8,14 +8,15 @@ Note [Feeding DALI without its checks of every call]
 run of a built pipeline: that the input is no external_source with a ``source`` of its own,
 which library's stream the data is on, the batch's shapes against the batch size and layout;
 and ``outputs`` defines a class at each call for its check of which of DALI's APIs is in use.
-On a quiet core that is some 55 and 45 µs a run of 256 samples, a fifth of the executor's
-Python for a batch of paths, and two to three times as much on cores that DALI's own threads
-fill. So a built pipeline's first run goes through those calls, which check it once, and its
-later runs hand the backend (``Pipeline._pipe``) what they would have handed it: each input
-as a ``TensorListCPU`` with no layout (``feedable`` makes only host arrays and
-``TensorListCPU``s, which no stream orders), and no stream for the outputs but the
-executor's own. The one check that depends on the run, its number of samples against the
-pipeline's batch size, stays here (``_fed_directly``). A rebuilt pipeline checks anew.
+In a loop of the two calls alone that is some 55 and 45 µs a run of 256 samples; in the
+daemon, 50 to 100 µs a run together, about a tenth of the executor's Python for a batch of
+paths (bench/README.md, "The executor's CPU a batch, step by step"). So a built pipeline's
+first run goes through those calls, which check it once, and its later runs hand the backend
+(``Pipeline._pipe``) what they would have handed it: each input as a ``TensorListCPU`` with
+no layout (``feedable`` makes only host arrays and ``TensorListCPU``s, which no stream
+orders), and no stream for the outputs but the executor's own. The one check that depends on
+the run, its number of samples against the pipeline's batch size, stays here
+(``_fed_directly``). A rebuilt pipeline checks anew.
 """
 
 from __future__ import annotations
