@@ -2,6 +2,9 @@
 
 The daemon's executors drive it; tests drive it directly in-process.
 
+Why one module of some 430 lines: building, rebuilding, feeding and collecting a pipeline all
+act on the one DALI pipeline object and on what its runs were fed, which the runner owns.
+
 Note [Feeding DALI without its checks of every call]
 ----------------------------------------------------
 ``Pipeline.feed_input`` and ``Pipeline.outputs`` check, at every call, what holds for every
