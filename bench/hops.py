@@ -16,6 +16,17 @@ adds the daemon's checks of paths), twice:
 
 Tracing wraps functions in place: it adds about a microsecond per stamp, some 40 per round
 trip, and knows the names of the functions it wraps, so it follows the code it measures.
+
+``--steps`` runs a third daemon (``python -m bench.hops steps ...``) whose executor threads
+count their own CPU time (``time.thread_time_ns``) in each step of a run: forming it
+(``RunPlanner.next_run``, and in it the batch's checks, ``prepare``, and the looks at the
+jobs, ``_pick``), DALI's calls, the run's account, the slots given back, the delivery (and in
+it the output copy and the result's answer) and DALI's calls' note to the flight recorder
+(``_holds_runs``). Each step's median a call and its calls a run are shown: the median
+leaves out the warm-up's first calls and the rare slow one; a probe adds about a microsecond.
+
+Why one module of some 560 lines: the stamps, the step counts and the round trips over which
+they are read change together; a probe is of no use without the run that reads it.
 """
 
 from __future__ import annotations
@@ -30,12 +41,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 TRACE_ENV = "DALID_BENCH_TRACE"
+STEPS_ENV = "DALID_BENCH_STEPS"
 _TICK = os.sysconf("SC_CLK_TCK")
 
 Events = list[tuple[int, str]]
@@ -191,6 +204,86 @@ def serve(argv: Sequence[str]) -> int:
     return main(list(argv))
 
 
+# (owner module, class or None, function, the step's name) for ``--steps``; a step inside
+# another is named after it ("deliver: write_batch").
+STEPS = [
+    ("dalid.server.runs.run_planner", "RunPlanner", "next_run", "next_run (forming the run)"),
+    ("dalid.server.runs.run_planner", "RunPlanner", "prepare", "next_run: prepare"),
+    ("dalid.server.runs.run_planner", "RunPlanner", "_pick", "next_run, give_slots: _pick"),
+    ("dalid.server.runs.run_planner", "RunPlanner", "_take_slot", "next_run: _take_slot"),
+    ("dalid.server.pipelines.runner", "PipelineRunner", "schedule", "schedule (DALI)"),
+    ("dalid.server.pipelines.runner", None, "feedable", "schedule: feedable"),
+    ("dalid.server.pipelines.runner", "PipelineRunner", "collect", "collect (DALI)"),
+    (
+        "dalid.server.runs.executor",
+        "PipelineExecutor",
+        "_holds_runs",
+        "schedule, collect: _holds_runs",
+    ),
+    ("dalid.server.runs.executor", "PipelineExecutor", "_account", "_account"),
+    ("dalid.server.runs.run_planner", "RunPlanner", "give_slots", "give_slots"),
+    ("dalid.server.runs.executor", "PipelineExecutor", "_look", "_look"),
+    ("dalid.server.runs.executor", "PipelineExecutor", "_deliver", "_deliver"),
+    ("dalid.server.outputs.outputs", "JobOutputs", "write_batch", "deliver: write_batch (copy)"),
+    (
+        "dalid.server.handling.batch_requests",
+        "BatchRequests",
+        "_batch_answered",
+        "deliver: the answer (batch_ready)",
+    ),
+]
+STEP_COUNTS: dict[str, list[int]] = {}
+
+
+def count_steps() -> None:
+    """Counts, in the daemon's executor threads, each step's CPU time a call."""
+    import importlib
+
+    for module_name, class_name, name, step in STEPS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, class_name) if class_name else module
+        function = getattr(owner, name)
+        calls = STEP_COUNTS.setdefault(step, [])
+
+        def counted(
+            *args: Any, _function: Any = function, _calls: list[int] = calls, **kwargs: Any
+        ) -> Any:
+            if not threading.current_thread().name.startswith("dalid-pipeline"):
+                return _function(*args, **kwargs)
+            start = time.thread_time_ns()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                _calls.append(time.thread_time_ns() - start)
+
+        setattr(owner, name, functools.wraps(function)(counted))
+
+
+def serve_steps(argv: Sequence[str]) -> int:
+    """``dalid serve`` with the executors' steps counted, written to $DALID_BENCH_STEPS."""
+    import atexit
+
+    count_steps()
+    path = Path(os.environ[STEPS_ENV])
+    atexit.register(lambda: path.write_text(json.dumps(STEP_COUNTS)))
+    from dalid.server.operations.cli import main
+
+    return main(list(argv[1:]))
+
+
+def steps(counts: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Each step's median CPU µs a call and calls a run (a run: a call of ``collect``)."""
+    runs = len(counts.get("collect (DALI)", [])) or 1
+    return [
+        {
+            "step": step,
+            "us_a_call": statistics.median(calls) / 1e3 if calls else None,
+            "calls_a_run": len(calls) / runs,
+        }
+        for step, calls in counts.items()
+    ]
+
+
 # --- per-thread figures -------------------------------------------------------------------------
 
 
@@ -235,9 +328,14 @@ def _per_round_trip(
 # --- the round trips ----------------------------------------------------------------------------
 
 
-def _daemon(socket: Path, traced: Path | None) -> subprocess.Popen[bytes]:
+def _daemon(
+    socket: Path, traced: Path | None, counted: Path | None = None
+) -> subprocess.Popen[bytes]:
     entry = ["-m", "bench.hops", "serve"] if traced else ["-m", "dalid.server", "serve"]
     env = {**os.environ, **({TRACE_ENV: str(traced)} if traced else {})}
+    if counted:
+        entry = ["-m", "bench.hops", "steps", "serve"]
+        env[STEPS_ENV] = str(counted)
     command = [sys.executable, *entry, "--no-supervisor", "--device", "cpu", "--socket",
                str(socket), "--log-level", "WARNING"]  # fmt: skip
     process = subprocess.Popen(command, env=env)
@@ -356,12 +454,26 @@ def _tiny_files(root: Path, count: int) -> Path:
     return files
 
 
-def measure(batch: int, n: int, files: bool = False) -> dict[str, Any]:
+def measure(batch: int, n: int, files: bool = False, count: bool = False) -> dict[str, Any]:
     directory = Path(tempfile.mkdtemp(prefix="dalidh-", dir="/tmp"))
     try:
-        return _measure(directory, batch, n, _tiny_files(directory, batch) if files else None)
+        found = _tiny_files(directory, batch) if files else None
+        result = _measure(directory, batch, n, found)
+        if count:
+            result["steps"] = _count(directory, batch, n, found)
+        return result
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _count(directory: Path, batch: int, n: int, files: Path | None) -> list[dict[str, Any]]:
+    counts_file = directory / "steps.json"
+    daemon = _daemon(directory / "steps.sock", None, counts_file)
+    try:
+        _round_trips(directory / "steps.sock", batch, n, daemon.pid, files)
+    finally:
+        _stop(daemon)
+    return steps(json.loads(counts_file.read_text()))
 
 
 def _measure(directory: Path, batch: int, n: int, files: Path | None) -> dict[str, Any]:
@@ -412,12 +524,19 @@ def markdown(result: dict[str, Any]) -> str:
         total = sum(f["cpu_us"] for f in threads.values())
         switches = sum(f["switches"] for f in threads.values())
         lines.append(f"| **{who}, all threads** | **{total:,.0f}** | **{switches:.1f}** |")
+    if result.get("steps"):
+        lines += ["", "| executor step | CPU µs a call (median) | calls a run |", "|---|--:|--:|"]
+        for row in result["steps"]:
+            us = "n/a" if row["us_a_call"] is None else f"{row['us_a_call']:,.1f}"
+            lines.append(f"| {row['step']} | {us} | {row['calls_a_run']:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["serve"]:
         return serve(argv)
+    if argv[:1] == ["steps"]:
+        return serve_steps(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.hops", description=__doc__)
     parser.add_argument("--batch", type=int, default=1, help="samples per batch (default 1)")
     parser.add_argument("--iterations", type=int, default=2000, help="round trips (2000)")
@@ -426,9 +545,14 @@ def main(argv: Sequence[str]) -> int:
         action="store_true",
         help="samples are paths of files of 8 bytes, read in DALI (the daemon's path checks)",
     )
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="also count the executor's CPU time in each step of a run (a third daemon)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = measure(args.batch, args.iterations, args.files)
+    result = measure(args.batch, args.iterations, args.files, args.steps)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))

@@ -1,11 +1,31 @@
 """A DALI pipeline rebuilt from its serialized form: plain DALI, no sockets, no threads.
 
 The daemon's executors drive it; tests drive it directly in-process.
+
+Why one module of some 430 lines: building, rebuilding, feeding and collecting a pipeline all
+act on the one DALI pipeline object and on what its runs were fed, which the runner owns.
+
+Note [Feeding DALI without its checks of every call]
+----------------------------------------------------
+``Pipeline.feed_input`` and ``Pipeline.outputs`` check, at every call, what holds for every
+run of a built pipeline: that the input is no external_source with a ``source`` of its own,
+which library's stream the data is on, the batch's shapes against the batch size and layout;
+and ``outputs`` defines a class at each call for its check of which of DALI's APIs is in use.
+In a loop of the two calls alone that is some 55 and 45 µs a run of 256 samples; in the
+daemon, 50 to 100 µs a run together, about a tenth of the executor's Python for a batch of
+paths (bench/README.md, "The executor's CPU a batch, step by step"). So a built pipeline's
+first run goes through those calls, which check it once, and its later runs hand the backend
+(``Pipeline._pipe``) what they would have handed it: each input as a ``TensorListCPU`` with
+no layout (``feedable`` makes only host arrays and ``TensorListCPU``s, which no stream
+orders), and no stream for the outputs but the executor's own. The one check that depends on
+the run, its number of samples against the pipeline's batch size, stays here
+(``_fed_directly``). A rebuilt pipeline checks anew.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import logging
 import traceback
@@ -137,6 +157,9 @@ class PipelineRunner:
                 self.num_threads,
             )
         self._pipeline: Any = None
+        # Whether the built pipeline's first run went through DALI's checked calls (Note
+        # [Feeding DALI without its checks of every call]).
+        self._checked = False
         # What each scheduled run was fed, oldest first (``schedule``).
         self._fed: collections.deque[list[Any]] = collections.deque()
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
@@ -249,6 +272,7 @@ class PipelineRunner:
                 ErrorCode.INVALID_PIPELINE, f"DALI could not build the pipeline: {text.strip()}"
             ) from None
         self._pipeline = pipeline
+        self._checked = False
         self._fed.clear()
 
     def _read_as_files_only(self) -> frozenset[str]:
@@ -264,9 +288,13 @@ class PipelineRunner:
     def schedule(self, inputs: Mapping[str, np.ndarray | Sequence[np.ndarray]]) -> None:
         """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""
         fed = []
+        pipeline = self._pipeline
         for name in self.spec.input_names:
             batch = feedable(inputs[name], name in self.padded_paths)
-            self._pipeline.feed_input(name, batch)
+            if self._checked:
+                pipeline._pipe.SetExternalTLInput(name, self._fed_directly(batch), None, False)
+            else:
+                pipeline.feed_input(name, batch)
             fed.append(batch)
         # An external_source with no_copy=True reads what it was fed when the run starts; a
         # stacked batch is ours alone, so it lives until the run is collected (the samples
@@ -277,6 +305,21 @@ class PipelineRunner:
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
         self._pipeline._run_once()
+
+    def _fed_directly(self, batch: Any) -> Any:
+        """``batch`` (``feedable``'s) as ``feed_input`` hands it to the backend, after the one
+        check of ``feed_input``'s that depends on the run."""
+        samples = len(batch)
+        if samples > self._pipeline.max_batch_size:
+            raise RuntimeError(
+                f"a run of {samples} samples is over the pipeline's batch size of "
+                f"{self._pipeline.max_batch_size}"
+            )
+        if isinstance(batch, np.ndarray):
+            from nvidia.dali.tensors import TensorListCPU
+
+            return TensorListCPU(batch, "")
+        return batch
 
     @property
     def scheduled(self) -> int:
@@ -289,7 +332,15 @@ class PipelineRunner:
         With ``cuda_stream`` (a ``cudaStream_t``; the default executor only) GPU outputs, and CPU
         outputs copied from the GPU, are ready in that stream's order instead of on the host.
         """
-        outputs = tuple(self._pipeline.outputs(cuda_stream))
+        pipeline = self._pipeline
+        if self._checked:
+            # What ``Pipeline.outputs`` does once checked, less its count of runs to consume,
+            # which only it reads (Note [Feeding DALI without its checks of every call]).
+            stream = None if cuda_stream is None else ctypes.c_void_p(cuda_stream)
+            outputs = tuple(pipeline._pipe.Outputs(stream))
+        else:
+            outputs = tuple(pipeline.outputs(cuda_stream))
+            self._checked = True
         # A run that failed keeps what it was fed until the pipeline is rebuilt.
         self._fed.popleft()
         if not self._fed and self._on_run is not None:

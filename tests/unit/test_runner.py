@@ -194,6 +194,71 @@ def test_the_runner_tells_when_dali_starts_holding_runs_and_when_it_holds_none()
     assert told[-1] is False
 
 
+def _count_checked_calls(runner: PipelineRunner) -> dict[str, int]:
+    """Counts the built pipeline's calls of DALI's checked ``feed_input`` and ``outputs``."""
+    pipeline = runner._pipeline
+    counts = {"feed_input": 0, "outputs": 0}
+    for name in counts:
+        method = getattr(pipeline, name)
+
+        def counted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            counts[_name] += 1
+            return _method(*args, **kwargs)
+
+        setattr(pipeline, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False], ids=["dynamic", "legacy"])
+def test_only_a_built_pipelines_first_run_goes_through_dalis_checked_calls(
+    exec_dynamic: bool,
+) -> None:
+    """Note [Feeding DALI without its checks of every call]: later runs, dense or ragged, give
+    what the checked calls give without making them; a rebuilt pipeline checks once again."""
+    spec = _spec(_any_ndim_pipeline(), ("x",), 1, exec_dynamic=exec_dynamic)
+    runner = PipelineRunner(spec, device_id=None)
+    try:
+        for _ in range(2):
+            counts = _count_checked_calls(runner)
+            for i in range(4):
+                dense = np.full((BATCH, 3), i, np.float32)
+                ragged = [np.full(n + 1, i, np.float32) for n in range(BATCH - 1)]
+                for samples in (dense, ragged):
+                    runner.schedule({"x": samples})
+                    (output,) = runner.collect()
+                    got = [np.array(output.at(n)) for n in range(len(output))]
+                    del output
+                    runner.release()
+                    assert len(got) == len(samples)
+                    for sample, fed in zip(got, samples, strict=True):
+                        np.testing.assert_array_equal(sample, np.asarray(fed) + 1)
+            assert counts == {"feed_input": 1, "outputs": 1}
+            runner.rebuild()
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "ragged"])
+def test_a_run_over_the_batch_size_is_refused_on_every_run(dense: bool) -> None:
+    runner = PipelineRunner(_spec(_any_ndim_pipeline(), ("x",), 1), device_id=None)
+    try:
+        for samples in (BATCH, BATCH + 1, BATCH + 1):
+            x: Any = np.zeros((samples, 3), np.float32)
+            if not dense:
+                x = [np.zeros(n + 1, np.float32) for n in range(samples)]
+            if samples > BATCH:
+                with pytest.raises(RuntimeError, match="batch size"):
+                    runner.schedule({"x": x})
+                continue
+            runner.schedule({"x": x})
+            (output,) = runner.collect()
+            assert len(output) == samples
+            del output
+            runner.release()
+    finally:
+        runner.close()
+
+
 def test_the_seed_is_honoured() -> None:
     batch = _batches()[0]
 
