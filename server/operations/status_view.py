@@ -68,7 +68,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("data wait", "right", 2, "time the trainer waited for batches"),
     Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
     Column("memory", "right", 3, "output memory reserved for the job"),
-    Column("copies", "right", 5, "batches delivered as private copies, its memory being full"),
+    Column(
+        "copies",
+        "right",
+        5,
+        "batches delivered as private copies, its memory being full (and of them, after 'dev', "
+        "those whose GPU outputs stayed on the device)",
+    ),
     Column(
         "outputs",
         "left",
@@ -106,9 +112,16 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         f"{job.trainer_wait_seconds:.1f}s",
         f"{job.regions_held}/{size(job.bytes_held)}",
         size(job.memory_bytes),
-        str(job.batches_copied),
+        _copies(job),
         job.output_path.replace("_", " "),
     )
+
+
+def _copies(job: JobStatus) -> str:
+    """A job's private copies; where some stayed on the GPU, how many (``N (M dev)``)."""
+    if job.batches_copied_on_device:
+        return f"{job.batches_copied} ({job.batches_copied_on_device} dev)"
+    return str(job.batches_copied)
 
 
 def fit_columns(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], int]:

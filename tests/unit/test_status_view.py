@@ -91,3 +91,17 @@ def test_a_pipeline_line_says_on_how_many_instances_and_why() -> None:
     shared, own = pipeline_lines(report, width=400)
     assert shared.endswith(f"5100 of 5320 runs mixed jobs; {reason}")
     assert "instance" not in own
+
+
+def test_private_copies_say_how_many_stayed_on_the_device() -> None:
+    # A trainer that keeps its GPU outputs gets private copies; those left on the device cost
+    # no host copy, and the table tells the two apart.
+    kept = dataclasses.replace(JOB, job_id=14, batches_copied=9, batches_copied_on_device=7)
+    host = dataclasses.replace(JOB, job_id=15, batches_copied=3)
+    report = dataclasses.replace(REPORT, jobs=(kept, host))
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table(report, WHERE, 200))
+    lines = console.export_text().splitlines()
+    row = {line.split()[0]: line for line in lines if line.lstrip().startswith(("14 ", "15 "))}
+    assert " 9 (7 dev) " in row["14"]
+    assert " 3 " in row["15"] and "dev" not in row["15"]
