@@ -66,7 +66,7 @@ class DALIPipelineRunRef:
         self.is_scheduled = False
         self.is_complete = False
         # Per sample, the references the proxy handed out for it; see Note [Abandoned samples].
-        self._sample_refs: list[list[weakref.ref[DALIOutputSampleRef]]] = []
+        self._sample_refs: list[tuple[weakref.ref[DALIOutputSampleRef], ...]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -77,7 +77,12 @@ class DALIPipelineRunRef:
 
     def add_sample(self, refs: tuple[DALIOutputSampleRef, ...]) -> None:
         """Records the references of the sample just added at index ``batch_size``."""
-        self._sample_refs.append([weakref.ref(ref) for ref in refs])
+        self._sample_refs.append(tuple([weakref.ref(ref) for ref in refs]))
+        self.batch_size += 1
+
+    def add_one(self, ref: DALIOutputSampleRef) -> None:
+        """:meth:`add_sample` for a pipeline of one output (the proxy's common call)."""
+        self._sample_refs.append((weakref.ref(ref),))
         self.batch_size += 1
 
     def drop_abandoned(self) -> None:
