@@ -108,9 +108,9 @@ class Proxy:
             samples = run.call_args.get(name)
             if samples is None:
                 run.call_args[name] = [array]
-            elif samples[0].dtype != array.dtype:
-                raise InputError(_dtype_message(name, index, array, samples[0]))
-            else:
+            else:  # empty once every sample before was abandoned (Note [Abandoned samples])
+                if samples and samples[0].dtype != array.dtype:
+                    raise InputError(_dtype_message(name, index, array, samples[0]))
                 samples.append(array)
             ref = DALIOutputSampleRef(self, run, 0, index)
             run.add_one(ref)

@@ -328,6 +328,16 @@ def test_a_full_batch_drops_the_samples_whose_getitem_raised() -> None:
     assert _values(submitted[0]) == [1, 2, 3]
 
 
+def test_a_full_batch_of_abandoned_samples_starts_again_from_its_next_sample() -> None:
+    proxy, submitted = _recording_proxy(max_batch_size=2)
+    proxy(_sample(98))  # both __getitem__ raised after their calls: no ref is held
+    proxy(_sample(99))
+    ref = proxy(_sample(1))  # the full run drops both, and this sample is its first
+    assert ref.sample_idx == 0
+    collate_sample_refs([ref])
+    assert _values(submitted[0]) == [1]
+
+
 def test_a_batch_that_is_not_full_keeps_only_the_samples_collated() -> None:
     proxy, submitted = _recording_proxy(num_outputs=2, max_batch_size=8)
     first = proxy(_sample(1))
