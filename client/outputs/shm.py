@@ -9,11 +9,13 @@ only once no tensor views it, and only by this process (Note [Slab mappings acro
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +41,10 @@ def map_daemon_slab(name: str, size: int) -> mmap.mmap:
         return slabs.map_slab(fd, size)
     finally:
         os.close(fd)
+
+
+# numpy's dtype of each output dtype name, made once: np.dtype(name) parses the name each time.
+_DTYPES: dict[str, np.dtype[Any]] = {}
 
 
 @dataclass
@@ -100,8 +106,19 @@ class SharedMemoryOutputs:
             raise ValueError(f"output on {descriptor.device!r} is not in shared memory")
         mapping = self._mapping(descriptor.slab, descriptor.slab_size)
         assert mapping.bytes is not None
-        region = mapping.bytes[descriptor.offset : descriptor.offset + descriptor.nbytes]
-        array = region.view(np.dtype(descriptor.dtype)).reshape(descriptor.shape)
+        dtype = _DTYPES.get(descriptor.dtype) or _DTYPES.setdefault(
+            descriptor.dtype, np.dtype(descriptor.dtype)
+        )
+        shape = descriptor.shape
+        if math.prod(shape) * dtype.itemsize != descriptor.nbytes:
+            raise ValueError(
+                f"output region of {descriptor.nbytes} bytes does not hold a {shape} "
+                f"{descriptor.dtype} array"
+            )
+        # One array made straight on the slab's bytes (its base, which keeps the mapping
+        # alive), where a slice, a view and a reshape made three: this runs once per output
+        # of every batch, and each step costs most in place, with the caches cold.
+        array = np.ndarray(shape, dtype, mapping.bytes, descriptor.offset)
         # torch keeps `array` alive for as long as any tensor shares this storage; when the
         # last one goes, `array` dies and the region returns to the daemon.
         weakref.finalize(array, self.released.append, descriptor.region_id)

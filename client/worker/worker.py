@@ -95,10 +95,26 @@ class Proxy:
             ) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Runs once per sample in every DataLoader worker: the common call (one input, one
-        # output) takes the fewest steps, and each step below is one the batch needs.
+        # Runs once per sample in every DataLoader worker. The common call (one input, one
+        # output, one positional sample) takes the fewest steps: each step below is one the
+        # batch needs, with no dict of arguments or tuple of references made for it.
         target = self._target
         names = target.input_names
+        if len(args) == 1 and not kwargs and len(names) == 1 and target.num_outputs == 1:
+            name = names[0]
+            array = as_sample(args[0], name)
+            run = self._current_run()
+            index = self._next_index(run)
+            samples = run.call_args.get(name)
+            if samples is None:
+                run.call_args[name] = [array]
+            else:  # empty once every sample before was abandoned (Note [Abandoned samples])
+                if samples and samples[0].dtype != array.dtype:
+                    raise InputError(_dtype_message(name, index, array, samples[0]))
+                samples.append(array)
+            ref = DALIOutputSampleRef(self, run, 0, index)
+            run.add_one(ref)
+            return ref
         if len(args) == 1 and not kwargs and len(names) == 1:
             arrays = {names[0]: as_sample(args[0], names[0])}
             run = self._current_run()
@@ -107,22 +123,12 @@ class Proxy:
             run = self._current_run()
             # Check every input before adding any, so a refused call leaves the batch as it was.
             arrays = {name: as_sample(arguments[name], name) for name in names}
-        if run.batch_size >= target.max_batch_size:
-            run.drop_abandoned()  # Note [Abandoned samples] in refs.py
-        index = run.batch_size
-        if index >= target.max_batch_size:
-            raise InputError(
-                f"more than {target.max_batch_size} samples in one batch, the pipeline's "
-                "max_batch_size: make the DataLoader's batch_size at most that"
-            )
+        index = self._next_index(run)
         call_args = run.call_args
         for name, array in arrays.items():
             samples = call_args.get(name)
             if samples and samples[0].dtype != array.dtype:
-                raise InputError(
-                    f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample "
-                    f"is {samples[0].dtype}; every sample of an input needs one dtype"
-                )
+                raise InputError(_dtype_message(name, index, array, samples[0]))
         for name, array in arrays.items():
             samples = call_args.get(name)
             if samples is None:
@@ -131,13 +137,27 @@ class Proxy:
                 samples.append(array)
         if target.num_outputs == 1:
             ref = DALIOutputSampleRef(self, run, 0, index)
-            run.add_sample((ref,))
+            run.add_one(ref)
             return ref
         refs = tuple(
             DALIOutputSampleRef(self, run, output, index) for output in range(target.num_outputs)
         )
         run.add_sample(refs)
         return refs
+
+    def _next_index(self, run: DALIPipelineRunRef) -> int:
+        """The index the next sample of ``run`` gets; raises when the run is full."""
+        index = run.batch_size
+        max_batch_size = self._target.max_batch_size
+        if index >= max_batch_size:
+            run.drop_abandoned()  # Note [Abandoned samples] in refs.py
+            index = run.batch_size
+            if index >= max_batch_size:
+                raise InputError(
+                    f"more than {max_batch_size} samples in one batch, the pipeline's "
+                    "max_batch_size: make the DataLoader's batch_size at most that"
+                )
+        return index
 
     def _current_run(self) -> DALIPipelineRunRef:
         run: DALIPipelineRunRef | None = getattr(self._local, "run", None)
@@ -183,6 +203,13 @@ class Proxy:
             run.resubmission.accepted(accepted_by, inputs)
 
 
+def _dtype_message(name: str, index: int, array: Any, first: Any) -> str:
+    return (
+        f"input {name!r}: sample {index} is {array.dtype}, the batch's first sample is "
+        f"{first.dtype}; every sample of an input needs one dtype"
+    )
+
+
 def _unknown_inputs_message(unknown: list[str], names: tuple[str, ...]) -> str:
     """What a call with keywords the pipeline has no input for says: each wrong keyword, the
     input it was likely meant as, and the inputs the pipeline takes."""
@@ -205,14 +232,25 @@ def collate_sample_refs(
         raise ValueError("cannot collate an empty batch of dalid sample references")
     first = samples[0]
     run = first.pipe_run_ref
-    for sample in samples:
-        if sample.pipe_run_ref is not run or sample.output_idx != first.output_idx:
+    output_idx = first.output_idx
+    # The usual batch: every sample of the run, in order, in one pass; anything else is looked
+    # at below to say what is wrong with it, or to keep only the samples it has.
+    in_order = len(samples) == run.batch_size
+    for position, sample in enumerate(samples):
+        if sample.pipe_run_ref is not run or sample.output_idx != output_idx:
             raise RuntimeError(
                 "all samples of a batch must come from one proxy run: a batch mixes samples "
                 "of several pipelines or workers"
             )
-    indices = [sample.sample_idx for sample in samples]
+        if sample.sample_idx != position:
+            in_order = False
     first_output = not run.is_complete
+    if in_order:
+        run.is_complete = True
+        if first_output:
+            first.proxy._submit(run)
+        return DALIOutputBatchRef(run, output_idx)
+    indices = [sample.sample_idx for sample in samples]
     # Whatever happens below, this worker's next proxy call starts a new batch.
     run.is_complete = True
     if first_output:

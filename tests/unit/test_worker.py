@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from dalid.client.errors import InputError
-from dalid.client.refs import DALIOutputSampleRef, DALIPipelineRunRef
+from dalid.client.refs import (
+    DALIOutputBatchRef,
+    DALIOutputSampleRef,
+    DALIPipelineRunRef,
+    Resubmission,
+)
 from dalid.client.worker.target import ProxyTarget
 from dalid.client.worker.worker import Proxy, collate_sample_refs
 
@@ -323,6 +328,16 @@ def test_a_full_batch_drops_the_samples_whose_getitem_raised() -> None:
     assert _values(submitted[0]) == [1, 2, 3]
 
 
+def test_a_full_batch_of_abandoned_samples_starts_again_from_its_next_sample() -> None:
+    proxy, submitted = _recording_proxy(max_batch_size=2)
+    proxy(_sample(98))  # both __getitem__ raised after their calls: no ref is held
+    proxy(_sample(99))
+    ref = proxy(_sample(1))  # the full run drops both, and this sample is its first
+    assert ref.sample_idx == 0
+    collate_sample_refs([ref])
+    assert _values(submitted[0]) == [1]
+
+
 def test_a_batch_that_is_not_full_keeps_only_the_samples_collated() -> None:
     proxy, submitted = _recording_proxy(num_outputs=2, max_batch_size=8)
     first = proxy(_sample(1))
@@ -372,6 +387,29 @@ def test_a_run_pickles_without_its_sample_references() -> None:
     copy = pickle.loads(pickle.dumps(ref.pipe_run_ref))
     assert copy.batch_size == 1
     assert copy._sample_refs == []
+
+
+def test_a_batch_reaches_the_trainer_as_one_run_with_every_field() -> None:
+    run = DALIPipelineRunRef(5, 3, False, job_token="secret-token")
+    run.batch_id, run.batch_size, run.is_scheduled, run.is_complete = 77, 32, True, True
+    run.call_args = {"images": [_sample(1)]}
+    batch = [DALIOutputBatchRef(run, 0), DALIOutputBatchRef(run, 1), torch.arange(3)]
+    images, labels, values = pickle.loads(pickle.dumps(batch))
+    copied = images.pipe_run_ref
+    assert labels.pipe_run_ref is copied  # one run for every output of the batch
+    assert (images.output_idx, labels.output_idx) == (0, 1)
+    assert {name: getattr(copied, name) for name in ["pipeline_id", "job_id", "job_token",
+            "deterministic", "batch_id", "batch_size", "is_scheduled", "is_complete"]} == {
+        "pipeline_id": 5, "job_id": 3, "job_token": "secret-token", "deterministic": False,
+        "batch_id": 77, "batch_size": 32, "is_scheduled": True, "is_complete": True,
+    }  # fmt: skip
+    # The inputs stay in the worker, unless the trainer may have to submit them again.
+    assert copied.call_args == {} and copied.resubmission is None
+    run.resubmission = Resubmission("token", {"images": [_sample(4)]})
+    again = pickle.loads(pickle.dumps(DALIOutputBatchRef(run, 0))).pipe_run_ref
+    assert again.resubmission.accepted_by == "token"
+    assert again.call_args["images"][0][0, 0] == 1
+    assert values.tolist() == [0, 1, 2]
 
 
 # --- Pickling -----------------------------------------------------------------------------------
