@@ -7,6 +7,7 @@ what grows with the number of jobs can be told from what grows with a saturated 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .table import spread_text
@@ -48,8 +49,16 @@ STEP_COLUMNS = (
 )
 
 
-def _table(rows: list[dict[str, Any]], columns: tuple[tuple[str, str, int], ...]) -> list[str]:
+def _table(
+    rows: list[dict[str, Any]],
+    columns: tuple[tuple[str, str, int], ...],
+    last: tuple[str, Callable[[dict[str, Any]], str]] | None = None,
+) -> list[str]:
+    """A markdown table of ``columns`` of the rows' daemon threads' figures, one row a run kind;
+    ``last``: the header of one more column, and the cell it gets from a row."""
     headers = [header for header, _, _ in columns if header]
+    if last is not None:
+        headers.append(last[0])
     lines = [
         "| dalid run | " + " | ".join(headers) + " |",
         "|---|" + "--:|" * len(headers),
@@ -63,8 +72,17 @@ def _table(rows: list[dict[str, Any]], columns: tuple[tuple[str, str, int], ...]
                 cells.append(text)
             else:  # a second figure in the previous column
                 cells[-1] += f" / {text}"
+        if last is not None:
+            cells.append(last[1](row))
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _loads(row: dict[str, Any]) -> str:
+    return (
+        f"{spread_text(row.get('background_cores'), 2)} / "
+        f"{spread_text(row.get('foreign_cores'), 2)}"
+    )
 
 
 def steps_markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -102,27 +120,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     ]
     if not measured:
         return []
-    headers = [header for header, _, _ in COLUMNS if header]
-    lines = [
-        "| dalid run | " + " | ".join(headers) + " | background load / other load, cores |",
-        "|---|" + "--:|" * (len(headers) + 1),
-    ]
-    for row in measured:
-        figures = row["daemon_threads"]
-        cells: list[str] = []
-        for header, name, digits in COLUMNS:
-            text = spread_text(figures.get(name), digits)
-            if header:
-                cells.append(text)
-            else:  # a second figure in the previous column
-                cells[-1] += f" / {text}"
-        loads = (
-            f"{spread_text(row.get('background_cores'), 2)} / "
-            f"{spread_text(row.get('foreign_cores'), 2)}"
-        )
-        lines.append(f"| {row['label']} | " + " | ".join(cells) + f" | {loads} |")
     return [
-        *lines,
+        *_table(measured, COLUMNS, ("background load / other load, cores", _loads)),
         "",
         "The daemon's own threads over the jobs' timed window (`bench.threads`), per sample the "
         "executors ran: the I/O thread (its messages, and the rest of its loop in ms a second) "
