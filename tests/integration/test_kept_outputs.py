@@ -32,23 +32,28 @@ from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 LENGTH = 20 * BATCH
 
 
+def _keep_two_epochs(session: dalid.Session) -> tuple[dalid.DataLoader, list[Any]]:
+    """A loop over two epochs of the two-output pipeline that keeps every batch (40), each
+    checked against its samples; the loader, for more epochs, and what it kept."""
+    proxy = session.proxy(two_output_pipeline())
+    loader = dalid.DataLoader(session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=2)
+    kept: list[Any] = []
+    for _ in range(2):
+        kept.extend(loader)
+    assert len(kept) == 40
+    for (scaled, shifted), indices in kept:
+        expected = np.stack([sample(index) for index in indices.tolist()])
+        np.testing.assert_array_equal(shifted.numpy(), expected + 7)
+        np.testing.assert_array_equal(scaled.numpy(), expected * 0.5 + 1.0)
+    return loader, kept
+
+
 def test_keeping_every_output_of_two_epochs(short_tmp: Path) -> None:
     # 8 KiB of output memory: room for 8 of the 40 batches of two epochs.
     daemon = start_daemon(short_tmp, "--pool-bytes", "8K", "--slab-bytes", "4K")
     try:
         with dalid.connect(socket=daemon.socket, autostart=False, name="keeper") as session:
-            proxy = session.proxy(two_output_pipeline())
-            loader = dalid.DataLoader(
-                session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=2
-            )
-            kept: list[Any] = []
-            for _ in range(2):
-                kept.extend(loader)
-            assert len(kept) == 40
-            for (scaled, shifted), indices in kept:
-                expected = np.stack([sample(index) for index in indices.tolist()])
-                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
-                np.testing.assert_array_equal(scaled.numpy(), expected * 0.5 + 1.0)
+            loader, kept = _keep_two_epochs(session)
             (job,) = daemon.status().jobs
             copied = job.batches_copied
             assert 0 < copied <= 40 - 8
@@ -92,20 +97,9 @@ def test_keeping_every_gpu_output_gets_copies_that_never_leave_the_device(
     )
     try:
         with dalid.connect(socket=daemon.socket, autostart=False, name="keeper") as session:
-            proxy = session.proxy(two_output_pipeline())
-            loader = dalid.DataLoader(
-                session, ProxyDataset(proxy, LENGTH), batch_size=BATCH, num_workers=2
-            )
-            kept: list[Any] = []
-            for _ in range(2):
-                kept.extend(loader)
-            assert len(kept) == 40
             # Correct, and the copies are the trainer's own: the copy memory they came through
             # was written again by the later copies, and changed none of them.
-            for (scaled, shifted), indices in kept:
-                expected = np.stack([sample(index) for index in indices.tolist()])
-                np.testing.assert_array_equal(shifted.numpy(), expected + 7)
-                np.testing.assert_array_equal(scaled.numpy(), expected * 0.5 + 1.0)
+            _, kept = _keep_two_epochs(session)
             (job,) = daemon.status().jobs
             copied = job.batches_copied
             assert 0 < copied <= 40 - 16
