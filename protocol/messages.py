@@ -13,6 +13,7 @@ neighbours of the same family here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -684,6 +685,20 @@ class SubmitBatch(Message):
     @property
     def batch_size(self) -> int:
         return self.inputs[0].size
+
+    def without_samples(self) -> SubmitBatch:
+        """This submission with none of its samples' bytes: its ids, size and flags, and one
+        input of empty samples (what a receiver keeps of a batch whose result has gone)."""
+        size = self.batch_size
+        empty = InputBatch(
+            self.inputs[0].name,
+            "uint8",
+            size,
+            1,
+            memoryview(bytes(size * SHAPE_DTYPE.itemsize)),
+            memoryview(b""),
+        )
+        return dataclasses.replace(self, inputs=(empty,))
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class BatchRequests:
         nbytes = sum(item.nbytes for item in request.inputs)
         try:
             # Counted until the batch is freed, whichever way it goes (inputs.py).
-            self.inputs.take(job.job_id, nbytes, holder=batch)
+            batch.give_back_inputs = self.inputs.take(job.job_id, nbytes, holder=batch)
         except InputRefused as refusal:
             raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
         if member.cohort is not None and not request.deferred:
@@ -192,6 +192,7 @@ class BatchRequests:
             # Skipped bad samples are not delivered; replaced ones are, as their stand-ins.
             skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
             job.meter.add(batch.request.batch_size - skipped)
+        batch.drop_samples()
         self._push(job.trainer, result, None)
         admitted = job.admission.answered(batch)
         if admitted is not None:

@@ -8,8 +8,9 @@ others need), is refused at once and its frames freed; the refusal says what the
 and what to do. A job that waits for its batches' acceptances, as dalid's client does, holds its
 in-flight batches and one more per connection, far below these limits.
 
-What a batch holds is given back when the batch is freed, whatever path it took (answered,
-dropped with its job or its worker): the count follows the memory itself.
+What a batch holds is given back once its result has gone (the daemon then drops its samples,
+even while the trainer keeps its outputs), or when the batch is freed, whatever path it took
+(dropped with its job or its worker): whichever comes first, once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 from .quotas import size_text
 
@@ -58,9 +60,10 @@ class InputMemory:
         with self._lock:
             return self._by_job.get(job_id, 0)
 
-    def take(self, job_id: int, nbytes: int, holder: object) -> None:
-        """Counts ``nbytes`` for ``job_id`` until ``holder`` (the batch) is freed; raises
-        :class:`InputRefused` instead when that would overstep a limit."""
+    def take(self, job_id: int, nbytes: int, holder: object) -> Callable[[], object]:
+        """Counts ``nbytes`` for ``job_id`` until ``holder`` (the batch) is freed or the
+        returned function is called, whichever comes first; raises :class:`InputRefused`
+        instead when that would overstep a limit."""
         with self._lock:
             held = self._by_job.get(job_id, 0)
             if held + nbytes > self.job_limit:
@@ -81,7 +84,8 @@ class InputMemory:
             self._by_job[job_id] = held + nbytes
             self._total += nbytes
             self._peak = max(self._peak, self._total)
-        weakref.finalize(holder, self._give_back, job_id, nbytes)
+        # A finalizer runs once: called early, it does nothing when the holder is freed.
+        return weakref.finalize(holder, self._give_back, job_id, nbytes)
 
     def _give_back(self, job_id: int, nbytes: int) -> None:
         with self._lock:

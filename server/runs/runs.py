@@ -61,10 +61,22 @@ class PendingBatch:
     # The cohort's entry this batch runs for (its outputs serve every member that submits the
     # same inputs: cohorts.py), or None.
     cohort_entry: CohortRun | None = None
+    # Gives the samples' bytes back to the daemon's input memory (jobs/inputs.py), once.
+    give_back_inputs: Callable[[], object] | None = None
 
     @property
     def size(self) -> int:
         return self.request.batch_size
+
+    def drop_samples(self) -> None:
+        """Its result has gone: the batch may stay in its job's window until the trainer
+        releases its outputs, which a loop that keeps them never does, but without its
+        samples, which go back to the daemon's input memory now."""
+        self.request = self.request.without_samples()
+        self.arrays = {}
+        if self.give_back_inputs is not None:
+            self.give_back_inputs()
+            self.give_back_inputs = None
 
     def input_kinds(self) -> tuple[tuple[str, str, int], ...]:
         """What DALI needs alike in every batch of one run: each input's dtype and rank."""

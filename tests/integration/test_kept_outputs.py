@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from nvidia.dali import fn
+from nvidia.dali.data_node import DataNode
 
 import dalid.client as dalid
 from dalid.client.outputs import cuda_device
@@ -26,6 +28,7 @@ from dalid.client.outputs import cuda_staged as staged
 from dalid.server.outputs.copies import COPY_BATCHES
 
 from ..daemons import own_directory, start_daemon, wait_for
+from ..dali_typing import pipeline_def
 from ..simulated_gpu import TO_HOST, SimulatedDevice, SimulatedDevices
 from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
@@ -140,3 +143,77 @@ def _views_the_daemon(devices: list[SimulatedDevice], tensor: torch.Tensor) -> b
             continue
         return True
     return False
+
+
+@pipeline_def(batch_size=BATCH, num_threads=2, device_id=None, seed=1)
+def _doubling_pipeline() -> DataNode:
+    return fn.external_source(name="data", no_copy=True) * 2.0
+
+
+class _PlaneDataset(torch.utils.data.Dataset[Any]):
+    """64x64 float32 samples (16 KiB) whose every value is the sample's index."""
+
+    def __init__(self, proxy: Any, length: int) -> None:
+        self.proxy = proxy
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.proxy(np.full((64, 64), index, np.float32)), index
+
+
+def _rss_anon(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no RssAnon for pid {pid}")
+
+
+@pytest.mark.slow
+def test_a_loop_keeping_1200_batches_runs_to_the_end_and_leaves_nothing_held(
+    short_tmp: Path,
+) -> None:
+    # A job's share of batch inputs is 2 MiB (half of --input-memory): 16 batches of 128 KiB,
+    # fewer than the 64 its 8 MiB of output memory holds in place. Delivered batches give their
+    # samples back at once, kept or not, so a loop that keeps 1,200 runs on; its outputs come
+    # as private copies once its output memory is all held.
+    daemon = start_daemon(short_tmp, "--input-memory", "4M", "--pool-bytes", "8M")
+    length = 1200 * BATCH
+    try:
+        before = _rss_anon(daemon.daemon_pid())
+        with dalid.connect(socket=daemon.socket, autostart=False, name="keeper") as session:
+            proxy = session.proxy(_doubling_pipeline())
+            loader = dalid.DataLoader(
+                session, _PlaneDataset(proxy, length), batch_size=BATCH, num_workers=2
+            )
+            kept = list(loader)
+            assert len(kept) == 1200
+            seen = torch.cat([indices for _, indices in kept])
+            assert sorted(seen.tolist()) == list(range(length))
+            for outputs, indices in kept[::97]:
+                expected = indices.to(torch.float32).mul(2.0).reshape(-1, 1, 1)
+                assert torch.equal(outputs, expected.expand(-1, 64, 64))
+            (job,) = daemon.status().jobs
+            assert job.batches_copied > 1000
+            job_id = session.job_id
+            del kept, loader
+            gc.collect()
+        wait_for(lambda: not daemon.job_segments(job_id), 10, "the keeping job's memory to go")
+        # Three more jobs, one after the other, each served its epoch: nothing the first left
+        # behind counts against them.
+        for number in range(3):
+            with dalid.connect(socket=daemon.socket, autostart=False, name=f"next{number}") as s:
+                loader = dalid.DataLoader(
+                    s, _PlaneDataset(s.proxy(_doubling_pipeline()), 64), batch_size=BATCH
+                )
+                indices = [int(i) for _, batch_indices in loader for i in batch_indices]
+                assert indices == list(range(64))
+        wait_for(lambda: not daemon.status().jobs, 10, "the jobs to end")
+        # The daemon's own heap is back near where it was (the kept outputs were the
+        # trainer's; the inputs went back as each batch was delivered).
+        grown = _rss_anon(daemon.daemon_pid()) - before
+        assert grown < 64 << 20, f"the daemon's heap grew {grown >> 20} MiB"
+    finally:
+        assert daemon.stop() == 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 
+from dalid.protocol import InputBatch, SubmitBatch
 from dalid.server.jobs.inputs import InputMemory, InputRefused
+from dalid.server.runs.runs import PendingBatch
 
 
 class Batch:
@@ -21,6 +24,38 @@ def test_a_batch_counts_until_it_is_freed() -> None:
     del batch
     gc.collect()
     assert memory.held == memory.held_by(1) == 0
+
+
+def test_a_batch_given_back_early_counts_once() -> None:
+    # A delivered batch gives its inputs back while its job's window still holds it.
+    memory = InputMemory(limit=1000)
+    batch = Batch()
+    give_back = memory.take(1, 300, holder=batch)
+    give_back()
+    assert memory.held == memory.held_by(1) == 0
+    give_back()
+    del batch
+    gc.collect()
+    assert memory.held == 0
+    memory.take(1, 500, holder=Batch())  # the job's whole share is its own again
+
+
+def test_a_delivered_batch_keeps_its_ids_and_size_not_its_samples() -> None:
+    request = SubmitBatch(
+        3,
+        (InputBatch.of("data", [np.zeros((64, 64), np.float32)] * 4),),
+        batch_id=77,
+        unreadable=(1,),
+    )
+    batch = PendingBatch(request.batch_id, request)
+    memory = InputMemory(limit=1 << 20)
+    batch.give_back_inputs = memory.take(1, request.inputs[0].nbytes, holder=batch)
+    batch.drop_samples()
+    assert memory.held == 0
+    assert (batch.size, batch.request.batch_id, batch.request.pipeline_id) == (4, 77, 3)
+    assert batch.request.unreadable == (1,)
+    assert sum(item.nbytes for item in batch.request.inputs) == 0
+    assert not batch.arrays
 
 
 def test_a_job_holds_at_most_half() -> None:
