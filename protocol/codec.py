@@ -141,8 +141,13 @@ def _checked_decode(
     except ProtocolError as error:
         error.request_id, error.op = request_id, op
         raise
-    except (ValueError, TypeError) as error:
-        raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"{op}: {error}", request_id, op) from None
+    except Exception as error:
+        # Whatever a decode raises (a RecursionError for deep nesting, an OverflowError, ...)
+        # refuses this message: nothing a peer sends may escape to the receiver's loop.
+        text = str(error) if isinstance(error, ValueError | TypeError) else type(error).__name__
+        raise ProtocolError(
+            ErrorCode.MALFORMED_MESSAGE, f"{op}: {text}"[:1024], request_id, op
+        ) from None
 
 
 def _unpack_header(raw: memoryview) -> dict[str, Any]:

@@ -467,6 +467,8 @@ class RegisterNamedPipeline(Message):
             parameters = json.loads(self.parameters)
         except ValueError:
             raise ValueError("parameters must be a JSON object") from None
+        except RecursionError:
+            raise ValueError("parameters nest too deeply to be read") from None
         _check(isinstance(parameters, dict), "parameters must be a JSON object")
         reserved = sorted(set(parameters) & NAMED_PIPELINE_BUILD_ARGUMENTS)
         _check(not reserved, f"parameters may not set {reserved}: they have fields of their own")

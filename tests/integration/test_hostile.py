@@ -30,6 +30,7 @@ from dalid.protocol import (
     Ping,
     PipelineRegistered,
     Pong,
+    RegisterNamedPipeline,
     RegisterPipeline,
     ReleaseRegions,
     Role,
@@ -380,4 +381,46 @@ def test_fuzzing_the_running_daemon_leaves_it_serving() -> None:
     assert replies["answered"] > replies["silent"], replies
     assert "malformed message from" in log
     # Every bad message was refused on purpose, none by an exception the daemon did not expect.
+    assert "internal error" not in log, log[-4000:]
+
+
+def test_one_deeply_nested_message_is_refused_and_the_daemon_serves_on() -> None:
+    # No hello needed: a stranger's register_named_pipeline whose parameters are 100,000
+    # nested '[' (Python's JSON parser gives up with a RecursionError), and a header of 100,000
+    # nested msgpack arrays. Each is refused as malformed; the daemon, its pid and the job
+    # beside it carry on.
+    directory = own_directory()
+    daemon = start_daemon(directory)
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        pid = daemon.daemon_pid()
+        with dalid.connect(socket=daemon.socket, autostart=False, name="beside") as session:
+            check_outputs(session)
+            deep_json = encode(RegisterNamedPipeline(name="train"), 1)
+            header = msgpack.unpackb(deep_json[0], raw=False)
+            header["body"]["parameters"] = "[" * 100_000
+            deep_msgpack = msgpack.packb(header, use_bin_type=True).replace(
+                msgpack.packb("[" * 100_000), b"\x91" * 100_000 + b"\x00"
+            )
+            for frames in ([msgpack.packb(header, use_bin_type=True)], [deep_msgpack]):
+                for _ in range(3):
+                    stranger = RawPeer(context, daemon.socket)
+                    try:
+                        stranger.send_frames(frames)
+                        assert stranger.sock.poll(10_000), "no answer to a nested message"
+                        answer = transport.recv(stranger.sock).message
+                        assert isinstance(answer, Error), answer
+                        assert answer.code is ErrorCode.MALFORMED_MESSAGE, answer
+                    finally:
+                        stranger.close()
+            assert daemon.process.poll() is None, daemon.log_text()
+            assert daemon.daemon_pid() == pid
+            check_outputs(session)
+    finally:
+        context.term()
+        code = daemon.stop()
+        log = daemon.log_text()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert code == 0, log
+    assert "parameters nest too deeply" in log, log[-4000:]
     assert "internal error" not in log, log[-4000:]

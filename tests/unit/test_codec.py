@@ -448,6 +448,8 @@ def _plain(value: Any) -> Any:
         return memoryview(value).tobytes()
     if isinstance(value, enum.Enum):
         return (type(value), value.value)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"  # a NaN equals no NaN, itself included
     return value
 
 
@@ -1387,6 +1389,126 @@ def test_fuzz_mutated_messages(data: st.DataObject, example: int, mutation: str)
             data.draw(st.binary(max_size=16)),
         )
     _check_decode(frames)
+
+
+def _nested(depth: int, leaf: Any = 0) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# What a hostile peer puts in a field: nesting as deep as msgpack lets through, JSON text that
+# nests deeper than Python's parser goes, integers at and past 64 bits, long and odd strings,
+# values of every wrong type.
+_hostile = st.one_of(
+    st.integers(min_value=1, max_value=500).map(_nested),
+    st.integers(min_value=1, max_value=200_000).map(lambda n: "[" * n),
+    st.integers(min_value=1, max_value=50_000).map(lambda n: '{"a":' * n + "1" + "}" * n),
+    st.sampled_from([2**64 - 1, -(2**63), 2**63, -1, 0, float("nan"), float("inf"), -0.0]),
+    st.text(min_size=1000, max_size=5000),
+    st.binary(max_size=64),
+    st.sampled_from(["\x00", "\ud7ff", "../../etc/passwd", "", True, None]),
+    _values,
+)
+
+
+def _paths_in(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path to a value inside nested maps and arrays, the value itself first."""
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _paths_in(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:8]):
+            found += _paths_in(item, (*prefix, index))
+    return found
+
+
+# Stands for 100,000 nested arrays of one, written by hand (``_pack_hostile``): msgpack's own
+# packer stops at 512 levels.
+_DEEP = "@100000-deep@"
+
+
+def _pack_hostile(header: Any) -> bytes:
+    return msgpack.packb(header, use_bin_type=True).replace(
+        msgpack.packb(_DEEP), b"\x91" * 100_000 + b"\x00"
+    )
+
+
+_HOSTILE_VALUES = [
+    _DEEP,
+    _nested(500),
+    "[" * 100_000,
+    '{"a":' * 50_000 + "1" + "}" * 50_000,
+    2**64 - 1,
+    -(2**63),
+    float("nan"),
+    "x" * 5000,
+    b"\xff" * 64,
+    "../../etc/passwd",
+    None,
+    [None] * 100,
+    {"": {"": [1, "a", b"b"]}},
+]
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda cls: cls.OP)
+def test_every_field_of_every_message_type_refuses_hostile_values(
+    message_type: type[Message],
+) -> None:
+    # Each field at the top of the body and one level down, given each hostile value in turn.
+    header, frames = _encoded_header(_first(message_type))
+    paths = [path for path in _paths_in(header["body"]) if 0 < len(path) <= 2]
+    for path in paths or [("extra",)]:
+        for value in _HOSTILE_VALUES:
+            tampered = msgpack.unpackb(msgpack.packb(header, use_bin_type=True), raw=False)
+            parent = tampered["body"]
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = value
+            _check_decode([_pack_hostile(tampered), *frames])
+
+
+@settings(FUZZ, max_examples=400)
+@given(
+    data=st.data(),
+    message_type=st.sampled_from(MESSAGE_TYPES),
+    value=_hostile,
+)
+def test_every_message_type_refuses_hostile_fields(
+    data: st.DataObject, message_type: type[Message], value: Any
+) -> None:
+    # Every field of every message type, and every value nested in one, given a hostile value:
+    # the message decodes or is refused as malformed, and nothing else escapes the decoder.
+    header, frames = _encoded_header(_first(message_type))
+    paths = [path for path in _paths_in(header["body"]) if path]
+    if paths:
+        path = data.draw(st.sampled_from(paths))
+        parent = header["body"]
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = value
+    else:
+        header["body"]["extra"] = value
+    try:
+        packed = [msgpack.packb(header, use_bin_type=True), *frames]
+    except (ValueError, OverflowError, TypeError):
+        return  # msgpack cannot even write it: no peer can send it
+    _check_decode(packed)
+
+
+def test_deeply_nested_pipeline_parameters_are_refused() -> None:
+    header, frames = _encoded_header(_first(RegisterNamedPipeline))
+    header["body"]["parameters"] = "[" * 100_000
+    error = _expect_error(_pack(header, *frames))
+    assert "parameters nest too deeply" in error.message
+
+
+def test_nesting_deeper_than_msgpack_allows_is_refused() -> None:
+    header, frames = _encoded_header(_first(RegisterNamedPipeline))
+    header["body"]["parameters"] = _DEEP
+    _expect_error([_pack_hostile(header), *frames])
 
 
 def test_bad_sample_fields_are_checked_on_both_sides() -> None:
