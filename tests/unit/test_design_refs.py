@@ -134,7 +134,7 @@ def problems(files: dict[str, str], root: Path = ROOT) -> dict[str, list[str]]:
         for name in citations(text):
             cited[name].append(path)
         for page in cited_pages(path, text, root):
-            if not (root / page).is_file():
+            if not (root / page).exists():
                 found["pages"].append(f"{path}: {page} does not exist")
         for number, line in enumerate(text.splitlines(), 1):
             if _POINT.search(line):
