@@ -12,6 +12,7 @@ A ``#`` Note ends with its comment; a docstring's Note with the docstring or at 
 underlined heading. Its body (the lines below the underline) is at most ``MAX_NOTE_LINES``
 lines, and names an existing page ``docs/design/<page>.md``. A citation says ``Note [X]`` or
 links the page, never a numbered part of a Note (nothing checks what such a number points at).
+Each page is in the index (docs/design/README.md), and the tests it names exist.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _UNDERLINE = re.compile(r"^[ \t]*(#[ \t]*)?([-~=])\2{3,}[ \t]*$")
 _PAGE = re.compile(r"docs/design/[A-Za-z0-9_./-]*?\.md")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _POINT = re.compile(r"\bpoints? \d+")
+_TEST_DEF = re.compile(r"def (test_\w+)\(")
+_TEST_NAME = re.compile(r"\b(test_\w+)\b(?!\.py)")
+_TEST_FILE = re.compile(r"\btests/[\w/]+\.py")
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,23 @@ def test_every_design_page_is_in_the_index() -> None:
     linked = {page.split("#", 1)[0] for page in _LINK.findall(index)}
     missing = [p.name for p in sorted(DESIGN.glob("*.md")) if p.name not in linked | {"README.md"}]
     assert not missing, f"docs/design/README.md does not link {missing}"
+
+
+def test_the_tests_a_design_page_names_exist() -> None:
+    """A page says which tests hold its contract: each test and test file it names exists."""
+    defined: set[str] = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        defined |= set(_TEST_DEF.findall(path.read_text(encoding="utf-8")))
+    missing = []
+    for page in sorted(DESIGN.glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        missing += [
+            f"{page.name}: {name}" for name in _TEST_NAME.findall(text) if name not in defined
+        ]
+        missing += [
+            f"{page.name}: {f}" for f in _TEST_FILE.findall(text) if not (ROOT / f).is_file()
+        ]
+    assert not missing, "\n".join(missing)
 
 
 # --- the checks themselves, on made-up files -----------------------------------------------------
