@@ -17,6 +17,7 @@ Each page is in the index (docs/design/README.md), and the tests it names exist.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -167,8 +168,14 @@ def problems(files: dict[str, str], root: Path = ROOT) -> dict[str, list[str]]:
     return found
 
 
+@functools.cache
+def _repository_problems() -> dict[str, list[str]]:
+    return problems(scanned_files())
+
+
 def report(kind: str) -> str:
-    return "\n".join(problems(scanned_files()).get(kind, []))
+    """The repository's problems of ``kind``, one a line."""
+    return "\n".join(_repository_problems().get(kind, []))
 
 
 # --- the repository ------------------------------------------------------------------------------
