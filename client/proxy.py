@@ -195,15 +195,12 @@ class DataLoader(_DataLoader):
 
     Note [Persistent workers across a stop]
     ---------------------------------------
-    DALI's documented loop stops the server after each epoch, and the loader starts it again
-    when it is next iterated. A stop ends the dalid job (its memory goes back to the daemon),
-    and a start registers the pipeline with a new job, whose target workers started from
-    then on carry. Persistent workers (``persistent_workers=True``) are started once and
-    keep the target they were started with, so while they run, a stop leaves the job open
-    (the server is only marked stopped) and the next start carries on with it: the workers'
-    batches keep reaching their job, as with DALI's proxy, whose pipeline outlives its
-    thread. The job ends when the server stops with no such workers left, when the loader
-    that owns them is collected after a stop, or when the server is.
+    While persistent workers that carry a job's target run, stopping the server leaves that job
+    open (the server is only marked stopped), and the next start carries on with it: DALI's
+    documented loop stops the server after each epoch, and those workers keep the target they
+    were started with. The job ends when the server stops with none of them left, when their
+    loader is collected after a stop, or when the server is. Why, and the tests:
+    docs/design/worker-submission.md.
     """
 
     def __init__(self, dali_server: DALIServer, *args: Any, **kwargs: Any) -> None:

@@ -190,11 +190,10 @@ class DALIOutputBatchRef:
 
 
 # Note [Abandoned samples]
-# A worker builds one batch at a time: each proxy call appends a sample to the current run,
-# and collation ends the run. A ``__getitem__`` that raises after its proxy call (a label file
-# that is missing, say) leaves its sample in the run although the DataLoader never collates
-# it; so does a collate_fn that filters samples out, or a dataset that retries another index.
-# Such samples must not shift the next batch or fill it past max_batch_size. Collation keeps
-# exactly the samples it is given, and a full run first drops the samples whose references
-# are all gone; either way the kept samples' references are renumbered in place, so every
-# output of the batch agrees on the indices.
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A batch holds exactly the samples its collation was given, in order, and every output's
+# references agree on their indices: a sample whose ``__getitem__`` raised after its proxy
+# call, or that a collate_fn filtered out, must not shift the next batch or fill it past
+# max_batch_size. Collation keeps the samples it is given (``keep_samples``), and a full run
+# first drops those whose references are all gone (``drop_abandoned``); the kept samples'
+# references are renumbered in place. Why, and the tests: docs/design/worker-submission.md.

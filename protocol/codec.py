@@ -37,9 +37,8 @@ depth, is ignored, and so is a frame that no field it knows references; a field 
 is not sent takes its default. So a field added with a default that older peers may ignore
 needs no new protocol version.
 
-Why one module of some 460 lines: it is the one codec, and its compiled encoders and decoders
-must accept exactly what the checking decoder accepts; both read best beside the frame layout
-drawn above.
+It holds the one codec: the frame layout, the checking decoder, and the compiled encoders and
+decoders, which accept exactly what the checking decoder accepts.
 """
 
 from __future__ import annotations

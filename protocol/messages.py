@@ -6,9 +6,7 @@ added here is on the wire with no other change. ``memoryview`` fields travel as 
 Checks that a type cannot express live in ``__post_init__`` and run on both sides, so a bad
 message is refused by the sender before it is sent and by the receiver when it arrives.
 
-Why one module of some 1,100 lines: it is the one definition of every message of the protocol,
-and the schema the codec reads; a reader checks any message, or a change to one, against its
-neighbours of the same family here.
+It holds every message of the protocol, the schema the codec reads, grouped by family.
 """
 
 from __future__ import annotations

@@ -2,27 +2,13 @@
 
 Note [Submitting without waiting]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A DataLoader worker's collate used to wait for the daemon's ``batch_accepted`` before handing
-its batch reference on: about half of a tiny batch's round trip. Now the submitter chooses the
-id (its link's ``welcome.batch_id_base`` plus a counter: SPEC.md, "Submitting a batch"), sends,
-and returns at once. What the wait gave is kept another way:
-
-1. Backpressure. The daemon still holds back the acknowledgment of a batch over its job's
-   in-flight limit; a link sends its next batch only once its last one was acknowledged
-   (:meth:`Submitter.settle`). So a worker waits at its next batch, after it read and
-   collated that batch's samples, instead of at this one, and the daemon holds at most one
-   unacknowledged batch per link, as before.
-2. Refusals. A batch the daemon refuses once sent fails: ``batch_failed`` goes to the trainer,
-   which raises it when it reaches that batch, and is this link's acknowledgment, which the
-   worker passes over (the trainer owns the error). An ``error`` acknowledgment refuses the
-   submission itself (its id, or the connection), which no trainer hears of: it is raised here
-   at the next batch.
-3. Deferred batches wait for their acknowledgment at once: the trainer may schedule only a batch
-   the daemon holds, and a refusal is raised by the worker, as before.
-4. A batch sent is not yet written: the socket writes it in its own thread, a batch of a MiB in
-   several writes as the daemon reads. A worker process ends in ``os._exit``, which would lose
-   it, so its links say goodbye at its exit (``WorkerLinks.close_all`` in links.py); the
-   goodbye follows the batch on the same socket.
+A worker hands its batch reference on as soon as ``submit_batch`` is sent, and still never has
+more than one unacknowledged batch on a link: the submitter chooses the batch's id (SPEC.md,
+"Submitting a batch"), and waits for the last batch's acknowledgment before it sends the next
+(:meth:`Submitter.settle`), raising a refusal of the submission there. A deferred batch waits
+for its acknowledgment at once. A worker's links say goodbye at its exit, after the batches
+it sent (``WorkerLinks.close_all``). Why, and the tests that hold it:
+docs/design/worker-submission.md.
 """
 
 from __future__ import annotations
@@ -52,7 +38,7 @@ class Submitter:
 
     def submit(self, request: SubmitBatch) -> None:
         """Sends ``request`` once the last batch was acknowledged. A deferred batch's
-        acknowledgment is waited for, and its refusal raised (point 3 of the note)."""
+        acknowledgment is waited for, and its refusal raised (Note [Submitting without waiting])."""
         self.settle()
         request_id = self.link.send(request)
         if request.deferred:
@@ -61,7 +47,8 @@ class Submitter:
             self._unsettled = (request_id, request.batch_id)
 
     def settle(self) -> None:
-        """Waits for the acknowledgment of the last batch sent (point 1 of the note)."""
+        """Waits for the acknowledgment of the last batch sent: a link's backpressure (Note
+        [Submitting without waiting])."""
         if self._unsettled is None:
             return
         request_id, batch_id = self._unsettled

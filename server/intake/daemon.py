@@ -19,20 +19,17 @@ reload; the log tells what it loaded).
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
 GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.socket_claim`.
 
+It holds the socket from bind to close (through :class:`SharedSocket`), its monitor, the
+connections' intake and the loop that serves them.
+
 Note [A routing id claimed twice]
 ---------------------------------
-A ZeroMQ peer may choose its routing id (``zmq.ROUTING_ID``), and so claim one in use. libzmq
-4.3.5 parks such a connection unread (or, with ``ROUTER_HANDOVER``, detaches the earlier one);
-once that parked connection has sent more than its receive queue holds and then closes, its
-next heartbeat aborts the whole process ("Assertion failed: !_io_error
-(src/stream_engine_base.cpp:310)"). The daemon cannot stop its own user's processes from doing
-that (nor from killing it); it refuses every other user's connection at the handshake
-(:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
-that another connection or process used first (:mod:`.intake`).
-
-Why one module of some 570 lines: it owns the socket from bind to close (through
-:class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
-them; split further, those would pass between modules.
+No connection of another user has a queue in the socket, and no message under a routing id is
+handled from any connection or process but the one that used it first: libzmq 4.3.5 aborts
+the process when a connection claims a routing id in use, sends more than its queue holds and
+closes. The gate (:mod:`.gate`) refuses other users at the handshake; the intake
+(:mod:`.intake`) binds each routing id to its first connection and process. Why, what it
+leaves open, and the tests: docs/design/daemon-loop.md.
 """
 
 from __future__ import annotations
@@ -152,13 +149,10 @@ def automatic_concurrency() -> int:
 
 # Note [The loop's timers]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# What the loop does at times rather than on news (the reap each second, the metrics' status
-# snapshot, a cut connection's grace, the idle timeout) it does when it wakes past their time;
-# its poll sleeps until the first of them is due. It used to wake every half second whatever
-# was due: twice a second with nothing to do, on the thread that every message waits for.
-# Whatever else must be seen at once comes as news: a message on the socket, a connection event
-# on the monitor, or a write to the eventfd (a stop, a reload, an executor's message that waits
-# in the outbox).
+# The loop wakes for news or when a timed chore is due, never on a fixed tick: its poll sleeps
+# until the first chore's time (``sleep_ms``), and what must be seen at once comes as news (a
+# message, a monitor event, a write to the eventfd). Why, and the tests that hold it:
+# docs/design/daemon-loop.md.
 
 
 def sleep_ms(now: float, reap_at: float, *due: float | None, cut_in: float | None = None) -> int:

@@ -7,8 +7,7 @@ all read from that table, so an option added there is a flag, a variable and a k
 Precedence, highest first: a flag, then a ``DALID_*`` environment variable, then the TOML file
 (``--config PATH``, else ``$DALID_CONFIG``; there is no implicit file), then the default.
 
-Why one module of some 510 lines: the table of every option is some 180 of them, and the
-parsers its rows name and the code that reads it are read beside it.
+It holds the table of every option, the parsers its rows name, and the code that reads it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """A DALI pipeline rebuilt from its serialized form: plain DALI, no sockets, no threads.
 
-The daemon's executors drive it; tests drive it directly in-process.
-
-Why one module of some 430 lines: building, rebuilding, feeding and collecting a pipeline all
-act on the one DALI pipeline object and on what its runs were fed, which the runner owns.
+It builds, rebuilds, feeds and collects one pipeline; the daemon's executors drive it, and
+tests drive it directly in-process.
 
 Note [Feeding DALI without its checks of every call]
 ----------------------------------------------------
-``Pipeline.feed_input`` and ``Pipeline.outputs`` check, at every call, what holds for every
-run of a built pipeline: that the input is no external_source with a ``source`` of its own,
-which library's stream the data is on, the batch's shapes against the batch size and layout;
-and ``outputs`` defines a class at each call for its check of which of DALI's APIs is in use.
-In a loop of the two calls alone that is some 55 and 45 µs a run of 256 samples; in the
-daemon, 50 to 100 µs a run together, about a tenth of the executor's Python for a batch of
-paths (bench/README.md, "The executor's CPU a batch, step by step"). So a built pipeline's
-first run goes through those calls, which check it once, and its later runs hand the backend
-(``Pipeline._pipe``) what they would have handed it: each input as a ``TensorListCPU`` with
-no layout (``feedable`` makes only host arrays and ``TensorListCPU``s, which no stream
-orders), and no stream for the outputs but the executor's own. The one check that depends on
-the run, its number of samples against the pipeline's batch size, stays here
-(``_fed_directly``). A rebuilt pipeline checks anew.
+A built pipeline's first run goes through ``Pipeline.feed_input`` and ``Pipeline.outputs``,
+which check it once; its later runs hand the backend (``Pipeline._pipe``) what those calls
+would have: each input a ``TensorListCPU`` with no layout, and no stream for the outputs but
+the executor's own. The one check that depends on the run, its samples against the batch
+size, is made on every run (``_fed_directly``); a rebuilt pipeline checks anew. Why, and the
+tests that hold it: docs/design/feeding-dali.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,17 @@
 """Samples that are file paths: the daemon opens the files, so it checks that it sees them.
 
-A pipeline that reads files (``fn.io.file.read`` fed by an external_source) has the daemon,
-not the trainer, open them. The client makes relative paths absolute from the trainer's working
-directory (as DALI's proxy, whose pipeline runs in the trainer, would read them), and names the
-samples whose file it could not read itself (``SubmitBatch.unreadable``). Then:
-
-- a file the trainer could not read either is a bad sample (a missing file, a wrong path),
-  handled by the pipeline's ``on_error`` like any other;
-- a file the trainer reads and the daemon cannot means the daemon does not see the trainer's
-  files (another container, another mount namespace, another user): the batch fails with
-  :class:`FilesUnseen`, which says what to mount, whatever ``on_error`` says, since every later
-  batch would fail the same way.
+The daemon, not the trainer, opens the files of a pipeline that reads them. A file the
+trainer could not read either is a bad sample; one the trainer reads and the daemon cannot
+fails the batch with :class:`FilesUnseen`, which says what to mount.
 
 Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Before a batch runs (:func:`check_paths`) the daemon looks at its paths as arrays: empty ones,
-ones holding a NUL byte and those the trainer named are bad samples, exactly, sample by sample.
-Then it looks at *one directory* of the batch: that of its first path that is not a bad
-sample, which must be one the daemon can enter, checked once per :data:`DIRECTORY_RECHECK_S`
-(:class:`DirectoryChecks`). A dataset the daemon does not see (a mount missing in its
-container: every directory of it unseen) is so refused before its first batch runs, at the
-cost of one ``os.access`` per directory every ten seconds, not one per sample (19% of a GPU
-daemon's executor time went to one ``os.access`` per sample).
-
-What is left, a file of another directory the daemon may not enter, a file of a directory it
-enters but may not read itself (or a directory it could enter when last looked at and no
-longer can), makes DALI's read fail: the batch's failure is then checked file by file
-(:func:`unseen_file`, from ``executor.py``) before any bad sample is looked for, and it fails
-with the same :class:`FilesUnseen`, saying the same, as it would have before the run. So the
-outcome of every batch is what it was with a check per file (a batch of a shared run that
-fails is run again alone: the other jobs' batches of that run are delivered as before); only a
-batch that fails pays for one.
-
-Why one directory a batch and not each of them: the look decides no batch's outcome, only
-how soon a dataset the daemon does not see is found, and its first directory finds that. Each
-directory of a batch, found as arrays (a byte matrix of them, made a set), then a set
-difference under a lock, cost 90 to 110 µs of the executor's CPU a 256-path batch (225 µs in
-the daemon of the bench's 1-job run, 2026-11-26, loaded machine): a sixth of its Python per
-batch, for a look that changed nothing.
-
-Why this is as safe as the check per file: neither check decides what the daemon may read.
-``os.access`` asked whether the daemon's own credentials let it read the file, which is what
-DALI's ``open`` asks the kernel again a moment later; skipping the question lets the daemon
-open nothing it could not open before. What keeps a client from having the daemon read a file
-the client could not read is who the daemon serves: processes of its own user and root only
-(docs/security.md, "Clients and connections"), which may read whatever the daemon may.
+Every batch has the outcome a check of each file would give it, and only a batch that fails
+pays for one. Before a run (:func:`check_paths`) empty paths, NUL bytes and the samples the
+trainer could not read are bad samples, found as arrays; then only the directory of the first
+good path is looked at, once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
+batch whose run fails is checked file by file (:func:`unseen_file`) before any bad sample is
+looked for. Why, and the tests that hold it: docs/design/checking-paths.md.
 """
 
 from __future__ import annotations
