@@ -102,12 +102,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="CPU pipelines even if a GPU is present")
     parser.add_argument(
-        "--output", type=Path, default=RESULTS_DIR, help="results folder (default bench/results)"
+        "--output",
+        type=Path,
+        default=RESULTS_DIR,
+        help="results folder (default bench/results): the run's summary JSON there, its raw "
+        "result and plots in its raw/ folder",
     )
     parser.add_argument(
         "--no-latest",
         action="store_true",
-        help="do not update LATEST.md, latest.png and the README (quick runs never do)",
+        help="do not update the folder's LATEST.md, latest.png and latest-scaling.png (quick "
+        "runs never do)",
     )
     return parser.parse_args(argv)
 
@@ -272,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "redone_runs": len(discarded),
         "summary": summarize(outcomes, gpu=settings.gpu, batch_size=settings.batch_size),
     }
-    update_latest = not settings.quick and not args.no_latest and args.output == RESULTS_DIR
+    update_latest = not settings.quick and not args.no_latest
     written = write(report, outcomes, discarded, args.output, update_latest)
     print(markdown(report))
     failed = [o for o in outcomes if o.error]

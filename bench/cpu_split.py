@@ -1,5 +1,8 @@
 """``python -m bench.cpu_split RESULTS.json``: where each run's CPU went, by process and thread.
 
+RESULTS.json is a run's raw result (``raw/<time>.json`` beside its summary) or its summary,
+whose raw result is then read from ``raw/`` beside it: a summary keeps no per-run readings.
+
 Reads the ``split`` of the probes that every trainer takes at the start and the end of its
 timed window (:class:`bench.measure.Probe`) and prints, per run and job, each process's and
 each thread group's user and system CPU and minor page faults per timed sample. Ticks are 10
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import ProcStat
+from .report import RAW
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,29 @@ def table(rows: Sequence[Row], floor_us: float) -> str:
     return "\n".join(lines)
 
 
+def load_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs of a raw result: ``path``'s own, or those of the raw result of the summary at
+    ``path``. Raises SystemExit, saying where it looked, when there is none."""
+    data = json.loads(path.read_text())
+    if "runs" in data:
+        return list(data["runs"])
+    raw = path.parent / RAW / path.name
+    if raw.exists():
+        return list(json.loads(raw.read_text())["runs"])
+    raise SystemExit(
+        f"{path} is a run's summary, which keeps no per-run CPU readings, and its raw result "
+        f"{raw} is not on this machine (raw results are not committed): run the bench here, "
+        "or give the raw result of the run that wrote this summary"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split", description=__doc__)
     parser.add_argument("results", type=Path, help="a results file of python -m bench")
     parser.add_argument("--floor", type=float, default=20.0, help="µs a sample (default 20)")
     args = parser.parse_args(argv)
-    data = json.loads(args.results.read_text())
-    rows = [row for run in data["runs"] if run.get("results") for row in rows_of(run)]
+    runs = load_runs(args.results)
+    rows = [row for run in runs if run.get("results") for row in rows_of(run)]
     print(table(rows, args.floor))
 
 

@@ -1,9 +1,9 @@
-"""Writing a run's results: JSON and a PNG per run, LATEST.md, latest.png and the README table."""
+"""Writing a run's results: its summary (the JSON that is committed), its raw result and plots
+(kept locally, in ``raw/``), and LATEST.md with latest.png for the last full run."""
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -21,9 +21,8 @@ from .targets import ECHO_P50_TARGET, ECHO_P99_TARGET, met_text
 from .weights import WEIGHTS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-README = Path(__file__).resolve().parent / "README.md"
-README_START = "<!-- results:start -->"
-README_END = "<!-- results:end -->"
+RAW = "raw"  # the folder of raw results and per-run plots, beside the summaries; git ignores it
+RAW_KEYS = ("runs", "disturbed_runs_redone")  # what a summary leaves out of the raw result
 DISTURBED = " **Other work competed for the CPU: these numbers are disturbed.**"
 
 
@@ -168,8 +167,8 @@ def _contenders(summary: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         "machine's (/proc/stat) over the jobs' common window, what the per-process "
         "account implies (all CPU a sample x samples/s), and the kernel's own threads' "
         "(reclaim, memory monitors), which no process of the bench owns. Other load: CPU "
-        "cores used by processes that are not the benchmark's during each run. See README.md "
-        "for each metric.",
+        "cores used by processes that are not the benchmark's during each run. See "
+        "bench/README.md for each metric.",
         "",
     ]
 
@@ -322,13 +321,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _raw_run(outcome: Outcome) -> dict[str, Any]:
-    """A run for the JSON file; transport samples are summarized, not kept one by one."""
+    """A run for the raw JSON file; transport samples are summarized, not kept one by one."""
     data = asdict(outcome)
     data["results"] = [
         {"transport": "see summary.transport.runs"} if "transport" in result else result
         for result in outcome.results
     ]
     return data
+
+
+def compact(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary as committed: the raw result without its runs (each job's batch stamps,
+    memory and CPU readings), which only :mod:`bench.cpu_split` reads."""
+    return {key: value for key, value in data.items() if key not in RAW_KEYS}
+
+
+def compact_text(data: dict[str, Any]) -> str:
+    """``compact(data)`` as JSON on one line: the summaries of a few dozen runs stay a few MB."""
+    return json.dumps(compact(data), separators=(",", ":")) + "\n"
 
 
 def write(
@@ -338,31 +348,31 @@ def write(
     directory: Path,
     update_latest: bool,
 ) -> list[Path]:
-    """Writes ``<time>.json`` and ``<time>.png``; with ``update_latest`` also LATEST.md,
-    latest.png and the README's results section. Returns the paths written."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Writes the run's summary, ``<time>.json`` (:func:`compact`), and in ``raw/`` (which git
+    ignores) its raw result and plots, ``<time>.json``, ``<time>.png`` and
+    ``<time>-scaling.png``; with ``update_latest`` also LATEST.md, latest.png and
+    latest-scaling.png. Returns the paths written."""
+    raw = directory / RAW
+    raw.mkdir(parents=True, exist_ok=True)
     stamp = report["created_utc"].replace(":", "").replace("-", "")
     prefix = f"{stamp}-quick" if report["settings"]["quick"] else stamp
-    json_path, png_path = directory / f"{prefix}.json", directory / f"{prefix}.png"
+    summary_path, raw_path = directory / f"{prefix}.json", raw / f"{prefix}.json"
+    png_path = raw / f"{prefix}.png"
     runs = [_raw_run(outcome) for outcome in outcomes]
     redone = [_raw_run(outcome) for outcome in discarded]
     data = {**report, "runs": runs, "disturbed_runs_redone": redone}
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    raw_path.write_text(json.dumps(data, indent=1) + "\n")
+    summary_path.write_text(compact_text(data))
     plot(report, png_path)
-    written = [json_path, png_path]
-    scaling_png = directory / f"{prefix}-scaling.png"
+    written = [summary_path, raw_path, png_path]
+    scaling_png = raw / f"{prefix}-scaling.png"
     scaled = scaling_report.plot(report, scaling_png)
     if scaled:
         written.append(scaling_png)
     if update_latest:
-        table = markdown(report)
         latest, latest_scaling = directory / "LATEST.md", directory / "latest-scaling.png"
         images = ["latest.png", *(["latest-scaling.png"] if scaled else [])]
-        latest.write_text(
-            f"# dalid benchmark: latest results\n\n{table}\n"
-            + "".join(f"![latest results]({image})\n\n" for image in images)
-            + f"Raw data: [{json_path.name}]({json_path.name}).\n"
-        )
+        latest.write_text(latest_markdown(report, images, summary_path.name))
         (directory / "latest.png").write_bytes(png_path.read_bytes())
         written += [latest, directory / "latest.png"]
         if scaled:
@@ -370,21 +380,14 @@ def write(
             written.append(latest_scaling)
         else:  # an older run's scaling plot would not match the table
             latest_scaling.unlink(missing_ok=True)
-        if _update_readme(table, [f"results/{image}" for image in images]):
-            written.append(README)
     return written
 
 
-def _update_readme(table: str, images: list[str]) -> bool:
-    """Replaces the README's results section (between its two markers) with ``table`` and
-    ``images``."""
-    if not README.exists():
-        return False
-    text = README.read_text()
-    pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.DOTALL)
-    if not pattern.search(text):
-        return False
-    pictures = "\n".join(f"![latest results]({image})" for image in images)
-    block = f"{README_START}\n{table}\n{pictures}\n{README_END}"
-    README.write_text(pattern.sub(lambda _: block, text))
-    return True
+def latest_markdown(report: dict[str, Any], images: Sequence[str], summary: str) -> str:
+    """LATEST.md: the run's tables, its plots and where its summary and raw result are."""
+    return (
+        f"# dalid benchmark: latest results\n\n{markdown(report)}\n"
+        + "".join(f"![latest results]({image})\n\n" for image in images)
+        + f"Summary: [{summary}]({summary}); the raw result (every run's batch stamps, memory "
+        f"and CPU readings) stays on the machine that ran it, in `{RAW}/{summary}`.\n"
+    )

@@ -148,7 +148,9 @@ bench() {
   [ "$DRY_RUN" = 1 ] && mode=(--profile gpu --quick --cpu --repeats 1)
   mkdir -p "$dir"
   gpu_processes > "$dir/gpu-processes-before.txt" 2>&1
-  timeout --kill-after=20 "$(left)" "$PYTHON" -m bench "${mode[@]}" --no-latest \
+  # In $dir: the run's summary JSON, LATEST.md with its plots (what is committed), and raw/,
+  # the raw result and per-run plots (packed too; git ignores raw/ under bench/results).
+  timeout --kill-after=20 "$(left)" "$PYTHON" -m bench "${mode[@]}" \
     --output "$dir" "$@" > "$dir/report.md" 2> >(tee "$dir/progress.log" >&2)
   local status=$?
   cat "$dir/report.md"
