@@ -5,7 +5,8 @@ worker's queue thread moves the tensor's storage into a new shared-memory file, 
 fetches that file's descriptor over a new, authenticated connection to the worker's
 resource-sharing thread (``multiprocessing.resource_sharer``). For the batch of labels that
 sits beside dalid's outputs (256 bytes at batch 32) that is most of what a batch costs the
-trainer and its workers besides decoding (bench/README.md, "Where the client's time goes").
+trainer and its workers besides decoding (docs/design/decisions.md, "A worker's small CPU
+tensors go to the trainer by value").
 
 dalid's DataLoader wraps its ``collate_fn`` so that, in a worker, the batch travels as one
 pickle of its own (:class:`CarriedBatch`) in which each small plain CPU tensor is a copy of its

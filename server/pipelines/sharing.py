@@ -376,7 +376,7 @@ def _varint(raw: bytes, position: int) -> tuple[int, int]:
 # samples, from 1 to AUTO_RUN_BATCHES. DALI sizes every stage's buffers (on a GPU, device
 # memory) for the largest run it has seen, and keeps them: runs of 4 batches of 256 made a
 # daemon of 8 jobs hold 6.4 GiB against 2.4 with runs of one batch, for the same samples/s
-# (bench/README.md, "The daemon's memory follows its run size"). Small batches still share
+# (docs/design/decisions.md, "`--run-batches auto`"). Small batches still share
 # runs, where fewer DALI calls a sample are what a run buys.
 AUTO_RUN_SAMPLES = 256
 AUTO_RUN_BATCHES = 4
