@@ -40,6 +40,7 @@ from dalid.protocol import (
     device_label,
     endpoint,
     installation,
+    process_running,
     release,
     runtime_dir,
     transport,
@@ -217,22 +218,35 @@ def start_daemon(
     timeout: float = 60.0,
     idle_timeout: float = AUTOSTART_IDLE_TIMEOUT_S,
 ) -> None:
-    """Starts ``dalid serve`` for ``device`` on ``socket`` and waits until it answers."""
+    """Starts ``dalid serve`` for ``device`` on ``socket`` and waits until it answers.
+
+    A daemon that exits before it answers (a GPU it cannot serve, say) raises at once with what
+    its log says of this start; the log keeps earlier starts' lines, which are left out.
+    """
     socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = log_path(socket)
+    try:
+        earlier = log.stat().st_size
+    except FileNotFoundError:
+        earlier = 0
     command = [
         sys.executable, "-m", "dalid.server", "serve",
         "--device", str(device), "--socket", str(socket), "--idle-timeout", str(idle_timeout),
     ]  # fmt: skip
-    # The shell puts the daemon in the background and exits, so the daemon is nobody's child
-    # (no zombie in the trainer) and lives in its own session (no signal from the terminal).
-    subprocess.run(
-        ["/bin/sh", "-c", 'exec "$@" </dev/null >>"$DALID_LOG" 2>&1 &', "sh", *command],
+    # The shell puts the daemon in the background, says its pid and exits, so the daemon is
+    # nobody's child (no zombie in the trainer) and lives in its own session (no signal from
+    # the terminal).
+    started = subprocess.run(
+        ["/bin/sh", "-c", 'exec "$@" </dev/null >>"$DALID_LOG" 2>&1 & echo $!', "sh", *command],
         env={**os.environ, "DALID_LOG": str(log)},
         start_new_session=True,
         check=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    supervisor = int(started.stdout.split()[-1])
     deadline = time.monotonic() + timeout
+    raced = False
     while time.monotonic() < deadline:
         pid = _answers(socket) if socket.exists() else None
         if pid is not None:
@@ -244,10 +258,35 @@ def start_daemon(
                 file=sys.stderr,
             )
             return
+        if not raced and not process_running(supervisor):
+            lines = _since(log, earlier)
+            # Another trainer's daemon took the socket first: ours exited, and that one answers.
+            raced = any("already serves" in line for line in lines)
+            if not raced:
+                raise DaemonUnavailable(exited_message(device, socket, supervisor, lines))
         time.sleep(0.1)
     raise DaemonUnavailable(
-        f"{no_daemon_message(socket, device)}; autostart launched one but it did not answer "
-        f"within {timeout:.0f} s. Its log, {log}, ends with:\n{_tail(log)}"
+        f"autostart started a dalid daemon (pid {supervisor}) for device {device} on "
+        f"{endpoint(socket)}, but it did not answer within {timeout:.0f} s. Its log "
+        f"({log}) of this start ends with:\n{_tail(_since(log, earlier))}"
+    )
+
+
+def exited_message(device: Device, socket: Path, pid: int, lines: list[str]) -> str:
+    """Why an autostarted daemon exited before it answered: its errors first, from ``lines``
+    (its log of this start), then the log itself."""
+    errors = [line.split(" ERROR ", 1)[1] for line in lines if " ERROR " in line]
+    cause = "; ".join(error.rstrip(".") for error in errors) or "its log says nothing of why"
+    advice = (
+        " A GPU pipeline needs a GPU the daemon can use: on a machine without one, build the "
+        "pipeline with device_id=None (CPU operators) and connect to the CPU daemon."
+        if device != "cpu" and any("cannot serve GPU" in error for error in errors)
+        else ""
+    )
+    return (
+        f"autostart started a dalid daemon (pid {pid}) for device {device} on "
+        f"{endpoint(socket)}, and it exited before it answered: {cause}.{advice} Its log "
+        f"({log_path(socket)}) of this start:\n{_tail(lines)}"
     )
 
 
@@ -266,8 +305,15 @@ def _answers(socket: Path) -> int | None:
         sock.close(linger=0)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def _since(path: Path, offset: int) -> list[str]:
+    """The lines written to ``path`` past ``offset`` (this start's, not earlier starts')."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with path.open("rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace").splitlines()
     except OSError:
-        return "(no log)"
+        return []
+
+
+def _tail(lines: list[str], shown: int = 20) -> str:
+    return "\n".join(lines[-shown:]) if lines else "(nothing)"
