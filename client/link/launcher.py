@@ -48,6 +48,7 @@ from dalid.protocol import (
 from dalid.protocol.ownership import UnsafePath
 
 from ..errors import DaemonUnavailable
+from .advice import Advice
 from .connection import no_daemon_message, process_context
 from .link import Link, answering, dial
 
@@ -78,8 +79,11 @@ def autostart_connect(
     job: JobRequest = JobRequest(),
     hello_timeout: float = 5.0,
     earlier_jobs: tuple[EarlierJob, ...] = (),
+    reconnect: bool = False,
 ) -> Link:
     """A trainer link to the daemon on ``path``, starting one first if allowed."""
+    default = is_default_socket(path, device)
+    advice = Advice(autostarts=autostart and default, default_socket=default, reconnects=reconnect)
 
     def trainer_connection() -> Link:
         return dial(
@@ -93,18 +97,19 @@ def autostart_connect(
             memory_bytes=job.memory_bytes,
             max_inflight_batches=job.max_inflight_batches,
             earlier_jobs=earlier_jobs,
+            advice=advice,
         )
 
     if answering(path):
         try:
             return _checked(trainer_connection())
         except DaemonUnavailable:
-            if not autostart or not is_default_socket(path, device):
+            if not advice.autostarts:
                 raise
             # A socket file no daemon answers on: a killed daemon's. A new one replaces it.
     elif not autostart:
-        raise DaemonUnavailable(no_daemon_message(path, device))
-    elif not is_default_socket(path, device):
+        raise DaemonUnavailable(no_daemon_message(path, device, advice))
+    elif not default:
         raise DaemonUnavailable(
             f"no dalid daemon answers on {endpoint(path)}, the socket this trainer was given "
             f"(socket= or ${SOCKET_ENV}); autostart starts a daemon only on the default socket "
@@ -182,7 +187,7 @@ class Dial(Protocol):
 
 
 def trainer_dial(
-    socket: Path, device: Device, *, autostart: bool, name: str, job: JobRequest
+    socket: Path, device: Device, *, autostart: bool, name: str, job: JobRequest, reconnect: bool
 ) -> Dial:
     """How a session opens its trainer link, to its first daemon and to each one after."""
 
@@ -203,6 +208,7 @@ def trainer_dial(
             job=job,
             hello_timeout=hello_timeout,
             earlier_jobs=earlier_jobs,
+            reconnect=reconnect,
         )
 
     return dial
