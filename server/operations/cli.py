@@ -24,6 +24,7 @@ from typing import Any
 from dalid.protocol import (
     PROTOCOL_VERSION,
     RUNTIME_DIR_ENV,
+    check_socket_directory,
     gpu_count,
     slabs,
     socket_path,
@@ -226,9 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = _settings(args, serving)
         supervising = serving and (not args.no_supervisor or settings["devices"] is not None)
-        # A socket path too long, or a runtime directory others can enter, is refused here.
+        # A socket path too long, or a runtime directory others can enter, is refused here,
+        # and so is a --socket in a directory others can enter: the same rule.
         config = _daemon_config(settings) if serving and not supervising else None
         path = config.socket if config is not None else _socket(settings)
+        if serving:
+            check_socket_directory(path)
     except (ConfigError, OSError, ValueError) as error:
         print(f"dalid {args.command}: {error}", file=sys.stderr)
         return EXIT_USAGE
