@@ -16,6 +16,7 @@ import pytest
 from dalid.server.operations.cli import build_parser
 from dalid.server.operations.config import OPTIONS
 from dalid.server.operations.status_view import COLUMNS
+from dalid.server.pipelines.operators import ALLOWED
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -135,3 +136,83 @@ def test_the_readmes_commands_run_through_dev_run() -> None:
     inline = re.findall(r"`((?:python|dalid) [^`]*)`", text)
     runnable = [c for c in inline if c.startswith(("python -m", "python train.py"))]
     assert runnable == [], runnable
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def _passages(text: str) -> list[str]:
+    """A doc's paragraphs, list items and table rows, each on one line (code left out)."""
+    passages: list[str] = []
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    for block in re.split(r"\n\s*\n", text):
+        current: list[str] = []
+        for line in block.splitlines():
+            if re.match(r"\s*([-*] |\d+\. |\|)", line) and current:
+                passages.append(" ".join(current))
+                current = []
+            current.append(line.strip())
+        if current:
+            passages.append(" ".join(current))
+    return passages
+
+
+def _reader_schemas(passage: str) -> set[str]:
+    """The DALI schemas of the readers a passage names (``fn.readers.file``: readers__File;
+    ``readers.*``: every reader DALI registers)."""
+    from nvidia.dali import backend
+
+    registered = {
+        name
+        for names in (
+            backend.RegisteredCPUOps(),
+            backend.RegisteredGPUOps(),
+            backend.RegisteredMixedOps(),
+        )
+        for name in names
+        if "readers__" in name
+    }
+    named = set()
+    for reader in re.findall(r"readers\.(\*|[a-z_]+)", passage):
+        if reader == "*":
+            named |= registered
+        else:
+            key = reader.replace("_", "")
+            named |= {
+                name
+                for name in registered
+                if name.split("readers__")[-1].replace("_", "").lower() == key
+            }
+    return named
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda path: path.name)
+def test_what_the_docs_say_of_readers_is_what_the_operator_list_does(doc: Path) -> None:
+    """A passage that names a DALI reader says it is refused exactly when the daemon's
+    allow-list leaves it out (a doc that said `fn.readers.file(file_root=...)` is opened by the
+    daemon as written, when the daemon refuses every reader, fails here)."""
+    wrong = []
+    for passage in _passages(doc.read_text()):
+        schemas = _reader_schemas(passage)
+        if not schemas:
+            continue
+        refused = any(schema not in ALLOWED for schema in schemas)
+        says_refused = bool(re.search(r"refuse|not run|does not run", passage))
+        if refused != says_refused:
+            wrong.append(passage[:160])
+    assert wrong == [], f"{doc.name} says of readers what the daemon does not do: {wrong}"
+
+
+def test_a_reader_claim_against_the_allow_list_is_caught() -> None:
+    """The check above, on the sentence that misled users, and on its correction."""
+    stale = (
+        "File names given to a reader inside the pipeline definition "
+        "(`fn.readers.file(file_root=...)`) are opened by the daemon as written."
+    )
+    assert _reader_schemas(stale) == {"readers__File"}
+    assert "readers__File" not in ALLOWED
+    assert not re.search(r"refuse|not run|does not run", stale)
+    assert _reader_schemas("The daemon refuses DALI's file readers (`fn.readers.*`)") >= {
+        "readers__File",
+        "readers__Numpy",
+    }
