@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -30,17 +30,15 @@ from dalid.protocol import (
     socket_path,
 )
 
-from ..handling.registration import Sharing
-from ..intake.daemon import Daemon, DaemonConfig, usable_cores
-from ..intake.heap import limit_malloc_arenas
-from ..jobs.quotas import Quotas
-from ..pipelines.operators import OperatorPolicy
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
-from .devices import DeviceListError, child_specs, parse_devices
-from .lifeline import watch_supervisor
 from .status_view import legend
-from .supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from ..intake.daemon import DaemonConfig
+
+# What `dalid serve` alone needs (the daemon, its supervisor) is imported by it, not here: the
+# commands that ask a running daemon start in a fraction of the time on a machine that trains.
 
 log = logging.getLogger("dalid.server")
 # As argparse exits on a bad flag.
@@ -142,6 +140,11 @@ def shm_size() -> int:
 
 
 def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
+    from ..handling.registration import Sharing
+    from ..intake.daemon import DaemonConfig, usable_cores
+    from ..jobs.quotas import Quotas
+    from ..pipelines.operators import OperatorPolicy
+
     pipelines = settings["pipelines"]
     if pipelines is not None and not pipelines.is_dir():
         raise ConfigError(f"pipelines: {pipelines} is not a directory")
@@ -193,6 +196,9 @@ def _child_options(settings: dict[str, Any]) -> list[str]:
 
 
 def _supervise(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    from .devices import DeviceListError, child_specs, parse_devices
+    from .supervisor import Supervisor
+
     try:
         if settings["devices"] is not None and "device" in vars(args):
             raise DeviceListError("--device and --devices: give one of them")
@@ -244,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
         if config is None:
             return _supervise(args, settings)
+        from ..intake.daemon import Daemon
+        from ..intake.heap import limit_malloc_arenas
+        from .lifeline import watch_supervisor
+
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
         daemon = Daemon(config)
