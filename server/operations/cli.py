@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -87,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "daemon's socket may reload it, as it may stop it; SIGHUP to the daemon, or to "
                 "`dalid serve`, does the same."
             )
+        formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter
         if name == "status":
-            description += f" Columns: {legend()}."
-        command = commands.add_parser(name, help=text, description=description)
+            # A table of the columns, printed as written.
+            description = f"{textwrap.fill(description, 80)}\n\n{legend()}"
+            formatter = argparse.RawDescriptionHelpFormatter
+        command = commands.add_parser(
+            name, help=text, description=description, formatter_class=formatter
+        )
         add_options(command, [option for option in OPTIONS if option.locates_daemon])
         # Loading imports the repository's files, which may take a while.
         timeout = 60.0 if name == "reload" else 10.0
