@@ -37,7 +37,7 @@ def headline(report: StatusReport, where: str) -> tuple[str, str]:
         f"dalid {report.device} daemon pid {report.daemon_pid} on {where}",
         f"up {_duration(report.uptime_seconds)}, DALI {report.dali_version}, "
         f"{len(report.jobs)}/{report.max_jobs} jobs, {report.concurrency} batches at once, "
-        f"{size(report.memory_reserved)} of {limit} reserved",
+        f"output memory {size(report.memory_reserved)} of {limit}",
     )
 
 

@@ -333,7 +333,9 @@ def _cpu_room(window: _Window) -> float | None:
 def _device_text(load: Load, window: _Window) -> str:
     parts = []
     if window.cpu_busy is not None and window.cores:
-        daemon = "" if window.daemon_cpu is None else f" (the daemon {window.daemon_cpu:.1f})"
+        daemon = (
+            "" if window.daemon_cpu is None else f", {window.daemon_cpu:.1f} of them the daemon's"
+        )
         parts.append(f"CPU {window.cpu_busy:.1f} of {window.cores} cores busy{daemon}")
     if window.gpu_busy is not None:
         parts.append(f"GPU {window.gpu_busy:.0%} busy")

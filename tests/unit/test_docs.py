@@ -121,7 +121,16 @@ def test_status_help_says_what_the_columns_the_pipeline_lines_and_outputs_mean()
 
 def test_the_readme_says_what_status_shows() -> None:
     text = " ".join(README.read_text().split())
-    for said in ("runs of up to", "full on average", "runs mixed jobs", "`outputs`", "`shm`"):
+    for said in (
+        "runs of up to",
+        "full on average",
+        "runs mixed their batches",
+        "alone for now",
+        "`outputs`",
+        "`shm`",
+        "docs/status-80.txt",
+        "docs/status-120.txt",
+    ):
         assert said in text, said
 
 
