@@ -5,11 +5,13 @@ the code does."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,18 +171,10 @@ def _passages(text: str) -> list[str]:
 def _reader_schemas(passage: str) -> set[str]:
     """The DALI schemas of the readers a passage names (``fn.readers.file``: readers__File;
     ``readers.*``: every reader DALI registers)."""
-    from nvidia.dali import backend
-
-    registered = {
-        name
-        for names in (
-            backend.RegisteredCPUOps(),
-            backend.RegisteredGPUOps(),
-            backend.RegisteredMixedOps(),
-        )
-        for name in names
-        if "readers__" in name
-    }
+    importlib.import_module("nvidia.dali.ops")  # registers the operators of its plugins
+    backend: Any = importlib.import_module("nvidia.dali.backend")
+    listings = (backend.RegisteredCPUOps, backend.RegisteredGPUOps, backend.RegisteredMixedOps)
+    registered = {name for listing in listings for name in listing(True) if "readers__" in name}
     named = set()
     for reader in re.findall(r"readers\.(\*|[a-z_]+)", passage):
         if reader == "*":
