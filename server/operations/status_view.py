@@ -57,7 +57,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("name", "left", 0, "the name it gave at connect (name=...); - if none"),
     Column("pid", "right", 4, "the trainer's process id"),
     Column("weight", "right", 7, "its share of the daemon when jobs compete"),
-    Column("workers", "right", 10, "DataLoader workers connected (each at its first sample)"),
+    Column(
+        "workers", "right", 10, "DataLoader workers connected (only persistent ones between epochs)"
+    ),
     Column("pipes", "right", 11, "pipelines it registered"),
     Column("batches/s", "right", 9, "batches delivered a second, over the last 5 s"),
     Column("samples/s", "right", 0, "samples delivered a second, over the last 5 s"),
