@@ -102,7 +102,7 @@ def autostart_connect(
 
     if answering(path):
         try:
-            return _checked(trainer_connection())
+            return _checked(trainer_connection(), advice)
         except DaemonUnavailable:
             if not advice.autostarts:
                 raise
@@ -117,7 +117,7 @@ def autostart_connect(
             f"there with `dalid serve --device {device} --socket {path}`"
         )
     start_daemon(device, path, timeout=connect_timeout)
-    return _checked(trainer_connection())
+    return _checked(trainer_connection(), advice)
 
 
 def _default_socket(device: Device) -> Path | None:
@@ -142,7 +142,7 @@ def is_default_socket(path: Path, device: Device) -> bool:
 _warned: set[tuple[Path, int]] = set()
 
 
-def _checked(link: Link) -> Link:
+def _checked(link: Link, advice: Advice) -> Link:
     """``link``, after a warning if its daemon runs another dalid than this process."""
     welcome = link.welcome
     mine = (release(), installation())
@@ -156,6 +156,12 @@ def _checked(link: Link) -> Link:
     if (link.path, welcome.daemon_pid) in _warned:
         return link
     _warned.add((link.path, welcome.daemon_pid))
+    # Only a trainer that autostarts would start its own daemon there by itself.
+    then = (
+        "this trainer starts its own"
+        if advice.autostarts
+        else f"start this installation's (`dalid serve --socket {link.path}`)"
+    )
     theirs = (
         f"dalid {welcome.release or '(release unknown)'} from {welcome.installation}"
         if welcome.installation
@@ -165,8 +171,8 @@ def _checked(link: Link) -> Link:
         f"the dalid daemon on {endpoint(link.path)} (pid {welcome.daemon_pid}) runs {theirs}; "
         f"this trainer runs dalid {mine[0] or '(release unknown)'} from {mine[1]}. Another "
         "installation's daemon runs its own code and options: stop it "
-        f"(`dalid stop --socket {link.path}`) and this trainer starts its own, or give this "
-        "trainer a socket of its own",
+        f"(`dalid stop --socket {link.path}`) and {then}, or give this trainer a socket of its "
+        "own",
         OtherInstallationWarning,
         stacklevel=2,
     )
