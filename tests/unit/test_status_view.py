@@ -151,3 +151,14 @@ def test_the_instance_controllers_reasons_read_as_words() -> None:
     assert change is Change.ADD
     assert controller.reason.startswith("trying 2 DALI instances: batches waited at ")
     assert "->" not in controller.reason
+
+
+def test_status_help_is_a_short_table_of_columns() -> None:
+    from dalid.server.operations.status_view import legend
+
+    lines = legend().splitlines()
+    assert lines[0] == "Columns:"
+    rows = lines[1 : 1 + len(COLUMNS)]
+    for column, row in zip(COLUMNS, rows, strict=True):
+        assert row.startswith(f"  {column.header}:")
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
