@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 from dalid.protocol import Device, OnError, RegisterNamedPipeline, RegisterPipeline
@@ -65,6 +66,38 @@ def external_source_names(pipeline: Any) -> list[str]:
     from nvidia.dali.external_source import ExternalSource
 
     return [op.name for op in _graph(pipeline)._ops if isinstance(op._op, ExternalSource)]
+
+
+def readers(pipeline: Any) -> list[str]:
+    """The file readers (``fn.readers.*``) of a pipeline, as ``fn.`` names: the daemon refuses
+    them (they read whatever files their arguments name, as the daemon's user)."""
+    names = []
+    for op in _graph(pipeline)._ops:
+        schema = str(op._op.schema_name)
+        if "readers__" in schema:
+            parts = [
+                re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", part).lower() for part in schema.split("__")
+            ]
+            names.append("fn." + ".".join(part.strip("_") for part in parts))
+        elif schema.endswith("Reader"):
+            names.append(schema)
+    return names
+
+
+def no_inputs_hint(pipeline: Any) -> str:
+    """What to do about a pipeline with no external_source: dalid feeds pipelines only
+    through them, and a reader in its place is refused."""
+    found = readers(pipeline)
+    hint = "dalid feeds a pipeline through its fn.external_source(name=...) inputs"
+    if found:
+        hint += (
+            f"; the daemon refuses {', '.join(dict.fromkeys(found))}, which reads the files its "
+            "arguments name: "
+            "have the dataset return each file's path, and read it in the pipeline with "
+            'fn.io.file.read(fn.external_source(name="paths", no_copy=True)) '
+            '(docs/migration.md, "Readers")'
+        )
+    return hint
 
 
 def output_count(pipeline: Any) -> int:
@@ -120,10 +153,7 @@ def registration_request(
     check_pipeline(pipeline)
     names = external_source_names(pipeline)
     if not names:
-        raise InputError(
-            "the pipeline has no external_source: dalid feeds pipelines through "
-            "fn.external_source(name=...) inputs"
-        )
+        raise InputError(f"the pipeline has no external_source: {no_inputs_hint(pipeline)}")
     depth = pipeline.prefetch_queue_depth
     if isinstance(depth, dict):
         depth = max(depth.values())

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import InputError
 from .loader import DataLoader as _DataLoader
 from .options import check_job_options
-from .pipelines import check_pipeline, external_source_names, pipeline_device
+from .pipelines import check_pipeline, external_source_names, no_inputs_hint, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
 from .worker.worker import Proxy, collate_sample_refs
@@ -77,7 +77,10 @@ class DALIServer:
         }
         check_job_options(**self._job)
         if not external_source_names(pipeline):
-            raise RuntimeError("The provided pipeline doesn't have any inputs")
+            # DALI's words first, as its proxy says them, then what to do.
+            raise RuntimeError(
+                f"The provided pipeline doesn't have any inputs: {no_inputs_hint(pipeline)}"
+            )
         self._pipeline = pipeline
         self._deterministic = deterministic
         self._on_error = on_error

@@ -90,6 +90,7 @@ class Session:
                 autostart=autostart,
                 name=name or f"pid {os.getpid()}",
                 job=JobRequest(weight, memory_bytes or 0, max_inflight_batches or 0),
+                reconnect=reconnect,
             ),
             socket=self.socket,
             device=self.device,

@@ -3,6 +3,9 @@
     ./dev run python -m examples.imagefolder_train [--data DIR] [--epochs 1] [--socket PATH]
         [--named]
 
+``--epochs 60`` trains for a minute or so on a small machine: long enough to watch it in
+``dalid status`` from another terminal.
+
 The training loop is that of a torchvision ImageFolder script; only the transform changes: the
 dataset hands each file path to the dalid proxy, and the daemon reads, decodes, crops, flips
 and normalizes the images. Without ``--data`` a small dataset is generated. Without
@@ -75,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,
+            # The same workers every epoch: none started again, and `dalid status` counts
+            # them throughout, not only while an epoch runs.
+            persistent_workers=args.workers > 0,
             drop_last=True,
         )
         model = classifier(len(dataset.classes))

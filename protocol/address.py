@@ -62,6 +62,14 @@ def runtime_dir(create: bool = True, explicit: str | os.PathLike[str] | None = N
     return path
 
 
+def check_socket_directory(socket: Path) -> None:
+    """The runtime directory's rule, for a daemon's socket wherever it lies (``--socket`` too):
+    its directory, if it exists, is this user's and closed to everyone else (mode 0700). A
+    daemon makes a missing one so."""
+    if os.path.lexists(socket.parent):
+        check_private_directory(socket.parent, "socket directory")
+
+
 def socket_path(
     device: Device = "cpu",
     explicit: str | os.PathLike[str] | None = None,

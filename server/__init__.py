@@ -12,9 +12,32 @@ control and supervision, above them all.
 ZeroMQ ROUTER socket; ``dalid serve`` (:mod:`dalid.server.operations.cli`) runs it.
 """
 
-from .handling.core import DaemonCore
-from .intake.daemon import Daemon, DaemonConfig
-from .outputs.pool import RegionPool
-from .pipelines.runner import PipelineRunner, PipelineSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .handling.core import DaemonCore
+    from .intake.daemon import Daemon, DaemonConfig
+    from .outputs.pool import RegionPool
+    from .pipelines.runner import PipelineRunner, PipelineSpec
 
 __all__ = ["Daemon", "DaemonConfig", "DaemonCore", "PipelineRunner", "PipelineSpec", "RegionPool"]
+
+# Imported when first named: `dalid stop`, `dalid status` and the other commands that only ask
+# a running daemon import none of the daemon, which on a machine busy training took seconds.
+_WHERE = {
+    "DaemonCore": ".handling.core",
+    "Daemon": ".intake.daemon",
+    "DaemonConfig": ".intake.daemon",
+    "RegionPool": ".outputs.pool",
+    "PipelineRunner": ".pipelines.runner",
+    "PipelineSpec": ".pipelines.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name], __name__), name)

@@ -39,6 +39,7 @@ from dalid.protocol import (
 )
 
 from ..errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
+from .advice import NO_ADVICE, Advice
 
 log = logging.getLogger("dalid.client")
 
@@ -95,27 +96,24 @@ def process_context() -> zmq.Context[Any]:
     return _context
 
 
-def stop_notice(envelope: Envelope) -> DaemonStopped | None:
-    """The error for a daemon's notice that it was stopped (see dalid.server.intake.farewell)."""
+def stop_notice(envelope: Envelope, then: str) -> DaemonStopped | None:
+    """The error for a daemon's notice that it was stopped (see dalid.server.intake.farewell),
+    ending with ``then``, what this link's user can do next."""
     message = envelope.message
     if (
         envelope.request_id is None
         and isinstance(message, Error)
         and message.code is ErrorCode.SHUTTING_DOWN
     ):
-        return DaemonStopped(message.message)
+        return DaemonStopped(f"{message.message.rstrip('.')}: {then}")
     return None
 
 
-def no_daemon_message(path: Path, device: str | int) -> str:
-    return (
-        f"no dalid daemon answers on {endpoint(path)}: start one with "
-        f"`dalid serve --device {device} --socket {path}` (or, for the default socket, connect "
-        "with autostart=True)"
-    )
+def no_daemon_message(path: Path, device: str | int, advice: Advice) -> str:
+    return f"no dalid daemon answers on {endpoint(path)}: {advice.start_one(path, device)}"
 
 
-def _verified_socket(path: Path, device: str | int, timeout: float) -> Path:
+def _verified_socket(path: Path, device: str | int, timeout: float, advice: Advice) -> Path:
     """The socket to connect to for ``path``, once it is known to be the user's daemon's
     (UnsafePath, a PermissionError, otherwise). A daemon that is not listening yet (being
     restarted, say) is waited for up to ``timeout``, as a hello is."""
@@ -126,8 +124,8 @@ def _verified_socket(path: Path, device: str | int, timeout: float) -> Path:
         except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
             if time.monotonic() >= deadline:
                 raise DaemonUnavailable(
-                    f"{no_daemon_message(path, device)} (nothing listened on it within "
-                    f"{timeout:.0f} s)"
+                    f"no dalid daemon answers on {endpoint(path)} (nothing listened on it "
+                    f"within {timeout:.0f} s): {advice.start_one(path, device)}"
                 ) from None
             time.sleep(CONNECT_RETRY_S)
 
@@ -156,9 +154,11 @@ class Connection:
         memory_bytes: int = 0,
         max_inflight_batches: int = 0,
         earlier_jobs: tuple[EarlierJob, ...] = (),
+        advice: Advice = NO_ADVICE,
     ) -> None:
         self.path = path
         self.device = device
+        self.advice = advice
         self._pid = os.getpid()
         self._on_push = on_push or self._log_push
         self._request_ids = itertools.count(1)
@@ -167,7 +167,7 @@ class Connection:
         self._watch_daemon = False
         self._daemon_gone = False
         # The hello may carry a job token: it goes only to the user's own daemon.
-        target = _verified_socket(path, device, hello_timeout)
+        target = _verified_socket(path, device, hello_timeout, advice)
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
             process_context(), zmq.DEALER, endpoint(target), bind=False
         )
@@ -223,8 +223,9 @@ class Connection:
         envelope = self.receive_until(lambda e: e.request_id == request_id, timeout, ping=ping)
         if envelope is None:
             raise DaemonUnavailable(
-                f"{no_daemon_message(self.path, self.device)} ({op} got no reply in "
-                f"{timeout:.0f} s)"
+                f"the dalid daemon on {endpoint(self.path)} did not reply to {op} within "
+                f"{timeout:.0f} s: it is stuck or overloaded (`dalid status --socket {self.path}` "
+                "shows whether it answers; its log says more)"
             )
         if isinstance(envelope.message, Error):
             if self._daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
@@ -299,7 +300,7 @@ class Connection:
                 continue
             envelope = self._recv(sock)
             last_heard = time.monotonic()
-            stopped = stop_notice(envelope)
+            stopped = stop_notice(envelope, self.advice.after_stop(self.path, self.device))
             if stopped is not None:
                 self._daemon_gone = True
                 raise stopped
@@ -360,8 +361,7 @@ class Connection:
         self._daemon_gone = True
         return DaemonUnavailable(
             f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) is gone: {why}. "
-            "`dalid serve` restarts a crashed daemon; connect again, or connect with "
-            "reconnect=True to have a job carry on by itself"
+            f"{self.advice.after_gone()}"
         )
 
     def _live_socket(self) -> zmq.Socket[Any]:

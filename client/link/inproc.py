@@ -42,6 +42,7 @@ from dalid.protocol import (
 )
 
 from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
+from .advice import NO_ADVICE, Advice
 from .connection import IDLE_EVERY_S
 
 log = logging.getLogger("dalid.client")
@@ -178,9 +179,11 @@ class InprocLink:
         memory_bytes: int = 0,
         max_inflight_batches: int = 0,
         earlier_jobs: tuple[EarlierJob, ...] = (),
+        advice: Advice = NO_ADVICE,
     ) -> None:
         self.path = path
         self.device = device
+        self.advice = advice
         self._daemon = daemon
         self._pid = os.getpid()
         self._on_push = on_push or _log_push
@@ -294,8 +297,8 @@ class InprocLink:
     def gone_error(self, why: str) -> DaemonUnavailable:
         self._daemon_gone = True
         return DaemonUnavailable(
-            f"the dalid daemon on {self.path} (in this process) is gone: {why}. Connect again, "
-            "or connect with reconnect=True to have a job carry on by itself"
+            f"the dalid daemon on {self.path} (in this process) is gone: {why}. "
+            f"{self.advice.after_gone()}"
         )
 
     def _live_inbox(self) -> queue.SimpleQueue[Frames]:

@@ -40,6 +40,7 @@ from dalid.protocol import (
     device_label,
     endpoint,
     installation,
+    process_running,
     release,
     runtime_dir,
     transport,
@@ -47,6 +48,7 @@ from dalid.protocol import (
 from dalid.protocol.ownership import UnsafePath
 
 from ..errors import DaemonUnavailable
+from .advice import Advice
 from .connection import no_daemon_message, process_context
 from .link import Link, answering, dial
 
@@ -77,8 +79,11 @@ def autostart_connect(
     job: JobRequest = JobRequest(),
     hello_timeout: float = 5.0,
     earlier_jobs: tuple[EarlierJob, ...] = (),
+    reconnect: bool = False,
 ) -> Link:
     """A trainer link to the daemon on ``path``, starting one first if allowed."""
+    default = is_default_socket(path, device)
+    advice = Advice(autostarts=autostart and default, default_socket=default, reconnects=reconnect)
 
     def trainer_connection() -> Link:
         return dial(
@@ -92,18 +97,19 @@ def autostart_connect(
             memory_bytes=job.memory_bytes,
             max_inflight_batches=job.max_inflight_batches,
             earlier_jobs=earlier_jobs,
+            advice=advice,
         )
 
     if answering(path):
         try:
-            return _checked(trainer_connection())
+            return _checked(trainer_connection(), advice)
         except DaemonUnavailable:
-            if not autostart or not is_default_socket(path, device):
+            if not advice.autostarts:
                 raise
             # A socket file no daemon answers on: a killed daemon's. A new one replaces it.
     elif not autostart:
-        raise DaemonUnavailable(no_daemon_message(path, device))
-    elif not is_default_socket(path, device):
+        raise DaemonUnavailable(no_daemon_message(path, device, advice))
+    elif not default:
         raise DaemonUnavailable(
             f"no dalid daemon answers on {endpoint(path)}, the socket this trainer was given "
             f"(socket= or ${SOCKET_ENV}); autostart starts a daemon only on the default socket "
@@ -111,7 +117,7 @@ def autostart_connect(
             f"there with `dalid serve --device {device} --socket {path}`"
         )
     start_daemon(device, path, timeout=connect_timeout)
-    return _checked(trainer_connection())
+    return _checked(trainer_connection(), advice)
 
 
 def _default_socket(device: Device) -> Path | None:
@@ -136,7 +142,7 @@ def is_default_socket(path: Path, device: Device) -> bool:
 _warned: set[tuple[Path, int]] = set()
 
 
-def _checked(link: Link) -> Link:
+def _checked(link: Link, advice: Advice) -> Link:
     """``link``, after a warning if its daemon runs another dalid than this process."""
     welcome = link.welcome
     mine = (release(), installation())
@@ -150,6 +156,12 @@ def _checked(link: Link) -> Link:
     if (link.path, welcome.daemon_pid) in _warned:
         return link
     _warned.add((link.path, welcome.daemon_pid))
+    # Only a trainer that autostarts would start its own daemon there by itself.
+    then = (
+        "this trainer starts its own"
+        if advice.autostarts
+        else f"start this installation's (`dalid serve --socket {link.path}`)"
+    )
     theirs = (
         f"dalid {welcome.release or '(release unknown)'} from {welcome.installation}"
         if welcome.installation
@@ -159,8 +171,8 @@ def _checked(link: Link) -> Link:
         f"the dalid daemon on {endpoint(link.path)} (pid {welcome.daemon_pid}) runs {theirs}; "
         f"this trainer runs dalid {mine[0] or '(release unknown)'} from {mine[1]}. Another "
         "installation's daemon runs its own code and options: stop it "
-        f"(`dalid stop --socket {link.path}`) and this trainer starts its own, or give this "
-        "trainer a socket of its own",
+        f"(`dalid stop --socket {link.path}`) and {then}, or give this trainer a socket of its "
+        "own",
         OtherInstallationWarning,
         stacklevel=2,
     )
@@ -181,7 +193,7 @@ class Dial(Protocol):
 
 
 def trainer_dial(
-    socket: Path, device: Device, *, autostart: bool, name: str, job: JobRequest
+    socket: Path, device: Device, *, autostart: bool, name: str, job: JobRequest, reconnect: bool
 ) -> Dial:
     """How a session opens its trainer link, to its first daemon and to each one after."""
 
@@ -202,6 +214,7 @@ def trainer_dial(
             job=job,
             hello_timeout=hello_timeout,
             earlier_jobs=earlier_jobs,
+            reconnect=reconnect,
         )
 
     return dial
@@ -217,22 +230,35 @@ def start_daemon(
     timeout: float = 60.0,
     idle_timeout: float = AUTOSTART_IDLE_TIMEOUT_S,
 ) -> None:
-    """Starts ``dalid serve`` for ``device`` on ``socket`` and waits until it answers."""
+    """Starts ``dalid serve`` for ``device`` on ``socket`` and waits until it answers.
+
+    A daemon that exits before it answers (a GPU it cannot serve, say) raises at once with what
+    its log says of this start; the log keeps earlier starts' lines, which are left out.
+    """
     socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = log_path(socket)
+    try:
+        earlier = log.stat().st_size
+    except FileNotFoundError:
+        earlier = 0
     command = [
         sys.executable, "-m", "dalid.server", "serve",
         "--device", str(device), "--socket", str(socket), "--idle-timeout", str(idle_timeout),
     ]  # fmt: skip
-    # The shell puts the daemon in the background and exits, so the daemon is nobody's child
-    # (no zombie in the trainer) and lives in its own session (no signal from the terminal).
-    subprocess.run(
-        ["/bin/sh", "-c", 'exec "$@" </dev/null >>"$DALID_LOG" 2>&1 &', "sh", *command],
+    # The shell puts the daemon in the background, says its pid and exits, so the daemon is
+    # nobody's child (no zombie in the trainer) and lives in its own session (no signal from
+    # the terminal).
+    started = subprocess.run(
+        ["/bin/sh", "-c", 'exec "$@" </dev/null >>"$DALID_LOG" 2>&1 & echo $!', "sh", *command],
         env={**os.environ, "DALID_LOG": str(log)},
         start_new_session=True,
         check=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    supervisor = int(started.stdout.split()[-1])
     deadline = time.monotonic() + timeout
+    raced = False
     while time.monotonic() < deadline:
         pid = _answers(socket) if socket.exists() else None
         if pid is not None:
@@ -244,10 +270,35 @@ def start_daemon(
                 file=sys.stderr,
             )
             return
+        if not raced and not process_running(supervisor):
+            lines = _since(log, earlier)
+            # Another trainer's daemon took the socket first: ours exited, and that one answers.
+            raced = any("already serves" in line for line in lines)
+            if not raced:
+                raise DaemonUnavailable(exited_message(device, socket, supervisor, lines))
         time.sleep(0.1)
     raise DaemonUnavailable(
-        f"{no_daemon_message(socket, device)}; autostart launched one but it did not answer "
-        f"within {timeout:.0f} s. Its log, {log}, ends with:\n{_tail(log)}"
+        f"autostart started a dalid daemon (pid {supervisor}) for device {device} on "
+        f"{endpoint(socket)}, but it did not answer within {timeout:.0f} s. Its log "
+        f"({log}) of this start ends with:\n{_tail(_since(log, earlier))}"
+    )
+
+
+def exited_message(device: Device, socket: Path, pid: int, lines: list[str]) -> str:
+    """Why an autostarted daemon exited before it answered: its errors first, from ``lines``
+    (its log of this start), then the log itself."""
+    errors = [line.split(" ERROR ", 1)[1] for line in lines if " ERROR " in line]
+    cause = "; ".join(error.rstrip(".") for error in errors) or "its log says nothing of why"
+    advice = (
+        " A GPU pipeline needs a GPU the daemon can use: on a machine without one, build the "
+        "pipeline with device_id=None (CPU operators) and connect to the CPU daemon."
+        if device != "cpu" and any("cannot serve GPU" in error for error in errors)
+        else ""
+    )
+    return (
+        f"autostart started a dalid daemon (pid {pid}) for device {device} on "
+        f"{endpoint(socket)}, and it exited before it answered: {cause}.{advice} Its log "
+        f"({log_path(socket)}) of this start:\n{_tail(lines)}"
     )
 
 
@@ -266,8 +317,15 @@ def _answers(socket: Path) -> int | None:
         sock.close(linger=0)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def _since(path: Path, offset: int) -> list[str]:
+    """The lines written to ``path`` past ``offset`` (this start's, not earlier starts')."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with path.open("rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace").splitlines()
     except OSError:
-        return "(no log)"
+        return []
+
+
+def _tail(lines: list[str], shown: int = 20) -> str:
+    return "\n".join(lines[-shown:]) if lines else "(nothing)"

@@ -19,6 +19,7 @@ from pathlib import Path
 from dalid.protocol import ErrorCode, Role
 
 from ..errors import DaemonUnavailable, ProtocolMismatch, RequestError
+from ..link.advice import Advice
 from ..link.connection import this_pid
 from ..link.link import Link, dial
 from .submitter import Submitter
@@ -76,6 +77,7 @@ class WorkerLinks:
                 job_id=target.job_id,
                 job_token=target.job_token,
                 hello_timeout=5.0 if retry_at is None else REJOIN_HELLO_TIMEOUT_S,
+                advice=Advice(reconnects=target.reconnect),
             )
             self._links[key] = submitter = Submitter(link)
             if self._closes_at_exit != self._pid:

@@ -32,6 +32,5 @@ def stopping_notice(socket: Path, reason: str) -> Error:
     return Error(
         ErrorCode.SHUTTING_DOWN,
         f"the dalid daemon on {endpoint(socket)} (pid {os.getpid()}) was stopped ({reason}) "
-        "and ended this job; it will not be restarted by itself. Start a daemon again "
-        "(`dalid serve`, or connect with autostart=True) and connect again",
+        "and ended this job; it will not be restarted by itself",
     )

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from dalid.protocol import endpoint, process_running, slabs, uuid_socket_path
-from dalid.protocol.ownership import check_owned_directory
+from dalid.protocol.ownership import check_private_directory
 
 log = logging.getLogger("dalid.server")
 
@@ -38,8 +38,9 @@ class SocketClaim:
         """Takes the socket's lock file; a live daemon holding it means we must not start."""
         path = self.socket
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Another user who could write there could plant links or take the socket's name.
-        check_owned_directory(path.parent, "socket directory")
+        # Another user who could enter it could connect; one who could write there could plant
+        # links or take the socket's name. The runtime directory's rule: mode 0700.
+        check_private_directory(path.parent, "socket directory")
         lock_path = path.with_name(path.name + ".lock")
         while True:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

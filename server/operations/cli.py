@@ -16,30 +16,30 @@ import dataclasses
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
     RUNTIME_DIR_ENV,
+    check_socket_directory,
     gpu_count,
     slabs,
     socket_path,
 )
 
-from ..handling.registration import Sharing
-from ..intake.daemon import Daemon, DaemonConfig, usable_cores
-from ..intake.heap import limit_malloc_arenas
-from ..jobs.quotas import Quotas
-from ..pipelines.operators import OperatorPolicy
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
-from .devices import DeviceListError, child_specs, parse_devices
-from .lifeline import watch_supervisor
 from .status_view import legend
-from .supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from ..intake.daemon import DaemonConfig
+
+# What `dalid serve` alone needs (the daemon, its supervisor) is imported by it, not here: the
+# commands that ask a running daemon start in a fraction of the time on a machine that trains.
 
 log = logging.getLogger("dalid.server")
 # As argparse exits on a bad flag.
@@ -88,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "daemon's socket may reload it, as it may stop it; SIGHUP to the daemon, or to "
                 "`dalid serve`, does the same."
             )
+        formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter
         if name == "status":
-            description += f" Columns: {legend()}."
-        command = commands.add_parser(name, help=text, description=description)
+            # A table of the columns, printed as written.
+            description = f"{textwrap.fill(description, 80)}\n\n{legend()}"
+            formatter = argparse.RawDescriptionHelpFormatter
+        command = commands.add_parser(
+            name, help=text, description=description, formatter_class=formatter
+        )
         add_options(command, [option for option in OPTIONS if option.locates_daemon])
         # Loading imports the repository's files, which may take a while.
         timeout = 60.0 if name == "reload" else 10.0
@@ -141,6 +146,11 @@ def shm_size() -> int:
 
 
 def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
+    from ..handling.registration import Sharing
+    from ..intake.daemon import DaemonConfig, usable_cores
+    from ..jobs.quotas import Quotas
+    from ..pipelines.operators import OperatorPolicy
+
     pipelines = settings["pipelines"]
     if pipelines is not None and not pipelines.is_dir():
         raise ConfigError(f"pipelines: {pipelines} is not a directory")
@@ -192,6 +202,9 @@ def _child_options(settings: dict[str, Any]) -> list[str]:
 
 
 def _supervise(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    from .devices import DeviceListError, child_specs, parse_devices
+    from .supervisor import Supervisor
+
     try:
         if settings["devices"] is not None and "device" in vars(args):
             raise DeviceListError("--device and --devices: give one of them")
@@ -226,9 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = _settings(args, serving)
         supervising = serving and (not args.no_supervisor or settings["devices"] is not None)
-        # A socket path too long, or a runtime directory others can enter, is refused here.
+        # A socket path too long, or a runtime directory others can enter, is refused here,
+        # and so is a --socket in a directory others can enter: the same rule.
         config = _daemon_config(settings) if serving and not supervising else None
         path = config.socket if config is not None else _socket(settings)
+        if serving:
+            check_socket_directory(path)
     except (ConfigError, OSError, ValueError) as error:
         print(f"dalid {args.command}: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -240,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("options: %s", ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
         if config is None:
             return _supervise(args, settings)
+        from ..intake.daemon import Daemon
+        from ..intake.heap import limit_malloc_arenas
+        from .lifeline import watch_supervisor
+
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
         daemon = Daemon(config)

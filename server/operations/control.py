@@ -163,6 +163,10 @@ def ping(path: Path, timeout: float, start: str) -> int:
     return 0
 
 
+# How long `dalid stop` waits for the socket to go before it says what it waits for.
+STOP_QUIET_S = 1.0
+
+
 def stop(path: Path, timeout: float, start: str) -> int:
     """Asks the daemon to stop (it tells its jobs) and waits until its socket is gone."""
     try:
@@ -174,9 +178,21 @@ def stop(path: Path, timeout: float, start: str) -> int:
         print(f"dalid stop: {error}", file=sys.stderr)
         return 1
     what = f"the dalid {report.device} daemon pid {report.daemon_pid} on {endpoint(path)}"
-    deadline = time.monotonic() + timeout
+    asked = time.monotonic()
+    deadline = asked + timeout
+    said = False
     while path.exists():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if not said and now - asked >= STOP_QUIET_S:
+            # A daemon stops in a fraction of a second unless freeing its jobs takes long.
+            print(
+                f"dalid stop: {what} was asked to stop; waiting (up to {timeout:g} s) for it to "
+                f"free its {len(report.jobs)} job(s)' memory and remove its socket",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
+        if now >= deadline:
             print(
                 f"dalid stop: asked {what} to stop, and its socket is still there after "
                 f"{timeout:g} s: it may still be freeing its jobs' memory (see its log)",

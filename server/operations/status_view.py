@@ -37,7 +37,7 @@ def headline(report: StatusReport, where: str) -> tuple[str, str]:
         f"dalid {report.device} daemon pid {report.daemon_pid} on {where}",
         f"up {_duration(report.uptime_seconds)}, DALI {report.dali_version}, "
         f"{len(report.jobs)}/{report.max_jobs} jobs, {report.concurrency} batches at once, "
-        f"{size(report.memory_reserved)} of {limit} reserved",
+        f"output memory {size(report.memory_reserved)} of {limit}",
     )
 
 
@@ -54,35 +54,24 @@ class Column:
 
 COLUMNS: tuple[Column, ...] = (
     Column("job", "right", 0, "the job's id on this daemon"),
-    Column("name", "left", 0, "the name the job gave (connect(name=...)), else its pid"),
+    Column("name", "left", 0, "the name it gave at connect (name=...); - if none"),
     Column("pid", "right", 4, "the trainer's process id"),
     Column("weight", "right", 7, "its share of the daemon when jobs compete"),
-    Column("workers", "right", 10, "DataLoader workers connected"),
-    Column("pipes", "right", 11, "pipelines registered"),
-    Column("batches/s", "right", 9, "batches delivered per second, over the last 5 s"),
-    Column("samples/s", "right", 0, "samples delivered per second, over the last 5 s"),
-    Column("queue", "right", 3, "batches queued (+ held back over its in-flight limit)"),
+    Column(
+        "workers", "right", 10, "DataLoader workers connected (only persistent ones between epochs)"
+    ),
+    Column("pipes", "right", 11, "pipelines it registered"),
+    Column("batches/s", "right", 9, "batches delivered a second, over the last 5 s"),
+    Column("samples/s", "right", 0, "samples delivered a second, over the last 5 s"),
+    Column("queue", "right", 3, "batches waiting to run (+ held back past its limit)"),
     Column("run", "right", 8, "batches running now"),
-    Column("busy", "right", 6, "the daemon's time its batches took"),
+    Column("busy", "right", 6, "time the daemon spent running its batches"),
     Column("slot wait", "right", 5, "time its batches waited while other jobs' ran"),
     Column("data wait", "right", 2, "time the trainer waited for batches"),
-    Column("held", "right", 1, "output buffers (and bytes) the trainer holds"),
+    Column("held", "right", 1, "output buffers/bytes the trainer holds now"),
     Column("memory", "right", 3, "output memory reserved for the job"),
-    Column(
-        "copies",
-        "right",
-        5,
-        "batches delivered as private copies, its memory being full (and of them, after 'dev', "
-        "those whose GPU outputs stayed on the device)",
-    ),
-    Column(
-        "outputs",
-        "left",
-        12,
-        "how its outputs reach the trainer: shm (CPU outputs, in shared memory), cuda ipc (GPU "
-        "outputs viewed in the daemon's GPU memory) or staged (GPU outputs copied through shared "
-        "memory, where the trainer cannot open the daemon's GPU memory)",
-    ),
+    Column("copies", "right", 5, "batches sent as private copies, its memory full (N dev: on GPU)"),
+    Column("outputs", "left", 12, "shm (shared memory), cuda ipc or staged (GPU via shm)"),
 )
 
 # Rich's table with padding (0, 1) and no edge padding: two spaces between columns.
@@ -93,12 +82,18 @@ NAME_CUT = 16
 MIN_NAME = 8
 
 
+def job_name(job: JobStatus) -> str:
+    """The name a job gave, or ``-``: a client that gives none names its job ``pid N``, which
+    the pid column shows already."""
+    return "-" if job.name in ("", f"pid {job.pid}") else job.name
+
+
 def job_row(job: JobStatus) -> tuple[str, ...]:
     """One table row, in the order of COLUMNS."""
     queue = f"{job.queued}" + (f" (+{job.waiting})" if job.waiting else "")
     return (
         str(job.job_id),
-        job.name,
+        job_name(job),
         str(job.pid),
         f"{job.weight:g}",
         str(job.workers),
@@ -147,13 +142,16 @@ def fit_columns(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], int
 
 
 PIPELINE_LINE = (
-    "Below the table, a line per DALI pipeline the daemon runs (jobs that register the same "
-    "pipeline share one): its number (the daemon's log names it so), its name, the jobs it runs "
-    "for, the most samples one run takes, how full its runs were on average, and how many of "
-    "its runs mixed batches of two jobs or more, and on how many DALI instances it runs and why "
-    "(what the daemon measured, or dalid serve --instances); a pipeline that is not shared says "
-    "why"
+    "Below the table, a line per DALI pipeline the daemon runs, numbered as its log numbers it: "
+    "the jobs it serves (jobs that register the same pipeline share one), and, once two jobs "
+    "or more share it, how many of its runs mixed batches of two jobs or more and how full its "
+    "runs were; a pipeline that is not shared says why. Then on how many DALI instances it runs "
+    "and why"
 )
+
+
+def _jobs(jobs: tuple[int, ...]) -> str:
+    return f"job {jobs[0]}" if len(jobs) == 1 else f"jobs {','.join(str(job) for job in jobs)}"
 
 
 def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
@@ -161,18 +159,24 @@ def pipeline_lines(report: StatusReport, width: int = 200) -> list[str]:
     wrapped at ``width`` characters (a narrow terminal keeps all of it)."""
     lines = []
     for pipeline in report.pipelines:
-        jobs = ",".join(str(job) for job in pipeline.jobs) or "none"
-        fill = f"{pipeline.mean_fill:.0%} full on average"
-        if pipeline.shared:
+        if not pipeline.jobs:
+            how = "no job uses it now"
+        elif not pipeline.shared:
             how = (
-                f"jobs {jobs} share it; runs of up to {pipeline.run_size} samples, {fill}; "
-                f"{pipeline.mixed_runs} of {pipeline.runs} runs mixed jobs"
-            )
-        else:
-            how = (
-                f"job {jobs} alone; runs {fill}; not shared: "
+                f"{_jobs(pipeline.jobs)} alone, not shared: "
                 f"{pipeline.private_reason or 'sharing is off'}"
             )
+        elif len(pipeline.jobs) == 1:
+            # Alone, its runs are its own batches: how full they are tells nothing.
+            how = f"{_jobs(pipeline.jobs)} alone for now (a job that registers it too shares it)"
+        else:
+            how = f"shared by {_jobs(pipeline.jobs)}"
+            if pipeline.runs:
+                how += (
+                    f": {pipeline.mixed_runs} of {pipeline.runs} runs mixed their batches; runs "
+                    f"of up to {pipeline.run_size} samples, {pipeline.mean_fill:.0%} full on "
+                    "average"
+                )
         if pipeline.threads_asked:
             how += f"; {pipeline.threads} DALI threads of the {pipeline.threads_asked} asked"
         if pipeline.instances_reason:
@@ -253,7 +257,13 @@ def table(report: StatusReport, where: str, width: int = 200) -> Any:
     return Group(*lines, jobs, *below)
 
 
-def legend() -> str:
-    """What each column means, and the pipeline lines, for ``dalid status --help``."""
-    columns = "; ".join(f"{column.header}: {column.meaning}" for column in COLUMNS)
-    return f"{columns}. {PIPELINE_LINE}. {COHORT_LINE}"
+def legend(width: int = 80) -> str:
+    """What each column means, as a table, then the pipeline and cohort lines, for
+    ``dalid status --help`` (printed as it is, not wrapped again)."""
+    wide = max(len(column.header) for column in COLUMNS) + 2
+    rows = [f"  {column.header + ':':<{wide}}{column.meaning}" for column in COLUMNS]
+    notes = [
+        textwrap.fill(text + ".", width=width, initial_indent="", subsequent_indent="")
+        for text in (PIPELINE_LINE, COHORT_LINE)
+    ]
+    return "\n".join(["Columns:", *rows, "", notes[0], "", notes[1]])

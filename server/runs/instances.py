@@ -103,9 +103,9 @@ class InstanceController:
         self.max_instances = max(1, max_instances)
         self.pinned = None if pinned is None else min(max(1, pinned), self.max_instances)
         self.reason = (
-            f"{self.pinned} instance{_s(self.pinned)}: pinned by dalid serve --instances {pinned}"
+            f"{_count(self.pinned)}: pinned by dalid serve --instances {pinned}"
             if self.pinned is not None
-            else "1 instance: measuring"
+            else f"{_count(1)}: measuring whether another would help"
         )
         self._period_s = period_s
         self._settle_s = settle_s
@@ -135,7 +135,7 @@ class InstanceController:
                 self._trial_since = None
                 self._hold_until = now + self._hold_off_s
                 self.reason = (
-                    f"{instances} instance{_s(instances)}: another could not start (no room "
+                    f"{_count(instances)}: another could not start (no room "
                     "in --max-threads or --max-daemon-pipelines, or its build failed)"
                 )
                 self._window = None
@@ -174,8 +174,8 @@ class InstanceController:
             self._most = _cpu_room(window)
             self._changed = True
             self.reason = (
-                f"{instances}->{instances + 1}: trying, batches waited at "
-                f"{_rate(rate)} samples/s; {device}"
+                f"trying {_count(instances + 1)}: batches waited at {_rate(rate)} samples/s "
+                f"with {instances}, and the device had room; {device}"
             )
             return Change.ADD
         fewer = self._capacity.get(instances - 1)
@@ -186,9 +186,8 @@ class InstanceController:
             and rate < fewer * (1 - self._margin)
         ):
             self.reason = (
-                f"{instances - 1} instance{_s(instances - 1)}: {instances}->{instances - 1}, "
-                f"demand of {_rate(rate)} samples/s fits in what {instances - 1} delivered "
-                f"({_rate(fewer)}); {device}"
+                f"{_count(instances - 1)}: down from {instances}, as a demand of {_rate(rate)} "
+                f"samples/s fits in what {instances - 1} delivered ({_rate(fewer)}); {device}"
             )
             return Change.DROP
         if instances == 1 and not self._changed:
@@ -199,7 +198,7 @@ class InstanceController:
                 if window.saturated and waiting >= BUSY_SHARE
                 else "batches do not wait for it"
             )
-            self.reason = f"1 instance: {why} ({_rate(rate)} samples/s); {device}"
+            self.reason = f"{_count(1)}: {why} ({_rate(rate)} samples/s); {device}"
         return None
 
     def started(self, now: float) -> None:
@@ -227,7 +226,7 @@ class InstanceController:
             # the instance. It goes; another is tried after the hold-off.
             self._hold_until = now + self._hold_off_s
             self.reason = (
-                f"{was} instance{_s(was)}: {was}->{instances} gave {_rate(rate)} samples/s "
+                f"{_count(was)}: going from {was} to {instances} gave {_rate(rate)} samples/s "
                 f"against {_rate(before)}, more than the idle cores could add "
                 f"(+{self._most:.0%}): demand changed, so back to {was}, next try in "
                 f"{self._hold_off_s:.0f} s; {device}"
@@ -237,14 +236,14 @@ class InstanceController:
             if window.waiting_share >= BUSY_SHARE:
                 self._capacity[instances] = rate
             self.reason = (
-                f"{instances} instances: {was}->{instances} raised {_rate(before)} to "
-                f"{_rate(rate)} samples/s; {device}"
+                f"{_count(instances)}: going from {was} to {instances} raised {_rate(before)} "
+                f"to {_rate(rate)} samples/s; {device}"
             )
             return None
         self._hold_until = now + self._hold_off_s
         self.reason = (
-            f"{was} instance{_s(was)}: {was}->{instances} gave {_rate(rate)} samples/s against "
-            f"{_rate(before)} (under +{self._required:.0%}), so back to {was}, next try in "
+            f"{_count(was)}: going from {was} to {instances} gave {_rate(rate)} samples/s "
+            f"against {_rate(before)} (under +{self._required:.0%}), so back to {was}, next try in "
             f"{self._hold_off_s:.0f} s; {device}"
         )
         return Change.DROP
@@ -334,11 +333,17 @@ def _cpu_room(window: _Window) -> float | None:
 def _device_text(load: Load, window: _Window) -> str:
     parts = []
     if window.cpu_busy is not None and window.cores:
-        daemon = "" if window.daemon_cpu is None else f" (the daemon {window.daemon_cpu:.1f})"
+        daemon = (
+            "" if window.daemon_cpu is None else f", {window.daemon_cpu:.1f} of them the daemon's"
+        )
         parts.append(f"CPU {window.cpu_busy:.1f} of {window.cores} cores busy{daemon}")
     if window.gpu_busy is not None:
         parts.append(f"GPU {window.gpu_busy:.0%} busy")
     return ", ".join(parts) or "device load not measured"
+
+
+def _count(instances: int) -> str:
+    return f"{instances} DALI instance{_s(instances)}"
 
 
 def _rate(rate: float) -> str:

@@ -442,6 +442,27 @@ def test_pipeline_without_external_source_is_a_runtime_error(
     gc.collect()
 
 
+def test_a_reader_pipeline_gets_dalis_words_and_what_to_write_instead(tmp_path: Path) -> None:
+    from nvidia.dali import fn
+
+    from dalid.client import proxy as dalid_proxy
+
+    from ..dali_typing import pipeline_def
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def reads_files() -> tuple[DataNode, DataNode]:
+        jpegs, labels = fn.readers.file(file_root=str(tmp_path))
+        return fn.decoders.image(jpegs), labels
+
+    with pytest.raises(RuntimeError) as raised:
+        dalid_proxy.DALIServer(reads_files())
+    message = str(raised.value)
+    assert message.startswith("The provided pipeline doesn't have any inputs: ")
+    assert "the daemon refuses fn.readers.file" in message
+    assert "fn.io.file.read(" in message
+    gc.collect()
+
+
 def test_daliserver_takes_connects_job_options(
     dali_proxy: ModuleType, daemon: DaemonProcess
 ) -> None:

@@ -50,6 +50,38 @@ def test_pipeline_without_external_source(session: dalid.Session) -> None:
         session.proxy(constant())
 
 
+def test_a_reader_in_place_of_an_external_source_is_told_what_to_write_instead(
+    session: dalid.Session, tmp_path: Path
+) -> None:
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def reads_files() -> tuple[DataNode, DataNode]:
+        jpegs, labels = fn.readers.file(file_root=str(tmp_path))
+        return fn.decoders.image(jpegs), labels
+
+    with pytest.raises(dalid.InputError) as raised:
+        session.proxy(reads_files())
+    message = str(raised.value)
+    assert "the pipeline has no external_source" in message
+    assert "the daemon refuses fn.readers.file" in message
+    assert 'fn.io.file.read(fn.external_source(name="paths"' in message
+
+
+def test_a_reader_beside_an_external_source_is_refused_by_the_daemon(
+    session: dalid.Session, tmp_path: Path
+) -> None:
+    # What docs/migration.md says of readers: the daemon refuses them, naming the operator.
+    (tmp_path / "class0").mkdir()
+    (tmp_path / "class0" / "a.jpg").write_bytes(b"not read")
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def reads_files_too() -> tuple[DataNode, DataNode]:
+        jpegs, _ = fn.readers.file(file_root=str(tmp_path))
+        return fn.external_source(name="data"), jpegs
+
+    with pytest.raises(dalid.PipelineError, match="operator 'readers__File' is refused: reads"):
+        session.proxy(reads_files_too())
+
+
 def test_misnamed_and_missing_inputs(session: dalid.Session) -> None:
     one = session.proxy(two_output_pipeline())
     with pytest.raises(dalid.InputError, match=r"no input named 'images'.* are 'data'"):

@@ -37,7 +37,7 @@ from .test_bad_samples import as_array, encode
 from .test_shared_pipelines import BATCH, _expected, _submit, decoding, scaling
 
 STATUS = (sys.executable, "-m", "dalid.server", "status")
-PINNED = "2 instances: pinned by dalid serve --instances 2"
+PINNED = "2 DALI instances: pinned by dalid serve --instances 2"
 
 
 def _threads(pid: int) -> int:

@@ -104,24 +104,48 @@ def test_a_runtime_directory_planted_as_a_link_stops_the_trainer_before_it_conne
     assert stopped == 0
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
-def test_a_daemon_will_not_listen_where_others_can_write(short_tmp: Path, mode: int) -> None:
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o755, 0o711])
+@pytest.mark.parametrize("where", ["--socket", "--runtime-dir"])
+def test_a_daemon_will_not_listen_where_others_can_enter(
+    short_tmp: Path, mode: int, where: str
+) -> None:
+    """One rule for the socket's directory, whether --socket or --runtime-dir names it."""
     open_dir = short_tmp / "open"
     open_dir.mkdir()
     open_dir.chmod(mode)
-    socket = open_dir / "d.sock"
+    socket = open_dir / ("d.sock" if where == "--socket" else "cpu.sock")
+    named = str(socket) if where == "--socket" else str(open_dir)
     for supervised in (False, True):
         result = subprocess.run(
-            [sys.executable, "-m", "dalid.server", "serve", "--socket", str(socket),
+            [sys.executable, "-m", "dalid.server", "serve", where, named,
              *([] if supervised else ["--no-supervisor"])],
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
-        # Exit status 5: not restarted by the supervisor, which exits with it.
-        assert result.returncode == 5, result.stderr
-        assert f"socket directory {open_dir} can be written by other users" in result.stderr
-        assert f"chmod go-w {open_dir}" in result.stderr
-        assert result.stderr.count("started as pid") <= 1
-        assert not socket.exists() and not socket.with_name("d.sock.lock").exists()
+        # Refused as a bad option, before any daemon or supervisor starts.
+        assert result.returncode == 2, result.stderr
+        kind = "socket directory" if where == "--socket" else "runtime directory"
+        assert result.stderr.strip() == (
+            f"dalid serve: {kind} {open_dir} is open to other users (mode {mode:o}): run "
+            f"`chmod 700 {open_dir}`"
+        )
+        assert not socket.exists() and not socket.with_name(socket.name + ".lock").exists()
+
+
+def test_a_daemon_refuses_a_socket_directory_others_can_enter_however_it_is_started(
+    short_tmp: Path,
+) -> None:
+    """The daemon's claim on its socket holds to the rule too: for a directory opened after the
+    command checked it, or a daemon made in-process."""
+    from dalid.server.intake.socket_claim import SocketClaim
+
+    open_dir = short_tmp / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    claim = SocketClaim(open_dir / "d.sock")
+    with pytest.raises(PermissionError, match=r"is open to other users \(mode 755\)"):
+        claim.acquire()
+    claim.close()
+    assert list(open_dir.iterdir()) == []
 
 
 def test_the_uuid_link_of_a_daemon_serves_its_workers(short_tmp: Path) -> None:

@@ -80,6 +80,9 @@ def test_a_daemon_of_another_installation_is_named_in_a_warning(short_tmp: Path)
         assert f"from {other / 'dalid'}" in text, text
         assert f"from {installation()}" in text, text
         assert f"dalid stop --socket {socket}" in text
+        # Given a socket, the trainer starts no daemon of its own there: it is told to.
+        assert "this trainer starts its own" not in text
+        assert f"`dalid serve --socket {socket}`" in text
     finally:
         assert daemon.stop() == 0, daemon.log_text()
 

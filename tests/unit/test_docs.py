@@ -5,17 +5,20 @@ the code does."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dalid.server.operations.cli import build_parser
 from dalid.server.operations.config import OPTIONS
 from dalid.server.operations.status_view import COLUMNS
+from dalid.server.pipelines.operators import ALLOWED
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -120,7 +123,16 @@ def test_status_help_says_what_the_columns_the_pipeline_lines_and_outputs_mean()
 
 def test_the_readme_says_what_status_shows() -> None:
     text = " ".join(README.read_text().split())
-    for said in ("runs of up to", "full on average", "runs mixed jobs", "`outputs`", "`shm`"):
+    for said in (
+        "runs of up to",
+        "full on average",
+        "runs mixed their batches",
+        "alone for now",
+        "`outputs`",
+        "`shm`",
+        "docs/status-80.txt",
+        "docs/status-120.txt",
+    ):
         assert said in text, said
 
 
@@ -135,3 +147,75 @@ def test_the_readmes_commands_run_through_dev_run() -> None:
     inline = re.findall(r"`((?:python|dalid) [^`]*)`", text)
     runnable = [c for c in inline if c.startswith(("python -m", "python train.py"))]
     assert runnable == [], runnable
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def _passages(text: str) -> list[str]:
+    """A doc's paragraphs, list items and table rows, each on one line (code left out)."""
+    passages: list[str] = []
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    for block in re.split(r"\n\s*\n", text):
+        current: list[str] = []
+        for line in block.splitlines():
+            if re.match(r"\s*([-*] |\d+\. |\|)", line) and current:
+                passages.append(" ".join(current))
+                current = []
+            current.append(line.strip())
+        if current:
+            passages.append(" ".join(current))
+    return passages
+
+
+def _reader_schemas(passage: str) -> set[str]:
+    """The DALI schemas of the readers a passage names (``fn.readers.file``: readers__File;
+    ``readers.*``: every reader DALI registers)."""
+    importlib.import_module("nvidia.dali.ops")  # registers the operators of its plugins
+    backend: Any = importlib.import_module("nvidia.dali.backend")
+    listings = (backend.RegisteredCPUOps, backend.RegisteredGPUOps, backend.RegisteredMixedOps)
+    registered = {name for listing in listings for name in listing(True) if "readers__" in name}
+    named = set()
+    for reader in re.findall(r"readers\.(\*|[a-z_]+)", passage):
+        if reader == "*":
+            named |= registered
+        else:
+            key = reader.replace("_", "")
+            named |= {
+                name
+                for name in registered
+                if name.split("readers__")[-1].replace("_", "").lower() == key
+            }
+    return named
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda path: path.name)
+def test_what_the_docs_say_of_readers_is_what_the_operator_list_does(doc: Path) -> None:
+    """A passage that names a DALI reader says it is refused exactly when the daemon's
+    allow-list leaves it out (a doc that said `fn.readers.file(file_root=...)` is opened by the
+    daemon as written, when the daemon refuses every reader, fails here)."""
+    wrong = []
+    for passage in _passages(doc.read_text()):
+        schemas = _reader_schemas(passage)
+        if not schemas:
+            continue
+        refused = any(schema not in ALLOWED for schema in schemas)
+        says_refused = bool(re.search(r"refuse|not run|does not run", passage))
+        if refused != says_refused:
+            wrong.append(passage[:160])
+    assert wrong == [], f"{doc.name} says of readers what the daemon does not do: {wrong}"
+
+
+def test_a_reader_claim_against_the_allow_list_is_caught() -> None:
+    """The check above, on the sentence that misled users, and on its correction."""
+    stale = (
+        "File names given to a reader inside the pipeline definition "
+        "(`fn.readers.file(file_root=...)`) are opened by the daemon as written."
+    )
+    assert _reader_schemas(stale) == {"readers__File"}
+    assert "readers__File" not in ALLOWED
+    assert not re.search(r"refuse|not run|does not run", stale)
+    assert _reader_schemas("The daemon refuses DALI's file readers (`fn.readers.*`)") >= {
+        "readers__File",
+        "readers__Numpy",
+    }

@@ -64,11 +64,11 @@ def test_an_instance_that_raises_throughput_stays_and_status_says_by_how_much() 
     pipeline.run(2 * PERIOD)
     assert [change for _, change, _ in pipeline.changes] == [Change.ADD, Change.ADD, Change.DROP]
     assert pipeline.instances == 2
-    assert reason.startswith("2 instances: 1->2 raised 8,100 to 11,900 samples/s")
+    assert reason.startswith("2 DALI instances: going from 1 to 2 raised 8,100 to 11,900 samples/s")
     assert "CPU 1.0 of 2 cores busy" in reason
     assert pipeline.controller.reason.startswith(
-        "2 instances: 2->3 gave 12,000 samples/s against 11,900 (under +10%), so back to 2, "
-        "next try in 120 s"
+        "2 DALI instances: going from 2 to 3 gave 12,000 samples/s against 11,900 (under +10%), "
+        "so back to 2, next try in 120 s"
     )
 
 
@@ -82,7 +82,9 @@ def test_an_instance_that_does_not_pay_goes_and_none_is_tried_for_a_while() -> N
     dropped_at = pipeline.changes[-1][0]
     pipeline.run(HOLD_OFF - PERIOD)
     assert len(pipeline.changes) == 2, "another instance was tried during the hold-off"
-    assert pipeline.controller.reason.startswith("1 instance: 1->2 gave 10,500 samples/s")
+    assert pipeline.controller.reason.startswith(
+        "1 DALI instance: going from 1 to 2 gave 10,500 samples/s"
+    )
     pipeline.run(2 * PERIOD)
     assert pipeline.changes[2][1] is Change.ADD and pipeline.changes[2][0] >= dropped_at + HOLD_OFF
 
@@ -93,7 +95,7 @@ def test_no_instance_is_added_while_batches_do_not_wait() -> None:
     pipeline.run(5 * PERIOD)
     assert pipeline.changes == []
     assert pipeline.controller.reason.startswith(
-        "1 instance: batches do not wait for it (5,000 samples/s); CPU 1.0 of 2 cores busy"
+        "1 DALI instance: batches do not wait for it (5,000 samples/s); CPU 1.0 of 2 cores busy"
     )
 
 
@@ -107,7 +109,7 @@ def test_no_instance_is_added_on_a_saturated_device(
     pipeline.cpu_busy, pipeline.gpu_busy = cpu_busy, gpu_busy
     pipeline.run(5 * PERIOD)
     assert pipeline.changes == []
-    assert pipeline.controller.reason.startswith("1 instance: the device is busy")
+    assert pipeline.controller.reason.startswith("1 DALI instance: the device is busy")
     if gpu_busy is not None:
         assert "GPU 97% busy" in pipeline.controller.reason
 
@@ -126,7 +128,9 @@ def test_on_a_cpu_with_a_few_idle_cores_an_instance_must_fill_half_of_them(
     assert pipeline.instances == (2 if kept else 1)
     reason = pipeline.controller.reason
     if kept:
-        assert reason.startswith("2 instances: 1->2 raised 1,000 to 1,040 samples/s")
+        assert reason.startswith(
+            "2 DALI instances: going from 1 to 2 raised 1,000 to 1,040 samples/s"
+        )
     else:
         assert "gave 1,015 samples/s against 1,000 (under +3%), so back to 1" in reason
 
@@ -143,7 +147,7 @@ def test_a_cpu_busy_through_a_period_is_busy_though_its_last_reading_was_not() -
         pipeline.run(LOOK)
         pipeline.cpu_busy = 2.0
     assert pipeline.changes == []
-    assert pipeline.controller.reason.startswith("1 instance: the device is busy")
+    assert pipeline.controller.reason.startswith("1 DALI instance: the device is busy")
     assert "CPU 2.0 of 2 cores busy" in pipeline.controller.reason
 
 
@@ -158,8 +162,8 @@ def test_a_rise_past_what_the_idle_cores_could_add_is_not_the_new_instances() ->
         (Change.DROP, 1),
     ]
     assert pipeline.controller.reason.startswith(
-        "1 instance: 1->2 gave 1,200 samples/s against 1,000, more than the idle cores could "
-        "add (+5%): demand changed, so back to 1, next try in 120 s"
+        "1 DALI instance: going from 1 to 2 gave 1,200 samples/s against 1,000, more than the "
+        "idle cores could add (+5%): demand changed, so back to 1, next try in 120 s"
     )
 
 
@@ -186,8 +190,9 @@ def test_an_instance_goes_once_the_demand_fits_in_one_fewer() -> None:
     pipeline.run(3 * PERIOD)
     assert pipeline.instances == 1
     assert pipeline.changes[-1][1] is Change.DROP
-    assert "2->1, demand of 3,000 samples/s fits in what 1 delivered (8,000)" in (
-        pipeline.controller.reason
+    assert pipeline.controller.reason.startswith(
+        "1 DALI instance: down from 2, as a demand of 3,000 samples/s fits in what 1 delivered "
+        "(8,000)"
     )
 
 
@@ -197,7 +202,7 @@ def test_a_pinned_count_is_reached_and_kept_whatever_is_measured() -> None:
     pipeline.waiting = False
     pipeline.run(4 * PERIOD)
     assert pipeline.instances == 3
-    assert pinned.reason == "3 instances: pinned by dalid serve --instances 3"
+    assert pinned.reason == "3 DALI instances: pinned by dalid serve --instances 3"
     assert [n for _, _, n in pipeline.changes] == [2, 3]
 
 

@@ -72,24 +72,27 @@ def test_pipelines_show_which_jobs_share_them_and_how_full_their_runs_are() -> N
     lines = _render(200)
     shared = next(line for line in lines if line.startswith("DALI pipeline 1 "))
     assert (
-        "jobs 12,13 share it; runs of up to 1024 samples, 88% full on average; 5100 of 5320 runs "
-        "mixed jobs"
+        "shared by jobs 12,13: 5100 of 5320 runs mixed their batches; runs of up to 1024 "
+        "samples, 88% full on average"
     ) in shared
     own = next(line for line in lines if line.startswith("DALI pipeline 2 "))
-    assert "job 13 alone" in own and "not shared: " in own and "PermuteBatch" in own
+    assert "job 13 alone, not shared: " in own and "PermuteBatch" in own
     narrow = _render(80)
     assert all(len(line) <= 80 for line in narrow)
     assert any("88% full" in line for line in narrow)
 
 
 def test_a_pipeline_line_says_on_how_many_instances_and_why() -> None:
-    reason = "2 instances: 1->2 raised 8,100 to 11,900 samples/s; CPU 1.9 of 2 cores busy"
+    reason = (
+        "2 DALI instances: going from 1 to 2 raised 8,100 to 11,900 samples/s; CPU 1.9 of 2 "
+        "cores busy"
+    )
     report = dataclasses.replace(
         REPORT,
         pipelines=(dataclasses.replace(SHARED, instances=2, instances_reason=reason), OWN),
     )
     shared, own = pipeline_lines(report, width=400)
-    assert shared.endswith(f"5100 of 5320 runs mixed jobs; {reason}")
+    assert shared.endswith(f"88% full on average; {reason}")
     assert "instance" not in own
 
 
@@ -105,3 +108,57 @@ def test_private_copies_say_how_many_stayed_on_the_device() -> None:
     row = {line.split()[0]: line for line in lines if line.lstrip().startswith(("14 ", "15 "))}
     assert " 9 (7 dev) " in row["14"]
     assert " 3 " in row["15"] and "dev" not in row["15"]
+
+
+def test_a_pipeline_one_job_uses_says_so_and_shows_no_run_fill() -> None:
+    # Alone, a job's runs are its own batches: "jobs 1 share it, 25% full" read as a fault.
+    alone = dataclasses.replace(SHARED, jobs=(12,), mean_fill=0.25, mixed_runs=0)
+    (line,) = pipeline_lines(dataclasses.replace(REPORT, pipelines=(alone,)), width=400)
+    assert line == (
+        "DALI pipeline 1 imagenet_train: job 12 alone for now (a job that registers it too "
+        "shares it)"
+    )
+    assert "full" not in line and "share it;" not in line
+
+
+def test_a_pipeline_no_job_uses_says_so() -> None:
+    idle = dataclasses.replace(SHARED, jobs=())
+    (line,) = pipeline_lines(dataclasses.replace(REPORT, pipelines=(idle,)), width=400)
+    assert line == "DALI pipeline 1 imagenet_train: no job uses it now"
+
+
+def test_a_job_without_a_name_shows_its_pid_once() -> None:
+    unnamed = dataclasses.replace(JOB, job_id=14, name="pid 4123456")
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table(dataclasses.replace(REPORT, jobs=(unnamed,)), WHERE, 200))
+    (row,) = [line for line in console.export_text().splitlines() if line.startswith(" 14 ")]
+    assert row.split()[:3] == ["14", "-", "4123456"]
+    assert row.count("4123456") == 1
+
+
+def test_the_instance_controllers_reasons_read_as_words() -> None:
+    from dalid.server.runs.instances import Change, InstanceController, Load
+
+    controller = InstanceController(max_instances=2, period_s=1.0, settle_s=0.0)
+    assert controller.reason == "1 DALI instance: measuring whether another would help"
+    busy = Load(samples=0, waiting=True, cpu_busy=1.0, cores=2)
+    change = None
+    for tick in range(40):
+        load = dataclasses.replace(busy, samples=tick * 100)
+        change = controller.observe(tick * 0.1, 1, load)
+        if change is not None:
+            break
+    assert change is Change.ADD
+    assert controller.reason.startswith("trying 2 DALI instances: batches waited at ")
+    assert "->" not in controller.reason
+
+
+def test_status_help_is_a_short_table_of_columns() -> None:
+    from dalid.server.operations.status_view import legend
+
+    lines = legend().splitlines()
+    assert lines[0] == "Columns:"
+    rows = lines[1 : 1 + len(COLUMNS)]
+    for column, row in zip(COLUMNS, rows, strict=True):
+        assert row.startswith(f"  {column.header}:")
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
