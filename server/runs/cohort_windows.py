@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from .run_planner import TRAINER_HOLDS
+from .job_window import TRAINER_HOLDS
 
 if TYPE_CHECKING:
     from .cohort_entries import Entry

@@ -54,7 +54,8 @@ from ..samples.badsamples import recover, summary
 from ..samples.paths import unseen_file
 from .cohorts import resubmit
 from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
-from .run_planner import TRAINER_HOLDS, RunPlanner
+from .job_window import TRAINER_HOLDS
+from .run_planner import RunPlanner
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 
