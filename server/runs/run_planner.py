@@ -123,6 +123,20 @@ class RunPlanner:
             member.queue.clear()
             return not self.members
 
+    def members_now(self) -> list[Member]:
+        """The members, as they are now."""
+        with self.changed:
+            return list(self.members)
+
+    def first_member(self) -> Member | None:
+        with self.changed:
+            return self.members[0] if self.members else None
+
+    def waiting(self) -> bool:
+        """Whether a member has batches queued."""
+        with self.changed:
+            return any(member.queue for member in self.members)
+
     def submit(self, batch: PendingBatch) -> None:
         member = batch.member
         assert member is not None
@@ -208,8 +222,8 @@ class RunPlanner:
             member = batch.member
             return (
                 member is not None
-                and member.alone == 0
-                and not batch.alone
+                and member.quarantine == 0
+                and not batch.runs_alone
                 and not batch.oversized
                 and not batch.unseen
                 and batch.size <= room
@@ -356,12 +370,12 @@ class RunPlanner:
         member = first.member
         return (
             self.shared
-            and not first.alone
+            and not first.runs_alone
             and not first.oversized
             and not first.unseen
             and member is not None
             and not member.deterministic
-            and member.alone == 0
+            and member.quarantine == 0
         )
 
     def _may_take(self, member: Member, head: PendingBatch) -> bool:

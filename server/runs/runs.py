@@ -54,7 +54,7 @@ class PendingBatch:
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
-    alone: bool = False
+    runs_alone: bool = False
     # It counts in its job's window (taken into a run, its regions not yet all released).
     held: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -111,13 +111,13 @@ class Member:
     queue: collections.deque[PendingBatch] = field(default_factory=collections.deque)
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
-    alone: int = 0
+    quarantine: int = 0
     # Since when its batches wait for its job's memory (None: they do not).
     starved_since: float | None = None
-    # Its batches in the window (Note [A job's window] in run_planner.py), by id: taken into a
-    # run and not yet answered, or delivered and not yet released; the id ranges of the job's
-    # workers that left (``batch_id // BATCH_IDS_PER_CONNECTION``, oldest first), whose batches
-    # count no more (point 6); the batch its
+    # Its window (Note [A job's window] in job_window.py, whose JobWindow changes these): its
+    # batches in the window by id, taken into a run and not yet answered, or delivered and not
+    # yet released; the id ranges of the job's workers that left (``batch_id //
+    # BATCH_IDS_PER_CONNECTION``, oldest first), whose batches count no more; the batch its
     # trainer waits for, as its last ``want_batch`` named it; since when that batch waits for a
     # full window; and whether its batches pass the window until the trainer releases a batch.
     holding: dict[int, PendingBatch] = field(default_factory=dict)

@@ -83,7 +83,7 @@ def test_weights_hold_across_mixed_runs() -> None:
 
 def test_a_quarantined_job_runs_alone_and_rides_with_no_one() -> None:
     plan = Planner({1: 1.0, 2: 1.0})
-    plan.members[2].alone = 2
+    plan.members[2].quarantine = 2
     plan.submit(2, 2)
     plan.submit(1, 2)
     runs = [plan.run() for _ in range(4)]
