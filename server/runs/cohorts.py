@@ -14,8 +14,7 @@ leases it and the entry has left the cache, which keeps a ready entry for member
 yet within ``window_bytes``. A run is charged once, split among the members that consumed it.
 Batches served from others' runs count in the member's window (Note [A job's window]): past
 it they wait parked, then come as private copies or run alone. A member whose inputs left the
-cache unserved is behind, and ranks so. The whole contract, why and the tests:
-docs/design/cohort-outputs.md.
+cache unserved is behind, and ranks so. Why and the tests: docs/design/cohort-outputs.md.
 
 Here is the thread-safe cohort: its lock, and what its callers' threads do outside it (answers,
 charges, private copies, batches run again). What it does under the lock is

@@ -19,8 +19,8 @@ serve --instances N`` pins the number instead.
 :class:`InstanceController` is the decision alone, fed measurements and the time (tests feed
 it both); :class:`CpuMeter` and :class:`GpuMeter` take the measurements.
 
-Why one module of some 450 lines: the decision reads only what these meters measure, and
-each of its rules names the reading it trusts; kept beside them, neither drifts from the other.
+The meters live beside the controller: the decision reads only what they measure, and each
+of its rules names the reading it trusts.
 """
 
 from __future__ import annotations
