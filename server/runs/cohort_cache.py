@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Collection
 
+from dalid.protocol import OutputDescriptor
+
 from ..outputs.outputs import JobOutputs
 from .cohort_entries import Entry, EntryState
 
@@ -44,7 +46,7 @@ class CohortCache:
         """A new entry, to run: members' batches of the same inputs match it from now on."""
         self._by_digest.setdefault(entry.digest, []).append(entry)
 
-    def ready(self, entry: Entry, descriptors: tuple) -> None:
+    def ready(self, entry: Entry, descriptors: tuple[OutputDescriptor, ...]) -> None:
         """The run of ``entry`` is in the cohort's memory, at ``descriptors``."""
         entry.state = EntryState.READY
         entry.descriptors = descriptors

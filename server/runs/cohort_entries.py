@@ -7,18 +7,39 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dalid.protocol import BatchReady, InputBatch, OutputDescriptor
 
 from ..outputs.outputs import RunOutput
 from .cohort_charges import RunCharge
+from .runs import Outcome, PendingBatch
 
-if TYPE_CHECKING:
-    from .cohorts import Cohort
-    from .runs import PendingBatch
+__all__ = ["Entry", "EntryRuns", "EntryState", "Outcome", "Settle"]
 
 Settle = Callable[[], None]
+
+
+class EntryRuns(Protocol):
+    """Who settles the runs of its entries (``cohorts.Cohort``), as an entry calls it."""
+
+    def write(
+        self,
+        outputs: Sequence[RunOutput],
+        rows: range,
+        source_stream: int | None,
+        entry: Entry | None = None,
+    ) -> tuple[OutputDescriptor, ...] | None: ...
+
+    def account(self, entry: Entry, seconds: float) -> None: ...
+
+    def publish(
+        self, entry: Entry, descriptors: tuple[OutputDescriptor, ...], settle: Settle
+    ) -> list[tuple[PendingBatch, BatchReady | None]]: ...
+
+    def take_recipients(self, entry: Entry) -> list[PendingBatch]: ...
+
+    def abandon(self, entry: Entry) -> list[PendingBatch]: ...
 
 
 class EntryState(enum.Enum):
@@ -30,16 +51,6 @@ class EntryState(enum.Enum):
     GONE = "gone"
 
 
-class Outcome(enum.Enum):
-    """What a submitted batch of a member becomes (``Cohort.take``)."""
-
-    RUN = "run"  # runs, as an entry other members may match
-    FOLLOW = "follow"  # waits for another member's run of the same inputs
-    HIT = "hit"  # served now, from the cache
-    PARKED = "parked"  # served from the cache once its job's window has room
-    ALONE = "alone"  # runs for its job alone, as a batch of no cohort
-
-
 @dataclass(eq=False)
 class Entry:
     """A batch's inputs, the run that serves them to every member, and its outputs once run.
@@ -49,7 +60,7 @@ class Entry:
     members' windows' (``cohort_windows.py``), ``charge`` the charges' (``cohort_charges.py``);
     the rest the cohort's, under its lock."""
 
-    cohort: Cohort
+    cohort: EntryRuns
     digest: bytes
     inputs: tuple[InputBatch, ...]
     unreadable: tuple[int, ...]

@@ -17,14 +17,13 @@ from dalid.protocol import BatchReady, CohortStatus, OutputDescriptor
 from ..outputs.outputs import JobOutputs
 from .cohort_cache import CohortCache
 from .cohort_charges import Charged
-from .cohort_entries import Entry, EntryState, Outcome, Settle
+from .cohort_entries import Entry, EntryRuns, EntryState, Outcome, Settle
 from .cohort_figures import CohortFigures
 from .cohort_leases import Alive, CohortLeases, Lease
 from .cohort_matching import same_inputs
 from .cohort_windows import Admission, MemberWindows
 
 if TYPE_CHECKING:
-    from .cohorts import Cohort
     from .runs import Member, PendingBatch
 
 
@@ -44,14 +43,14 @@ class CohortState:
     Every method is called under the cohort's lock."""
 
     def __init__(
-        self, cohort: Cohort, outputs: JobOutputs, window_bytes: int, alive: Alive
+        self, cohort: EntryRuns, name: str, outputs: JobOutputs, window_bytes: int, alive: Alive
     ) -> None:
         self._cohort = cohort
         self._alive = alive
         self.cache = CohortCache(outputs, window_bytes)
         self.leases = CohortLeases(outputs)
         self.windows = MemberWindows()
-        self.figures = CohortFigures(cohort.name)
+        self.figures = CohortFigures(name)
         self.outbox = Outbox()
         self.members: dict[int, Member] = {}
         self.closed = False

@@ -94,7 +94,7 @@ class Cohort:
         self._share = share
         self._behind = behind
         self._lock = threading.Lock()
-        self._state = CohortState(self, outputs, window_bytes, alive)
+        self._state = CohortState(self, name, outputs, window_bytes, alive)
 
     @property
     def members(self) -> dict[int, Member]:

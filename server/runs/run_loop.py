@@ -13,20 +13,38 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dalid.protocol import ErrorCode
 
 from ..outputs.outputs import RunOutput
 from ..pipelines.runner import PipelineRunner
-from .dali_instances import Instance
+from .dali_instances import DaliInstances, Instance
+from .delivery import Delivery
+from .run_planner import RunPlanner
 from .runs import PendingBatch, Run
-
-if TYPE_CHECKING:
-    from .executor import PipelineExecutor
+from .scheduler import ServiceClock
 
 log = logging.getLogger("dalid.server")
+
+
+class Pipeline(Protocol):
+    """The pipeline whose instance the loop runs (``executor.PipelineExecutor``), as the loop
+    uses it."""
+
+    instance_id: int
+    failed: bool
+    planner: RunPlanner
+    delivery: Delivery
+    instances: DaliInstances
+    clock: ServiceClock
+    stopping: threading.Event
+
+    def look(self) -> None: ...
+
+    def account(self, run: Run) -> None: ...
 
 
 class RunLoop:
@@ -34,9 +52,7 @@ class RunLoop:
     DALI (each holding a slot of the scheduler, taken before DALI gets it and given back once
     DALI is done with it) and the batches to run again after a failure, first."""
 
-    def __init__(
-        self, executor: PipelineExecutor, instance: Instance, runner: PipelineRunner
-    ) -> None:
+    def __init__(self, executor: Pipeline, instance: Instance, runner: PipelineRunner) -> None:
         self._executor = executor
         self._planner = executor.planner
         self._delivery = executor.delivery

@@ -14,6 +14,7 @@ to say.
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -81,6 +82,16 @@ class PendingBatch:
     def input_kinds(self) -> tuple[tuple[str, str, int], ...]:
         """What DALI needs alike in every batch of one run: each input's dtype and rank."""
         return tuple(sorted((item.name, item.dtype, item.ndim) for item in self.request.inputs))
+
+
+class Outcome(enum.Enum):
+    """What a submitted batch of a member becomes (``cohorts.Cohort.take``)."""
+
+    RUN = "run"  # runs, as an entry other members may match
+    FOLLOW = "follow"  # waits for another member's run of the same inputs
+    HIT = "hit"  # served now, from the cache
+    PARKED = "parked"  # served from the cache once its job's window has room
+    ALONE = "alone"  # runs for its job alone, as a batch of no cohort
 
 
 Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
@@ -181,7 +192,7 @@ class JoinedCohort(Protocol):
 
     name: str
 
-    def take(self, batch: PendingBatch) -> tuple[str, BatchReady | None]: ...
+    def take(self, batch: PendingBatch) -> tuple[Outcome, BatchReady | None]: ...
 
     def want(self, job_id: int, batch_id: int) -> None: ...
 

@@ -29,6 +29,10 @@ def _batch(member: Member, batch_id: int) -> PendingBatch:
     return PendingBatch(batch_id, SubmitBatch(1, (item,)), member)
 
 
+def _overflows(member: Member) -> bool:
+    return member.overflow
+
+
 def _window() -> JobWindow:
     window = JobWindow()
     window.window = WINDOW
@@ -79,9 +83,9 @@ def test_a_trainer_that_keeps_its_outputs_overflows_once_its_wanted_batch_waited
     window.want(member, 50)
     wanted = _batch(member, 50)
     assert window.check(member, wanted) is Take.NOT_YET  # look again soon
-    assert member.want_blocked_since is not None and not member.overflow
+    assert member.want_blocked_since is not None and not _overflows(member)
     member.want_blocked_since -= 60.0
-    assert window.check(member, wanted) is Take.YES and member.overflow
+    assert window.check(member, wanted) is Take.YES and _overflows(member)
     # Overflowing, every batch passes the window until the trainer releases one.
     assert window.check(member, _batch(member, 51)) is Take.YES
 
