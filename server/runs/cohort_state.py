@@ -288,7 +288,7 @@ class CohortState:
         if parked is not None and member is not None:
             batch, entry = parked
             if self._admit(member, batch_id) is Admission.SERVE:
-                self._serve(batch, entry)
+                self._give_parked(batch, entry)
             elif not self._copy(batch, entry):
                 self.outbox.runs.append(batch)
             self._uncache_served()
@@ -381,9 +381,9 @@ class CohortState:
             if self._admit(member, batch_id) is not Admission.SERVE:
                 return
             self.windows.unpark(job_id, batch_id)
-            self._serve(batch, entry)
+            self._give_parked(batch, entry)
 
-    def _serve(self, batch: PendingBatch, entry: Entry) -> None:
+    def _give_parked(self, batch: PendingBatch, entry: Entry) -> None:
         """A parked batch, served from ``entry`` now (answered by ``_flush``)."""
         member = batch.member
         assert member is not None

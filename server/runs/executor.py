@@ -57,7 +57,10 @@ class PipelineExecutor:
     ``stream`` (a GPU daemon's own stream for the pipeline). Each run holds a slot of
     ``scheduler`` (None: no limit). ``first`` is the member that registered it; ``on_empty``
     is called once the last member has left, ``on_private`` when a pipeline meant to be shared
-    turns out, once built, to look across the batch (it then runs one batch at a time).
+    turns out, once built, to look across the batch (it then runs one batch at a time);
+    ``controller``, ``room``, ``device_id`` and ``on_run`` are its instances'
+    (``DaliInstances``). The members' queues and windows are its planner's, under the
+    planner's lock; the build's outcome is under its own, the instances under theirs.
     """
 
     def __init__(
