@@ -38,9 +38,10 @@ class Take(enum.Enum):
 class JobWindow:
     """The window of each member of one pipeline: ``window`` batches (0: no limit), narrowed
     to what the member's output memory holds at ``sample_sizes`` (each output's device and
-    bytes per sample, from the pipeline's last run). Its methods change the members' window
-    fields (``holding``, ``wanted``, ``overflow``, ...) and are called under the planner's
-    ``changed``, which guards them."""
+    bytes per sample, from the pipeline's last run). It changes the members' window fields
+    (``holding``, ``wanted``, ``overflow``, ...): ``want``, ``settle``, ``sender_left`` and
+    ``hold`` under the planner's ``changed``, which guards them; ``check`` and ``room`` are the
+    planner's looks, made without it (a batch a stale look passes over waits for the next)."""
 
     def __init__(self) -> None:
         self.window = 0
