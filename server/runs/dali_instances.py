@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..pipelines.runner import PipelineRunner
-from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
+from .instances import Change, InstanceController, Load
+from .meters import CpuMeter, GpuMeter
 
 log = logging.getLogger("dalid.server")
 
