@@ -135,7 +135,7 @@ def trace_daemon() -> None:
     from dalid.server.handling import core
     from dalid.server.intake import daemon, shared_socket
     from dalid.server.pipelines import runner
-    from dalid.server.runs import executor, run_planner
+    from dalid.server.runs import delivery, run_planner
 
     decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
 
@@ -170,7 +170,7 @@ def trace_daemon() -> None:
     run_planner.RunPlanner.next_run = traced_next_run  # type: ignore[method-assign]
     _wrap(runner.PipelineRunner, "schedule", "x.schedule")
     _wrap(runner.PipelineRunner, "collect", "x.collect")
-    _wrap(executor.PipelineExecutor, "_deliver", "x.deliver")
+    _wrap(delivery.Delivery, "deliver", "x.deliver")
 
 
 def trace_client() -> None:

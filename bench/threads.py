@@ -15,7 +15,7 @@ and the jobs' teardown:
   over CPU per message is what the thread waited for meanwhile: the GIL while other threads
   held it (the convoy of a thread that gives up the GIL around each frame it receives), and on
   a machine with more runnable threads than cores, the cores;
-- the pipelines' executor threads (``PipelineExecutor._loop``, one per pipeline): their CPU
+- the pipelines' executor threads (``RunLoop.run``, one per DALI instance): their CPU
   time and the samples they ran; and of that, the CPU time spent copying outputs into the
   jobs' memory (``JobOutputs.write_batch`` and ``private_copies``), which grows with the
   outputs' bytes, not with the Python per batch (on a CPU daemon a memcpy of every output
@@ -328,7 +328,7 @@ def install() -> None:
     from dalid.server.intake.shared_socket import SharedSocket
     from dalid.server.outputs.outputs import JobOutputs
     from dalid.server.pipelines.runner import PipelineRunner
-    from dalid.server.runs.executor import PipelineExecutor
+    from dalid.server.runs.run_loop import RunLoop
     from dalid.server.runs.run_planner import RunPlanner
 
     loop = Daemon._loop
@@ -521,17 +521,18 @@ def install() -> None:
                     TOTALS.departure_trim_cpu_s += used
                     TOTALS.departures_trimmed = departures
 
-    run_loop = PipelineExecutor._loop
+    run_loop = RunLoop.run
 
     @functools.wraps(run_loop)
-    def executor_loop(self: Any, instance: Any, runner: Any) -> None:
+    def executor_loop(self: Any) -> None:
+        instance = self._instance
         ident = threading.get_ident()
         with TOTALS.lock:
             # The pipeline's build is not the loop's.
             TOTALS.executor_cpu_done_s -= _thread_cpu_s(ident)
             TOTALS.executors[ident] = instance
         try:
-            run_loop(self, instance, runner)
+            run_loop(self)
         finally:
             with TOTALS.lock:
                 del TOTALS.executors[ident]
@@ -594,7 +595,7 @@ def install() -> None:
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
     Daemon._receive = timed_handle  # type: ignore[method-assign]
     DaemonCore.handle = handle_op  # type: ignore[method-assign]
-    PipelineExecutor._loop = executor_loop  # type: ignore[method-assign]
+    RunLoop.run = executor_loop  # type: ignore[method-assign]
     JobOutputs.write_batch = copying(JobOutputs.write_batch)  # type: ignore[method-assign]
     JobOutputs.private_copies = copying(JobOutputs.private_copies)  # type: ignore[method-assign]
     PipelineRunner.schedule = calling_dali(PipelineRunner.schedule)  # type: ignore[method-assign]

@@ -23,28 +23,12 @@ _NOBLOCK = int(zmq.NOBLOCK)
 
 # Note [Sending from an executor]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A batch's result used to cross to the loop's thread (the outbox, the eventfd, a wake-up, the
-# GIL handed over) before it was sent. Now the executor sends it, under the socket's lock; the
-# loop takes that lock for each receive and send, never while it waits: it waits on the
-# socket's file descriptor, not on the socket, since polling a ZeroMQ socket is a use of it.
-#
-# That descriptor signals that the socket has news, edge-triggered, and any use of the socket
-# may take the news in (a send processes the commands that announce arrived messages). So the
-# loop asks the socket whether a message waits (ZMQ_EVENTS) before it sleeps, and whoever
-# else sends asks it afterwards and wakes the loop if one does; otherwise a message could wait
-# for the loop's next timeout.
-#
-# What an executor cannot send at once goes to the outbox, and so does everything it sends
-# after that until the loop has sent it, so one thread's messages keep their order: a message
-# for a peer whose queue is full (the loop counts it against the peer) or that has gone (the
-# loop ends its job), one sent while the loop holds the socket (the loop is busy, and sends it
-# before it sleeps), or before the socket is open. The loop's own messages go as before.
-#
-# The lock guards the socket and the outbox, nothing else: whoever holds it calls into the
-# daemon's core only to look up whether a result's job still exists (``deliverable``, which
-# takes no lock). An executor sends a result while it holds its job's ``writing`` lock, and
-# ending a job, which a failed send can do, waits for that lock: so ``undelivered`` runs after
-# the lock is let go.
+# An executor sends a batch's result itself, under the socket's lock, and never waits for it:
+# what it cannot send at once goes to the outbox, and so does all it sends until the loop has
+# sent that, so one thread's messages keep their order. The loop takes the lock for each
+# receive and send, never while it waits (on the socket's descriptor), and asks ZMQ_EVENTS
+# before it sleeps; whoever else sends asks afterwards and wakes the loop. The lock guards the
+# socket and the outbox only. Why and the tests: docs/design/executor-wakes.md.
 
 
 class SharedSocket:

@@ -100,7 +100,7 @@ class Admission:
         limit by one, and returned (handed to its executor; its sender is to be told).
 
         The batches in flight may be ones the trainer takes later, delivered early and held
-        in the job's window, or queued behind it (Note [A job's window] in run_planner.py):
+        in the job's window, or queued behind it (Note [A job's window] in job_window.py):
         none of them is answered until the trainer releases a batch, which it does only once
         it has the one it waits for. Admitted in arrival order, that one would wait for ever.
         """

@@ -24,8 +24,8 @@ class Cohorts:
     """The daemon's cohorts by name. ``make_outputs(prefix, limits)`` makes a cohort's CPU
     output memory; ``memory_bytes``: the most output memory of one cohort (0: the pool bytes of
     the job that starts it), of which half may wait for trailing members; ``charge``
-    and ``share`` count a share of a cohort's run to a job (the scheduler's: cohorts.py,
-    point 5); ``behind`` ranks a member past the window (point 8)."""
+    and ``share`` count a share of a cohort's run to a job (the scheduler's), ``behind`` ranks
+    a member past the window (docs/design/cohort-outputs.md)."""
 
     def __init__(
         self,

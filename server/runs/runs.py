@@ -14,6 +14,7 @@ to say.
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,7 @@ class PendingBatch:
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
-    alone: bool = False
+    runs_alone: bool = False
     # It counts in its job's window (taken into a run, its regions not yet all released).
     held: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -81,6 +82,16 @@ class PendingBatch:
     def input_kinds(self) -> tuple[tuple[str, str, int], ...]:
         """What DALI needs alike in every batch of one run: each input's dtype and rank."""
         return tuple(sorted((item.name, item.dtype, item.ndim) for item in self.request.inputs))
+
+
+class Outcome(enum.Enum):
+    """What a submitted batch of a member becomes (``cohorts.Cohort.take``)."""
+
+    RUN = "run"  # runs, as an entry other members may match
+    FOLLOW = "follow"  # waits for another member's run of the same inputs
+    HIT = "hit"  # served now, from the cache
+    PARKED = "parked"  # served from the cache once its job's window has room
+    ALONE = "alone"  # runs for its job alone, as a batch of no cohort
 
 
 Answer = Callable[[PendingBatch, "BatchReady | BatchFailed"], None]
@@ -111,13 +122,13 @@ class Member:
     queue: collections.deque[PendingBatch] = field(default_factory=collections.deque)
     closed: bool = False
     # Batches still to run alone (QUARANTINE_BATCHES after one had bad samples).
-    alone: int = 0
+    quarantine: int = 0
     # Since when its batches wait for its job's memory (None: they do not).
     starved_since: float | None = None
-    # Its batches in the window (Note [A job's window] in run_planner.py), by id: taken into a
-    # run and not yet answered, or delivered and not yet released; the id ranges of the job's
-    # workers that left (``batch_id // BATCH_IDS_PER_CONNECTION``, oldest first), whose batches
-    # count no more (point 6); the batch its
+    # Its window (Note [A job's window] in job_window.py, whose JobWindow changes these): its
+    # batches in the window by id, taken into a run and not yet answered, or delivered and not
+    # yet released; the id ranges of the job's workers that left (``batch_id //
+    # BATCH_IDS_PER_CONNECTION``, oldest first), whose batches count no more; the batch its
     # trainer waits for, as its last ``want_batch`` named it; since when that batch waits for a
     # full window; and whether its batches pass the window until the trainer releases a batch.
     holding: dict[int, PendingBatch] = field(default_factory=dict)
@@ -181,7 +192,7 @@ class JoinedCohort(Protocol):
 
     name: str
 
-    def take(self, batch: PendingBatch) -> tuple[str, BatchReady | None]: ...
+    def take(self, batch: PendingBatch) -> tuple[Outcome, BatchReady | None]: ...
 
     def want(self, job_id: int, batch_id: int) -> None: ...
 

@@ -27,14 +27,15 @@ Without this, the slot would always pass to whoever else waits, and two busy job
 alternate whatever their weights. A slot won that way is held for the job (``reserved``) until
 one of its executors takes it.
 
-A cohort's member that trails the others past the cohort's window (cohorts.py, Note [Cohort
-outputs], point 8) is *behind*: its batches run for it alone, and its tags move on at
-``BEHIND_SHARE`` of its weight, so the cohort's shared runs come first and it takes what they
-leave, with that fraction of a weight as its floor. It is still served in its turn: never
-starved, and work-conserving (a daemon the others leave idle is its).
+A cohort's member that trails the others past the cohort's window (Note [Cohort outputs] in
+cohorts.py; docs/design/cohort-outputs.md, "Past the window") is *behind*: its batches run for
+it alone, and its tags move on at ``BEHIND_SHARE`` of its weight, so the cohort's shared runs
+come first and it takes what they leave, with that fraction of a weight as its floor. It is
+still served in its turn: never starved, and work-conserving (a daemon the others leave idle
+is its).
 
-Why one module of some 430 lines: the fair queue and the clock that prices its requests
-(``ServiceClock``) are one policy: a tag means nothing without the cost it moved by.
+The clock that prices its requests (``ServiceClock``) lives beside the fair queue: a tag
+means nothing without the cost it moved by.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def test_dali_proxy_manual_integration(dali_proxy: ModuleType, device: str, jpeg
         ("cpu", True),
         # Not in DALI's test, which runs this case on the GPU only: the arrival order it checks
         # is the same on the CPU, and its loops that leave each epoch after one batch are what
-        # Note [A job's window] (point 6) in dalid.server.runs.run_planner is about.
+        # Note [A job's window] says of workers that leave (docs/design/job-window.md).
         ("cpu", False),
         pytest.param("gpu", True, marks=pytest.mark.gpu),
         pytest.param("gpu", False, marks=pytest.mark.gpu),

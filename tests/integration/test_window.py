@@ -14,7 +14,7 @@ import torch
 
 import dalid.client as dalid
 from dalid.protocol import ErrorCode, WantBatch
-from dalid.server.runs.run_planner import TRAINER_HOLDS
+from dalid.server.runs.job_window import TRAINER_HOLDS
 
 from ..daemons import DaemonProcess, start_daemon, wait_for
 from .helpers import BATCH, run_in_process, two_output_pipeline
@@ -62,7 +62,8 @@ def test_batches_the_trainer_takes_in_the_reverse_order_arrive_without_copies(
             (job,) = daemon.status().jobs
             assert job.batches_done == BATCHES
             assert job.batches_copied == 0
-            # The window, the batch the trainer holds and the one it waits for (point 3); in
+            # The window, the batch the trainer holds and the one it waits for (the memory a
+            # window implies: docs/design/job-window.md); in
             # arrival order the daemon would have run all ten into its 1 GiB of output memory.
             assert job.peak_slab_bytes <= (WINDOW + TRAINER_HOLDS + 1) * BATCH_BYTES
             assert job.slab_bytes == job.peak_slab_bytes
@@ -77,7 +78,8 @@ def test_a_window_stays_within_what_the_jobs_memory_holds(
     short_tmp: Path, instances: int, fits: int
 ) -> None:
     # DALI instances prefetching two runs each make the pipeline's window 3 or 5; the job's
-    # output memory holds 3 or 4 batches. Wider than that (point 7 of the note), the window let
+    # output memory holds 3 or 4 batches. Wider than that (a window no wider than the memory:
+    # docs/design/job-window.md), the window let
     # in batches that filled the memory while the batch the trainer waits for was queued behind
     # them: the executor waited a second for a release that could not come, then sent a
     # private copy.

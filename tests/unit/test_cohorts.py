@@ -50,7 +50,7 @@ class _Executor:
     the integration tests): records what it is given."""
 
     failed = False
-    # The job's window (Note [A job's window] in run_planner.py): 0, none.
+    # The job's window (Note [A job's window] in job_window.py): 0, none.
     window = 0
 
     def __init__(self) -> None:

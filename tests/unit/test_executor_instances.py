@@ -116,9 +116,9 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
     threads_before = dict(core.pipelines._threads)
     depth = executor.spec.prefetch_queue_depth if executor.spec else 0
     # A job's window: one instance's prefetch and the batch its trainer holds.
-    assert executor._planner.window == depth + 1
+    assert executor.planner.window == depth + 1
     controller = Scripted()
-    executor._controller = controller
+    executor.instances.controller = controller
 
     controller.script.append(Change.ADD)
     wait_for(lambda: controller.starts == 1, 30, "the second instance to be built")
@@ -126,7 +126,7 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
     assert status.instances == 2 and status.instances_reason == "1 instances: scripted add"
     assert core.pipelines._threads[executor.instance_id] == 2 * threads_before[executor.instance_id]
     # A job alone keeps both instances' prefetch busy: its window holds both.
-    assert executor._planner.window == 2 * depth + 1
+    assert executor.planner.window == 2 * depth + 1
     # Both instances take batches from the same queues until each has run some.
     for _ in range(50):
         _run_batches(core, registered.pipeline_id, 8)
@@ -142,4 +142,4 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
     }
     _run_batches(core, registered.pipeline_id, 8)
     assert executor.status().instances == 1
-    assert executor._planner.window == depth + 1
+    assert executor.planner.window == depth + 1

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from dalid.server.runs.instances import Change, CpuMeter, GpuMeter, InstanceController, Load
+from dalid.server.runs.instances import Change, InstanceController, Load
+from dalid.server.runs.meters import CpuMeter, GpuMeter
 
 PERIOD = 5.0
 SETTLE = 2.0

@@ -1,5 +1,5 @@
-"""RunPlanner (server/runs/run_planner.py): which batches of the jobs that share a pipeline
-form its next run, with the real fair scheduler; the same path in a daemon is in
+"""RunPlanner (server/runs/run_planner.py, with job_window.py): which batches of the jobs that
+share a pipeline form its next run, with the real fair scheduler; the same path in a daemon is in
 tests/integration/test_shared_pipelines.py."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_weights_hold_across_mixed_runs() -> None:
 
 def test_a_quarantined_job_runs_alone_and_rides_with_no_one() -> None:
     plan = Planner({1: 1.0, 2: 1.0})
-    plan.members[2].alone = 2
+    plan.members[2].quarantine = 2
     plan.submit(2, 2)
     plan.submit(1, 2)
     runs = [plan.run() for _ in range(4)]
@@ -127,7 +127,7 @@ class Windowed:
     def __init__(self, copy_after: float | None = None) -> None:
         self.planner = RunPlanner(None, ServiceClock(), threading.Event(), 1000)
         self.planner.window = WINDOW
-        # A run told the outputs' sizes (point 7: a job without output stores needs no room).
+        # A run told the outputs' sizes (a job without output stores needs no room).
         self.planner.sample_sizes = [("cpu", 1)]
         self.member = _member(1)
         self.member.outputs.copy_after = copy_after
@@ -161,7 +161,7 @@ def test_a_full_window_holds_a_jobs_batches_back_until_one_is_settled() -> None:
 
 
 def test_until_a_run_tells_the_outputs_sizes_the_window_holds_one_batch() -> None:
-    # A window wider than the job's memory holds fills it (point 7); how wide that is is known
+    # A window wider than the job's memory holds fills it; how wide that is is known
     # once a run's outputs are.
     plan = Windowed()
     plan.planner.sample_sizes = []

@@ -1,0 +1,173 @@
+"""The runs of one DALI instance of a pipeline, in its thread: it keeps up to the pipeline's
+``prefetch_queue_depth`` runs inside DALI, so that decoding of the next run overlaps the copy-out
+of the previous one, and hands each run that comes out to its delivery.
+
+A run that fails kills the DALI pipeline: the loop rebuilds it and runs the batches that were
+inside it again, those of a mixed run that failed one by one, so that a bad sample of one job
+never fails or skips another job's samples; a batch that fails alone is answered by its job's
+on_error policy (``Delivery.recover``). One that cannot be rebuilt fails its own batches and
+ends, and the pipeline stops working only when its last instance does.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Protocol
+
+from dalid.protocol import ErrorCode
+
+from ..outputs.outputs import RunOutput
+from ..pipelines.runner import PipelineRunner
+from .dali_instances import DaliInstances, Instance
+from .delivery import Delivery
+from .run_planner import RunPlanner
+from .runs import PendingBatch, Run
+from .scheduler import ServiceClock
+
+log = logging.getLogger("dalid.server")
+
+
+class Pipeline(Protocol):
+    """The pipeline whose instance the loop runs (``executor.PipelineExecutor``), as the loop
+    uses it."""
+
+    instance_id: int
+    failed: bool
+    planner: RunPlanner
+    delivery: Delivery
+    instances: DaliInstances
+    clock: ServiceClock
+    stopping: threading.Event
+
+    def look(self) -> None: ...
+
+    def account(self, run: Run) -> None: ...
+
+
+class RunLoop:
+    """The runs of ``instance`` of ``executor``'s pipeline, on its built ``runner``: those in
+    DALI (each holding a slot of the scheduler, taken before DALI gets it and given back once
+    DALI is done with it) and the batches to run again after a failure, first."""
+
+    def __init__(self, executor: Pipeline, instance: Instance, runner: PipelineRunner) -> None:
+        self._executor = executor
+        self._planner = executor.planner
+        self._delivery = executor.delivery
+        self._stopping = executor.stopping
+        self._instance = instance
+        self._runner = runner
+        self._depth = runner.spec.prefetch_queue_depth
+        self._in_flight: collections.deque[Run] = collections.deque()
+        self._retry: collections.deque[PendingBatch] = collections.deque()
+
+    def run(self) -> None:
+        """Runs batches until the instance is dropped (and its own runs are done) or the
+        pipeline stops; then gives back what it holds of the scheduler."""
+        try:
+            while not self._stopping.is_set():
+                self._executor.look()
+                if self._instance.retiring and not self._retry and not self._in_flight:
+                    break  # dropped, and its own runs are done
+                self._fill()
+                if self._stopping.is_set() or not self._in_flight:
+                    continue
+                self._collect()
+        except Exception as error:
+            self._stopped_working(error)
+        finally:
+            others = self._executor.instances.others_running(self._instance)
+            self._planner.give_up(last=not others or self._stopping.is_set())
+
+    def _fill(self) -> None:
+        """Schedules runs into DALI up to its depth (waiting for one only when DALI holds
+        none): batches to run again first, then new ones unless the instance is retiring."""
+        while len(self._in_flight) < self._depth and (self._retry or not self._instance.retiring):
+            run = self._planner.next_run(self._retry, block=not self._in_flight)
+            if run is None:
+                return
+            if self._schedule(run):
+                self._in_flight.append(run)
+
+    def _schedule(self, run: Run) -> bool:
+        """Puts ``run`` into DALI; False where it could not go (its slot given back, its
+        batches answered or to run again)."""
+        first = run.batches[0]
+        if first.unseen:
+            # Not a bad sample: every batch would fail so (see paths.py).
+            self._planner.give_slots(1)
+            self._delivery.fail(first, ErrorCode.INVALID_BATCH, first.unseen)
+            return False
+        if first.oversized:
+            self._failed(run, ErrorCode.INVALID_BATCH, None)
+            return False
+        try:
+            run.entered = time.monotonic()
+            self._runner.schedule(run.arrays())
+        except Exception as error:
+            self._failed(run, ErrorCode.INVALID_BATCH, error)
+            return False
+        return True
+
+    def _collect(self) -> None:
+        """Takes the oldest run out of DALI and delivers it."""
+        run = self._in_flight.popleft()
+        try:
+            outputs = self._runner.collect(self._delivery.stream)
+        except Exception as error:
+            self._failed(run, ErrorCode.PIPELINE_ERROR, error)
+            return
+        self._executor.account(run)
+        self._instance.runs += 1
+        self._instance.samples += run.samples
+        self._planner.give_slots(1, self._retry)
+        self._delivery.deliver(run, [RunOutput(i, output) for i, output in enumerate(outputs)])
+        del outputs
+        self._runner.release()
+
+    def _failed(self, run: Run, code: ErrorCode, error: Exception | None) -> None:
+        """``run`` failed, or will (``error`` None: it has samples known bad): its slot goes
+        back, and the instance starts over.
+
+        After a failure the DALI pipeline is dead, and looking for bad samples needs an idle
+        one: rebuild, then run again the runs that were inside the old pipeline, in their
+        order (they take their slots anew). The batches of a failed mixed run go first, each
+        alone; a batch that fails alone is answered now."""
+        self._planner.give_slots(1)
+        self._planner.give_slots(len(self._in_flight))
+        self._retry.extendleft(reversed([b for r in self._in_flight for b in r.batches]))
+        self._in_flight.clear()
+        self._executor.clock.interrupted()
+        if error is not None or self._runner.scheduled:
+            self._runner.rebuild()
+        if len(run.batches) > 1:
+            for batch in reversed(run.batches):
+                batch.runs_alone = True
+                self._retry.appendleft(batch)
+            return
+        (batch,) = run.batches
+        self._delivery.recover(self._runner, batch, code, error, dict(batch.oversized or {}))
+
+    def _stopped_working(self, error: Exception) -> None:
+        """Most likely the pipeline could not be rebuilt. Answers every batch it holds so that
+        no trainer waits forever; with no other instance left, refuses new ones too (see
+        pipelines.executor_for)."""
+        executor = self._executor
+        others = executor.instances.others_running(self._instance, built=True)
+        log.exception(
+            "DALI pipeline %d%s stopped working",
+            executor.instance_id,
+            " (one of its instances; the others go on)" if others else "",
+        )
+        queued: list[PendingBatch] = []
+        if not others:
+            executor.failed = True
+            queued = self._planner.take_queued()
+        message = f"the pipeline stopped working and takes no more batches: {error}"
+        in_flight = [b for run in self._in_flight for b in run.batches]
+        for batch in [*in_flight, *self._retry, *queued]:
+            self._delivery.fail(batch, ErrorCode.PIPELINE_ERROR, message)
+        # An instance that ends while others go on is one fewer for the controller too.
+        self._executor.instances.retire(self._instance)
