@@ -34,7 +34,7 @@ from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory, InputRefused
 from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import Quotas
-from ..outputs.outputs import JobOutputs, ReleaseRefused
+from ..outputs.job_outputs import JobOutputs, ReleaseRefused
 from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch

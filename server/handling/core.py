@@ -65,7 +65,7 @@ from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import QuotaRefused, Quotas, grant
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
-from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams
+from ..outputs.job_outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository

@@ -68,7 +68,7 @@ from dalid.protocol.ownership import UnsafePath
 from ..handling.core import DaemonCore
 from ..handling.registration import SHARING, Sharing
 from ..jobs.quotas import Quotas
-from ..outputs.outputs import OutputsFactory, StreamFactory, no_streams
+from ..outputs.job_outputs import OutputsFactory, StreamFactory, no_streams
 from ..outputs.shm import host_outputs
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy

@@ -63,7 +63,7 @@ from dalid.protocol import Limits, OutputDescriptor
 from . import cuda_api
 from .copies import COPY_BATCHES, DeviceCopies
 from .cuda_api import DeviceApi
-from .outputs import (
+from .job_outputs import (
     JobOutputs,
     OutputsFactory,
     ReleaseRefused,

@@ -46,7 +46,7 @@ from . import cuda_api
 from .copies import host_copy
 from .cuda import CudaBackend, CudaStore, GpuOutputStore
 from .cuda_api import DeviceApi
-from .outputs import JobOutputs, ReleaseRefused, RunOutput
+from .job_outputs import JobOutputs, ReleaseRefused, RunOutput
 from .pool import Growth, Region, RegionPool
 from .shm import SharedMemorySlab
 

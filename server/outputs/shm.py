@@ -21,7 +21,7 @@ import numpy as np
 from dalid.protocol import Limits, slabs
 
 from .copies import host_copy
-from .outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
+from .job_outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
 from .pool import PAGE, Region, RegionPool, SlabUnavailable
 
 

@@ -9,7 +9,7 @@ same inputs meanwhile); one that matches an entry is served its outputs without 
 Note [Cohort outputs]
 ---------------------
 1. Where. A run of an entry writes its rows into the cohort's own memory (one
-   :class:`~dalid.server.outputs.outputs.JobOutputs`, of the stores a job has: shared memory,
+   :class:`~dalid.server.outputs.job_outputs.JobOutputs`, of the stores a job has: shared memory,
    and on a GPU daemon device memory, each at most ``--cohort-memory``), whose slabs every
    member's trainer maps like its own: by name, or a GPU slab by its CUDA IPC handle, opened
    once per process. Every member served the entry gets descriptors of the same regions, under
@@ -118,7 +118,7 @@ from dalid.protocol import (
 )
 
 from ..outputs.cuda import CudaStore
-from ..outputs.outputs import JobOutputs, OutputFailure, RunOutput
+from ..outputs.job_outputs import JobOutputs, OutputFailure, RunOutput
 from ..outputs.pool import PoolClosed, PoolFull
 from .cohort_matching import batch_digest, same_inputs
 from .run_planner import TRAINER_HOLDS

@@ -46,7 +46,7 @@ from dalid.protocol import (
     PipelineStatus,
 )
 
-from ..outputs.outputs import OutputFailure, RunOutput, Stream
+from ..outputs.job_outputs import OutputFailure, RunOutput, Stream
 from ..outputs.pool import PoolClosed, PoolFull
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import batches_a_run

@@ -24,7 +24,7 @@ import numpy as np
 
 from dalid.protocol import BatchFailed, BatchReady, OnError, OutputDescriptor, SubmitBatch
 
-from ..outputs.outputs import JobOutputs, RunOutput
+from ..outputs.job_outputs import JobOutputs, RunOutput
 from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:

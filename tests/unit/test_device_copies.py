@@ -18,7 +18,7 @@ from nvidia.dali.tensors import TensorListCPU
 from dalid.protocol import BatchReady, Limits
 from dalid.server.outputs.copies import COPY_BATCHES
 from dalid.server.outputs.cuda import device_outputs
-from dalid.server.outputs.outputs import JobOutputs, RunOutput
+from dalid.server.outputs.job_outputs import JobOutputs, RunOutput
 from dalid.server.outputs.pool import PAGE
 
 from .fake_cuda import FakeApi, TensorListGPU

@@ -18,7 +18,7 @@ from nvidia.dali.tensors import TensorListCPU
 from dalid.protocol import ErrorCode, Limits
 from dalid.protocol.slabs import SHM_DIR
 from dalid.server.outputs.cuda import device_outputs
-from dalid.server.outputs.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
+from dalid.server.outputs.job_outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
 from dalid.server.outputs.pool import PAGE
 from dalid.server.outputs.shm import host_outputs
 

@@ -38,7 +38,7 @@ from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.outputs.cuda import CudaBackend, CudaStore, device_outputs
 from dalid.server.outputs.cuda_staged import OutputPaths, StagedStore
-from dalid.server.outputs.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
+from dalid.server.outputs.job_outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
 from dalid.server.outputs.pool import PAGE
 from dalid.server.outputs.shm import SharedMemoryStore
 
