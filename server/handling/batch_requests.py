@@ -4,7 +4,7 @@ submission and scheduling, the release of its output regions, and the delivery o
 :class:`BatchRequests` holds them for the daemon core (``core.py``), whose table dispatches
 these requests here once the connection has said hello. What they act on lives in modules of
 its own: jobs and peers (``jobs.py``), a job's batches in flight (``admission.py``), the batch
-inputs held (``inputs.py``), its output memory (``outputs.py``) and the pipelines' executors
+inputs held (``inputs.py``), its output memory (``job_outputs.py``) and the pipelines' executors
 (``registration.py``).
 """
 
@@ -34,7 +34,8 @@ from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory, InputRefused
 from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import Quotas
-from ..outputs.job_outputs import JobOutputs, ReleaseRefused
+from ..outputs.job_outputs import JobOutputs
+from ..outputs.store import ReleaseRefused
 from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch

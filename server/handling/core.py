@@ -6,7 +6,7 @@ wrapper (:mod:`dalid.server.intake.daemon`) owns the socket and the threads arou
 handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
 shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
 handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
-flight (``admission.py``), its output memory (``outputs.py``), the fair share between jobs
+flight (``admission.py``), its output memory (``job_outputs.py``), the fair share between jobs
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
@@ -65,7 +65,8 @@ from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import QuotaRefused, Quotas, grant
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
-from ..outputs.job_outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams
+from ..outputs.job_outputs import JobOutputs, OutputsFactory
+from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
@@ -482,7 +483,7 @@ class DaemonCore:
         self.scheduler.add_job(job.job_id, limits.weight)
         if hello.private_copies:
             job.outputs.copy_after = PRIVATE_COPY_AFTER_S
-            job.outputs.device_copies = hello.device_copies
+            job.outputs.copies.device_copies = hello.device_copies
         log.info(
             "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
             job.job_id,

@@ -42,7 +42,7 @@ from dalid.protocol import (
 
 from ..errors import RequestRefused
 from ..jobs.jobs import Job
-from ..outputs.job_outputs import StreamFactory, no_streams
+from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder, graph_key, refusal
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository

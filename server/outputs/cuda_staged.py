@@ -44,11 +44,14 @@ from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 from ..errors import RequestRefused
 from . import cuda_api
 from .copies import host_copy
-from .cuda import CudaBackend, CudaStore, GpuOutputStore
+from .cuda import CudaBackend
 from .cuda_api import DeviceApi
-from .job_outputs import JobOutputs, ReleaseRefused, RunOutput
+from .cuda_store import CudaStore, GpuOutputStore
+from .job_outputs import JobOutputs
 from .pool import Growth, Region, RegionPool
+from .run_output import RunOutput
 from .shm import SharedMemorySlab
+from .store import ReleaseRefused
 
 log = logging.getLogger("dalid.server")
 

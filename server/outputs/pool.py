@@ -33,7 +33,7 @@ The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer ke
    and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
    mappings, and the next daemon on the socket unlinks the segments whose daemon is gone.
 6. GPU outputs. On a GPU daemon a job has a second pool, of device memory, with the same leases
-   (each pool belongs to one output store of the job, ``outputs.py``); its region ids come from
+   (each pool belongs to one output store of the job, ``store.py``); its region ids come from
    the same sequence as the shared-memory pool's, so an id names one region of the job. CUDA
    changes points 2, 4 and 5 for those regions: Note [GPU output lifetime] in ``cuda.py``.
 """

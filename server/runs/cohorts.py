@@ -117,9 +117,10 @@ from dalid.protocol import (
     OutputDescriptor,
 )
 
-from ..outputs.cuda import CudaStore
-from ..outputs.job_outputs import JobOutputs, OutputFailure, RunOutput
+from ..outputs.cuda_store import CudaStore
+from ..outputs.job_outputs import JobOutputs
 from ..outputs.pool import PoolClosed, PoolFull
+from ..outputs.run_output import OutputFailure, RunOutput
 from .cohort_matching import batch_digest, same_inputs
 from .run_planner import TRAINER_HOLDS
 

@@ -46,8 +46,9 @@ from dalid.protocol import (
     PipelineStatus,
 )
 
-from ..outputs.job_outputs import OutputFailure, RunOutput, Stream
 from ..outputs.pool import PoolClosed, PoolFull
+from ..outputs.run_output import OutputFailure, RunOutput
+from ..outputs.store import Stream
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import batches_a_run
 from ..samples.badsamples import recover, summary

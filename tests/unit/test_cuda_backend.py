@@ -29,13 +29,8 @@ from dalid.protocol import (
 from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.jobs import Job
 from dalid.server.jobs.quotas import Quotas
-from dalid.server.outputs.cuda import (
-    MAX_PEER_EVENTS,
-    CudaBackend,
-    CudaSlab,
-    CudaStore,
-    device_outputs,
-)
+from dalid.server.outputs.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab
+from dalid.server.outputs.cuda_store import CudaStore, device_outputs
 from dalid.server.outputs.pool import PAGE, RegionPool
 from dalid.server.outputs.shm import host_outputs
 

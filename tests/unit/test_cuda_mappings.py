@@ -25,7 +25,7 @@ import torch
 from dalid.client.errors import DeviceMismatch
 from dalid.client.outputs.cuda import MAX_FENCES, CudaOutputs
 from dalid.client.outputs.cuda_device import pick_device
-from dalid.client.outputs.job_outputs import Outputs
+from dalid.client.outputs.outputs import Outputs
 from dalid.client.outputs.shm import SharedMemoryOutputs
 from dalid.protocol import BatchReady, OutputDescriptor, ReleaseRegions, slabs
 

@@ -24,7 +24,7 @@ import dalid.client.outputs.cuda_device
 from dalid.client.errors import DeviceMismatch, RequestError
 from dalid.client.outputs import cuda_staged as staged
 from dalid.client.outputs.cuda_staged import StagedOutputs, output_path, probe_ipc
-from dalid.client.outputs.job_outputs import Outputs
+from dalid.client.outputs.outputs import Outputs
 from dalid.protocol import (
     BatchReady,
     ErrorCode,
