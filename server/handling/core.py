@@ -10,8 +10,7 @@ flight (``admission.py``), its output memory (``job_outputs.py``), the fair shar
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
-Why one module of some 550 lines: it holds the one table of every request and the handlers of
-a job's life from its hello to its end, which read best in one place.
+Opening a job within the quotas, and the output memory jobs reserve, are ``opening.py``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from dalid.protocol import (
     Goodbye,
     Hello,
     IpcProbeResult,
-    Limits,
     Message,
     Ok,
     Ping,
@@ -62,10 +60,9 @@ from dalid.protocol import (
 from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory
 from ..jobs.jobs import Job, JobRegistry, Peer
-from ..jobs.quotas import QuotaRefused, Quotas, grant
+from ..jobs.quotas import Quotas
 from ..jobs.reservations import OutputMemory
-from ..outputs.copies import PRIVATE_COPY_AFTER_S
-from ..outputs.job_outputs import JobOutputs, OutputsFactory
+from ..outputs.job_outputs import OutputsFactory
 from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
@@ -74,6 +71,7 @@ from ..pipelines.repository import PipelineRepository
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
+from .opening import JobOpening
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -138,14 +136,10 @@ class DaemonCore:
         self.device = device
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
-        self._outputs = outputs
         self.paths = paths
         self._push = push
         self._credentials = credentials
         self.quotas = quotas
-        # What jobs reserve of output memory, by the device of their stores: shared memory
-        # against --memory-limit, device memory the same way with no limit of its own.
-        self.output_memory = {"cpu": OutputMemory(quotas.memory_limit), "cuda": OutputMemory(0)}
         self.inputs = InputMemory(quotas.input_memory)
         self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
@@ -156,6 +150,15 @@ class DaemonCore:
         self._pid_namespace = pid_namespace()
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
+        # Jobs opened within the quotas, and what they reserve of output memory.
+        self.opening = JobOpening(
+            self.registry,
+            quotas,
+            self.inputs,
+            self.scheduler,
+            outputs=outputs,
+            prefix=f"dalid-{self._instance}",
+        )
         self.pipelines = PipelineBuilder(
             self.device_id,
             quotas.max_batch_size,
@@ -171,7 +174,7 @@ class DaemonCore:
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
         self.cohorts = Cohorts(
-            self._cohort_outputs,
+            self.opening.cohort_outputs,
             quotas.cohort_bytes,
             self.registry.alive,
             charge=self.scheduler.charge,
@@ -214,6 +217,11 @@ class DaemonCore:
     def peers(self) -> dict[bytes, Peer]:
         return self.registry.peers
 
+    @property
+    def output_memory(self) -> dict[str, OutputMemory]:
+        """What jobs reserve of output memory, by the device of their stores."""
+        return self.opening.output_memory
+
     # --- entry points ---------------------------------------------------------------------------
 
     def handle(self, identity: bytes, message: Message, request_id: int | None) -> Message | None:
@@ -249,23 +257,6 @@ class DaemonCore:
     @staticmethod
     def malformed(error: ProtocolError) -> Error:
         return Error(error.code, error.message, op=error.op)
-
-    def _cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
-        """A cohort's output memory, of the kinds a job's is (shared memory; on a GPU daemon,
-        device memory too, whose regions every member maps: cohorts.py), each reserved as it
-        grows as a job's is (shared memory against the daemon's --memory-limit)."""
-        outputs = self._outputs(name_prefix, limits)
-        try:
-            for store in outputs.stores:
-                store.pool.grow_within(self.output_memory[store.device].growing(limits.pool_bytes))
-        except QuotaRefused as refusal:
-            outputs.close()
-            outputs.free()
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        # A cohort's run never waits for a member's trainer: with no room, it goes to each
-        # member's own memory instead (Note [Cohort outputs] in cohorts.py).
-        outputs.copy_after = 0.0
-        return outputs
 
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
@@ -400,7 +391,7 @@ class DaemonCore:
         credentials = self._credentials(identity)
         pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
-            job = self._open_job(identity, hello, pid)
+            job = self.opening.open(identity, hello, pid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             if found is None:
@@ -437,67 +428,6 @@ class DaemonCore:
             progress_in_release=True,
         )
 
-    def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:
-        """A new job for a trainer's hello, within the daemon's quotas; ``pid``: its trainer's
-        process, 0 where the daemon cannot see it.
-
-        Its output memory is reserved now if the job asked for an amount, else as its outputs
-        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
-        """
-        self.registry.check_unclaimed(hello.earlier_jobs)
-        try:
-            limits = grant(
-                hello,
-                self.quotas,
-                jobs=len(self.jobs),
-                max_message_bytes=self.inputs.job_limit,
-                pid=pid,
-                jobs_of_process=sum(1 for job in self.jobs.values() if job.pid == pid),
-            )
-            reservations = {
-                device: memory.fixed(limits.pool_bytes)
-                if hello.memory_bytes
-                else memory.growing(limits.pool_bytes)
-                for device, memory in self.output_memory.items()
-            }
-        except QuotaRefused as refusal:
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        try:
-            job = self.registry.open(
-                identity,
-                hello,
-                limits,
-                lambda job_id: self._outputs(f"dalid-{self._instance}-j{job_id}", limits),
-                self.quotas.max_waiting_batches,
-                pid=pid,
-            )
-        except BaseException:
-            for reservation in reservations.values():
-                reservation.close()
-            raise
-        # Each store's pool owns its reservation from here (it closes it when it closes).
-        for store in job.outputs.stores:
-            store.pool.grow_within(reservations.pop(store.device))
-        for unused in reservations.values():
-            unused.close()
-        self.scheduler.add_job(job.job_id, limits.weight)
-        if hello.private_copies:
-            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
-            job.outputs.copies.device_copies = hello.device_copies
-        log.info(
-            "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
-            job.job_id,
-            job_label(hello.name, pid),
-            limits.weight,
-            ("" if hello.memory_bytes else "up to ") + str(limits.pool_bytes >> 20),
-            limits.max_inflight_batches,
-            f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
-            "daemons"
-            if hello.earlier_jobs
-            else "",
-        )
-        return job
-
     def _on_ipc_probe_result(
         self, identity: bytes, result: IpcProbeResult, _request_id: int | None
     ) -> Message:
@@ -525,8 +455,8 @@ class DaemonCore:
         return Ok()
 
     def _worker_left(self, identity: bytes) -> None:
-        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py,
-        point 6): the trainer asks for none of them after the worker is gone."""
+        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py):
+        the trainer asks for none of them after the worker is gone."""
         peer = self.peers.get(identity)
         if peer is None or peer.role is Role.TRAINER:
             return
@@ -566,9 +496,3 @@ class DaemonCore:
         log.info("shutdown requested")
         self.stop_requested = True
         return Ok()
-
-
-def job_label(name: str, pid: int) -> str:
-    """How the log names a job once, at connect: its name and its trainer's pid (the client's
-    default name is the pid, said once)."""
-    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"
