@@ -3,14 +3,15 @@
 :class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
 returns the reply; results that executors produce later leave through ``push``. The process
 wrapper (:mod:`dalid.server.intake.daemon`) owns the socket and the threads around it. The core
-handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
-shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
+handles a connection's and a job's life (hello, the IPC probe, goodbye, status, shutdown,
+reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
 handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
 flight (``admission.py``), its output memory (``job_outputs.py``), the fair share between jobs
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
-Opening a job within the quotas, and the output memory jobs reserve, are ``opening.py``'s.
+Opening a job within the quotas, and the output memory jobs reserve, are ``opening.py``'s; how
+jobs and connections end is ``endings.py``'s.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dalid.protocol import (
-    BATCH_IDS_PER_CONNECTION,
     PROTOCOL_VERSION,
-    BatchFailed,
     Error,
     ErrorCode,
     Goodbye,
@@ -50,7 +49,6 @@ from dalid.protocol import (
     TrainerProgress,
     WantBatch,
     Welcome,
-    WorkerLeft,
     device_label,
     installation,
     pid_namespace,
@@ -71,6 +69,7 @@ from ..pipelines.repository import PipelineRepository
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
+from .endings import JobEndings
 from .opening import JobOpening
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
@@ -181,6 +180,8 @@ class DaemonCore:
             share=self.scheduler.share_run,
             behind=self.scheduler.set_behind,
         )
+        # How jobs and connections end.
+        self.endings = JobEndings(self.registry, self.scheduler, self.cohorts, push)
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(
             self.registry,
@@ -260,108 +261,21 @@ class DaemonCore:
 
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
-        for identity in self.registry.dead_workers():
-            self._worker_left(identity)
-            self.registry.forget_peer(identity)
-        dead = self.registry.dead_jobs()
-        for job in dead:
-            log.info("job %d: trainer pid %d is gone, freeing what it held", job.job_id, job.pid)
-            self.close_job(job)
-        for job in self.registry.take_lingering():
-            log.info(
-                "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
-            )
-            job.outputs.free()
-        self.cohorts.reap()
-        return [job.job_id for job in dead]
+        return self.endings.reap()
 
     def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
-        self.registry.remove(job)
-        share = self.scheduler.stats(job.job_id)
-        log.info(
-            "job %d (%s) ended: %d batches, %d samples, %d failed; its batches waited %.1f s "
-            "for other jobs, passed over %d times",
-            job.job_id,
-            job.name or "?",
-            job.meter.batches,
-            job.meter.samples,
-            job.batches_failed,
-            share.waited_seconds,
-            share.passed_over,
-        )
-        self.scheduler.remove_job(job.job_id)
-        in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
-        waiting, lingering = job.close()
-        for member in in_cohorts:
-            self.cohorts.leave(member, job.pid, job.pid_namespace)
-        for batch in waiting:
-            # Its sender still waits for the acceptance; tell it why none comes.
-            self._push(
-                batch.sender,
-                Error(
-                    ErrorCode.UNKNOWN_JOB,
-                    f"job {job.job_id} ended before its batch was accepted",
-                    op=SubmitBatch.OP,
-                ),
-                batch.request_id,
-            )
-        if lingering and not daemon_stopping and self.registry.alive(job.pid, job.pid_namespace):
-            # Tensors of the trainer still view some of the job's memory, which CUDA forbids
-            # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
-            log.info("job %d: keeping the outputs its trainer still maps until pid %d exits",
-                     job.job_id, job.pid)  # fmt: skip
-            self.registry.linger(job)
-        else:
-            job.outputs.free()
+        self.endings.close_job(job, daemon_stopping)
 
     def trainer_unreachable(self, identity: bytes) -> None:
-        peer = self.peers.get(identity)
-        if peer is not None and peer.role is Role.TRAINER:
-            log.info("job %d: trainer disconnected", peer.job.job_id)
-            self.close_job(peer.job)
+        self.endings.trainer_unreachable(identity)
 
     def peer_disconnected(self, identity: bytes) -> None:
-        """The connection of ``identity`` closed or stopped answering heartbeats.
-
-        A trainer's ends its job; a worker's takes with it the batches it sent over the job's
-        limit, which fail (the trainer may wait for them).
-        """
-        peer = self.peers.get(identity)
-        if peer is None:
-            return
-        if peer.role is Role.TRAINER:
-            log.info(
-                "job %d: the trainer's connection closed, freeing what it held", peer.job.job_id
-            )
-            self.close_job(peer.job)
-            return
-        job = peer.job
-        self._worker_left(identity)
-        dropped = job.admission.drop_sender(identity)
-        if dropped:
-            log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, len(dropped))
-        for waiting in dropped:
-            # Its worker handed the batch on already: the trainer may wait for it.
-            job.batches_failed += 1
-            batch = waiting.batch
-            self._push(
-                job.trainer,
-                BatchFailed(
-                    batch.batch_id,
-                    batch.request.pipeline_id,
-                    ErrorCode.UNKNOWN_BATCH,
-                    f"batch {batch.batch_id} was dropped: the connection of the worker that sent "
-                    "it closed while the batch waited for its turn",
-                ),
-                None,
-            )
-        self.registry.forget_peer(identity)
+        """The connection of ``identity`` closed or stopped answering heartbeats: a trainer's
+        ends its job, a worker's takes its batches with it (``endings.py``)."""
+        self.endings.peer_disconnected(identity)
 
     def close(self) -> None:
-        for job in list(self.jobs.values()):
-            self.close_job(job, daemon_stopping=True)
-        for job in self.registry.take_lingering(everything=True):
-            job.outputs.free()
+        self.endings.close_all()
         self.registry.close()
         self.cohorts.close()
         if self.paths is not None:
@@ -448,28 +362,11 @@ class DaemonCore:
             # The trainer has unmapped every slab but these (Note [GPU output lifetime]).
             peer.job.outputs.peer_leaving(goodbye.kept_slabs)
             self.cohorts.peer_leaving(peer.job.job_id, goodbye.kept_slabs)
-            self.close_job(peer.job)
+            self.endings.close_job(peer.job)
         else:
-            self._worker_left(identity)
+            self.endings.worker_left(identity)
             self.registry.forget_peer(identity)
         return Ok()
-
-    def _worker_left(self, identity: bytes) -> None:
-        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py):
-        the trainer asks for none of them after the worker is gone."""
-        peer = self.peers.get(identity)
-        if peer is None or peer.role is Role.TRAINER:
-            return
-        first, end = peer.batch_ids.base, peer.batch_ids.base + BATCH_IDS_PER_CONNECTION
-        job = peer.job
-        for member in job.pipelines.values():
-            if member.executor is not None:
-                member.executor.sender_left(member, first, end)
-            if member.cohort is not None:
-                member.cohort.sender_left(job.job_id, first, end)
-        if job.trainer in self.peers:
-            # Its results the trainer has not asked for wait there unclaimed otherwise.
-            self._push(job.trainer, WorkerLeft(first, end), None)
 
     def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())
