@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from enum import StrEnum
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,14 +52,21 @@ from .job_outputs import JobOutputs
 from .pool import Growth, Region, RegionPool
 from .run_output import RunOutput
 from .shm import SharedMemorySlab
-from .store import ReleaseRefused
+from .store import OutputRoute, ReleaseRefused
 
 log = logging.getLogger("dalid.server")
 
-GPU_OUTPUT_MODES = ("auto", "ipc", "staged")
-"""``auto``: CUDA IPC where the trainer can open the daemon's memory, staged elsewhere. ``ipc``:
-CUDA IPC only (a trainer that cannot open it is refused at connect). ``staged``: every job
-staged (where CUDA IPC is known not to work, and to test this path on any machine)."""
+
+class GpuOutputMode(StrEnum):
+    """How a GPU daemon delivers GPU outputs (``dalid serve --gpu-outputs``)."""
+
+    AUTO = "auto"  # CUDA IPC where the trainer can open the daemon's memory, staged elsewhere
+    IPC = "ipc"  # CUDA IPC only: a trainer that cannot open it is refused at connect
+    STAGED = "staged"  # every job staged: where CUDA IPC is known not to work, and in tests
+
+
+GPU_OUTPUT_MODES = tuple(mode.value for mode in GpuOutputMode)
+"""The names of the :class:`GpuOutputMode` values, in their order."""
 
 STAGING_COST = (
     "each batch is copied from the GPU into shared memory by the daemon and uploaded to the GPU "
@@ -232,8 +240,8 @@ class HostMemory(Protocol):
 
 
 class OutputPaths:
-    """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, one
-    of :data:`GPU_OUTPUT_MODES`), chosen for each job by its trainer's ``ipc_probe_result``.
+    """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, a
+    :class:`GpuOutputMode` or its name), chosen for each job by its trainer's ``ipc_probe_result``.
 
     Owns the daemon's :class:`IpcProbe`; ``close()`` frees it. Where the probe cannot be made
     (the daemon's GPU cannot export CUDA IPC memory, as on a MIG instance), welcomes carry none
@@ -244,14 +252,14 @@ class OutputPaths:
     def __init__(self, device_id: int, mode: str = "auto", api: DeviceApi | None = None) -> None:
         if mode not in GPU_OUTPUT_MODES:
             raise ValueError(f"unknown GPU output mode {mode!r}: one of {GPU_OUTPUT_MODES}")
-        self.mode = mode
+        self.mode = GpuOutputMode(mode)
         self._probe: IpcProbe | None = None
         # Why the daemon's own GPU has no CUDA IPC ("" where it has).
         self.no_ipc = ""
         try:
             self._probe = IpcProbe(api if api is not None else cuda_api.CupyApi(device_id))
         except Exception as error:
-            if mode == "ipc":
+            if self.mode is GpuOutputMode.IPC:
                 raise
             # A MIG instance, say: CUDA IPC memory cannot even be exported. Every job stages.
             self.no_ipc = f"the daemon's GPU cannot export CUDA IPC memory ({error})"
@@ -266,11 +274,11 @@ class OutputPaths:
         """The output path of ``job`` given its trainer's ``result``, put in place; a staged
         pool grows within ``host_memory`` (``reservations.py``). Raises RequestRefused where
         the mode refuses it, or once the job registered a pipeline."""
-        if result.opened and self.mode != "staged" and not self.no_ipc:
+        if result.opened and self.mode is not GpuOutputMode.STAGED and not self.no_ipc:
             log.info("job %d: GPU outputs by CUDA IPC", job.job_id)
-            return OutputPath("cuda_ipc")
+            return OutputPath(OutputRoute.CUDA_IPC)
         why = self.no_ipc or result.reason or "no reason given"
-        if self.mode == "ipc":
+        if self.mode is GpuOutputMode.IPC:
             raise RequestRefused(
                 ErrorCode.DEVICE_MISMATCH,
                 f"this process cannot open the daemon's GPU memory by CUDA IPC ({why}), and the "
@@ -298,7 +306,7 @@ class OutputPaths:
         store.pool.close()
         log.warning("job %d (%s): GPU outputs staged: %s; %s", job.job_id, job.name or "?", why,
                     STAGING_COST)  # fmt: skip
-        return OutputPath("staged", why)
+        return OutputPath(OutputRoute.STAGED, why)
 
     def close(self) -> None:
         if self._probe is not None:

@@ -20,7 +20,7 @@ from .copies import DeviceCopies, PrivateCopies
 from .delivered import DeliveredBatches
 from .pool import PoolTooSmall, Region, RegionPool, SlabUnavailable
 from .run_output import OutputFailure, RunOutput, descriptor
-from .store import OutputStore, ReleaseRefused
+from .store import OutputRoute, OutputStore, ReleaseRefused
 
 
 class JobOutputs:
@@ -288,11 +288,13 @@ class JobOutputs:
     # --- figures --------------------------------------------------------------------------------
 
     @property
-    def path(self) -> str:
-        """How the job's GPU outputs reach the trainer, "cuda_ipc" or "staged" (``cuda_staged.py``);
-        "shm" where the job has CPU outputs only."""
+    def path(self) -> OutputRoute:
+        """How the job's outputs reach the trainer: its GPU outputs by CUDA IPC or staged
+        (``cuda_staged.py``), or by shared memory where it has CPU outputs only."""
         devices = {store.device for store in self.stores}
-        return "staged" if "staged" in devices else "cuda_ipc" if "cuda" in devices else "shm"
+        if "staged" in devices:
+            return OutputRoute.STAGED
+        return OutputRoute.CUDA_IPC if "cuda" in devices else OutputRoute.SHM
 
     @property
     def leased_regions(self) -> int:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
 from typing import Any, Protocol
 
 import numpy as np
 
 from .pool import Region, RegionPool
 from .run_output import RunOutput
+
+
+class OutputRoute(StrEnum):
+    """How a job's outputs reach its trainer, as ``dalid status`` and ``output_path`` say."""
+
+    SHM = "shm"  # CPU outputs only, in shared memory
+    CUDA_IPC = "cuda_ipc"  # GPU outputs in the daemon's device memory, opened by CUDA IPC
+    STAGED = "staged"  # GPU outputs staged in shared memory, uploaded by the trainer
 
 
 class ReleaseRefused(ValueError):
