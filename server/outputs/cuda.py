@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,15 @@ MAX_PEER_EVENTS = 256
 TRAINER = 0
 """The one peer of a job's backend: its trainer. A cohort's backend has one per member (its job
 id: Note [Cohort outputs] in runs/cohorts.py)."""
+
+
+class SlabState(Enum):
+    """Where a slab is in its life (Note [GPU output lifetime]); each change is its backend's."""
+
+    POOLED = "pooled"  # its pool carves regions from it
+    AWAITING_PEERS = "awaiting peers"  # the pool let go of it; a peer may still map it
+    KEPT = "kept"  # kept for good: a writer that could not be stopped may still write it
+    FREED = "freed"
 
 
 class CudaSlab:
@@ -59,7 +69,7 @@ class CudaSlab:
         self._backend = backend
         self._ptr = ptr
         self.peers: set[int] = set()
-        self.closed = False
+        self.state = SlabState.POOLED
 
     @property
     def ptr(self) -> int:
@@ -157,15 +167,18 @@ class CudaBackend:
     def slab_closed(self, slab: CudaSlab, free: bool) -> None:
         """The pool let go of ``slab``: free it unless a trainer may still map it."""
         with self._lock:
-            if slab.closed:
+            if slab.state is not SlabState.POOLED:
                 return
-            slab.closed = True
             if not free:
+                slab.state = SlabState.KEPT
                 self._slabs.pop(slab.name, None)
                 self._kept = True
                 return
             if slab.peers:
-                return  # freed by peer_closed(), or by close() once the trainers are gone
+                # Freed by peer_closed(), or by close() once the trainers are gone.
+                slab.state = SlabState.AWAITING_PEERS
+                return
+            slab.state = SlabState.FREED
             self._slabs.pop(slab.name, None)
         self._api.free(slab.ptr)
 
@@ -190,7 +203,8 @@ class CudaBackend:
                 if not unmapped(name):
                     continue
                 slab.peers.discard(peer)
-                if slab.closed and not slab.peers:
+                if slab.state is SlabState.AWAITING_PEERS and not slab.peers:
+                    slab.state = SlabState.FREED
                     freed.append(self._slabs.pop(name))
         for slab in freed:
             self._api.free(slab.ptr)
@@ -204,7 +218,7 @@ class CudaBackend:
     def awaiting_peer(self) -> int:
         """Slabs the pool has let go of that the trainer still maps."""
         with self._lock:
-            return sum(1 for slab in self._slabs.values() if slab.closed)
+            return sum(1 for s in self._slabs.values() if s.state is SlabState.AWAITING_PEERS)
 
     @property
     def api(self) -> DeviceApi:
@@ -311,7 +325,7 @@ class CudaBackend:
             self._ring, self._peer_events, self._private = [], {}, []
             kept = self._kept
         for slab in slabs:
-            slab.closed = True
+            slab.state = SlabState.FREED
             self._api.free(slab.ptr)
         if kept:
             log.warning("GPU output memory kept for a pipeline that could not be stopped")

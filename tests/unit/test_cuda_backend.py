@@ -29,7 +29,7 @@ from dalid.protocol import (
 from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.jobs import Job
 from dalid.server.jobs.quotas import Quotas
-from dalid.server.outputs.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab
+from dalid.server.outputs.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab, SlabState
 from dalid.server.outputs.cuda_store import CudaStore, device_outputs
 from dalid.server.outputs.pool import PAGE, RegionPool
 from dalid.server.outputs.shm import host_outputs
@@ -88,6 +88,23 @@ def test_a_slab_the_trainer_unmapped_first_is_freed_when_the_pool_lets_go(api: F
     assert api.freed == []  # the pool still holds it
     slab.close()
     assert api.freed == [slab.ptr]
+
+
+def test_a_slabs_state_follows_its_life(api: FakeApi) -> None:
+    backend = _backend(api)
+    alone, shared, kept = (backend.create(f"s-{n}", PAGE) for n in range(3))
+    assert {alone.state, shared.state, kept.state} == {SlabState.POOLED}
+    alone.close()
+    assert alone.state is SlabState.FREED  # never exported: nobody else maps it
+    shared.export()
+    shared.close()
+    assert shared.state is SlabState.AWAITING_PEERS and backend.awaiting_peer == 1
+    backend.peer_closed(["s-1"])
+    assert shared.state is SlabState.FREED and backend.awaiting_peer == 0
+    kept.close(unmap=False)
+    kept.close()  # kept for good: a later close changes nothing
+    assert kept.state is SlabState.KEPT and kept.ptr not in api.freed
+    assert api.freed == [alone.ptr, shared.ptr]
 
 
 def test_a_goodbye_frees_all_but_the_kept_slabs(api: FakeApi) -> None:
