@@ -225,7 +225,7 @@ class BatchRequests:
             if member.executor is not None:
                 member.executor.want(member, batch_id)
             if member.cohort is not None:
-                # Parked for room in the job's window, it passes it (cohorts.py, point 6).
+                # Parked for room in the job's window, it passes it (Note [Cohort outputs]).
                 member.cohort.want(job.job_id, batch_id)
         admitted = job.admission.want(batch_id)
         if admitted is not None:

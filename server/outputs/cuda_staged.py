@@ -13,22 +13,13 @@ output from the device into page-locked shared memory and delivers descriptors o
 
 Note [Staged GPU outputs]
 -------------------------
-SPEC.md, "Outputs", rules 14 to 17, is the contract; the trainer keeps its half in
-``client/outputs/cuda_staged.py``. How the daemon keeps it:
-
-1. Memory. Slabs are shared-memory segments as for CPU outputs (``shm.py``), page-locked
-   (``cudaHostRegister``) once when made, so that copies into them are asynchronous DMA at full
-   speed, and unregistered before they are unmapped.
-2. Writing. The copies run on the job's stream, after the pipeline's, as for CUDA IPC; the
-   store then waits for them on its host before the batch is delivered, since the trainer reads
-   host memory and has no event of the daemon's to wait on.
-3. Release. The trainer keeps no view of a region: it releases it once its upload of it has
-   completed, with no fence. Everything else follows Note [Output buffer lifetime] in
-   ``pool.py`` as for shared memory: a retired slab, or every slab of a job that ended, is
-   unlinked, and the trainer's mapping keeps its pages until it unmaps it.
-4. Cost. Two copies a batch where CUDA IPC has none, each over PCIe (a 256x3x224x224 float16
-   batch is 77 MB: some 3 ms a copy at 25 GB/s), and a host wait per batch in the daemon. The
-   trainer is warned once, with the reason; ``dalid status`` shows each job's path.
+SPEC.md, "Outputs", rules 14 to 17; the trainer keeps its half in
+``client/outputs/cuda_staged.py``. Staged slabs are shared-memory segments, page-locked once when
+made and unregistered before they are unmapped. A batch's copies run on the job's stream after
+the pipeline's, and the store waits for them on its host before the batch is delivered: the
+trainer reads host memory and has no event of the daemon's to wait on. The trainer releases a
+region, with no fence, once its upload has completed; the rest is Note [Output buffer lifetime].
+docs/design/gpu-output-lifetime.md
 """
 
 from __future__ import annotations
@@ -164,7 +155,7 @@ class StagedStore(GpuOutputStore):
 
     def finish(self, wrote: bool, source_stream: int | None) -> str:
         if wrote:
-            # Note [Staged GPU outputs], point 2: done before the batch is delivered.
+            # Done before the batch is delivered (Note [Staged GPU outputs]).
             self.backend.synchronize()
         return ""
 
