@@ -4,6 +4,7 @@ DALI threads and pipelines."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -46,7 +47,7 @@ def test_releases_from_several_threads_call_each_batch_once() -> None:
     calls: list[int] = []
     delivered = DeliveredBatches()
     for batch in range(100):
-        delivered.add([2 * batch + 1, 2 * batch + 2], lambda batch=batch: calls.append(batch))
+        delivered.add([2 * batch + 1, 2 * batch + 2], functools.partial(calls.append, batch))
     threads = [
         threading.Thread(target=delivered.released, args=(list(range(first, 201, 2)),))
         for first in (1, 2)
@@ -74,12 +75,13 @@ def test_copies_go_through_the_host_once_their_store_is_replaced() -> None:
     store = _CopyMemory()
     try:
         copies = PrivateCopies(store)  # type: ignore[arg-type]
-        assert copies.pool is store.copy_pool
+        pools = [copies.pool]
         copies.forget(object())  # another store of the job: nothing changes
-        assert copies.on_device is store
-        copies.forget(store)
-        assert copies.on_device is None and copies.pool is None
-        assert PrivateCopies().pool is None
+        pools.append(copies.pool)
+        copies.forget(store)  # staged outputs took its place
+        pools += [copies.pool, PrivateCopies().pool]
+        assert pools == [store.copy_pool, store.copy_pool, None, None]
+        assert copies.on_device is None
     finally:
         store.copy_pool.close()
 
