@@ -224,7 +224,12 @@ STEPS = [
     ("dalid.server.runs.run_planner", "RunPlanner", "give_slots", "give_slots"),
     ("dalid.server.runs.executor", "PipelineExecutor", "_look", "_look"),
     ("dalid.server.runs.executor", "PipelineExecutor", "_deliver", "_deliver"),
-    ("dalid.server.outputs.outputs", "JobOutputs", "write_batch", "deliver: write_batch (copy)"),
+    (
+        "dalid.server.outputs.job_outputs",
+        "JobOutputs",
+        "write_batch",
+        "deliver: write_batch (copy)",
+    ),
     (
         "dalid.server.handling.batch_requests",
         "BatchRequests",

@@ -326,7 +326,7 @@ def install() -> None:
     from dalid.server.intake.daemon import Daemon
     from dalid.server.intake.intake import Intake
     from dalid.server.intake.shared_socket import SharedSocket
-    from dalid.server.outputs.outputs import JobOutputs
+    from dalid.server.outputs.job_outputs import JobOutputs
     from dalid.server.pipelines.runner import PipelineRunner
     from dalid.server.runs.run_loop import RunLoop
     from dalid.server.runs.run_planner import RunPlanner

@@ -20,18 +20,12 @@ Both sides map a slab with :func:`map_slab`; see Note [Slab mappings across fork
 
 Note [Slab mappings across fork]
 --------------------------------
-A slab mapping is ``MADV_DONTFORK``: a child forked from the process (a DataLoader worker of
-the trainer, a Python-operator worker of the daemon) does not get it, or it would hold the
-slab's memory for as long as it lives. The child does get the Python objects that own the
-mapping (the mmap, and arrays and tensors viewing it), and freeing one there (a garbage
-collection in the worker of what the trainer had left to collect, a session closed there)
-would munmap that address range in the child, where the range is free, or already holds the
-child's own memory: its Python heap, a thread's stack. That memory then vanishes under the
-child, which dies of SIGSEGV ("Unexpected segmentation fault encountered in worker"). So a
-mapping is only ever unmapped by the process that mapped it: every mapping made here is
-registered, and a forked child keeps the ones it inherits referenced until it exits, so that
-freeing their owners there unmaps nothing; code that unmaps explicitly checks
-:func:`mapped_here` first.
+A slab mapping is ``MADV_DONTFORK``: a forked child (a DataLoader worker of the trainer, a
+Python-operator worker of the daemon) does not get it, but does get the Python objects that own
+it, and freeing one there would munmap a range that holds the child's own memory (SIGSEGV). So a
+mapping is unmapped only by the process that mapped it: every mapping made here is registered,
+a forked child keeps the ones it inherits referenced until it exits, and code that unmaps
+explicitly checks :func:`mapped_here` first. docs/design/output-buffers.md
 """
 
 from __future__ import annotations

@@ -300,7 +300,7 @@ class CudaOutputs:
         slabs still mapped, for ``Goodbye.kept_slabs``.
 
         Slabs that tensors still view stay mapped until this process exits; the daemon keeps
-        them allocated until then (Note [GPU output lifetime], point 5).
+        them allocated until then (Note [GPU output lifetime]).
         """
         if self._pid != os.getpid():
             return ()

@@ -1,6 +1,8 @@
 """What a request does, without sockets: ``core.py`` handles a connection's and a job's life,
-``batch_requests.py`` a job's pipelines and batches (a batch is checked and handed to its
-pipeline here), ``registration.py`` registers pipelines, ``status.py`` answers status.
+with opening a job in ``opening.py`` and its end in ``endings.py``; ``batch_requests.py`` a job's
+pipelines and batches (a batch is checked and handed to its pipeline here), ``registration.py``
+registers pipelines within the DALI threads and pipelines of ``budget.py``, ``status.py`` answers
+status.
 
 Imported by ``intake/`` (the daemon's loop gives it each message) and by tests that drive a core
 in-process; it imports the stages below: ``jobs/``, ``runs/``, ``pipelines/``, ``samples/``,

@@ -4,7 +4,7 @@ submission and scheduling, the release of its output regions, and the delivery o
 :class:`BatchRequests` holds them for the daemon core (``core.py``), whose table dispatches
 these requests here once the connection has said hello. What they act on lives in modules of
 its own: jobs and peers (``jobs.py``), a job's batches in flight (``admission.py``), the batch
-inputs held (``inputs.py``), its output memory (``outputs.py``) and the pipelines' executors
+inputs held (``inputs.py``), its output memory (``job_outputs.py``) and the pipelines' executors
 (``registration.py``).
 """
 
@@ -34,7 +34,8 @@ from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory, InputRefused
 from ..jobs.jobs import Job, JobRegistry, Peer
 from ..jobs.quotas import Quotas
-from ..outputs.outputs import JobOutputs, ReleaseRefused
+from ..outputs.job_outputs import JobOutputs
+from ..outputs.store import ReleaseRefused
 from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch
@@ -224,7 +225,7 @@ class BatchRequests:
             if member.executor is not None:
                 member.executor.want(member, batch_id)
             if member.cohort is not None:
-                # Parked for room in the job's window, it passes it (cohorts.py, point 6).
+                # Parked for room in the job's window, it passes it (Note [Cohort outputs]).
                 member.cohort.want(job.job_id, batch_id)
         admitted = job.admission.want(batch_id)
         if admitted is not None:

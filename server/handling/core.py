@@ -3,15 +3,15 @@
 :class:`DaemonCore` takes decoded messages with the identity of the peer that sent them and
 returns the reply; results that executors produce later leave through ``push``. The process
 wrapper (:mod:`dalid.server.intake.daemon`) owns the socket and the threads around it. The core
-handles a connection's and a job's life (hello, the IPC probe, goodbye, a peer gone, status,
-shutdown, reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
+handles a connection's and a job's life (hello, the IPC probe, goodbye, status, shutdown,
+reload); a job's pipelines and batches are handled by ``batch_requests.py``. What the
 handlers act on lives in modules of its own: jobs and peers (``jobs.py``), a job's batches in
-flight (``admission.py``), its output memory (``outputs.py``), the fair share between jobs
+flight (``admission.py``), its output memory (``job_outputs.py``), the fair share between jobs
 (``scheduler.py``), the pipelines' executors (``executor.py``) and the pipeline repository
 (``reload.py``).
 
-Why one module of some 550 lines: it holds the one table of every request and the handlers of
-a job's life from its hello to its end, which read best in one place.
+Opening a job within the quotas, and the output memory jobs reserve, are ``opening.py``'s; how
+jobs and connections end is ``endings.py``'s.
 """
 
 from __future__ import annotations
@@ -25,15 +25,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dalid.protocol import (
-    BATCH_IDS_PER_CONNECTION,
     PROTOCOL_VERSION,
-    BatchFailed,
     Error,
     ErrorCode,
     Goodbye,
     Hello,
     IpcProbeResult,
-    Limits,
     Message,
     Ok,
     Ping,
@@ -52,7 +49,6 @@ from dalid.protocol import (
     TrainerProgress,
     WantBatch,
     Welcome,
-    WorkerLeft,
     device_label,
     installation,
     pid_namespace,
@@ -62,10 +58,10 @@ from dalid.protocol import (
 from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory
 from ..jobs.jobs import Job, JobRegistry, Peer
-from ..jobs.quotas import QuotaRefused, Quotas, grant
+from ..jobs.quotas import Quotas
 from ..jobs.reservations import OutputMemory
-from ..outputs.copies import PRIVATE_COPY_AFTER_S
-from ..outputs.outputs import JobOutputs, OutputsFactory, StreamFactory, no_streams
+from ..outputs.job_outputs import OutputsFactory
+from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
@@ -73,6 +69,8 @@ from ..pipelines.repository import PipelineRepository
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
+from .endings import JobEndings
+from .opening import JobOpening
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -137,14 +135,10 @@ class DaemonCore:
         self.device = device
         self.device_id = None if device == "cpu" else int(device)
         self.device_uuid = device_uuid
-        self._outputs = outputs
         self.paths = paths
         self._push = push
         self._credentials = credentials
         self.quotas = quotas
-        # What jobs reserve of output memory, by the device of their stores: shared memory
-        # against --memory-limit, device memory the same way with no limit of its own.
-        self.output_memory = {"cpu": OutputMemory(quotas.memory_limit), "cuda": OutputMemory(0)}
         self.inputs = InputMemory(quotas.input_memory)
         self.scheduler = FairScheduler(concurrency)
         self.dali_version = dali_version
@@ -155,6 +149,15 @@ class DaemonCore:
         self._pid_namespace = pid_namespace()
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
+        # Jobs opened within the quotas, and what they reserve of output memory.
+        self.opening = JobOpening(
+            self.registry,
+            quotas,
+            self.inputs,
+            self.scheduler,
+            outputs=outputs,
+            prefix=f"dalid-{self._instance}",
+        )
         self.pipelines = PipelineBuilder(
             self.device_id,
             quotas.max_batch_size,
@@ -170,13 +173,15 @@ class DaemonCore:
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
         self.cohorts = Cohorts(
-            self._cohort_outputs,
+            self.opening.cohort_outputs,
             quotas.cohort_bytes,
             self.registry.alive,
             charge=self.scheduler.charge,
             share=self.scheduler.share_run,
             behind=self.scheduler.set_behind,
         )
+        # How jobs and connections end.
+        self.endings = JobEndings(self.registry, self.scheduler, self.cohorts, push)
         # A job's pipelines and batches: registrations, submissions, releases, results.
         self.batches = BatchRequests(
             self.registry,
@@ -212,6 +217,11 @@ class DaemonCore:
     @property
     def peers(self) -> dict[bytes, Peer]:
         return self.registry.peers
+
+    @property
+    def output_memory(self) -> dict[str, OutputMemory]:
+        """What jobs reserve of output memory, by the device of their stores."""
+        return self.opening.output_memory
 
     # --- entry points ---------------------------------------------------------------------------
 
@@ -249,127 +259,23 @@ class DaemonCore:
     def malformed(error: ProtocolError) -> Error:
         return Error(error.code, error.message, op=error.op)
 
-    def _cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
-        """A cohort's output memory, of the kinds a job's is (shared memory; on a GPU daemon,
-        device memory too, whose regions every member maps: cohorts.py), each reserved as it
-        grows as a job's is (shared memory against the daemon's --memory-limit)."""
-        outputs = self._outputs(name_prefix, limits)
-        try:
-            for store in outputs.stores:
-                store.pool.grow_within(self.output_memory[store.device].growing(limits.pool_bytes))
-        except QuotaRefused as refusal:
-            outputs.close()
-            outputs.free()
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        # A cohort's run never waits for a member's trainer: with no room, it goes to each
-        # member's own memory instead (Note [Cohort outputs] in cohorts.py).
-        outputs.copy_after = 0.0
-        return outputs
-
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
-        for identity in self.registry.dead_workers():
-            self._worker_left(identity)
-            self.registry.forget_peer(identity)
-        dead = self.registry.dead_jobs()
-        for job in dead:
-            log.info("job %d: trainer pid %d is gone, freeing what it held", job.job_id, job.pid)
-            self.close_job(job)
-        for job in self.registry.take_lingering():
-            log.info(
-                "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
-            )
-            job.outputs.free()
-        self.cohorts.reap()
-        return [job.job_id for job in dead]
+        return self.endings.reap()
 
     def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
-        self.registry.remove(job)
-        share = self.scheduler.stats(job.job_id)
-        log.info(
-            "job %d (%s) ended: %d batches, %d samples, %d failed; its batches waited %.1f s "
-            "for other jobs, passed over %d times",
-            job.job_id,
-            job.name or "?",
-            job.meter.batches,
-            job.meter.samples,
-            job.batches_failed,
-            share.waited_seconds,
-            share.passed_over,
-        )
-        self.scheduler.remove_job(job.job_id)
-        in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
-        waiting, lingering = job.close()
-        for member in in_cohorts:
-            self.cohorts.leave(member, job.pid, job.pid_namespace)
-        for batch in waiting:
-            # Its sender still waits for the acceptance; tell it why none comes.
-            self._push(
-                batch.sender,
-                Error(
-                    ErrorCode.UNKNOWN_JOB,
-                    f"job {job.job_id} ended before its batch was accepted",
-                    op=SubmitBatch.OP,
-                ),
-                batch.request_id,
-            )
-        if lingering and not daemon_stopping and self.registry.alive(job.pid, job.pid_namespace):
-            # Tensors of the trainer still view some of the job's memory, which CUDA forbids
-            # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
-            log.info("job %d: keeping the outputs its trainer still maps until pid %d exits",
-                     job.job_id, job.pid)  # fmt: skip
-            self.registry.linger(job)
-        else:
-            job.outputs.free()
+        self.endings.close_job(job, daemon_stopping)
 
     def trainer_unreachable(self, identity: bytes) -> None:
-        peer = self.peers.get(identity)
-        if peer is not None and peer.role is Role.TRAINER:
-            log.info("job %d: trainer disconnected", peer.job.job_id)
-            self.close_job(peer.job)
+        self.endings.trainer_unreachable(identity)
 
     def peer_disconnected(self, identity: bytes) -> None:
-        """The connection of ``identity`` closed or stopped answering heartbeats.
-
-        A trainer's ends its job; a worker's takes with it the batches it sent over the job's
-        limit, which fail (the trainer may wait for them).
-        """
-        peer = self.peers.get(identity)
-        if peer is None:
-            return
-        if peer.role is Role.TRAINER:
-            log.info(
-                "job %d: the trainer's connection closed, freeing what it held", peer.job.job_id
-            )
-            self.close_job(peer.job)
-            return
-        job = peer.job
-        self._worker_left(identity)
-        dropped = job.admission.drop_sender(identity)
-        if dropped:
-            log.info("job %d: a worker left; dropped %d batches it sent", job.job_id, len(dropped))
-        for waiting in dropped:
-            # Its worker handed the batch on already: the trainer may wait for it.
-            job.batches_failed += 1
-            batch = waiting.batch
-            self._push(
-                job.trainer,
-                BatchFailed(
-                    batch.batch_id,
-                    batch.request.pipeline_id,
-                    ErrorCode.UNKNOWN_BATCH,
-                    f"batch {batch.batch_id} was dropped: the connection of the worker that sent "
-                    "it closed while the batch waited for its turn",
-                ),
-                None,
-            )
-        self.registry.forget_peer(identity)
+        """The connection of ``identity`` closed or stopped answering heartbeats: a trainer's
+        ends its job, a worker's takes its batches with it (``endings.py``)."""
+        self.endings.peer_disconnected(identity)
 
     def close(self) -> None:
-        for job in list(self.jobs.values()):
-            self.close_job(job, daemon_stopping=True)
-        for job in self.registry.take_lingering(everything=True):
-            job.outputs.free()
+        self.endings.close_all()
         self.registry.close()
         self.cohorts.close()
         if self.paths is not None:
@@ -399,7 +305,7 @@ class DaemonCore:
         credentials = self._credentials(identity)
         pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
-            job = self._open_job(identity, hello, pid)
+            job = self.opening.open(identity, hello, pid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             if found is None:
@@ -436,67 +342,6 @@ class DaemonCore:
             progress_in_release=True,
         )
 
-    def _open_job(self, identity: bytes, hello: Hello, pid: int) -> Job:
-        """A new job for a trainer's hello, within the daemon's quotas; ``pid``: its trainer's
-        process, 0 where the daemon cannot see it.
-
-        Its output memory is reserved now if the job asked for an amount, else as its outputs
-        need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
-        """
-        self.registry.check_unclaimed(hello.earlier_jobs)
-        try:
-            limits = grant(
-                hello,
-                self.quotas,
-                jobs=len(self.jobs),
-                max_message_bytes=self.inputs.job_limit,
-                pid=pid,
-                jobs_of_process=sum(1 for job in self.jobs.values() if job.pid == pid),
-            )
-            reservations = {
-                device: memory.fixed(limits.pool_bytes)
-                if hello.memory_bytes
-                else memory.growing(limits.pool_bytes)
-                for device, memory in self.output_memory.items()
-            }
-        except QuotaRefused as refusal:
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
-        try:
-            job = self.registry.open(
-                identity,
-                hello,
-                limits,
-                lambda job_id: self._outputs(f"dalid-{self._instance}-j{job_id}", limits),
-                self.quotas.max_waiting_batches,
-                pid=pid,
-            )
-        except BaseException:
-            for reservation in reservations.values():
-                reservation.close()
-            raise
-        # Each store's pool owns its reservation from here (it closes it when it closes).
-        for store in job.outputs.stores:
-            store.pool.grow_within(reservations.pop(store.device))
-        for unused in reservations.values():
-            unused.close()
-        self.scheduler.add_job(job.job_id, limits.weight)
-        if hello.private_copies:
-            job.outputs.copy_after = PRIVATE_COPY_AFTER_S
-            job.outputs.device_copies = hello.device_copies
-        log.info(
-            "job %d (%s) connected: weight %g, %s MiB of output memory, %d batches in flight%s",
-            job.job_id,
-            job_label(hello.name, pid),
-            limits.weight,
-            ("" if hello.memory_bytes else "up to ") + str(limits.pool_bytes >> 20),
-            limits.max_inflight_batches,
-            f"; it was job {', '.join(str(e.job_id) for e in hello.earlier_jobs)} of earlier "
-            "daemons"
-            if hello.earlier_jobs
-            else "",
-        )
-        return job
-
     def _on_ipc_probe_result(
         self, identity: bytes, result: IpcProbeResult, _request_id: int | None
     ) -> Message:
@@ -517,28 +362,11 @@ class DaemonCore:
             # The trainer has unmapped every slab but these (Note [GPU output lifetime]).
             peer.job.outputs.peer_leaving(goodbye.kept_slabs)
             self.cohorts.peer_leaving(peer.job.job_id, goodbye.kept_slabs)
-            self.close_job(peer.job)
+            self.endings.close_job(peer.job)
         else:
-            self._worker_left(identity)
+            self.endings.worker_left(identity)
             self.registry.forget_peer(identity)
         return Ok()
-
-    def _worker_left(self, identity: bytes) -> None:
-        """A worker's batches leave its job's window (Note [A job's window] in run_planner.py,
-        point 6): the trainer asks for none of them after the worker is gone."""
-        peer = self.peers.get(identity)
-        if peer is None or peer.role is Role.TRAINER:
-            return
-        first, end = peer.batch_ids.base, peer.batch_ids.base + BATCH_IDS_PER_CONNECTION
-        job = peer.job
-        for member in job.pipelines.values():
-            if member.executor is not None:
-                member.executor.sender_left(member, first, end)
-            if member.cohort is not None:
-                member.cohort.sender_left(job.job_id, first, end)
-        if job.trainer in self.peers:
-            # Its results the trainer has not asked for wait there unclaimed otherwise.
-            self._push(job.trainer, WorkerLeft(first, end), None)
 
     def _on_ping(self, identity: bytes, _: Ping, _request_id: int | None) -> Message:
         return Pong(os.getpid())
@@ -565,9 +393,3 @@ class DaemonCore:
         log.info("shutdown requested")
         self.stop_requested = True
         return Ok()
-
-
-def job_label(name: str, pid: int) -> str:
-    """How the log names a job once, at connect: its name and its trainer's pid (the client's
-    default name is the pid, said once)."""
-    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

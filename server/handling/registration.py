@@ -14,8 +14,7 @@ the allow-list and its outputs' declared sizes (``operators.py``), whether it wa
 the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
 and DALI threads.
 
-Why one module of some 500 lines: it holds the daemon's one table of pipelines, and what a
-registration must pass to get a place in it.
+What the pipelines hold of the daemon's DALI threads and room for pipelines is ``budget.py``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -42,7 +40,7 @@ from dalid.protocol import (
 
 from ..errors import RequestRefused
 from ..jobs.jobs import Job
-from ..outputs.outputs import StreamFactory, no_streams
+from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder, graph_key, refusal
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository
@@ -52,6 +50,7 @@ from ..runs.executor import PipelineExecutor
 from ..runs.instances import MAX_INSTANCES, InstanceController
 from ..runs.runs import Answer, Member
 from ..runs.scheduler import FairScheduler
+from .budget import PipelineBudget
 
 log = logging.getLogger("dalid.server")
 
@@ -124,17 +123,8 @@ class PipelineBuilder:
         self._device_id = device_id
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
-        # DALI threads of all pipelines together, and the most one pipeline gets: threads past
-        # the cores only wait (one registration of 1,024 threads used to exhaust the system's).
-        cores = len(os.sched_getaffinity(0))
-        self._max_threads = max_threads or max(128, 8 * cores)
-        self._thread_share = cores
-        self._max_pipelines = max_pipelines
-        # The threads each running pipeline may have, by instance id (all its DALI instances'),
-        # what one DALI instance of it has, and its instances past the first.
-        self._threads: dict[int, int] = {}
-        self._instance_threads: dict[int, int] = {}
-        self._more_instances: dict[int, int] = {}
+        # DALI threads and pipelines of all pipelines together (budget.py).
+        self.budget = PipelineBudget(max_threads, max_pipelines)
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -169,7 +159,7 @@ class PipelineBuilder:
             if shared is not None and shared.failed:
                 shared = None
         # A new pipeline must fit in the daemon's: checked before anything changes.
-        threads = self._thread_room() if shared is None else 0
+        threads = self.budget.room() if shared is None else 0
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         job.adopt_earlier_ids(request, pipeline_id)
@@ -223,8 +213,8 @@ class PipelineBuilder:
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
-            self._threads[instance_id] = self._instance_threads[instance_id] = max_threads
             self._pids[instance_id] = {job.pid}
+        self.budget.add(instance_id, max_threads)
         controller = None
         if shared:
             pinned = self._sharing.instances or None
@@ -249,7 +239,7 @@ class PipelineBuilder:
             on_private=self._unshare,
             private_reason=plan.why_private,
             controller=controller,
-            room=self,
+            room=self.budget,
             on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             device_id=self._device_id,
         )
@@ -293,56 +283,11 @@ class PipelineBuilder:
         if suspect is not None:
             raise RequestRefused(ErrorCode.INVALID_PIPELINE, refusal(suspect))
 
-    def take(self, instance_id: int) -> int:
-        """The threads another DALI instance of pipeline ``instance_id`` gets (as many as its
-        first), or 0 where it does not fit in the daemon's pipelines and threads."""
-        with self._lock:
-            threads = self._instance_threads.get(instance_id, 0)
-            running = len(self._threads) + sum(self._more_instances.values())
-            if not threads or (self._max_pipelines and running >= self._max_pipelines):
-                return 0
-            if self._max_threads - sum(self._threads.values()) < threads:
-                return 0
-            self._threads[instance_id] += threads
-            self._more_instances[instance_id] = self._more_instances.get(instance_id, 0) + 1
-            return threads
-
-    def give(self, instance_id: int, threads: int) -> None:
-        """An instance past the first of pipeline ``instance_id`` ended: its threads go back."""
-        with self._lock:
-            if instance_id in self._threads:
-                self._threads[instance_id] -= threads
-            if self._more_instances.get(instance_id):
-                self._more_instances[instance_id] -= 1
-
-    def _thread_room(self) -> int:
-        """The DALI threads a new pipeline may have; refuses one that does not fit."""
-        with self._lock:
-            running = len(self._threads) + sum(self._more_instances.values())
-            used = sum(self._threads.values())
-        if self._max_pipelines and running >= self._max_pipelines:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the daemon runs {running} pipelines, its limit (dalid serve "
-                f"--max-daemon-pipelines {self._max_pipelines}): wait for jobs to end, or "
-                "register a pipeline another job runs already",
-            )
-        left = self._max_threads - used
-        if left < 1:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the daemon's pipelines have all its {self._max_threads} DALI threads (dalid "
-                "serve --max-threads): wait for jobs to end",
-            )
-        return min(self._thread_share, left)
-
     def _forget(self, executor: PipelineExecutor) -> None:
         """The last member of ``executor`` left: it takes no more registrations."""
+        self.budget.forget(executor.instance_id)
         with self._lock:
             self.instances.pop(executor.instance_id, None)
-            self._threads.pop(executor.instance_id, None)
-            self._instance_threads.pop(executor.instance_id, None)
-            self._more_instances.pop(executor.instance_id, None)
             self._pids.pop(executor.instance_id, None)
             for key, shared in list(self._shared.items()):
                 if shared is executor:

@@ -68,8 +68,9 @@ from dalid.protocol.ownership import UnsafePath
 from ..handling.core import DaemonCore
 from ..handling.registration import SHARING, Sharing
 from ..jobs.quotas import Quotas
-from ..outputs.outputs import OutputsFactory, StreamFactory, no_streams
+from ..outputs.job_outputs import OutputsFactory
 from ..outputs.shm import host_outputs
+from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
@@ -262,8 +263,8 @@ class Daemon:
             device_uuid = gpu_uuid(device_id)
             # Each job gets its own GPU memory, stream and events (Note [GPU output lifetime]);
             # imported here, so that a CPU daemon never loads its CUDA layer.
-            from ..outputs.cuda import device_outputs, device_streams
             from ..outputs.cuda_staged import OutputPaths
+            from ..outputs.cuda_store import device_outputs, device_streams
 
             outputs = device_outputs(device_id)
             streams = device_streams(device_id)

@@ -52,7 +52,7 @@ from dalid.protocol import (
 )
 
 from ..errors import RequestRefused
-from ..outputs.outputs import JobOutputs
+from ..outputs.job_outputs import JobOutputs
 from .admission import Admission, WaitingBatch
 from .batch_ids import BatchIds
 from .rates import RateMeter

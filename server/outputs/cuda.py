@@ -1,83 +1,41 @@
-"""GPU outputs: CUDA IPC slabs, the job's copy stream and its interprocess events.
+"""GPU output memory of one job: CUDA IPC slabs, the job's stream, its events and the peers' fences.
 
-A GPU daemon gives each job a :class:`CudaStore` beside its shared-memory one (the output
-stores of ``outputs.py``): its :class:`~dalid.server.outputs.pool.RegionPool` carves output regions
-from :class:`CudaSlab`\\ s of the job's :class:`CudaBackend`, and the executors' copies of DALI's
-GPU outputs go into them on the backend's stream. CuPy is imported only when a backend is made for a
-real device (:class:`CupyApi`), so a CPU daemon never needs CUDA.
-
-Why one module of some 580 lines: the note below and the code that keeps it (slabs, the job's
-stream, its event ring, the peers' fences, the copy memory and, for a cohort, a peer per member)
-read best together.
+A GPU daemon gives each job a :class:`CudaBackend` on its device: the slab backend of its CUDA
+IPC store's pools (``cuda_store.py``), the non-blocking stream the executors' copies of DALI's
+GPU outputs run on, the ring of interprocess batch events, and the release fences its trainer
+(or, for a cohort, each member) sends. CuPy is imported only when a backend is made for a real
+device (``cuda_api.CupyApi``), so a CPU daemon never needs CUDA.
 
 Note [GPU output lifetime]
 --------------------------
-GPU regions follow Note [Output buffer lifetime] in ``pool.py``; the contract both sides keep is
-SPEC.md, "Outputs", rules 7 to 13 (the trainer keeps its half in ``client/outputs/cuda.py``).
-How the daemon keeps what CUDA adds:
-
-1. Memory (rule 8). A slab is one ``cudaMalloc`` (not CuPy's memory pool: its arena must not be
-   exported to another process, and a slab is freed exactly when this note says). Its IPC handle
-   is taken once and sent, in hex, in every descriptor of its regions.
-2. Writing (rule 9). Each job has one daemon-owned, non-blocking stream. DALI hands a batch's
-   outputs over bound to that stream (``outputs(cuda_stream=...)``, no host synchronization), the
-   store copies them into their regions on it, then records one interprocess event on it. The
-   daemon's host waits for its stream in two cases only: before copying the CPU outputs of a
-   pipeline with outputs on both devices (DALI's GPU-to-CPU outputs are ready in the stream's
-   order), and with the legacy executor, before DALI may reuse the buffers copied from.
-3. Event reuse (rule 9). The batch events form a ring of ``EVENT_RING`` per job, created once, so
-   each handle is opened once by the trainer and no event is destroyed while the trainer may
-   still open it. Reusing one is safe: a wait binds to the event's most recent record at the time
-   of the wait call; every record of the ring is on the same stream, so a later record marks a
-   later point of that stream, which the earlier batch's copies precede.
-4. Release (rule 10). The I/O thread makes the job's stream wait on the trainer's release fence
-   *before* the regions go back to the pool, so every later copy into them runs after the
-   trainer's last use. It opens each fence handle once and at most ``MAX_PEER_EVENTS`` of them.
-5. Freeing (rule 11). A slab whose handle went out (``export``) and that the pool lets go of
-   waits until the trainer reports it unmapped (``closed_slabs``), or, at the end of the job,
-   until the trainer's goodbye leaves it out of ``kept_slabs``; slabs it keeps are freed when its
-   process exits (the core keeps the job's outputs until then; where it cannot watch the pid,
-   until the daemon exits).
-6. Death (rule 13). A trainer that dies unmaps everything with its process: its job's slabs are
-   freed at once.
-7. Events at the end (rule 12). The daemon destroys the fences it opened when the job closes,
-   while the trainer still has them, and its ring with the job's last slab.
-8. A cohort's store (``for_members``) keeps these points with a peer per member instead of one
-   trainer: a slab is mapped by each member given its regions (``give``), so point 5 waits for
-   each of them, and point 6 is a member's; point 4 opens and bounds each member's fences
-   apart, and point 7 destroys a member's when it is gone (Note [Cohort outputs] in
-   runs/cohorts.py).
+GPU regions follow Note [Output buffer lifetime], with what CUDA adds (SPEC.md, "Outputs",
+rules 7 to 13; the trainer keeps its half in ``client/outputs/cuda.py``): a slab is one
+``cudaMalloc``, exported once; a batch's copies run on the job's one stream and end with an
+event of a ring of ``EVENT_RING``, created once, reused, never destroyed while the trainer may
+open it; the job's stream waits for the trainer's release fence before the regions go back to
+the pool; a slab the pool let go of is freed only once every peer that may map it reported it
+unmapped, left it out of its goodbye's ``kept_slabs``, or is gone; the fences opened for a peer
+are destroyed when its job ends. A cohort's backend keeps this per member.
+docs/design/gpu-output-lifetime.md
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from dalid.protocol import Limits, OutputDescriptor
-
 from . import cuda_api
-from .copies import COPY_BATCHES, DeviceCopies
 from .cuda_api import DeviceApi
-from .outputs import (
-    JobOutputs,
-    OutputsFactory,
-    ReleaseRefused,
-    RunOutput,
-    StreamFactory,
-    region_ids,
-)
-from .pool import PoolFull, PoolTooSmall, Region, RegionPool, SlabUnavailable
-from .shm import SharedMemoryStore
 
 log = logging.getLogger("dalid.server")
 
 EVENT_RING = 32
-"""Interprocess batch events per job (Note [GPU output lifetime], point 3)."""
+"""Interprocess batch events per job, reused in turn (Note [GPU output lifetime])."""
 MAX_PEER_EVENTS = 256
 """Release fences a trainer may have the daemon open; the client keeps at most 64."""
 TRAINER = 0
@@ -85,11 +43,20 @@ TRAINER = 0
 id: Note [Cohort outputs] in runs/cohorts.py)."""
 
 
+class SlabState(Enum):
+    """Where a slab is in its life (Note [GPU output lifetime]); each change is its backend's."""
+
+    POOLED = "pooled"  # its pool carves regions from it
+    AWAITING_PEERS = "awaiting peers"  # the pool let go of it; a peer may still map it
+    KEPT = "kept"  # kept for good: a writer that could not be stopped may still write it
+    FREED = "freed"
+
+
 class CudaSlab:
     """One block of device memory, exported by its CUDA IPC handle.
 
     ``close()`` hands it back to its backend, which frees it now or, once exported, when the
-    trainer reports it unmapped (Note [GPU output lifetime], point 5). Idempotent. ``peers``:
+    trainer reports it unmapped (Note [GPU output lifetime]). Idempotent. ``peers``:
     the trainers that may map it (given its handle, not yet reported it unmapped).
     """
 
@@ -102,7 +69,7 @@ class CudaSlab:
         self._backend = backend
         self._ptr = ptr
         self.peers: set[int] = set()
-        self.closed = False
+        self.state = SlabState.POOLED
 
     @property
     def ptr(self) -> int:
@@ -200,15 +167,18 @@ class CudaBackend:
     def slab_closed(self, slab: CudaSlab, free: bool) -> None:
         """The pool let go of ``slab``: free it unless a trainer may still map it."""
         with self._lock:
-            if slab.closed:
+            if slab.state is not SlabState.POOLED:
                 return
-            slab.closed = True
             if not free:
+                slab.state = SlabState.KEPT
                 self._slabs.pop(slab.name, None)
                 self._kept = True
                 return
             if slab.peers:
-                return  # freed by peer_closed(), or by close() once the trainers are gone
+                # Freed by peer_closed(), or by close() once the trainers are gone.
+                slab.state = SlabState.AWAITING_PEERS
+                return
+            slab.state = SlabState.FREED
             self._slabs.pop(slab.name, None)
         self._api.free(slab.ptr)
 
@@ -233,7 +203,8 @@ class CudaBackend:
                 if not unmapped(name):
                     continue
                 slab.peers.discard(peer)
-                if slab.closed and not slab.peers:
+                if slab.state is SlabState.AWAITING_PEERS and not slab.peers:
+                    slab.state = SlabState.FREED
                     freed.append(self._slabs.pop(name))
         for slab in freed:
             self._api.free(slab.ptr)
@@ -247,7 +218,7 @@ class CudaBackend:
     def awaiting_peer(self) -> int:
         """Slabs the pool has let go of that the trainer still maps."""
         with self._lock:
-            return sum(1 for slab in self._slabs.values() if slab.closed)
+            return sum(1 for s in self._slabs.values() if s.state is SlabState.AWAITING_PEERS)
 
     @property
     def api(self) -> DeviceApi:
@@ -354,7 +325,7 @@ class CudaBackend:
             self._ring, self._peer_events, self._private = [], {}, []
             kept = self._kept
         for slab in slabs:
-            slab.closed = True
+            slab.state = SlabState.FREED
             self._api.free(slab.ptr)
         if kept:
             log.warning("GPU output memory kept for a pipeline that could not be stopped")
@@ -362,220 +333,3 @@ class CudaBackend:
         for event in events:
             self._api.destroy_event(event)
         self._api.destroy_stream(self.stream)
-
-
-class GpuOutputStore:
-    """What the stores of DALI's GPU outputs share, whatever memory they write into (device
-    memory here, pinned shared memory in ``cuda_staged.py``): they take GPU outputs, and copy
-    them on the job's stream, the :class:`CudaBackend`'s, after the pipeline's work."""
-
-    backend: CudaBackend
-
-    @property
-    def stream(self) -> int | None:
-        return self.backend.stream
-
-    def holds(self, output: Any) -> bool:
-        return type(output).__name__ == "TensorListGPU"
-
-    def prepare(self, others: bool, source_stream: int | None) -> None:
-        if source_stream is None:
-            return
-        if others:
-            # CPU outputs that DALI copied from the GPU are ready in the source stream's order
-            # only: a host wait here, in the daemon, for pipelines with outputs on both devices.
-            self.backend.synchronize(source_stream)
-        if source_stream != self.backend.stream:
-            # A shared pipeline's outputs are ready on its own stream: ours waits for them.
-            self.backend.follow(source_stream)
-
-
-class CudaStore(GpuOutputStore):
-    """A job's GPU outputs: regions of its :class:`CudaBackend`'s slabs, written on its stream
-    and released after the trainer's fences (Note [GPU output lifetime]).
-
-    Its ``copy_pool`` is the job's copy memory: slabs of the same backend, outside the job's
-    pool, where private copies of GPU outputs stay on the device (Note [Private copies] in
-    copies.py); its regions follow the same note as the pool's.
-    """
-
-    device = "cuda"
-    takes = "cuda"
-    peer_ordered = True
-
-    def __init__(
-        self, name_prefix: str, limits: Limits, ids: Iterator[int], backend: CudaBackend
-    ) -> None:
-        self.backend = backend
-        # What another store of the job's GPU outputs needs to take this one's place.
-        self.name_prefix, self.limits, self.ids = name_prefix, limits, ids
-        self.pool = RegionPool(
-            backend, f"{name_prefix}-cuda", limits.pool_bytes, limits.slab_bytes, region_ids=ids
-        )
-        # Sized by the batches it holds once one needs it (``copy_regions``).
-        self.copy_pool = RegionPool(backend, f"{name_prefix}-cudacopy", 0, 0, region_ids=ids)
-
-    def write(self, region: Region, output: RunOutput, rows: range) -> None:
-        dense = output.dense()
-        address = region.slab.address(region.offset)
-        if dense is not None and rows == output.whole:
-            region.slab.copy_into(region.offset, dense)
-        elif dense is not None:
-            # A job's rows of a shared run: one contiguous block of the run's output.
-            start = dense.data_ptr() + rows.start * output.row_bytes(rows)
-            self.backend.copy_range(address, start, region.nbytes)
-        else:
-            for row in rows:
-                self.backend.copy(address, output.tensors[row])
-                address += output.row_bytes(rows)
-
-    # --- private copies left on the device (Note [Private copies], point 2, in copies.py) ---
-
-    def copy_regions(self, sizes: Sequence[int]) -> list[Region] | None:
-        self.copy_pool.hold_sets(sizes, COPY_BATCHES)
-        try:
-            return self.copy_pool.allocate(sizes, give_up_after=0.0)
-        except (PoolFull, PoolTooSmall, SlabUnavailable):
-            return None  # no room now, or no device memory: the copy goes through the host
-
-    def write_copies(
-        self,
-        regions: Sequence[Region],
-        outputs: Sequence[Any],
-        rows: range,
-        others: bool,
-        source_stream: int | None,
-    ) -> str:
-        self.prepare(others, source_stream)
-        for region, output in zip(regions, outputs, strict=True):
-            if region.nbytes:
-                self.write(region, output, rows)
-        return self.finish(True, source_stream)
-
-    def copy_from(self, source: DeviceCopies, copies: Sequence[tuple[Region, int]]) -> str:
-        theirs = source.stream
-        assert theirs is not None
-        # After the run that wrote them (its event was recorded on that stream), with no host
-        # wait; and the source's later writes into those regions after these copies.
-        self.backend.follow(theirs)
-        for region, address in copies:
-            if region.nbytes:
-                self.backend.copy_range(region.slab.address(region.offset), address, region.nbytes)
-        event = self.backend.record_batch()
-        self.backend.lead(theirs)
-        return event
-
-    def export(self, region: Region) -> str:
-        slab = region.slab
-        assert isinstance(slab, CudaSlab)
-        # Exported: the daemon frees the slab only once the trainer unmapped it.
-        return slab.export()
-
-    def read(self, address: int, nbytes: int) -> np.ndarray:
-        return self.backend.read(address, nbytes)
-
-    def finish(self, wrote: bool, source_stream: int | None) -> str:
-        if not wrote:
-            return ""
-        event = self.backend.record_batch()
-        if source_stream is None:
-            # The legacy executor reuses its output buffers once released, without regard to
-            # our stream: let the copies finish first.
-            self.backend.synchronize()
-        elif source_stream != self.backend.stream:
-            # DALI may reuse the buffers we copied from once its stream moves on: not before
-            # our copies are done.
-            self.backend.lead(source_stream)
-        return event
-
-    def fence(self, event: str, peer: int = TRAINER) -> None:
-        try:
-            self.backend.wait_for_peer(event, peer)
-        except Exception as error:
-            raise ReleaseRefused(f"the release event cannot be used: {error}") from None
-
-    def peer_unmapped(self, slabs: Sequence[str], peer: int = TRAINER) -> None:
-        self.backend.peer_closed(slabs, peer)
-
-    def peer_leaving(self, kept: Sequence[str], peer: int = TRAINER) -> None:
-        self.backend.peer_kept(kept, peer)
-
-    # --- a cohort's store: its members are its peers (Note [Cohort outputs] in cohorts.py) ---
-
-    def for_members(self) -> None:
-        """Makes this a cohort's store, before it made a slab: each slab is mapped by the
-        members given its regions (:meth:`give`), named by their job ids, not by one trainer."""
-        if self.pool.slab_count:
-            raise ValueError("a store becomes a cohort's before it makes a slab")
-        self.backend.shared = True
-
-    def give(self, peer: int, regions: Sequence[OutputDescriptor]) -> None:
-        """Member ``peer`` is given these regions (descriptors of this store's): it may map
-        their slabs from now on, until it reports them unmapped or is gone."""
-        self.backend.give(peer, [d.slab for d in regions if d.device == self.device])
-
-    def peer_gone(self, peer: int) -> None:
-        """Member ``peer`` maps nothing of this store any more (its process is gone)."""
-        self.backend.peer_gone(peer)
-
-    def maps(self, peer: int) -> bool:
-        """Whether member ``peer`` may still map a slab of this store."""
-        return self.backend.maps(peer)
-
-    def forget_fences(self, peer: int) -> None:
-        """Member ``peer``'s job ended: the fences opened for it go (point 7)."""
-        self.backend.forget_peer_events(peer)
-
-    @property
-    def awaiting_peers(self) -> bool:
-        """Whether slabs the pool let go of wait for a trainer that may still map them."""
-        return self.backend.awaiting_peer > 0
-
-    def close(self, unmap: bool) -> bool:
-        self.pool.close(unmap=unmap)
-        self.copy_pool.close(unmap=unmap)
-        # The trainer still has its fences; destroy ours of them while it does (point 7).
-        self.backend.forget_peer_events()
-        return self.backend.awaiting_peer > 0
-
-    def free(self) -> None:
-        try:
-            self.backend.close()
-        except Exception:
-            log.exception("freeing GPU output memory failed")
-
-
-def device_outputs(device_id: int, api: DeviceApi | None = None) -> OutputsFactory:
-    """Output stores of a GPU daemon: shared memory for CPU outputs, device memory of GPU
-    ``device_id`` for GPU outputs (``api``: the CUDA calls; CuPy's by default)."""
-
-    def outputs(name_prefix: str, limits: Limits) -> JobOutputs:
-        ids = region_ids()
-        gpu = CudaStore(name_prefix, limits, ids, CudaBackend(device_id, api=api))
-        return JobOutputs([SharedMemoryStore(name_prefix, limits, ids), gpu], on_device=gpu)
-
-    return outputs
-
-
-class PipelineStream:
-    """A non-blocking stream of GPU ``device_id`` that a shared pipeline hands its outputs over
-    on (``outputs.Stream``). ``close()`` destroys it; idempotent."""
-
-    def __init__(self, api: DeviceApi) -> None:
-        self._api = api
-        self.handle = api.create_stream()
-        self._closed = False
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._api.destroy_stream(self.handle)
-
-
-def device_streams(device_id: int, api: DeviceApi | None = None) -> StreamFactory:
-    """Streams of GPU ``device_id`` for shared pipelines (``api``: CuPy's calls by default)."""
-
-    def stream() -> PipelineStream:
-        return PipelineStream(api if api is not None else cuda_api.CupyApi(device_id))
-
-    return stream

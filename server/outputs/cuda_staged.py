@@ -13,28 +13,20 @@ output from the device into page-locked shared memory and delivers descriptors o
 
 Note [Staged GPU outputs]
 -------------------------
-SPEC.md, "Outputs", rules 14 to 17, is the contract; the trainer keeps its half in
-``client/outputs/cuda_staged.py``. How the daemon keeps it:
-
-1. Memory. Slabs are shared-memory segments as for CPU outputs (``shm.py``), page-locked
-   (``cudaHostRegister``) once when made, so that copies into them are asynchronous DMA at full
-   speed, and unregistered before they are unmapped.
-2. Writing. The copies run on the job's stream, after the pipeline's, as for CUDA IPC; the
-   store then waits for them on its host before the batch is delivered, since the trainer reads
-   host memory and has no event of the daemon's to wait on.
-3. Release. The trainer keeps no view of a region: it releases it once its upload of it has
-   completed, with no fence. Everything else follows Note [Output buffer lifetime] in
-   ``pool.py`` as for shared memory: a retired slab, or every slab of a job that ended, is
-   unlinked, and the trainer's mapping keeps its pages until it unmaps it.
-4. Cost. Two copies a batch where CUDA IPC has none, each over PCIe (a 256x3x224x224 float16
-   batch is 77 MB: some 3 ms a copy at 25 GB/s), and a host wait per batch in the daemon. The
-   trainer is warned once, with the reason; ``dalid status`` shows each job's path.
+SPEC.md, "Outputs", rules 14 to 17; the trainer keeps its half in
+``client/outputs/cuda_staged.py``. Staged slabs are shared-memory segments, page-locked once when
+made and unregistered before they are unmapped. A batch's copies run on the job's stream after
+the pipeline's, and the store waits for them on its host before the batch is delivered: the
+trainer reads host memory and has no event of the daemon's to wait on. The trainer releases a
+region, with no fence, once its upload has completed; the rest is Note [Output buffer lifetime].
+docs/design/gpu-output-lifetime.md
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from enum import StrEnum
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,18 +36,28 @@ from dalid.protocol import ErrorCode, IpcProbeResult, Limits, OutputPath
 from ..errors import RequestRefused
 from . import cuda_api
 from .copies import host_copy
-from .cuda import CudaBackend, CudaStore, GpuOutputStore
+from .cuda import CudaBackend
 from .cuda_api import DeviceApi
-from .outputs import JobOutputs, ReleaseRefused, RunOutput
+from .cuda_store import CudaStore, GpuOutputStore
+from .job_outputs import JobOutputs
 from .pool import Growth, Region, RegionPool
+from .run_output import RunOutput
 from .shm import SharedMemorySlab
+from .store import OutputRoute, ReleaseRefused
 
 log = logging.getLogger("dalid.server")
 
-GPU_OUTPUT_MODES = ("auto", "ipc", "staged")
-"""``auto``: CUDA IPC where the trainer can open the daemon's memory, staged elsewhere. ``ipc``:
-CUDA IPC only (a trainer that cannot open it is refused at connect). ``staged``: every job
-staged (where CUDA IPC is known not to work, and to test this path on any machine)."""
+
+class GpuOutputMode(StrEnum):
+    """How a GPU daemon delivers GPU outputs (``dalid serve --gpu-outputs``)."""
+
+    AUTO = "auto"  # CUDA IPC where the trainer can open the daemon's memory, staged elsewhere
+    IPC = "ipc"  # CUDA IPC only: a trainer that cannot open it is refused at connect
+    STAGED = "staged"  # every job staged: where CUDA IPC is known not to work, and in tests
+
+
+GPU_OUTPUT_MODES = tuple(mode.value for mode in GpuOutputMode)
+"""The names of the :class:`GpuOutputMode` values, in their order."""
 
 STAGING_COST = (
     "each batch is copied from the GPU into shared memory by the daemon and uploaded to the GPU "
@@ -153,7 +155,7 @@ class StagedStore(GpuOutputStore):
 
     def finish(self, wrote: bool, source_stream: int | None) -> str:
         if wrote:
-            # Note [Staged GPU outputs], point 2: done before the batch is delivered.
+            # Done before the batch is delivered (Note [Staged GPU outputs]).
             self.backend.synchronize()
         return ""
 
@@ -229,8 +231,8 @@ class HostMemory(Protocol):
 
 
 class OutputPaths:
-    """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, one
-    of :data:`GPU_OUTPUT_MODES`), chosen for each job by its trainer's ``ipc_probe_result``.
+    """How the jobs of a GPU daemon get their GPU outputs: by CUDA IPC or staged (``mode``, a
+    :class:`GpuOutputMode` or its name), chosen for each job by its trainer's ``ipc_probe_result``.
 
     Owns the daemon's :class:`IpcProbe`; ``close()`` frees it. Where the probe cannot be made
     (the daemon's GPU cannot export CUDA IPC memory, as on a MIG instance), welcomes carry none
@@ -241,14 +243,14 @@ class OutputPaths:
     def __init__(self, device_id: int, mode: str = "auto", api: DeviceApi | None = None) -> None:
         if mode not in GPU_OUTPUT_MODES:
             raise ValueError(f"unknown GPU output mode {mode!r}: one of {GPU_OUTPUT_MODES}")
-        self.mode = mode
+        self.mode = GpuOutputMode(mode)
         self._probe: IpcProbe | None = None
         # Why the daemon's own GPU has no CUDA IPC ("" where it has).
         self.no_ipc = ""
         try:
             self._probe = IpcProbe(api if api is not None else cuda_api.CupyApi(device_id))
         except Exception as error:
-            if mode == "ipc":
+            if self.mode is GpuOutputMode.IPC:
                 raise
             # A MIG instance, say: CUDA IPC memory cannot even be exported. Every job stages.
             self.no_ipc = f"the daemon's GPU cannot export CUDA IPC memory ({error})"
@@ -263,11 +265,11 @@ class OutputPaths:
         """The output path of ``job`` given its trainer's ``result``, put in place; a staged
         pool grows within ``host_memory`` (``reservations.py``). Raises RequestRefused where
         the mode refuses it, or once the job registered a pipeline."""
-        if result.opened and self.mode != "staged" and not self.no_ipc:
+        if result.opened and self.mode is not GpuOutputMode.STAGED and not self.no_ipc:
             log.info("job %d: GPU outputs by CUDA IPC", job.job_id)
-            return OutputPath("cuda_ipc")
+            return OutputPath(OutputRoute.CUDA_IPC)
         why = self.no_ipc or result.reason or "no reason given"
-        if self.mode == "ipc":
+        if self.mode is GpuOutputMode.IPC:
             raise RequestRefused(
                 ErrorCode.DEVICE_MISMATCH,
                 f"this process cannot open the daemon's GPU memory by CUDA IPC ({why}), and the "
@@ -295,7 +297,7 @@ class OutputPaths:
         store.pool.close()
         log.warning("job %d (%s): GPU outputs staged: %s; %s", job.job_id, job.name or "?", why,
                     STAGING_COST)  # fmt: skip
-        return OutputPath("staged", why)
+        return OutputPath(OutputRoute.STAGED, why)
 
     def close(self) -> None:
         if self._probe is not None:

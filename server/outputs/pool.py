@@ -1,41 +1,15 @@
 """A bounded pool of output regions carved from reusable slabs, one pool per job.
 
-Why one module of some 490 lines: the note below is the lifetime contract the pool enforces,
-and it reads best beside the code that keeps each of its rules.
-
 Note [Output buffer lifetime]
 -----------------------------
-The contract both sides keep is SPEC.md, "Outputs" (rules 1 to 6; the trainer keeps its half in
-``client/``). How the daemon keeps it:
-
-1. Slabs (rules 1, 2). A job's output store creates each slab once (``SlabBackend.create``),
-   maps it once and keeps it for the life of the job, so that later batches reuse memory whose
-   pages are already touched.
-2. Leases (rule 3). A region is leased from the moment ``allocate`` returns it until the
-   trainer releases it. The executor writes a batch's outputs into fresh regions, then hands the
-   lease to the trainer with ``batch_ready``; from then on only the trainer may end it.
-3. Backpressure (rule 4). When the pool has no room, ``allocate`` blocks until releases make
-   some; the pool never grows past ``limit_bytes``. An allocation larger than the whole pool
-   fails at once instead of waiting forever. A pool given a ``growth`` (its job's reservation,
-   ``reservations.py``) first raises ``limit_bytes`` by what a new slab needs, while the growth
-   allows, and only then waits. It grows only as regions are leased at once, and the executors
-   lease only a few batches of a job at once (Note [A job's window] in ``run_planner.py``): a
-   growing pool holds those batches, in slabs of whole regions placed best-fit, and the quota
-   is an upper bound it reaches only for a trainer that keeps its outputs.
-4. Retiring (rule 5). To make room for a larger slab, empty slabs are freed, smallest first, and
-   their names handed to the trainer (``take_retired``). So are empty slabs that no lease
-   needed since the previous such look, ``IDLE_SLAB_S`` or more before (the most bytes leased
-   at once meanwhile, against the slabs held): a pool that grew for a wider window (a DALI
-   instance since dropped, a trainer that kept its outputs for a while) goes back to what its
-   job holds now. Its reservation stays, so that it may grow again without asking.
-5. The end (rule 6). When the job ends the daemon closes the pool: every slab is unmapped and its
-   name unlinked; a trainer that still views a region keeps its pages through its own mapping,
-   and nothing else can attach to the unlinked name. If the daemon dies, the kernel frees its
-   mappings, and the next daemon on the socket unlinks the segments whose daemon is gone.
-6. GPU outputs. On a GPU daemon a job has a second pool, of device memory, with the same leases
-   (each pool belongs to one output store of the job, ``outputs.py``); its region ids come from
-   the same sequence as the shared-memory pool's, so an id names one region of the job. CUDA
-   changes points 2, 4 and 5 for those regions: Note [GPU output lifetime] in ``cuda.py``.
+A job's output store creates each slab once and keeps it while the job lives; a region is leased
+from ``allocate`` until the trainer releases it, and from ``batch_ready`` on only the trainer may
+end that lease. With no room, ``allocate`` waits for releases (a pool with a ``growth`` first
+grows while its reservation allows), and never past the pool's limit. Empty slabs are retired,
+smallest first, for a larger slab or once no lease needed them for ``IDLE_SLAB_S``, and their
+names handed to the trainer; when the job ends every slab is unmapped and unlinked, and a
+trainer's own mapping keeps the pages it still views. GPU regions keep Note [GPU output
+lifetime] beside this. docs/design/output-buffers.md
 """
 
 from __future__ import annotations
@@ -54,7 +28,7 @@ PAGE = mmap.PAGESIZE
 # A slab of a growing pool holds at most this many regions of the size that asked for it (and
 # what fits in ``slab_bytes``): small outputs get small slabs, and room for a few batches.
 GROWTH_REGIONS = 4
-# How long an empty slab may stay beyond what the pool's leases needed at once (point 4).
+# How long an empty slab may stay beyond what the pool's leases needed at once.
 IDLE_SLAB_S = 30.0
 
 
@@ -80,8 +54,8 @@ class SlabBackend(Protocol):
 
 
 class Growth(Protocol):
-    """How far a pool may raise its limit (point 3 of the note): ``bytes`` reserved so far, at
-    most ``cap``."""
+    """How far a pool may raise its limit before it waits: ``bytes`` reserved so far, at most
+    ``cap``."""
 
     bytes: int
     cap: int
@@ -213,7 +187,7 @@ class RegionPool:
         self._released = 0
         self._gave_up_at = -1
         # Bytes leased now, the most leased at once since the last trim, and when the next is
-        # (point 4 of the note).
+        # (idle slabs: Note [Output buffer lifetime]).
         self._clock = clock
         self._leased_bytes = 0
         self._most_leased = 0
@@ -317,7 +291,7 @@ class RegionPool:
 
     def _trim(self) -> None:
         """Frees the empty slabs, largest first, that the most bytes leased at once since the
-        last trim did not need (point 4 of the note); under the lock."""
+        last trim did not need (Note [Output buffer lifetime]); under the lock."""
         spare = self.slab_bytes_total - self._most_leased
         empty = sorted((s for s in self._spaces if s.empty), key=lambda s: -s.slab.size)
         for space in empty:

@@ -2,7 +2,7 @@
 
 A slab is one shared-memory segment that the daemon creates and maps once and exports to a
 trainer by name; regions of it carry batch outputs. :class:`SharedMemoryStore` is the output
-store (``outputs.py``) of a job's CPU outputs; the CUDA IPC store in ``cuda.py`` is its twin
+store (``store.py``) of a job's CPU outputs; the CUDA IPC store in ``cuda_store.py`` is its twin
 for GPU outputs.
 """
 
@@ -21,8 +21,10 @@ import numpy as np
 from dalid.protocol import Limits, slabs
 
 from .copies import host_copy
-from .outputs import JobOutputs, OutputsFactory, RunOutput, region_ids
+from .job_outputs import JobOutputs, OutputsFactory
 from .pool import PAGE, Region, RegionPool, SlabUnavailable
+from .run_output import RunOutput
+from .store import region_ids
 
 
 class SharedMemorySlab:

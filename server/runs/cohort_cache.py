@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from dalid.protocol import OutputDescriptor
 
-from ..outputs.outputs import JobOutputs
+from ..outputs.job_outputs import JobOutputs
 from .cohort_entries import Entry, EntryState
 
 # How many digests of entries that left the cache unserved are kept: some 40 bytes each, and

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from dalid.protocol import BatchReady, InputBatch, OutputDescriptor
 
-from ..outputs.outputs import RunOutput
+from ..outputs.run_output import RunOutput
 from .cohort_charges import RunCharge
 from .runs import Outcome, PendingBatch
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from dalid.protocol import OutputDescriptor
 
-from ..outputs.cuda import CudaStore
-from ..outputs.outputs import JobOutputs
+from ..outputs.cuda_store import CudaStore
+from ..outputs.job_outputs import JobOutputs
 from .cohort_entries import Entry, Settle
 
 # Region ids of cohort leases start here; a job's own regions count from 1 and never get there.

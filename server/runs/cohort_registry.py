@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dalid.protocol import CohortStatus, ErrorCode, Limits
 
 from ..errors import RequestRefused
-from ..outputs.outputs import JobOutputs
+from ..outputs.job_outputs import JobOutputs
 from .cohorts import Alive, Charge, Cohort, Rank, no_charge, no_rank
 from .runs import Member
 

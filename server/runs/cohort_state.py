@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from dalid.protocol import BatchReady, CohortStatus, OutputDescriptor
 
-from ..outputs.outputs import JobOutputs
+from ..outputs.job_outputs import JobOutputs
 from .cohort_cache import CohortCache
 from .cohort_charges import Charged
 from .cohort_entries import Entry, EntryRuns, EntryState, Outcome, Settle

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING
 
 from dalid.protocol import BatchFailed, BatchReady, CohortStatus, ErrorCode, OutputDescriptor
 
-from ..outputs.outputs import JobOutputs, OutputFailure, RunOutput
+from ..outputs.job_outputs import JobOutputs
 from ..outputs.pool import PoolClosed, PoolFull
+from ..outputs.run_output import OutputFailure, RunOutput
 from .cohort_charges import Charge, no_charge
 from .cohort_entries import Entry, Outcome, Settle
 from .cohort_leases import COHORT_REGION_BASE, Alive

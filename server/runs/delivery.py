@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from dalid.protocol import BadSample, BatchFailed, BatchReady, ErrorCode, OnError
 
-from ..outputs.outputs import OutputFailure, RunOutput
 from ..outputs.pool import PoolClosed, PoolFull
+from ..outputs.run_output import OutputFailure, RunOutput
 from ..pipelines.runner import PipelineRunner
 from ..samples.badsamples import recover, summary
 from ..samples.paths import unseen_file

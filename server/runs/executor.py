@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from dalid.protocol import PipelineStatus
 
-from ..outputs.outputs import Stream
+from ..outputs.store import Stream
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import batches_a_run
 from .dali_instances import DaliInstances, Instance, InstanceRoom

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from dalid.protocol import ErrorCode
 
-from ..outputs.outputs import RunOutput
+from ..outputs.run_output import RunOutput
 from ..pipelines.runner import PipelineRunner
 from .dali_instances import DaliInstances, Instance
 from .delivery import Delivery

@@ -25,7 +25,8 @@ import numpy as np
 
 from dalid.protocol import BatchFailed, BatchReady, OnError, OutputDescriptor, SubmitBatch
 
-from ..outputs.outputs import JobOutputs, RunOutput
+from ..outputs.job_outputs import JobOutputs
+from ..outputs.run_output import RunOutput
 from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from dalid.protocol import BatchReady, Limits
-from dalid.server.outputs.cuda import CudaBackend, CudaStore
-from dalid.server.outputs.outputs import JobOutputs, RunOutput
+from dalid.server.outputs.cuda import CudaBackend
+from dalid.server.outputs.cuda_store import CudaStore
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.run_output import RunOutput
 from dalid.server.outputs.shm import SharedMemoryStore
 from dalid.server.runs.cohorts import Cohort, Outcome
 
@@ -52,7 +54,7 @@ def api() -> FakeApi:
 def outputs(api: FakeApi) -> Iterator[JobOutputs]:
     """A cohort's memory on a GPU daemon: shared memory and device memory."""
     prefix = f"dalid-unittest-{os.getpid()}-{os.urandom(3).hex()}"
-    from dalid.server.outputs.outputs import region_ids
+    from dalid.server.outputs.store import region_ids
 
     ids = region_ids()
     made = JobOutputs(

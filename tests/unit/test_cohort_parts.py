@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dalid.protocol import InputBatch, OnError, OutputDescriptor, SubmitBatch
-from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.runs.cohort_cache import CohortCache
 from dalid.server.runs.cohort_charges import RunCharge
 from dalid.server.runs.cohort_entries import Entry, EntryState

@@ -22,8 +22,9 @@ from nvidia.dali.tensors import TensorListCPU
 from dalid.protocol import BatchFailed, BatchReady, InputBatch, Limits, OnError, SubmitBatch
 from dalid.server.errors import RequestRefused
 from dalid.server.jobs.inputs import InputMemory
-from dalid.server.outputs.outputs import JobOutputs, RunOutput
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.run_output import RunOutput
 from dalid.server.outputs.shm import host_outputs
 from dalid.server.runs.cohort_matching import batch_digest, same_inputs
 from dalid.server.runs.cohort_registry import Cohorts

@@ -37,7 +37,8 @@ from dalid.protocol import (
     Welcome,
     WorkerLeft,
 )
-from dalid.server.handling.core import DaemonCore, job_label
+from dalid.server.handling.core import DaemonCore
+from dalid.server.handling.opening import job_label
 from dalid.server.intake.credentials import PeerCredentials
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.outputs.shm import host_outputs

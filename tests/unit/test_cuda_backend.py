@@ -29,13 +29,8 @@ from dalid.protocol import (
 from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.jobs import Job
 from dalid.server.jobs.quotas import Quotas
-from dalid.server.outputs.cuda import (
-    MAX_PEER_EVENTS,
-    CudaBackend,
-    CudaSlab,
-    CudaStore,
-    device_outputs,
-)
+from dalid.server.outputs.cuda import MAX_PEER_EVENTS, CudaBackend, CudaSlab, SlabState
+from dalid.server.outputs.cuda_store import CudaStore, device_outputs
 from dalid.server.outputs.pool import PAGE, RegionPool
 from dalid.server.outputs.shm import host_outputs
 
@@ -93,6 +88,29 @@ def test_a_slab_the_trainer_unmapped_first_is_freed_when_the_pool_lets_go(api: F
     assert api.freed == []  # the pool still holds it
     slab.close()
     assert api.freed == [slab.ptr]
+
+
+def test_a_slabs_state_follows_its_life(api: FakeApi) -> None:
+    backend = _backend(api)
+    alone, shared, kept = (backend.create(f"s-{n}", PAGE) for n in range(3))
+    states: list[SlabState] = [alone.state, shared.state, kept.state]
+    alone.close()
+    shared.export()
+    shared.close()
+    states += [alone.state, shared.state]
+    assert backend.awaiting_peer == 1
+    backend.peer_closed(["s-1"])
+    kept.close(unmap=False)
+    kept.close()  # kept for good: a later close changes nothing
+    states += [shared.state, kept.state]
+    assert states == [
+        *[SlabState.POOLED] * 3,
+        SlabState.FREED,  # never exported: nobody else maps it
+        SlabState.AWAITING_PEERS,  # exported: freed once the trainer unmapped it
+        SlabState.FREED,
+        SlabState.KEPT,
+    ]
+    assert api.freed == [alone.ptr, shared.ptr] and backend.awaiting_peer == 0
 
 
 def test_a_goodbye_frees_all_but_the_kept_slabs(api: FakeApi) -> None:

@@ -17,9 +17,10 @@ from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import BatchReady, Limits
 from dalid.server.outputs.copies import COPY_BATCHES
-from dalid.server.outputs.cuda import device_outputs
-from dalid.server.outputs.outputs import JobOutputs, RunOutput
+from dalid.server.outputs.cuda_store import device_outputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.run_output import RunOutput
 
 from .fake_cuda import FakeApi, TensorListGPU
 
@@ -37,7 +38,7 @@ def api() -> FakeApi:
 @pytest.fixture
 def outputs(api: FakeApi) -> Iterator[JobOutputs]:
     made = device_outputs(0, api=api)(f"dalid-unittest-{os.getpid()}-{os.urandom(3).hex()}", LIMITS)
-    made.device_copies = True
+    made.copies.device_copies = True
     try:
         yield made
     finally:
@@ -72,7 +73,7 @@ def test_gpu_outputs_are_copied_into_the_copy_memory_on_the_jobs_stream(
     # Copied device to device on the job's stream, after the batch's event: never to the host.
     kinds = [call[0] for call in api.calls]
     assert "copy_to_host" not in kinds and kinds.count("copy") == 1
-    assert ("copy", outputs.on_device.copy_pool.address(gpu.region_id), STREAM) in api.calls  # type: ignore[union-attr]
+    assert ("copy", outputs.copies.pool.address(gpu.region_id), STREAM) in api.calls  # type: ignore[union-attr]
     assert event and kinds[-1] == "record"
     # A valid batch_ready, counted as copied; the copy memory counts in the job's slabs.
     assert BatchReady(1, 1, (gpu, cpu), event=event, copies=(gpu_frame, cpu_frame)).copied
@@ -103,7 +104,7 @@ def test_the_copy_memory_holds_two_batches_and_then_copies_go_through_the_host(
 def test_a_trainer_that_does_not_take_device_copies_gets_frames(
     outputs: JobOutputs, api: FakeApi
 ) -> None:
-    outputs.device_copies = False
+    outputs.copies.device_copies = False
     (gpu, _), (gpu_frame, _), event = _copies(outputs, 0)
     assert not gpu.copy and not gpu.slab and event == "" and gpu_frame.nbytes == 2 * PAGE
     assert outputs.copy_slab_bytes == 0

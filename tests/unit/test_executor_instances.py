@@ -113,7 +113,7 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
     assert isinstance(registered, PipelineRegistered)
     (executor,) = core.pipelines.instances.values()
     assert isinstance(executor, PipelineExecutor) and executor.shared
-    threads_before = dict(core.pipelines._threads)
+    threads_before = dict(core.pipelines.budget.threads)
     depth = executor.spec.prefetch_queue_depth if executor.spec else 0
     # A job's window: one instance's prefetch and the batch its trainer holds.
     assert executor.planner.window == depth + 1
@@ -124,7 +124,10 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
     wait_for(lambda: controller.starts == 1, 30, "the second instance to be built")
     status = executor.status()
     assert status.instances == 2 and status.instances_reason == "1 instances: scripted add"
-    assert core.pipelines._threads[executor.instance_id] == 2 * threads_before[executor.instance_id]
+    assert (
+        core.pipelines.budget.threads[executor.instance_id]
+        == 2 * threads_before[executor.instance_id]
+    )
     # A job alone keeps both instances' prefetch busy: its window holds both.
     assert executor.planner.window == 2 * depth + 1
     # Both instances take batches from the same queues until each has run some.
@@ -136,7 +139,9 @@ def test_an_instance_added_runs_batches_and_one_dropped_gives_its_threads_back(
 
     controller.script.append(Change.DROP)
     wait_for(lambda: len(executor.status().instance_runs) == 1, 30, "the instance to go")
-    wait_for(lambda: core.pipelines._threads == threads_before, 30, "its threads to be given back")
+    wait_for(
+        lambda: core.pipelines.budget.threads == threads_before, 30, "its threads to be given back"
+    )
     assert f"dalid-pipeline-{executor.instance_id}.1" not in {
         thread.name for thread in threading.enumerate()
     }

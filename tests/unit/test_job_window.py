@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dalid.protocol import BATCH_IDS_PER_CONNECTION, InputBatch, Limits, OnError, SubmitBatch
-from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.shm import host_outputs
 from dalid.server.runs.job_window import TRAINER_HOLDS, JobWindow, Take
 from dalid.server.runs.runs import Member, PendingBatch

@@ -1,4 +1,4 @@
-"""A job's output stores (server/outputs/outputs.py): which store takes each output of a batch,
+"""A job's output stores (server/outputs/job_outputs.py): which store takes each output of a batch,
 what its descriptors say, and the order of a GPU batch's copies, host waits and event.
 
 CPU outputs are real DALI tensors copied into real shared memory; GPU outputs run on the fake
@@ -17,10 +17,12 @@ from nvidia.dali.tensors import TensorListCPU
 
 from dalid.protocol import ErrorCode, Limits
 from dalid.protocol.slabs import SHM_DIR
-from dalid.server.outputs.cuda import device_outputs
-from dalid.server.outputs.outputs import JobOutputs, OutputFailure, ReleaseRefused, RunOutput
+from dalid.server.outputs.cuda_store import device_outputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.run_output import OutputFailure, RunOutput
 from dalid.server.outputs.shm import host_outputs
+from dalid.server.outputs.store import ReleaseRefused
 
 from .fake_cuda import FakeApi
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dalid.protocol import InputBatch, OnError, SubmitBatch
-from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.runs.run_planner import RunPlanner
 from dalid.server.runs.runs import Member, PendingBatch, Run
 from dalid.server.runs.scheduler import ServiceClock

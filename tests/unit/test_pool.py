@@ -796,7 +796,7 @@ def test_a_growing_pool_has_room_for_what_it_may_still_reserve(prefix: str) -> N
 
 
 def test_a_pool_says_how_many_batches_it_could_hold_and_holds_them(prefix: str) -> None:
-    # A job's window is no wider than this (Note [A job's window] in run_planner.py, point 7).
+    # A job's window is no wider than this (Note [A job's window] in run_planner.py).
     memory = OutputMemory(limit=64 * PAGE)
     pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE)
     pool.grow_within(memory.growing(11 * PAGE))
@@ -820,7 +820,7 @@ def test_a_pool_says_how_many_batches_it_could_hold_and_holds_them(prefix: str) 
 
 def test_slabs_no_lease_needed_for_a_while_are_freed(prefix: str) -> None:
     # A pool grown for a wider window (a DALI instance since dropped) goes back to what its
-    # job holds at once (point 4 of Note [Output buffer lifetime]).
+    # job holds at once (Note [Output buffer lifetime]).
     now = [0.0]
     memory = OutputMemory(limit=64 * PAGE)
     pool = RegionPool(SharedMemoryBackend(), prefix, 64 * PAGE, PAGE, clock=lambda: now[0])

@@ -14,7 +14,7 @@ import pytest
 from dalid.protocol import Hello, Limits, ProcessWatch, Role, liveness
 from dalid.protocol.messages import PROTOCOL_VERSION
 from dalid.server.jobs.jobs import Job, JobRegistry
-from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.outputs.job_outputs import JobOutputs
 
 
 def _pidfds() -> set[int]:

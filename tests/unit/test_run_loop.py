@@ -17,7 +17,7 @@ import pytest
 from nvidia.dali.backend import TensorListCPU
 
 from dalid.protocol import BatchReady, InputBatch, Limits, OnError, SubmitBatch
-from dalid.server.outputs.outputs import JobOutputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.shm import host_outputs
 from dalid.server.runs.dali_instances import DaliInstances, Instance
 from dalid.server.runs.delivery import Delivery

@@ -36,11 +36,14 @@ from dalid.protocol import (
 from dalid.protocol.slabs import SHM_DIR
 from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.quotas import Quotas
-from dalid.server.outputs.cuda import CudaBackend, CudaStore, device_outputs
+from dalid.server.outputs.cuda import CudaBackend
 from dalid.server.outputs.cuda_staged import OutputPaths, StagedStore
-from dalid.server.outputs.outputs import JobOutputs, ReleaseRefused, RunOutput, region_ids
+from dalid.server.outputs.cuda_store import CudaStore, device_outputs
+from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.pool import PAGE
+from dalid.server.outputs.run_output import RunOutput
 from dalid.server.outputs.shm import SharedMemoryStore
+from dalid.server.outputs.store import ReleaseRefused, region_ids
 
 from .fake_cuda import DEVICE_UUID, FakeApi, TensorListGPU
 
