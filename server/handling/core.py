@@ -28,6 +28,7 @@ from dalid.protocol import (
     BATCH_IDS_PER_CONNECTION,
     PROTOCOL_VERSION,
     BatchFailed,
+    CheckpointPipeline,
     Error,
     ErrorCode,
     Goodbye,
@@ -43,6 +44,7 @@ from dalid.protocol import (
     RegisterPipeline,
     ReleaseRegions,
     ReloadRepository,
+    RestorePipeline,
     Role,
     ScheduleBatch,
     Shutdown,
@@ -73,6 +75,7 @@ from ..pipelines.repository import PipelineRepository
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
+from .checkpoints import Checkpoints
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -187,6 +190,7 @@ class DaemonCore:
             cohorts=self.cohorts,
             prefix=f"dalid-{self._instance}",
         )
+        self.checkpoints = Checkpoints(self.registry.peers)
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
@@ -203,6 +207,8 @@ class DaemonCore:
             ReleaseRegions: self.batches.on_release_regions,
             TrainerProgress: self._on_trainer_progress,
             ReloadRepository: self._on_reload_repository,
+            CheckpointPipeline: self.checkpoints.on_checkpoint_pipeline,
+            RestorePipeline: self.checkpoints.on_restore_pipeline,
         }
 
     @property
