@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--length", type=int, default=22)
-    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--proxy", action="store_true")

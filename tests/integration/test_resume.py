@@ -132,7 +132,7 @@ def test_a_killed_trainer_resumes_with_the_batches_of_the_uninterrupted_run(
     daemon: DaemonProcess, short_tmp: Path, mode: str, workers: int
 ) -> None:
     rng = random.Random(f"{SEED}-{mode}-{workers}")
-    kills = _kills(rng, 2)
+    kills = _kills(rng, 1)  # several in a row: test_ten_kills_of_one_run
     expected = _reference(daemon.socket, short_tmp, mode, workers, proxy=False)
     got = _chain(lambda: daemon.socket, short_tmp, mode, workers, kills)
     assert got == expected, f"killed at steps {kills} (DALID_TEST_SEED={SEED})"
@@ -153,7 +153,7 @@ def test_a_resume_on_a_restarted_daemon(daemon: DaemonProcess, short_tmp: Path, 
     """Between each kill and its resume the daemon is stopped and another started: the state
     carries the pipeline's draws to the new daemon."""
     rng = random.Random(f"{SEED}-restart-{mode}")
-    kills = _kills(rng, 2)
+    kills = _kills(rng, 1)
     expected = _reference(daemon.socket, short_tmp, mode, 2, proxy=False)
     own = short_tmp / "own"
     own.mkdir()
