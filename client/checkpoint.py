@@ -13,6 +13,7 @@ checkpoint into the pipeline of the same place before its first run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -63,7 +64,7 @@ def pipeline_states(daemon: Reconnector) -> tuple[list[dict[str, Any]], list[str
             "checkpoint": None,
         }
         if registration.deterministic:
-            reply = daemon.call(lambda registration=registration: _checkpoint(daemon, registration))
+            reply = daemon.call(functools.partial(_checkpoint, daemon, registration))
             if reply.unavailable:
                 label = _label(registration.request, digest)
                 missing.append(f"pipeline {label}: {reply.unavailable}")
@@ -130,11 +131,7 @@ def restore_pipelines(daemon: Reconnector, states: list[dict[str, Any]]) -> None
     for registration, state in zip(registrations, states, strict=False):
         checkpoint = state["checkpoint"]
         if checkpoint is not None:
-            daemon.call(
-                lambda registration=registration, checkpoint=checkpoint: _restore(
-                    daemon, registration, checkpoint
-                )
-            )
+            daemon.call(functools.partial(_restore, daemon, registration, checkpoint))
 
 
 def _restore(daemon: Reconnector, registration: Registration, checkpoint: bytes) -> None:

@@ -6,9 +6,9 @@ import collections
 import gc
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils import data as torchdata
 from torchdata.stateful_dataloader.stateful import Stateful
 
 from dalid.protocol import PROTOCOL_VERSION
@@ -17,6 +17,13 @@ from .badsamples import SampleReport
 from .checkpoint import STATE_KEY, check_state
 from .errors import InputError
 from .worker.carry import CarryingCollate
+
+if TYPE_CHECKING:
+    # torchdata ships no types; its StatefulDataLoader is a torch DataLoader with state_dict()
+    # and load_state_dict().
+    _StatefulDataLoader = torchdata.DataLoader
+else:
+    from torchdata.stateful_dataloader import StatefulDataLoader as _StatefulDataLoader
 
 
 class Producer(Protocol):
@@ -147,7 +154,7 @@ class _FrozenHeap:
             self.inner(worker_id)
 
 
-class DataLoader(StatefulDataLoader[Any]):
+class DataLoader(_StatefulDataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
     Works with any ``num_workers``, including 0, and with persistent workers. Bad samples that
@@ -207,7 +214,7 @@ class DataLoader(StatefulDataLoader[Any]):
         data position) and, under ``"dalid"``, the session's pipelines, with each deterministic
         one's DALI checkpoint (docs/migration.md, "Checkpoints"). A plain dict for
         ``torch.save``; :meth:`load_state_dict` in a new loader resumes from the next batch."""
-        state: dict[str, Any] = super().state_dict()
+        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
         take = getattr(self.session, "pipeline_states", None)
         pipelines, missing = take() if take is not None else ([], [])
         if missing and not self._warned_draws:
@@ -242,7 +249,7 @@ class DataLoader(StatefulDataLoader[Any]):
         restore = getattr(self.session, "restore_pipelines", None)
         if restore is not None:
             restore(ours["pipelines"])
-        super().load_state_dict(state)
+        super().load_state_dict(state)  # type: ignore[misc]
 
     def _dataset_length(self) -> int | None:
         try:

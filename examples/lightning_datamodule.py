@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with dataset_root(args) as root:
         data = DalidImageFolder(root, args.batch_size, args.workers, args.socket)
         module = Classifier(num_classes=len(ImageFolder(root).classes))
-        callbacks = []
+        callbacks: list[L.Callback] = []
         if args.checkpoints is not None:
             # Mid-epoch checkpoints: each holds the DataLoader's state (Lightning saves the
             # state of a loader that has state_dict(), and restores it on resume).

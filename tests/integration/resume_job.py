@@ -54,7 +54,8 @@ def random_augment() -> tuple[DataNode, DataNode]:
         crop_pos_y=fn.random.uniform(range=(0.0, 1.0)),
     )
     flipped = fn.flip(cropped, horizontal=fn.random.coin_flip())
-    return flipped, fn.random.uniform(range=(0.0, 1000.0), shape=[2], dtype=types.FLOAT)
+    draws = fn.random.uniform(range=(0.0, 1000.0), shape=[2], dtype=types.DALIDataType.FLOAT)
+    return flipped, draws
 
 
 def image(index: int) -> np.ndarray:

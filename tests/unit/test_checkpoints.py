@@ -35,7 +35,7 @@ def _augment() -> Any:
         crop_pos_y=fn.random.uniform(range=(0.0, 1.0)),
     )
     return fn.flip(cropped, horizontal=fn.random.coin_flip()), fn.random.uniform(
-        range=(0.0, 1.0), dtype=types.FLOAT
+        range=(0.0, 1.0), dtype=types.DALIDataType.FLOAT
     )
 
 
