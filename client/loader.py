@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -201,6 +202,19 @@ class DataLoader(_StatefulDataLoader[Any]):
         if recorder is None or not recorder.given:
             return None
         return recorder.given.popleft()
+
+    def _get_iterator(self) -> Any:
+        iterator: Any = super()._get_iterator()
+        if self.num_workers and self.persistent_workers:
+            # torchdata 0.11's iterator, collected after a worker's batch raised and its epoch
+            # ended, waits 5 s a worker for persistent workers to stop and leaves them unreaped;
+            # stopped while it is alive, they stop at once. The loader holds its persistent
+            # iterator for its life: it stops them as it goes.
+            replaced = getattr(self, "_stop_persistent", None)
+            if replaced is not None:
+                replaced()  # the iterator this one replaces (a state loaded): its workers go
+            self._stop_persistent = weakref.finalize(self, iterator._shutdown_workers)
+        return iterator
 
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
         if self._recorder is not None:
