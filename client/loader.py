@@ -158,6 +158,10 @@ class _FrozenHeap:
 class DataLoader(_StatefulDataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
+    It is torchdata's ``StatefulDataLoader``: ``state_dict()`` after k batches, loaded into a
+    new loader (``load_state_dict()``), resumes with batch k+1 (docs/migration.md,
+    "Checkpoints"); a deterministic pipeline's state travels with it.
+
     Works with any ``num_workers``, including 0, and with persistent workers. Bad samples that
     batches came back without, or with replaced (``on_error``), accumulate in ``bad_samples``
     with their dataset indices; a :class:`BatchError` for bad samples names those indices too
