@@ -210,10 +210,13 @@ class DataLoader(_StatefulDataLoader[Any]):
     def _get_iterator(self) -> Any:
         iterator: Any = super()._get_iterator()
         if self.num_workers and self.persistent_workers:
-            # torchdata 0.11's iterator, collected after a worker's batch raised and its epoch
-            # ended, waits 5 s a worker for persistent workers to stop and leaves them unreaped;
-            # stopped while it is alive, they stop at once. The loader holds its persistent
-            # iterator for its life: it stops them as it goes.
+            # Note [Stopping torchdata's workers]
+            # -----------------------------------
+            # torchdata 0.11's iterator, when it stops its workers from its own __del__ (after
+            # a batch raised, say), waits 5 s a worker for them and leaves them unreaped; from
+            # a finalizer that holds it, alive, they stop at once. The loader's finalizer stops
+            # its persistent workers; an iterator's, an epoch's (``__iter__``). Why:
+            # docs/design/checkpoints.md, "Stopping torchdata's workers".
             replaced = getattr(self, "_stop_persistent", None)
             if replaced is not None:
                 replaced()  # the iterator this one replaces (a state loaded): its workers go
@@ -223,7 +226,13 @@ class DataLoader(_StatefulDataLoader[Any]):
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
         if self._recorder is not None:
             self._recorder.given.clear()  # a new epoch: indices of the last one are stale
-        return _ProducingIterator(super().__iter__(), self)
+        inner = super().__iter__()
+        produced = _ProducingIterator(inner, self)
+        if self.num_workers and not self.persistent_workers:
+            # An epoch's workers stop with it, or with the last reference to its iterator
+            # (Note [Stopping torchdata's workers]).
+            weakref.finalize(produced, inner._shutdown_workers)
+        return produced
 
     # --- resuming ---------------------------------------------------------------------------
 
