@@ -226,7 +226,7 @@ class DataLoader(_StatefulDataLoader[Any]):
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
         if self._recorder is not None:
             self._recorder.given.clear()  # a new epoch: indices of the last one are stale
-        inner = super().__iter__()
+        inner: Any = super().__iter__()
         produced = _ProducingIterator(inner, self)
         if self.num_workers and not self.persistent_workers:
             # An epoch's workers stop with it, or with the last reference to its iterator
