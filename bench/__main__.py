@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import PROFILES, Settings
-from .contenders import CONTENDERS, GPU_KINDS
+from .contenders import CHECKPOINT_KINDS, CONTENDERS, GPU_KINDS
 from .dataset import SUBSAMPLING, JpegStyle, make_imagefolder
 from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
@@ -150,10 +150,10 @@ def default_kinds(settings: Settings) -> list[str]:
     private pipelines (a short stay on a GPU has no time for them); on the CPU profile, the
     GPU profile's contenders in quick mode only (their code runs; their figures mean nothing
     on a CPU)."""
-    # The cohort runs (N jobs reading the same data) only when asked: --only cohort.
-    kinds = [
-        kind for kind in KINDS if kind not in (COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing")
-    ]
+    # The cohort runs (N jobs reading the same data) and the checkpoint rows only when asked:
+    # --only cohort, --only dalid-deterministic,dalid-checkpoint.
+    asked_only = (COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing", *CHECKPOINT_KINDS)
+    kinds = [kind for kind in KINDS if kind not in asked_only]
     if settings.profile == "gpu":
         return [kind for kind in kinds if kind not in ("torch-pil", "dalid-private")]
     if settings.quick:

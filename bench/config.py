@@ -63,6 +63,11 @@ class Settings:
     # Seconds job 0 of a run waits before each batch it takes: a cohort member that trails the
     # others (the dalid-cohort-trailing runs); 0: none waits.
     trailing_s: float = 0.0
+    # A deterministic job (a pipeline of its own, runs in the trainer's order), its pipeline
+    # made with enable_checkpointing=True, whose loader takes a state (DataLoader.state_dict(),
+    # saved with torch.save) every `checkpoint_every` steps; 0: none (the checkpoint runs).
+    deterministic: bool = False
+    checkpoint_every: int = 0
     # Processes that each spin on a core for the whole of every run (bench.background): the
     # machine saturated by a load that is not dalid's; 0: none.
     background_load: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import random
 import time
@@ -193,6 +194,7 @@ def _path_pipeline(settings: Settings) -> Any:
         settings.seed + settings.job,
         pipeline=settings.pipeline,
         hw_decoder_load=settings.hw_decoder_load,
+        enable_checkpointing=settings.checkpoint_every > 0,
     )
 
 
@@ -230,9 +232,36 @@ def dalid_client(settings: Settings) -> Iterator[EpochFactory]:
     with dalid.connect(
         settings.device, settings.socket, autostart=False, name=name, weight=settings.job_weight
     ) as session:
-        dataset = PathDataset(session.proxy(pipe), settings.dataset_root, settings.job_passes)
+        proxy = session.proxy(pipe, deterministic=settings.deterministic)
+        dataset = PathDataset(proxy, settings.dataset_root, settings.job_passes)
         loader = _loader(settings, dataset, functools.partial(dalid.DataLoader, session))
-        yield DalidEpochs(session, loader)
+        if settings.checkpoint_every:
+            yield CheckpointingEpochs(session, loader, settings.checkpoint_every)
+        else:
+            yield DalidEpochs(session, loader)
+
+
+class CheckpointingEpochs(DalidEpochs):
+    """The epochs of a job that saves its loader's state every ``every`` steps, as a training
+    loop saves it in its checkpoint (``torch.save``, into memory here: the bench times the
+    data path, not a disk)."""
+
+    def __init__(self, session: Any, loader: Any, every: int) -> None:
+        super().__init__(session, loader)
+        self._every = every
+        self._steps = 0
+        self.states = 0
+
+    def __call__(self) -> Iterator[Any]:
+        for batch in super().__call__():
+            yield batch
+            self._steps += 1
+            if self._steps % self._every == 0:
+                torch.save(self._loader.state_dict(), io.BytesIO())
+                self.states += 1
+
+    def handles(self) -> dict[str, Any]:
+        return {**super().handles(), "loader_states": self.states}
 
 
 # The cohort of the ``dalid-cohort`` runs: a sweep's jobs, same pipeline, data and sampler seed.
@@ -286,6 +315,20 @@ def dalid_cohort(settings: Settings) -> Iterator[EpochFactory]:
 
 def _trailing(settings: Settings) -> Settings:
     return settings.with_(trailing_s=TRAILING_S)
+
+
+# Steps between two loader states in the checkpoint runs: a training loop's checkpoint period.
+CHECKPOINT_EVERY = 100
+
+
+def _deterministic(settings: Settings) -> Settings:
+    return settings.with_(deterministic=True)
+
+
+def _checkpointed(settings: Settings) -> Settings:
+    # An epoch shorter than that (the default CPU run has 16 steps) takes one a epoch.
+    every = min(CHECKPOINT_EVERY, max(settings.batches_per_epoch, 1))
+    return settings.with_(deterministic=True, checkpoint_every=every)
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -374,6 +417,25 @@ CONTENDERS: dict[str, Contender] = {
             daemon_args=("--share-pipelines", "no"),
         ),
         Contender(
+            "dalid-deterministic",
+            "dalid (deterministic)",
+            "as dalid, its job deterministic=True: a pipeline of its own whose batches run in "
+            "the trainer's order; no loader state taken (the checkpoint row's baseline)",
+            dalid_client,
+            needs_daemon=True,
+            configure=_deterministic,
+        ),
+        Contender(
+            "dalid-checkpoint",
+            "dalid (deterministic, checkpoints)",
+            "as dalid (deterministic), its pipeline made with enable_checkpointing=True and a "
+            f"loader state (with the pipeline's DALI checkpoint) saved every {CHECKPOINT_EVERY} "
+            "steps (once an epoch if shorter): what resuming mid-epoch costs",
+            dalid_client,
+            needs_daemon=True,
+            configure=_checkpointed,
+        ),
+        Contender(
             "dalid-staged",
             "dalid (staged)",
             "as dalid, with its GPU outputs staged through shared memory as where CUDA IPC "
@@ -415,6 +477,8 @@ CONTENDERS: dict[str, Contender] = {
 }
 
 QA_KINDS = ("dali-qa", "dalid-qa")
+CHECKPOINT_KINDS = ("dalid-deterministic", "dalid-checkpoint")
+"""The checkpoint rows, side by side: run when asked (``--only``), not by default."""
 GPU_KINDS = ("dalid-staged", *QA_KINDS)
 """Contenders of the GPU profile, which the CPU profile runs in quick mode only (their code
 runs, scaled down; their figures mean nothing on the CPU)."""

@@ -108,10 +108,15 @@ def path_pipeline(
     *,
     pipeline: str = "rrc",
     hw_decoder_load: float | None = None,
+    enable_checkpointing: bool = False,
 ) -> Any:
     """File paths in (int8 arrays through ``external_source``), augmented images out."""
 
-    @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
+    options = _options(
+        batch_size, num_threads, gpu, seed=seed, enable_checkpointing=enable_checkpointing
+    )
+
+    @pipeline_def(**options)
     def pipe() -> Any:
         paths = fn.external_source(name=PATH_INPUT, no_copy=True)
         jpegs = fn.io.file.read(paths)  # type: ignore[attr-defined]

@@ -39,7 +39,7 @@ from .errors import (
 )
 from .link.launcher import OtherInstallationWarning
 from .link.placement import default_daemon
-from .loader import DataLoader
+from .loader import DataLoader, DrawsNotSaved
 from .named import RepositoryPipeline, named_pipeline
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
@@ -110,6 +110,7 @@ __all__ = [
     "DalidError",
     "DataLoader",
     "DeviceMismatch",
+    "DrawsNotSaved",
     "InputError",
     "OtherInstallationWarning",
     "PipelineError",

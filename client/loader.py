@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import collections
 import gc
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.utils import data as torchdata
+from torchdata.stateful_dataloader.stateful import Stateful
+
+from dalid.protocol import PROTOCOL_VERSION
 
 from .badsamples import SampleReport
+from .checkpoint import STATE_KEY, check_state
+from .errors import InputError
 from .worker.carry import CarryingCollate
+
+if TYPE_CHECKING:
+    # torchdata ships no types; its StatefulDataLoader is a torch DataLoader with state_dict()
+    # and load_state_dict().
+    _StatefulDataLoader = torchdata.DataLoader
+else:
+    from torchdata.stateful_dataloader import StatefulDataLoader as _StatefulDataLoader
 
 
 class Producer(Protocol):
     def produce_data(self, obj: Any) -> Any: ...
+
+
+class DrawsNotSaved(UserWarning):
+    """A DataLoader state of a deterministic job holds no DALI checkpoint of its pipeline (one
+    not made with ``enable_checkpointing=True``): a resume repeats the data, not the draws."""
 
 
 class _RecordingSampler:
@@ -25,12 +44,57 @@ class _RecordingSampler:
         self.given: collections.deque[list[int]] = collections.deque()
 
     def __iter__(self) -> Iterator[Any]:
-        for indices in self.inner:
-            self.given.append(list(indices))
-            yield indices
+        inner = iter(self.inner)
+        if isinstance(inner, Stateful):
+            return _StatefulRecording(inner, self.given)
+        return _Recording(inner, self.given)
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
+
+
+class _StatefulRecordingSampler(_RecordingSampler):
+    """A recording sampler over a batch sampler with a state, which it saves and restores (as
+    ``StatefulDataLoader`` does with the index sampler it sees)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)  # type: ignore[attr-defined]
+
+
+class _Recording:
+    """An iteration of a recording sampler: its batches, each noted as it is given."""
+
+    def __init__(self, inner: Iterator[Any], given: collections.deque[list[int]]) -> None:
+        self.inner = inner
+        self.given = given
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        indices = next(self.inner)
+        self.given.append(list(indices))
+        return indices
+
+
+class _StatefulRecording(_Recording):
+    """An iteration over a batch sampler's iterator with a state: torchdata's (its
+    ``BatchSampler``'s, over its ``RandomSampler``) saves the sampler's generator and how far
+    the epoch went, which this passes on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)  # type: ignore[attr-defined]
+
+    def update_state_dict(self) -> None:
+        update = getattr(self.inner, "update_state_dict", None)
+        if update is not None:
+            update()
 
 
 class _ProducingIterator:
@@ -91,8 +155,12 @@ class _FrozenHeap:
             self.inner(worker_id)
 
 
-class DataLoader(torchdata.DataLoader[Any]):
+class DataLoader(_StatefulDataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
+
+    It is torchdata's ``StatefulDataLoader``: ``state_dict()`` after k batches, loaded into a
+    new loader (``load_state_dict()``), resumes with batch k+1 (docs/migration.md,
+    "Checkpoints"); a deterministic pipeline's state travels with it.
 
     Works with any ``num_workers``, including 0, and with persistent workers. Bad samples that
     batches came back without, or with replaced (``on_error``), accumulate in ``bad_samples``
@@ -106,7 +174,10 @@ class DataLoader(torchdata.DataLoader[Any]):
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(dataset, *args, **kwargs)
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates, at each loader.
+            warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
+            super().__init__(dataset, *args, **kwargs)
         if not isinstance(self.collate_fn, CarryingCollate):  # a loader made again from another
             self.collate_fn = CarryingCollate(self.collate_fn)
         if not isinstance(self.worker_init_fn, _FrozenHeap):
@@ -114,6 +185,7 @@ class DataLoader(torchdata.DataLoader[Any]):
         self.session = session
         self.bad_samples: list[SampleReport] = []
         self._recorder: _RecordingSampler | None = None
+        self._warned_draws = False
 
     @property
     def _index_sampler(self) -> Any:
@@ -124,7 +196,9 @@ class DataLoader(torchdata.DataLoader[Any]):
             return sampler
         recorder = getattr(self, "_recorder", None)
         if recorder is None or recorder.inner is not sampler:
-            recorder = self._recorder = _RecordingSampler(sampler)
+            stateful = isinstance(sampler, Stateful)
+            kind = _StatefulRecordingSampler if stateful else _RecordingSampler
+            recorder = self._recorder = kind(sampler)
         return recorder
 
     def _batch_indices(self) -> list[int] | None:
@@ -133,7 +207,79 @@ class DataLoader(torchdata.DataLoader[Any]):
             return None
         return recorder.given.popleft()
 
+    def _get_iterator(self) -> Any:
+        iterator: Any = super()._get_iterator()
+        if self.num_workers and self.persistent_workers:
+            # Note [Stopping torchdata's workers]
+            # -----------------------------------
+            # torchdata 0.11's iterator, when it stops its workers from its own __del__ (after
+            # a batch raised, say), waits 5 s a worker for them and leaves them unreaped; from
+            # a finalizer that holds it, alive, they stop at once. The loader's finalizer stops
+            # its persistent workers; an iterator's, an epoch's (``__iter__``). Why:
+            # docs/design/checkpoints.md, "Stopping torchdata's workers".
+            replaced = getattr(self, "_stop_persistent", None)
+            if replaced is not None:
+                replaced()  # the iterator this one replaces (a state loaded): its workers go
+            self._stop_persistent = weakref.finalize(self, iterator._shutdown_workers)
+        return iterator
+
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
         if self._recorder is not None:
             self._recorder.given.clear()  # a new epoch: indices of the last one are stale
-        return _ProducingIterator(super().__iter__(), self)
+        inner: Any = super().__iter__()
+        produced = _ProducingIterator(inner, self)
+        if self.num_workers and not self.persistent_workers:
+            # An epoch's workers stop with it, or with the last reference to its iterator
+            # (Note [Stopping torchdata's workers]).
+            weakref.finalize(produced, inner._shutdown_workers)
+        return produced
+
+    # --- resuming ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state after the batches handed out so far: ``StatefulDataLoader``'s (the
+        data position) and, under ``"dalid"``, the session's pipelines, with each deterministic
+        one's DALI checkpoint (docs/migration.md, "Checkpoints"). A plain dict for
+        ``torch.save``; :meth:`load_state_dict` in a new loader resumes from the next batch."""
+        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        take = getattr(self.session, "pipeline_states", None)
+        pipelines, missing = take() if take is not None else ([], [])
+        if missing and not self._warned_draws:
+            self._warned_draws = True
+            warnings.warn(
+                "this DataLoader's state restores its data position but not the random draws "
+                "of a deterministic pipeline, whose outputs will differ after a resume: "
+                + "; ".join(missing),
+                DrawsNotSaved,
+                stacklevel=2,
+            )
+        state[STATE_KEY] = {
+            "protocol": PROTOCOL_VERSION,
+            "dataset_length": self._dataset_length(),
+            "pipelines": pipelines,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes from a state of :meth:`state_dict` (this process's or another's): the next
+        batches are those that followed it, the pipelines' draws too where it holds their
+        checkpoints. Refuses a state of another dalid protocol, dataset length or pipeline,
+        saying which."""
+        state = dict(state_dict)
+        ours = state.pop(STATE_KEY, None)
+        if not isinstance(ours, dict):
+            raise InputError(
+                "not a state of dalid's DataLoader (it has no 'dalid' entry): load a state that "
+                "this DataLoader's state_dict() gave"
+            )
+        check_state(ours, self._dataset_length())
+        restore = getattr(self.session, "restore_pipelines", None)
+        if restore is not None:
+            restore(ours["pipelines"])
+        super().load_state_dict(state)  # type: ignore[misc]
+
+    def _dataset_length(self) -> int | None:
+        try:
+            return len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return None

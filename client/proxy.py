@@ -141,6 +141,20 @@ class DALIServer:
         """:meth:`Session.produce`, for the DataLoader: names batches by the loader's step."""
         return self.session.produce(obj, step=step, indices=indices)
 
+    def pipeline_states(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """:meth:`Session.pipeline_states`, for a DataLoader's ``state_dict()``: none while the
+        server is stopped (its next start registers a new pipeline, built afresh)."""
+        if self._session is None or self._session.closed or not self._registered:
+            return [], []
+        return self._session.pipeline_states()
+
+    def restore_pipelines(self, states: list[dict[str, Any]]) -> None:
+        """:meth:`Session.restore_pipelines`, for a DataLoader's ``load_state_dict()``: starts
+        the server (registers the pipeline) first, as iterating the loader would."""
+        if states:
+            self.start_thread()
+            self.session.restore_pipelines(states)
+
     @property
     def last_bad_samples(self) -> list[Any]:
         """Bad samples skipped or replaced in the last ``produce_data`` call."""

@@ -17,6 +17,7 @@ import torch
 
 from dalid.protocol import Device, Limits, parse_device, socket_path
 
+from . import checkpoint
 from .badsamples import SampleReport, follow_bad_samples, locate
 from .delivery import Delivery
 from .errors import BatchError, InputError
@@ -250,6 +251,17 @@ class Session:
         for report in reports:
             log.warning("%s", report)
         return outputs
+
+    def pipeline_states(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """For a DataLoader's ``state_dict()``: the state of each pipeline this session
+        registered (a deterministic one's DALI checkpoint, taken between the batches delivered
+        and the next), and why any deterministic one holds no checkpoint (``checkpoint.py``)."""
+        return checkpoint.pipeline_states(self._daemon)
+
+    def restore_pipelines(self, states: list[dict[str, Any]]) -> None:
+        """For a DataLoader's ``load_state_dict()``: refuses states of other pipelines, and
+        restores each deterministic pipeline's checkpoint before its next run."""
+        checkpoint.restore_pipelines(self._daemon, states)
 
     def close(self) -> None:
         """Ends the job: the daemon frees its pipelines; live tensors stay valid. Idempotent."""

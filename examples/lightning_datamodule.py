@@ -1,10 +1,16 @@
 """A PyTorch Lightning DataModule whose batches come from a dalid daemon.
 
     ./dev run python -m examples.lightning_datamodule [--data DIR] [--epochs 1] [--socket PATH]
+        [--checkpoints DIR [--checkpoint-every N]] [--resume CHECKPOINT]
 
 The DataModule opens its dalid session in ``setup`` and closes it in ``teardown``, and its
 ``train_dataloader`` is a ``dalid.client.DataLoader``: the LightningModule receives the
 daemon's outputs as ordinary tensors.
+
+The loader has ``state_dict()`` and ``load_state_dict()`` (torchdata's ``StatefulDataLoader``),
+so Lightning keeps its state in each checkpoint, mid-epoch ones included: ``--checkpoints DIR``
+saves one every ``--checkpoint-every`` steps, and ``--resume`` one of them carries on from the
+batch after it (docs/migration.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import dalid.client as dalid
 from examples.imagefolder import ImageFolder, add_data_arguments, classifier, dataset_root
@@ -86,21 +93,36 @@ class Classifier(L.LightningModule):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_arguments(parser)
+    parser.add_argument("--checkpoints", type=Path, help="save checkpoints into this folder")
+    parser.add_argument("--checkpoint-every", type=int, default=2, help="steps between them")
+    parser.add_argument("--resume", type=Path, help="a checkpoint to resume from")
     args = parser.parse_args(argv)
     L.seed_everything(0, verbose=False)
     with dataset_root(args) as root:
         data = DalidImageFolder(root, args.batch_size, args.workers, args.socket)
         module = Classifier(num_classes=len(ImageFolder(root).classes))
+        callbacks: list[L.Callback] = []
+        if args.checkpoints is not None:
+            # Mid-epoch checkpoints: each holds the DataLoader's state (Lightning saves the
+            # state of a loader that has state_dict(), and restores it on resume).
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=args.checkpoints,
+                    every_n_train_steps=args.checkpoint_every,
+                    save_top_k=-1,
+                )
+            )
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
             max_epochs=args.epochs,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=args.checkpoints is not None,
+            callbacks=callbacks,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(module, datamodule=data)
+        trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     print(f"trained on {module.images} images with Lightning", flush=True)
     return 0
 

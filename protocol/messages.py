@@ -505,6 +505,45 @@ class PipelineRegistered(Message):
     path_inputs: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class CheckpointPipeline(Message):
+    """Asks for the DALI checkpoint of a deterministic registration's pipeline (its random
+    generators), as it stands between the trainer's batches (SPEC.md, "Checkpoints")."""
+
+    OP: ClassVar[str] = "checkpoint_pipeline"
+    pipeline_id: int
+
+
+@dataclass(frozen=True)
+class PipelineCheckpoint(Message):
+    """Reply to ``checkpoint_pipeline``: ``checkpoint`` (``Pipeline.checkpoint()``'s bytes),
+    taken after ``runs`` runs of the pipeline since it was built or restored; empty, with
+    ``unavailable`` saying why, where the pipeline cannot give one (not made with
+    ``enable_checkpointing=True``)."""
+
+    OP: ClassVar[str] = "pipeline_checkpoint"
+    pipeline_id: int
+    checkpoint: memoryview
+    runs: int = 0
+    unavailable: str = ""
+
+    def __post_init__(self) -> None:
+        _check(len(self.unavailable) <= 4096, "unavailable is too long")
+
+
+@dataclass(frozen=True)
+class RestorePipeline(Message):
+    """Restores a deterministic registration's pipeline from a ``checkpoint`` that
+    ``pipeline_checkpoint`` gave, before its next run; answered ``ok``."""
+
+    OP: ClassVar[str] = "restore_pipeline"
+    pipeline_id: int
+    checkpoint: memoryview
+
+    def __post_init__(self) -> None:
+        _check(len(self.checkpoint) > 0, "a checkpoint to restore must not be empty")
+
+
 # --- Batch family -------------------------------------------------------------------------------
 
 
@@ -1121,6 +1160,9 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     RegisterPipeline,
     RegisterNamedPipeline,
     PipelineRegistered,
+    CheckpointPipeline,
+    PipelineCheckpoint,
+    RestorePipeline,
     SubmitBatch,
     BatchAccepted,
     ScheduleBatch,
@@ -1148,6 +1190,7 @@ __all__ = [
     "BatchAccepted",
     "BatchFailed",
     "BatchReady",
+    "CheckpointPipeline",
     "CohortStatus",
     "EarlierJob",
     "EarlierPipeline",
@@ -1165,6 +1208,7 @@ __all__ = [
     "OutputDescriptor",
     "OutputPath",
     "Ping",
+    "PipelineCheckpoint",
     "PipelineRegistered",
     "PipelineStatus",
     "Pong",
@@ -1174,6 +1218,7 @@ __all__ = [
     "ReloadRepository",
     "RepositoryFailure",
     "RepositoryReport",
+    "RestorePipeline",
     "Role",
     "ScheduleBatch",
     "Shutdown",

@@ -241,6 +241,11 @@ class Reconnector:
 
     # --- registrations ------------------------------------------------------------------------
 
+    @property
+    def registrations(self) -> tuple[Registration, ...]:
+        """The session's pipelines, in the order it registered them."""
+        return tuple(self._registrations)
+
     def register(
         self, request: RegisterPipeline | RegisterNamedPipeline, deterministic: bool
     ) -> Registration:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
+    CheckpointPipeline,
     Error,
     ErrorCode,
     Goodbye,
@@ -40,6 +41,7 @@ from dalid.protocol import (
     RegisterPipeline,
     ReleaseRegions,
     ReloadRepository,
+    RestorePipeline,
     Role,
     ScheduleBatch,
     Shutdown,
@@ -69,6 +71,7 @@ from ..pipelines.repository import PipelineRepository
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
+from .checkpoints import Checkpoints
 from .endings import JobEndings
 from .opening import JobOpening
 from .registration import SHARING, PipelineBuilder, Sharing
@@ -192,6 +195,7 @@ class DaemonCore:
             cohorts=self.cohorts,
             prefix=f"dalid-{self._instance}",
         )
+        self.checkpoints = Checkpoints(self.registry.peers)
         self.stop_requested = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
@@ -208,6 +212,8 @@ class DaemonCore:
             ReleaseRegions: self.batches.on_release_regions,
             TrainerProgress: self._on_trainer_progress,
             ReloadRepository: self._on_reload_repository,
+            CheckpointPipeline: self.checkpoints.on_checkpoint_pipeline,
+            RestorePipeline: self.checkpoints.on_restore_pipeline,
         }
 
     @property

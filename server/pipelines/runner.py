@@ -19,6 +19,7 @@ import collections
 import ctypes
 import dataclasses
 import logging
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dalid.protocol.file_inputs import path_inputs
 from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from ..samples.paths import padded_paths
+from . import checkpoints
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .sharing import batches_a_run, read_graph
 
@@ -153,6 +155,11 @@ class PipelineRunner:
         self._checked = False
         # What each scheduled run was fed, oldest first (``schedule``).
         self._fed: collections.deque[list[Any]] = collections.deque()
+        # Taken to schedule a run and to take or restore a checkpoint from another thread (the
+        # daemon's I/O thread: ``checkpoints.py``); never held while DALI runs.
+        self._state_lock = threading.Lock()
+        # Runs collected since the pipeline was built or restored from a checkpoint.
+        self.runs = 0
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
         # (only where it is built as defined: one batch a run, its own threads).
         if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
@@ -265,6 +272,7 @@ class PipelineRunner:
         self._pipeline = pipeline
         self._checked = False
         self._fed.clear()
+        self.runs = 0
 
     def _read_as_files_only(self) -> frozenset[str]:
         """The path inputs that go to ``fn.io.file.read`` and nowhere else in the graph."""
@@ -295,7 +303,8 @@ class PipelineRunner:
             self._on_run(True)  # DALI holds a run now, and held none (told once, not each run)
         # Not schedule_run(): its first call prefetches prefetch_queue_depth runs at once,
         # which needs that many batches fed up front. DALI's own proxy schedules this way.
-        self._pipeline._run_once()
+        with self._state_lock:
+            self._pipeline._run_once()
 
     def _fed_directly(self, batch: Any) -> Any:
         """``batch`` (``feedable``'s) as ``feed_input`` hands it to the backend, after the one
@@ -333,7 +342,9 @@ class PipelineRunner:
             outputs = tuple(pipeline.outputs(cuda_stream))
             self._checked = True
         # A run that failed keeps what it was fed until the pipeline is rebuilt.
-        self._fed.popleft()
+        with self._state_lock:
+            self._fed.popleft()
+            self.runs += 1
         if not self._fed and self._on_run is not None:
             self._on_run(False)
         if len(outputs) != self.spec.num_outputs:
@@ -343,6 +354,26 @@ class PipelineRunner:
                 f"{self.spec.num_outputs}",
             )
         return outputs
+
+    def checkpoint(self) -> tuple[bytes, int]:
+        """The pipeline's DALI checkpoint between two runs (``checkpoints.py``), and the runs
+        collected since it was built or restored."""
+        with self._state_lock:
+            return checkpoints.take(self._idle(), self.spec.name), self.runs
+
+    def restore(self, checkpoint: bytes) -> None:
+        """Restores the pipeline from ``checkpoint`` before its next run."""
+        with self._state_lock:
+            checkpoints.restore(self._idle(), self.spec.name, checkpoint)
+            self.runs = 0
+
+    def _idle(self) -> Any:
+        """The built pipeline, with no run inside DALI (under ``_state_lock``)."""
+        if self._pipeline is None or self._fed:
+            raise checkpoints.CheckpointUnavailable(
+                "a run of the pipeline is inside DALI: its state is saved and restored between runs"
+            )
+        return self._pipeline
 
     def release(self) -> None:
         """Returns the collected outputs' buffers to DALI once they have been copied out.

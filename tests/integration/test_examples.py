@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.dataset import make_imagefolder
 
@@ -65,9 +66,22 @@ def test_imagefolder_training_with_the_repository_pipeline(images: Path) -> None
 
 @pytest.mark.slow
 def test_lightning_datamodule(daemon: DaemonProcess, images: Path) -> None:
+    """It trains, and a run resumed from a mid-epoch checkpoint (which holds the DataLoader's
+    state) trains on the batches after it: 24 images, 8 a batch, checkpoints every 2 steps."""
     pytest.importorskip("lightning")
-    out = _run("examples.lightning_datamodule", daemon, images)
-    assert "trained on 24 images with Lightning" in out
+    checkpoints = own_directory("dalid-ck-")
+    try:
+        out = _run("examples.lightning_datamodule", daemon, images, "--checkpoints",
+                   str(checkpoints))  # fmt: skip
+        assert "trained on 24 images with Lightning" in out
+        checkpoint = checkpoints / "epoch=0-step=2.ckpt"
+        saved = torch.load(checkpoint, weights_only=False)
+        (loader,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        assert loader["dalid"]["dataset_length"] == 24
+        out = _run("examples.lightning_datamodule", daemon, images, "--resume", str(checkpoint))
+        assert "trained on 8 images with Lightning" in out
+    finally:
+        shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 @pytest.mark.slow
