@@ -22,6 +22,16 @@ GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.sock
 It holds the socket from bind to close (through :class:`SharedSocket`), its monitor, the
 connections' intake and the loop that serves them.
 
+Note [Closing with peers connected]
+-----------------------------------
+libzmq 4.3.5 aborts the process (``!_io_error``, stream_engine_base.cpp) when a connection whose
+input is stopped (its queue full: ``RECEIVE_QUEUE`` is 1) is closed by its peer and its heartbeat
+timer fires before the socket reads again. A stopping daemon that told its peers and then stopped
+reading (its jobs' ends, the linger) let exactly that happen. So after the notices it goes on
+reading, and dropping, until the peers have gone or ``NOTICE_LINGER_MS`` has passed, then closes
+the socket at once (linger 0), before it ends its jobs. Test:
+tests/integration/test_file_inputs.py.
+
 Note [A routing id claimed twice]
 ---------------------------------
 No connection of another user has a queue in the socket, and no message under a routing id is
@@ -171,7 +181,8 @@ class Daemon:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
         self._stop_signal: int | None = None
-        # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
+        # ZeroMQ's linger when the socket closes: none, the stop notices have left by then
+        # (Note [Closing with peers connected]).
         self._linger_ms = 0
         self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
@@ -347,16 +358,17 @@ class Daemon:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        # The socket first (Note [Closing with peers connected]), its monitor with it.
+        self._socket.close(self._linger_ms)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self.core is not None:
             self.core.close()
             self.core = None
         if self._flight is not None:
             self._flight.close()  # a clean stop: no run was in flight
             self._flight = None
-        self._socket.close(self._linger_ms)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
         if self._gate is not None:
             self._gate.close()
             self._gate = None
@@ -437,6 +449,7 @@ class Daemon:
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
             self._tell_peers(stop_reason(self._stop_signal))
+            self._let_notices_leave(poller)
 
     def _tell_peers(self, reason: str) -> None:
         """Tells every connected peer that the daemon was stopped (see farewell.py)."""
@@ -447,8 +460,27 @@ class Daemon:
         for identity in peers:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(identity, notice, None)
-        if peers:
-            self._linger_ms = NOTICE_LINGER_MS
+
+    def _let_notices_leave(self, poller: zmq.Poller) -> None:
+        """Note [Closing with peers connected]: reads, and drops, what peers send while the
+        notices leave, until every connection has closed or ``NOTICE_LINGER_MS`` has passed;
+        the socket then closes at once (linger 0), before anything slow."""
+        assert self._intake is not None and self._monitor is not None
+        deadline = time.monotonic() + NOTICE_LINGER_MS / 1000
+        while self._intake.open_connections and (left := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(timeout=int(left * 1000) + 1))
+            if self._wake_fd in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)
+            while time.monotonic() < deadline and self._socket.receive() is not None:
+                pass  # the daemon serves nothing more
+            while True:
+                try:
+                    event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._intake.closed(int(event["value"]))
 
     def _reload(self) -> None:
         assert self.core is not None

@@ -57,6 +57,7 @@ from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .run_planner import TRAINER_HOLDS, RunPlanner
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
+from .stopping import stop_aside
 
 log = logging.getLogger("dalid.server")
 
@@ -257,7 +258,8 @@ class PipelineExecutor:
             pass
         if not self._planner.remove(member):
             return True
-        stopped = self.stop()
+        # Never on the caller's thread for long (Note [A pipeline stuck inside DALI]).
+        stopped = stop_aside(str(self.instance_id), self.stop)
         if self._on_empty is not None:
             self._on_empty(self)
         return stopped

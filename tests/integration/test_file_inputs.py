@@ -33,6 +33,7 @@ from .reading_job import path_sample, read_pipeline
 
 READER = [sys.executable, "-m", "tests.integration.reading_job"]
 STEADY = [sys.executable, "-m", "tests.integration.steady_job"]
+STALLED_JOB = [sys.executable, "-m", "tests.integration.stalled_job"]
 
 # A pipeline of the daemon's repository whose Python operator opens a FIFO for each batch: a
 # DALI call that does not return until a writer comes.
@@ -164,15 +165,7 @@ def test_a_pipeline_stuck_inside_dali_holds_up_neither_the_daemon_nor_its_stop(
     entered = fifo.with_name(fifo.name + ".entered")
     try:
         steady = started([*STEADY, "--socket", str(daemon.socket)])
-        code = (
-            "import sys, numpy as np, torch, dalid.client as dalid\n"
-            f"with dalid.connect(socket={str(daemon.socket)!r}, autostart=False) as s:\n"
-            f"    p = s.proxy(dalid.named_pipeline('stalled', batch_size=2, fifo={str(fifo)!r}))\n"
-            "    b = torch.utils.data.default_collate([p(np.zeros(3, np.float32))] * 2)\n"
-            "    print('running', flush=True)\n"
-            "    s.produce_data(b)\n"
-        )
-        stuck = started([sys.executable, "-c", code])
+        stuck = started([*STALLED_JOB, "--socket", str(daemon.socket), "--fifo", str(fifo)])
         deadline = time.monotonic() + 60
         while not entered.exists():
             assert time.monotonic() < deadline, daemon.log_text()
@@ -182,7 +175,7 @@ def test_a_pipeline_stuck_inside_dali_holds_up_neither_the_daemon_nor_its_stop(
         stuck.communicate(timeout=60)
         # The loop answers while the job's end is handled (it waited 10 s a stuck pipeline).
         started_at = time.monotonic()
-        while "job 2 " not in daemon.log_text() or "ended" not in daemon.log_text():
+        while "job 2 (stalled) ended" not in daemon.log_text():
             assert ping_pid(daemon.socket, timeout=5.0) == daemon.pid, daemon.log_text()
             assert time.monotonic() - started_at < 60, daemon.log_text()
         assert ping_pid(daemon.socket, timeout=5.0) == daemon.pid
@@ -192,7 +185,8 @@ def test_a_pipeline_stuck_inside_dali_holds_up_neither_the_daemon_nor_its_stop(
         # A new job, then SIGTERM with it connected.
         steady = started([*STEADY, "--socket", str(daemon.socket)])
         stopped_cleanly(daemon)
-        assert "left to end on its own" in daemon.log_text()
+        # It was still stuck: the process exited without waiting for it.
+        assert "exiting without waiting for a DALI call" in daemon.log_text()
     finally:
         for job in (steady, stuck):
             if job is not None:
