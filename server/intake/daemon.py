@@ -24,13 +24,10 @@ connections' intake and the loop that serves them.
 
 Note [Closing with peers connected]
 -----------------------------------
-libzmq 4.3.5 aborts the process (``!_io_error``, stream_engine_base.cpp) when a connection whose
-input is stopped (its queue full: ``RECEIVE_QUEUE`` is 1) is closed by its peer and its heartbeat
-timer fires before the socket reads again. A stopping daemon that told its peers and then stopped
-reading (its jobs' ends, the linger) let exactly that happen. So after the notices it goes on
-reading, and dropping, until the peers have gone or ``NOTICE_LINGER_MS`` has passed, then closes
-the socket at once (linger 0), before it ends its jobs. Test:
-tests/integration/test_file_inputs.py.
+libzmq 4.3.5 aborts the process when a peer closes a connection whose input is stopped and its
+heartbeat fires before the socket reads again. So a stopping daemon reads, and drops, what its
+peers send until they have gone (at most ``NOTICE_LINGER_MS``), then closes the socket at once,
+before it ends its jobs. Why and the test: docs/design/daemon-loop.md.
 
 Note [A routing id claimed twice]
 ---------------------------------
@@ -462,25 +459,20 @@ class Daemon:
                 self._socket.send(identity, notice, None)
 
     def _let_notices_leave(self, poller: zmq.Poller) -> None:
-        """Note [Closing with peers connected]: reads, and drops, what peers send while the
-        notices leave, until every connection has closed or ``NOTICE_LINGER_MS`` has passed;
-        the socket then closes at once (linger 0), before anything slow."""
+        """Reads, and drops, what peers send until their connections have closed or
+        ``NOTICE_LINGER_MS`` has passed (Note [Closing with peers connected])."""
         assert self._intake is not None and self._monitor is not None
         deadline = time.monotonic() + NOTICE_LINGER_MS / 1000
         while self._intake.open_connections and (left := deadline - time.monotonic()) > 0:
-            events = dict(poller.poll(timeout=int(left * 1000) + 1))
-            if self._wake_fd in events:
+            if self._wake_fd in dict(poller.poll(timeout=int(left * 1000) + 1)):
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
             while time.monotonic() < deadline and self._socket.receive() is not None:
                 pass  # the daemon serves nothing more
-            while True:
-                try:
-                    event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._intake.closed(int(event["value"]))
+            with contextlib.suppress(zmq.Again):
+                while event := parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK)):
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._intake.closed(int(event["value"]))
 
     def _reload(self) -> None:
         assert self.core is not None

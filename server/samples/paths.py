@@ -7,7 +7,7 @@ fails the batch with :class:`FilesUnseen`, which says what to mount.
 Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every batch has the outcome a check of each file would give it, and only a batch that fails
-pays for one. Before a run (:func:`check_paths`) empty paths, NUL bytes and the samples the
+pays for a check of each file's access. Before a run (:func:`check_paths`) empty paths, NUL bytes and the samples the
 trainer could not read are bad samples, found as arrays; a path that is not a regular file
 (a FIFO, a device, a directory) is a bad sample too, found by one ``os.stat`` per path in a
 loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever); then only the
