@@ -7,8 +7,9 @@ fails the batch with :class:`FilesUnseen`, which says what to mount.
 Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every batch has the outcome a check of each file would give it, and only a batch that fails
-pays for a check of each file's access. Before a run (:func:`check_paths`) empty paths, NUL bytes and the samples the
-trainer could not read are bad samples, found as arrays; a path that is not a regular file
+pays for a check of each file's access. Before a run (:func:`check_paths`) empty paths, NUL
+bytes and the samples the trainer could not read are bad samples, found as arrays; a path
+that is not a regular file
 (a FIFO, a device, a directory) is a bad sample too, found by one ``os.stat`` per path in a
 loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever); then only the
 directory of the first good path is looked at, once per :data:`DIRECTORY_RECHECK_S`
@@ -186,11 +187,10 @@ def not_regular(
     try:
         stats = list(map(os.stat, paths))
     except (OSError, ValueError):
-        stats = [_stat_or_none(path) for path in paths]
-        if None in stats:
-            kept = [i for i, info in enumerate(stats) if info is not None]
-            positions = positions[kept]
-            stats = [stats[i] for i in kept]
+        # A path that cannot be stat'ed: this batch pays for a loop in Python.
+        looked = [_stat_or_none(path) for path in paths]
+        positions = positions[[i for i, info in enumerate(looked) if info is not None]]
+        stats = [info for info in looked if info is not None]
     modes = np.fromiter(map(_MODE, stats), np.int64, len(stats)) & TYPE_BITS
     devices = np.fromiter(map(_DEVICE, stats), np.uint64, len(stats))
     odd = modes != stat.S_IFREG
@@ -206,7 +206,7 @@ def not_regular(
     return found
 
 
-def _stat_or_none(path: bytes) -> os.stat_result | None:
+def _stat_or_none(path: bytes | str) -> os.stat_result | None:
     try:
         return os.stat(path)
     except (OSError, ValueError):
