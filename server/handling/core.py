@@ -155,6 +155,8 @@ class DaemonCore:
         self._pid_namespace = pid_namespace()
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
+        # Ended jobs whose pipelines' stops are under way: their outputs are closed after.
+        self._stopping_jobs: list[Job] = []
         self.pipelines = PipelineBuilder(
             self.device_id,
             quotas.max_batch_size,
@@ -280,6 +282,10 @@ class DaemonCore:
                 "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
             )
             job.outputs.free()
+        stopped = [job for job in self._stopping_jobs if not job.stopping]
+        for job in stopped:
+            self._stopping_jobs.remove(job)
+            self._close_outputs(job)
         self.cohorts.reap()
         return [job.job_id for job in dead]
 
@@ -299,7 +305,7 @@ class DaemonCore:
         )
         self.scheduler.remove_job(job.job_id)
         in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
-        waiting, lingering = job.close()
+        waiting = job.close()
         for member in in_cohorts:
             self.cohorts.leave(member, job.pid, job.pid_namespace)
         for batch in waiting:
@@ -313,6 +319,15 @@ class DaemonCore:
                 ),
                 batch.request_id,
             )
+        if job.stopping and not daemon_stopping:
+            # Its outputs close once its pipelines have stopped (Note [A pipeline stuck inside
+            # DALI] in runs/stopping.py): looked at each reap.
+            self._stopping_jobs.append(job)
+            return
+        self._close_outputs(job, daemon_stopping)
+
+    def _close_outputs(self, job: Job, daemon_stopping: bool = False) -> None:
+        lingering = job.close_outputs()
         if lingering and not daemon_stopping and self.registry.alive(job.pid, job.pid_namespace):
             # Tensors of the trainer still view some of the job's memory, which CUDA forbids
             # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
@@ -368,6 +383,9 @@ class DaemonCore:
     def close(self) -> None:
         for job in list(self.jobs.values()):
             self.close_job(job, daemon_stopping=True)
+        for job in self._stopping_jobs:
+            self._close_outputs(job, daemon_stopping=True)
+        self._stopping_jobs.clear()
         for job in self.registry.take_lingering(everything=True):
             job.outputs.free()
         self.registry.close()

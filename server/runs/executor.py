@@ -57,7 +57,7 @@ from .instances import Change, CpuMeter, GpuMeter, InstanceController, Load
 from .run_planner import TRAINER_HOLDS, RunPlanner
 from .runs import QUARANTINE_BATCHES, Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
-from .stopping import stop_aside
+from .stopping import Stop
 
 log = logging.getLogger("dalid.server")
 
@@ -248,21 +248,21 @@ class PipelineExecutor:
         if outcome is not None:
             on_built(outcome)
 
-    def leave(self, member: Member) -> bool:
+    def leave(self, member: Member) -> Stop:
         """Removes a job's registration, dropping its queued batches; once it returns no write
         into the job's memory is under way or to come. Stops the thread with the last member.
-        Whether it is safe to unmap the job's memory (False: the thread could not be stopped
-        and may still be inside DALI with its samples)."""
+        Its stop says when it is safe to unmap the job's memory (``stopped``; never while the
+        thread may still be inside DALI with its samples)."""
         member.closed = True  # an allocation waiting in a write sees it and gives up
         with member.writing:
             pass
         if not self._planner.remove(member):
-            return True
+            return Stop(self.name, None)
         # Never on the caller's thread for long (Note [A pipeline stuck inside DALI]).
-        stopped = stop_aside(str(self.instance_id), self.stop)
+        stop = Stop(str(self.instance_id), self.stop)
         if self._on_empty is not None:
             self._on_empty(self)
-        return stopped
+        return stop
 
     def submit(self, batch: PendingBatch) -> None:
         self._planner.submit(batch)
