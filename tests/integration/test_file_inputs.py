@@ -99,12 +99,14 @@ def ended(job: subprocess.Popen[str]) -> None:
 
 
 def stopped_cleanly(daemon: DaemonProcess) -> None:
-    """SIGTERM with peers connected: exit 0, the socket and its lock file gone."""
+    """SIGTERM with peers connected: exit 0, nothing left behind."""
     code = daemon.stop(timeout=60)
     log = daemon.log_text()
     assert code == 0, log
-    assert not daemon.socket.exists(), log
-    assert not daemon.socket.with_name(daemon.socket.name + ".lock").exists(), log
+    # Nothing of its socket's: no socket, lock, in-flight record or crash suspects.
+    left = [path.name for path in daemon.socket.parent.glob(daemon.socket.name + "*")]
+    assert left == [], log
+    assert daemon.segments() == set(), log
     assert "Assertion failed" not in log
 
 
