@@ -203,6 +203,10 @@ def test_what_is_not_a_regular_file_is_a_bad_sample_that_says_what_it_is(tmp_pat
     assert f"{tmp_path} is not a regular file (a directory)" in bad[3]
     assert "(a socket)" in bad[4]
     assert "/proc/self/mem is not a regular file (a file the kernel makes" in bad[5]
+    # A link is judged by what it leads to, as DALI's open() follows it.
+    (tmp_path / "link.jpg").symlink_to(fifo)
+    linked = check_paths(_batch(str(tmp_path / "link.jpg")), ["paths"], [], DirectoryChecks())
+    assert "link.jpg is not a regular file (a FIFO (named pipe))" in linked[0]
     # A missing file the trainer did not name is left to the read, as before; one it named
     # is not looked at again.
     missing = str(tmp_path / "gone.jpg")
