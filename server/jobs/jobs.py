@@ -53,13 +53,13 @@ from dalid.protocol import (
 
 from ..errors import RequestRefused
 from ..outputs.outputs import JobOutputs
+from ..runs.stopping import Stop, wait_for
 from .admission import Admission, WaitingBatch
 from .batch_ids import BatchIds
 from .rates import RateMeter
 
 if TYPE_CHECKING:
     from ..runs.runs import Member, PendingBatch
-    from ..runs.stopping import Stop
 
 log = logging.getLogger("dalid.server")
 
@@ -115,6 +115,7 @@ class Job:
         ]
         self.pipelines.clear()
         self.deferred.clear()
+        wait_for(self.stops)  # a moment at most (Note [A pipeline stuck inside DALI])
         return waiting
 
     @property

@@ -6,8 +6,8 @@ Note [A pipeline stuck inside DALI]
 A pipeline's thread can be inside a DALI call that does not return (a read blocked on a path
 made a FIFO after its check, a stuck network mount): nothing in Python can end that call. So a
 job's end, on the daemon's loop, never joins a pipeline's threads itself: a :class:`Stop` runs
-the executor's stop in a thread of its own, and the loop waits for it at most
-:data:`LOOP_WAIT_S`. A job whose stops have not finished by then has its output memory closed
+the executor's stop in a thread of its own, and the loop waits for a job's stops at most
+:data:`LOOP_WAIT_S` in all. A job whose stops have not finished by then has its output memory closed
 once they have (the core looks at each reap), unmapped if they stopped the threads, kept if not
 (the thread may still write into it). At the daemon's exit a stop still under way means a thread
 that may never end: the process exits without waiting for it (:func:`any_under_way`). Why, and
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("dalid.server")
 
@@ -36,8 +37,8 @@ _lock = threading.Lock()
 
 class Stop:
     """One pipeline's stop, ``stop(timeout)`` (an executor's: whether its threads ended), run in
-    a thread of its own; waited for at most :data:`LOOP_WAIT_S` when made. ``None``: nothing to
-    stop."""
+    a thread of its own (:func:`wait_for` waits for several at once, bounded). ``None``: nothing
+    to stop."""
 
     def __init__(self, name: str, stop: Callable[[float], bool] | None) -> None:
         self.name = name
@@ -52,7 +53,10 @@ class Stop:
         with _lock:
             _under_way.add(thread)
         thread.start()
-        self._done.wait(LOOP_WAIT_S)
+
+    def wait(self, timeout: float) -> bool:
+        """Waits at most ``timeout`` seconds for the stop to finish; whether it has."""
+        return self._done.wait(timeout)
 
     @property
     def finished(self) -> bool:
@@ -83,6 +87,13 @@ class Stop:
             self._done.set()
             with _lock:
                 _under_way.discard(threading.current_thread())
+
+
+def wait_for(stops: Sequence[Stop], timeout: float = LOOP_WAIT_S) -> None:
+    """Waits until every one of ``stops`` has finished, or ``timeout`` seconds, in all."""
+    deadline = time.monotonic() + timeout
+    for stop in stops:
+        stop.wait(max(deadline - time.monotonic(), 0.0))
 
 
 def any_under_way() -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from dalid.server.runs import stopping
-from dalid.server.runs.stopping import Stop
+from dalid.server.runs.stopping import Stop, wait_for
 
 
 def _stop_waiting_on(released: threading.Event) -> Callable[[float], bool]:
@@ -30,8 +30,9 @@ def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_stop_that_ends_at_once_is_finished_when_made() -> None:
+def test_a_stop_that_ends_at_once_is_finished_after_a_moment() -> None:
     stop = Stop("1", lambda timeout: True)
+    wait_for([stop])
     assert stop.finished and stop.stopped
     nothing = Stop("2", None)
     assert nothing.finished and nothing.stopped
@@ -45,6 +46,7 @@ def test_a_stuck_pipeline_does_not_hold_up_the_caller_and_is_reaped_when_it_ends
     released = threading.Event()
     try:
         stop = Stop("7", _stop_waiting_on(released))
+        wait_for([stop, Stop("9", None)])
         # Back to the caller with the pipeline still inside its call.
         assert not stop.stopped and stopping.any_under_way()
         # Past STOP_TIMEOUT_S: the stop has its answer, not stopped, and waits on.
