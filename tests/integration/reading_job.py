@@ -1,15 +1,17 @@
 """A job that reads image files through the daemon, checking every batch it gets.
 
-    python -m tests.integration.reading_job --socket PATH --images DIR [--batches N]
+    python -m tests.integration.reading_job --socket PATH --images DIR [--after N]
 
 Runs ``read_pipeline`` (paths in, ``fn.io.file.read``, decode, resize to 32x32) over the JPEGs
-of DIR, one batch at a time, and prints "running" after its first batch and "ok N" once it has
-got N whole batches. Any failed batch ends it with an error.
+of DIR, one batch at a time, and prints "running" after its first batch. A line on stdin makes
+it finish: N more batches (5), then it prints "ok M", M the whole batches it got. Any failed
+batch ends it with an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import select
 import sys
 from pathlib import Path
 
@@ -45,19 +47,23 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--images", required=True)
-    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--after", type=int, default=5)
     args = parser.parse_args()
     files = sorted(Path(args.images).rglob("*.jpg"))
     with dalid.connect(socket=args.socket, autostart=False, name="reader") as session:
         proxy = session.proxy(read_pipeline())
-        for done in range(1, args.batches + 1):
+        done, last = 0, None
+        while last is None or done < last:
             chosen = [files[(done * BATCH + i) % len(files)] for i in range(BATCH)]
             batch = torch.utils.data.default_collate([proxy(path_sample(p)) for p in chosen])
             images = session.produce_data(batch)
             assert images.shape == (BATCH, 32, 32, 3), images.shape
+            done += 1
             if done == 1:
                 print("running", flush=True)
-        print(f"ok {args.batches}", flush=True)
+            if last is None and select.select([sys.stdin], [], [], 0)[0]:
+                last = done + args.after
+        print(f"ok {done}", flush=True)
     return 0
 
 

@@ -124,7 +124,7 @@ def test_what_is_not_a_regular_file_is_a_bad_sample_beside_a_job_on_the_same_gra
     reader = None
     try:
         command = [*READER, "--socket", str(daemon.socket), "--images", str(images)]
-        reader = started([*command, "--batches", "60"])
+        reader = started(command)
         good = sorted(images.rglob("*.jpg"))[:3]
         order = [good[0], odd, good[1], good[2]]
         with dalid.connect(socket=daemon.socket, autostart=False, name="odd") as session:
@@ -142,8 +142,10 @@ def test_what_is_not_a_regular_file_is_a_bad_sample_beside_a_job_on_the_same_gra
             # One DALI pipeline served both jobs.
             (shared,) = daemon.status().pipelines
             assert len(shared.jobs) == 2
-            out, _ = reader.communicate(timeout=180)
-            assert reader.returncode == 0 and out.strip() == "ok 60", out
+            # It carries on, and finishes.
+            out, _ = reader.communicate("stop\n", timeout=180)
+            assert reader.returncode == 0 and out.startswith("ok "), out
+            assert int(out.split()[1]) > 5, out
             # Stopped with this job still connected.
             stopped_cleanly(daemon)
     finally:
