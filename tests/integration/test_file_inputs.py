@@ -110,7 +110,7 @@ def stopped_cleanly(daemon: DaemonProcess) -> None:
     assert "Assertion failed" not in log
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "proc"])
 def test_what_is_not_a_regular_file_is_a_bad_sample_beside_a_job_on_the_same_graph(
     short_tmp: Path, tmp_path: Path, fifo: Path, kind: str
 ) -> None:
@@ -119,6 +119,7 @@ def test_what_is_not_a_regular_file_is_a_bad_sample_beside_a_job_on_the_same_gra
         "fifo": (fifo, "a FIFO (named pipe)"),
         "dev-zero": (Path("/dev/zero"), "a character device"),
         "directory": (images, "a directory"),
+        "proc": (Path("/proc/self/status"), "a file the kernel makes as it is read (/proc, /sys)"),
     }[kind]
     daemon = start_daemon(short_tmp)
     reader = None
