@@ -43,6 +43,8 @@ class JobEndings:
         self._scheduler = scheduler
         self._cohorts = cohorts
         self._push = push
+        # Ended jobs whose pipelines' stops are under way: their outputs are closed after.
+        self._stopping_jobs: list[Job] = []
 
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
@@ -58,6 +60,10 @@ class JobEndings:
                 "job %d: trainer %d is gone, freeing the outputs it mapped", job.job_id, job.pid
             )
             job.outputs.free()
+        stopped = [job for job in self._stopping_jobs if not job.stopping]
+        for job in stopped:
+            self._stopping_jobs.remove(job)
+            self._close_outputs(job)
         self._cohorts.reap()
         return [job.job_id for job in dead]
 
@@ -77,7 +83,7 @@ class JobEndings:
         )
         self._scheduler.remove_job(job.job_id)
         in_cohorts = [member for member in job.pipelines.values() if member.cohort is not None]
-        waiting, lingering = job.close()
+        waiting = job.close()
         for member in in_cohorts:
             self._cohorts.leave(member, job.pid, job.pid_namespace)
         for batch in waiting:
@@ -91,6 +97,15 @@ class JobEndings:
                 ),
                 batch.request_id,
             )
+        if job.stopping and not daemon_stopping:
+            # Its outputs close once its pipelines have stopped (Note [A pipeline stuck inside
+            # DALI] in runs/stopping.py): looked at each reap.
+            self._stopping_jobs.append(job)
+            return
+        self._close_outputs(job, daemon_stopping)
+
+    def _close_outputs(self, job: Job, daemon_stopping: bool = False) -> None:
+        lingering = job.close_outputs()
         if lingering and not daemon_stopping and self._registry.alive(job.pid, job.pid_namespace):
             # Tensors of the trainer still view some of the job's memory, which CUDA forbids
             # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
@@ -164,5 +179,8 @@ class JobEndings:
         """The daemon stops: every job ends, and the memory trainers still map is freed."""
         for job in list(self._registry.jobs.values()):
             self.close_job(job, daemon_stopping=True)
+        for job in self._stopping_jobs:
+            self._close_outputs(job, daemon_stopping=True)
+        self._stopping_jobs.clear()
         for job in self._registry.take_lingering(everything=True):
             job.outputs.free()

@@ -22,6 +22,13 @@ GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.sock
 It holds the socket from bind to close (through :class:`SharedSocket`), its monitor, the
 connections' intake and the loop that serves them.
 
+Note [Closing with peers connected]
+-----------------------------------
+libzmq 4.3.5 aborts the process when a peer closes a connection whose input is stopped and its
+heartbeat fires before the socket reads again. So a stopping daemon reads, and drops, what its
+peers send until they have gone (at most ``NOTICE_LINGER_MS``), then closes the socket at once,
+before it ends its jobs. Why and the test: docs/design/daemon-loop.md.
+
 Note [A routing id claimed twice]
 ---------------------------------
 No connection of another user has a queue in the socket, and no message under a routing id is
@@ -172,7 +179,8 @@ class Daemon:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
         self._stop_signal: int | None = None
-        # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
+        # ZeroMQ's linger when the socket closes: none, the stop notices have left by then
+        # (Note [Closing with peers connected]).
         self._linger_ms = 0
         self._reload_requested = False
         self._context: zmq.Context[Any] | None = None
@@ -348,16 +356,17 @@ class Daemon:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        # The socket first (Note [Closing with peers connected]), its monitor with it.
+        self._socket.close(self._linger_ms)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self.core is not None:
             self.core.close()
             self.core = None
         if self._flight is not None:
             self._flight.close()  # a clean stop: no run was in flight
             self._flight = None
-        self._socket.close(self._linger_ms)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
         if self._gate is not None:
             self._gate.close()
             self._gate = None
@@ -438,6 +447,7 @@ class Daemon:
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
             self._tell_peers(stop_reason(self._stop_signal))
+            self._let_notices_leave(poller)
 
     def _tell_peers(self, reason: str) -> None:
         """Tells every connected peer that the daemon was stopped (see farewell.py)."""
@@ -448,8 +458,22 @@ class Daemon:
         for identity in peers:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(identity, notice, None)
-        if peers:
-            self._linger_ms = NOTICE_LINGER_MS
+
+    def _let_notices_leave(self, poller: zmq.Poller) -> None:
+        """Reads, and drops, what peers send until their connections have closed or
+        ``NOTICE_LINGER_MS`` has passed (Note [Closing with peers connected])."""
+        assert self._intake is not None and self._monitor is not None
+        deadline = time.monotonic() + NOTICE_LINGER_MS / 1000
+        while self._intake.open_connections and (left := deadline - time.monotonic()) > 0:
+            if self._wake_fd in dict(poller.poll(timeout=int(left * 1000) + 1)):
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)
+            while time.monotonic() < deadline and self._socket.receive() is not None:
+                pass  # the daemon serves nothing more
+            with contextlib.suppress(zmq.Again):
+                while event := parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK)):
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._intake.closed(int(event["value"]))
 
     def _reload(self) -> None:
         assert self.core is not None

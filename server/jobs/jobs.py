@@ -53,6 +53,7 @@ from dalid.protocol import (
 
 from ..errors import RequestRefused
 from ..outputs.job_outputs import JobOutputs
+from ..runs.stopping import Stop, wait_for
 from .admission import Admission, WaitingBatch
 from .batch_ids import BatchIds
 from .rates import RateMeter
@@ -96,27 +97,38 @@ class Job:
     earlier_jobs: tuple[EarlierJob, ...] = ()
     # (earlier job's token, a pipeline's id in that job) -> the pipeline's id in this job.
     earlier_pipelines: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The stops of its pipelines, once it is closed.
+    stops: list[Stop] = field(default_factory=list)
 
-    def close(self) -> tuple[list[WaitingBatch], bool]:
-        """Stops the job's pipelines and closes its outputs. Idempotent.
-
-        Returns the batches that still waited for admission, and whether output memory is left
-        that the trainer still maps (freed by ``outputs.free()`` once it is gone).
-        """
+    def close(self) -> list[WaitingBatch]:
+        """Stops the job's pipelines, without waiting long for them (``stopping``, then
+        :meth:`close_outputs`). Idempotent. Returns the batches that still waited for
+        admission."""
         if self.closed:
-            return [], False
+            return []
         self.closed = True
         waiting = self.admission.close()
-        stopped = [
+        self.stops = [
             member.executor.leave(member)
             for member in self.pipelines.values()
             if member.executor is not None
         ]
         self.pipelines.clear()
         self.deferred.clear()
+        wait_for(self.stops)  # a moment at most (Note [A pipeline stuck inside DALI])
+        return waiting
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop of its pipelines is still under way (Note [A pipeline stuck inside
+        DALI] in runs/stopping.py): its outputs are closed once it has finished."""
+        return not all(stop.finished for stop in self.stops)
+
+    def close_outputs(self) -> bool:
+        """Closes its outputs; whether memory is left that the trainer still maps (freed by
+        ``outputs.free()`` once it is gone)."""
         # An executor stuck inside DALI may still write its outputs: keep the memory mapped.
-        lingering = self.outputs.close(unmap=all(stopped))
-        return waiting, lingering
+        return self.outputs.close(unmap=all(stop.stopped for stop in self.stops))
 
     # --- Note [Daemon restarts], point 3 --------------------------------------------------------
 

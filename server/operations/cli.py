@@ -258,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _supervise(args, settings)
         from ..intake.daemon import Daemon
         from ..intake.heap import limit_malloc_arenas
+        from ..runs import stopping
         from .lifeline import watch_supervisor
 
         # Before the daemon makes any thread: arenas once made are kept.
@@ -265,7 +266,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon = Daemon(config)
         # A child of `dalid serve` ends with its supervisor, stuck or not.
         watch_supervisor(daemon.request_stop, daemon.abandon)
-        return daemon.serve()
+        code = daemon.serve()
+        if stopping.any_under_way():
+            # A pipeline's thread is inside a DALI call that may never return: the interpreter
+            # would wait for it at exit (Note [A pipeline stuck inside DALI]). Everything the
+            # daemon owns outside this process is gone already.
+            log.warning("exiting without waiting for a DALI call that has not returned")
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(code)
+        return code
     # These need no hello: whoever can open the socket (mode 0600, its user) may send them.
     start = start_command(settings["device"], path)
     if args.command == "status":

@@ -37,6 +37,7 @@ from .run_loop import RunLoop
 from .run_planner import RunPlanner
 from .runs import Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
+from .stopping import Stop
 
 __all__ = ["InstanceRoom", "OnBuilt", "PipelineExecutor"]
 
@@ -179,20 +180,21 @@ class PipelineExecutor:
         if outcome is not None:
             on_built(outcome)
 
-    def leave(self, member: Member) -> bool:
+    def leave(self, member: Member) -> Stop:
         """Removes a job's registration, dropping its queued batches; once it returns no write
-        into the job's memory is under way or to come. Stops the threads with the last member.
-        Whether it is safe to unmap the job's memory (False: a thread could not be stopped
-        and may still be inside DALI with its samples)."""
+        into the job's memory is under way or to come. Stops the thread with the last member.
+        Its stop says when it is safe to unmap the job's memory (``stopped``; never while the
+        thread may still be inside DALI with its samples)."""
         member.closed = True  # an allocation waiting in a write sees it and gives up
         with member.writing:
             pass
         if not self.planner.remove(member):
-            return True
-        stopped = self.stop()
+            return Stop(self.name, None)
+        # Never on the caller's thread for long (Note [A pipeline stuck inside DALI]).
+        stop = Stop(str(self.instance_id), self.stop)
         if self._on_empty is not None:
             self._on_empty(self)
-        return stopped
+        return stop
 
     def submit(self, batch: PendingBatch) -> None:
         self.planner.submit(batch)

@@ -31,6 +31,7 @@ from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:
     from ..pipelines.runner import PipelineSpec
+    from .stopping import Stop
 
 # After one of its batches had bad samples, a job's next batches of the pipeline run alone,
 # not mixed with other jobs' samples, so that another bad one costs no other job a rerun.
@@ -185,7 +186,7 @@ class Executor(Protocol):
 
     def sender_left(self, member: Member, first_id: int, end_id: int) -> None: ...
 
-    def leave(self, member: Member) -> bool: ...
+    def leave(self, member: Member) -> Stop: ...
 
 
 class JoinedCohort(Protocol):

@@ -10,6 +10,7 @@ GIF (which DALI's decoder does not take), bytes of no image format. For an input
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -57,13 +58,22 @@ def _cause(sample: np.ndarray, is_path: bool, message: str) -> str | None:
     if is_path and sample.dtype in PATH_DTYPES and sample.ndim == 1:
         path = sample.tobytes()
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as file:
-                head = file.read(PEEK_BYTES)
-                file.seek(max(0, size - PEEK_BYTES))
-                tail = file.read(PEEK_BYTES)
+            # Never waits: a path made a FIFO since it was checked (paths.py) would block a
+            # plain open until a writer came; and only a regular file's bytes are read.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except (OSError, ValueError):
             return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            size = info.st_size
+            head = os.pread(fd, PEEK_BYTES, 0)
+            tail = os.pread(fd, PEEK_BYTES, max(0, size - PEEK_BYTES))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         cause = bytes_cause(head, tail, size, message)
         return None if cause is None else f"{os.fsdecode(path)} is {cause}"
     if sample.dtype != np.uint8 or sample.ndim != 1:

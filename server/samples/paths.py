@@ -7,17 +7,25 @@ fails the batch with :class:`FilesUnseen`, which says what to mount.
 Note [Checking paths per directory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every batch has the outcome a check of each file would give it, and only a batch that fails
-pays for one. Before a run (:func:`check_paths`) empty paths, NUL bytes and the samples the
-trainer could not read are bad samples, found as arrays; then only the directory of the first
-good path is looked at, once per :data:`DIRECTORY_RECHECK_S` (:class:`DirectoryChecks`). A
-batch whose run fails is checked file by file (:func:`unseen_file`) before any bad sample is
-looked for. Why, and the tests that hold it: docs/design/checking-paths.md.
+pays for a check of each file's access. Before a run (:func:`check_paths`) empty paths, NUL
+bytes and the samples the trainer could not read are bad samples, found as arrays; a path
+that is not a regular file
+(a FIFO, a device, a directory) is a bad sample too, found by one ``os.stat`` per path in a
+loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever); then only the
+directory of the first good path is looked at, once per :data:`DIRECTORY_RECHECK_S`
+(:class:`DirectoryChecks`). A batch whose run fails is checked file by file
+(:func:`unseen_file`) before any bad sample is looked for. Why, what the check leaves open
+(a path replaced between the check and DALI's ``open``), and the tests that hold it:
+docs/design/checking-paths.md.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import os
+import stat
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -125,6 +133,12 @@ def check_paths(
                     f"input {item.name!r}: cannot read {shown}, in the trainer either (a "
                     "missing file, or a wrong path)"
                 )
+        for position, kind in not_regular(data, starts, stops, bad).items():
+            shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
+            bad[position] = (
+                f"input {item.name!r}: {shown} is not a regular file ({kind}); the daemon reads "
+                "only regular files: give the path of a file"
+            )
         # The first sample that is not bad: at most len(bad) + 1 steps.
         first = next((p for p in range(item.size) if p not in bad), None)
         if first is None:
@@ -134,6 +148,76 @@ def check_paths(
         if not directories.seen_lately(directory) and not directories.enterable(directory):
             raise FilesUnseen(unseen_message(os.fsdecode(path)))
     return bad
+
+
+# What a path that is not a regular file names, by its st_mode's type bits.
+KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+TYPE_BITS = 0o170000
+# Filesystems whose files the kernel makes as they are read: regular by their mode, but of no
+# size (/proc/self/mem, /proc/PID/...) or endless; by the device of their mount points here.
+KERNEL_FILESYSTEMS = ("/proc", "/sys")
+KERNEL_FILE = "a file the kernel makes as it is read (/proc, /sys)"
+_MODE = operator.attrgetter("st_mode")
+_DEVICE = operator.attrgetter("st_dev")
+
+
+def not_regular(
+    data: np.ndarray, starts: np.ndarray, stops: np.ndarray, bad: Collection[int]
+) -> dict[int, str]:
+    """The positions of the paths (sample i: ``data[starts[i]:stops[i]]``, those in ``bad``
+    left out) that name something other than a regular file, with what they name.
+
+    One ``os.stat`` a path, made and read in loops of C (``map``), and the modes judged as
+    arrays: no Python runs per sample. A path whose ``stat`` fails (a missing file, or one
+    the daemon does not see) is left to the read and the checks after a failure, as before."""
+    keep = np.ones(len(starts), bool)
+    keep[list(bad)] = False
+    positions = np.flatnonzero(keep)
+    if not positions.size:
+        return {}
+    raw = data.tobytes()
+    paths = list(map(raw.__getitem__, map(slice, starts[positions].tolist(),
+                                         stops[positions].tolist())))  # fmt: skip
+    try:
+        stats = list(map(os.stat, paths))
+    except (OSError, ValueError):
+        # A path that cannot be stat'ed: this batch pays for a loop in Python.
+        looked = [_stat_or_none(path) for path in paths]
+        positions = positions[[i for i, info in enumerate(looked) if info is not None]]
+        stats = [info for info in looked if info is not None]
+    modes = np.fromiter(map(_MODE, stats), np.int64, len(stats)) & TYPE_BITS
+    devices = np.fromiter(map(_DEVICE, stats), np.uint64, len(stats))
+    odd = modes != stat.S_IFREG
+    kernel = np.zeros(len(stats), bool)
+    for device in kernel_devices():
+        kernel |= devices == device
+    found = {
+        int(positions[i]): KINDS.get(int(modes[i]), f"of type {int(modes[i]):o}")
+        for i in np.flatnonzero(odd).tolist()
+    }
+    for i in np.flatnonzero(kernel & ~odd).tolist():
+        found[int(positions[i])] = KERNEL_FILE
+    return found
+
+
+def _stat_or_none(path: bytes | str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except (OSError, ValueError):
+        return None
+
+
+@functools.cache
+def kernel_devices() -> tuple[int, ...]:
+    """The devices of :data:`KERNEL_FILESYSTEMS` where the daemon runs (those it has)."""
+    found = [_stat_or_none(path) for path in KERNEL_FILESYSTEMS]
+    return tuple(info.st_dev for info in found if info is not None)
 
 
 def unseen_file(

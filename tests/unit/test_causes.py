@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -54,3 +55,11 @@ def test_explain_puts_the_cause_first_and_reads_files(tmp_path: Path) -> None:
     assert explained[1] == "Some other error"
     from_file = explain({1: "Failed to decode"}, {"paths": arrays["paths"]}, ["paths"])
     assert from_file[1] == f"input 'paths': {empty} is empty (0 bytes); DALI says: Failed to decode"
+
+
+def test_explain_never_opens_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    """A path made a FIFO after its check: reading it to explain a failure must not block."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    paths = {"paths": [np.frombuffer(str(fifo).encode(), np.int8)]}
+    assert explain({0: "Failed to decode"}, paths, ["paths"]) == {0: "Failed to decode"}

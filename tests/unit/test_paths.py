@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,39 @@ def test_first_missing_is_the_outermost_missing_part(tmp_path: Path) -> None:
     assert first_missing(str(tmp_path / "x" / "y")) == str(tmp_path / "x")
     assert first_missing("/") == "/"
     assert first_missing(str(tmp_path)) == str(tmp_path)  # nothing missing
+
+
+def test_what_is_not_a_regular_file_is_a_bad_sample_that_says_what_it_is(tmp_path: Path) -> None:
+    """A FIFO would block DALI's open() forever; a device, a directory, a socket and the
+    kernel's /proc files are no dataset's files either (Note [Checking paths per directory])."""
+    good = tmp_path / "a.jpg"
+    good.write_bytes(b"x")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(tmp_path / "sock"))
+    try:
+        paths = [good, fifo, "/dev/zero", tmp_path, tmp_path / "sock", "/proc/self/mem", good]
+        bad = check_paths(_batch(*map(str, paths)), ["paths"], [], DirectoryChecks())
+    finally:
+        listening.close()
+        (tmp_path / "sock").unlink()
+    assert sorted(bad) == [1, 2, 3, 4, 5]
+    assert bad[1] == (
+        f"input 'paths': {fifo} is not a regular file (a FIFO (named pipe)); the daemon reads "
+        "only regular files: give the path of a file"
+    )
+    assert "/dev/zero is not a regular file (a character device)" in bad[2]
+    assert f"{tmp_path} is not a regular file (a directory)" in bad[3]
+    assert "(a socket)" in bad[4]
+    assert "/proc/self/mem is not a regular file (a file the kernel makes" in bad[5]
+    # A link is judged by what it leads to, as DALI's open() follows it.
+    (tmp_path / "link.jpg").symlink_to(fifo)
+    linked = check_paths(_batch(str(tmp_path / "link.jpg")), ["paths"], [], DirectoryChecks())
+    assert "link.jpg is not a regular file (a FIFO (named pipe))" in linked[0]
+    # A missing file the trainer did not name is left to the read, as before; one it named
+    # is not looked at again.
+    missing = str(tmp_path / "gone.jpg")
+    assert check_paths(_batch(str(good), missing), ["paths"], [], DirectoryChecks()) == {}
+    named = check_paths(_batch(missing, str(fifo)), ["paths"], [0], DirectoryChecks())
+    assert sorted(named) == [0, 1] and "in the trainer either" in named[0]
