@@ -38,7 +38,13 @@ from dalid.protocol import (
     transport,
 )
 
-from ..errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
+from ..errors import (
+    DaemonStopped,
+    DaemonUnavailable,
+    ProtocolMismatch,
+    error_from_reply,
+    stopped_error,
+)
 
 log = logging.getLogger("dalid.client")
 
@@ -96,14 +102,14 @@ def process_context() -> zmq.Context[Any]:
 
 
 def stop_notice(envelope: Envelope) -> DaemonStopped | None:
-    """The error for a daemon's notice that it was stopped (see dalid.server.intake.farewell)."""
+    """The error for a daemon's notice that it stops (see dalid.server.intake.farewell)."""
     message = envelope.message
     if (
         envelope.request_id is None
         and isinstance(message, Error)
         and message.code is ErrorCode.SHUTTING_DOWN
     ):
-        return DaemonStopped(message.message)
+        return stopped_error(message)
     return None
 
 

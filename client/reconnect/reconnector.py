@@ -78,7 +78,14 @@ from dalid.protocol import (
     Welcome,
 )
 
-from ..errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from ..errors import (
+    DaemonStopped,
+    DaemonUnavailable,
+    DalidError,
+    InputError,
+    ProtocolMismatch,
+    RequestError,
+)
 from ..link.launcher import Dial
 from ..link.link import Link
 from ..worker.target import ProxyTarget
@@ -119,17 +126,25 @@ class Reconnector:
 
     Without ``enabled`` there is one generation, and a daemon found gone ends the session.
     With it, :meth:`call` reconnects to the daemon that comes back on the socket (waiting up to
-    ``connect_timeout``) and tries again (Note [Daemon restarts]).
+    ``reconnect_timeout``) and tries again (Note [Daemon restarts]).
     """
 
     def __init__(
-        self, dial: Dial, *, socket: Path, device: Device, enabled: bool, connect_timeout: float
+        self,
+        dial: Dial,
+        *,
+        socket: Path,
+        device: Device,
+        enabled: bool,
+        connect_timeout: float,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         self.socket = socket
         self.device = device
         self.enabled = enabled
         self._dial = dial
-        self._connect_timeout = connect_timeout
+        # How long a reconnection waits for a daemon to come back on the socket.
+        self._reconnect_timeout = reconnect_timeout
         self._registrations: list[Registration] = []
         # Every (job_token, pipeline_id) this session was given, in any daemon generation.
         self._pipeline_keys: dict[tuple[str, int], Registration] = {}
@@ -169,18 +184,20 @@ class Reconnector:
     def call(self, action: Callable[[], T]) -> T:
         """``action()``; when enabled, again after each reconnection to a new daemon."""
         gone = False
+        stopped: DaemonStopped | None = None
         for attempt in range(MAX_RECONNECTS + 1):
             try:
                 if gone:
-                    self.reconnect_now()
+                    self.reconnect_now(stopped)
                 return action()
             except DaemonUnavailable as error:
                 if (
                     not self.enabled
-                    or isinstance(error, ProtocolMismatch | DaemonStopped)
+                    or isinstance(error, ProtocolMismatch)
+                    or (isinstance(error, DaemonStopped) and error.ends_jobs)
                     or self._closed
                 ):
-                    raise  # a daemon stopped on purpose is not restarted: nothing to wait for
+                    raise
                 if attempt == MAX_RECONNECTS:
                     raise DaemonUnavailable(
                         f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
@@ -188,12 +205,23 @@ class Reconnector:
                 # The text, not the exception: a record kept after this call (a buffering
                 # handler, pytest's caplog) would keep the traceback's frames alive, and with
                 # them the outputs this call goes on to deliver and their daemon's regions.
-                log.warning("%s: reconnecting", str(error))
+                stopped = error if isinstance(error, DaemonStopped) else None
+                if stopped is not None:
+                    # A stop is what an upgrade starts with: the next daemon may be on its way.
+                    log.warning(
+                        "%s: this job (reconnect=True) waits up to %.0f s for a new daemon on "
+                        "that socket",
+                        stopped.notice,
+                        self._reconnect_timeout,
+                    )
+                else:
+                    log.warning("%s: reconnecting", str(error))
                 gone = True
         raise AssertionError("unreachable")
 
-    def reconnect_now(self) -> None:
-        """Abandons the daemon that is gone and starts over with the one on the socket now."""
+    def reconnect_now(self, stopped: DaemonStopped | None = None) -> None:
+        """Abandons the daemon that is gone (``stopped``: it said why) and starts over with the
+        one on the socket now, waiting for one up to the reconnect timeout."""
         welcome = self.welcome
         abandoned = EarlierJob(welcome.job_id, welcome.job_token)
         if abandoned not in self._earlier_jobs:
@@ -202,7 +230,7 @@ class Reconnector:
             self._earlier_jobs = [*self._earlier_jobs, abandoned][-MAX_EARLIER_JOBS:]
         self.generation.abandon()
         self._closed = True  # until a daemon welcomes the session
-        deadline = time.monotonic() + self._connect_timeout
+        deadline = time.monotonic() + self._reconnect_timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -219,11 +247,10 @@ class Reconnector:
                 # does once it notices that job's connection closed.
                 if isinstance(error, RequestError) and error.code is not ErrorCode.JOB_CLAIMED:
                     raise
-                if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
-                    raise DaemonUnavailable(
-                        f"no dalid daemon came back on {self.socket} within "
-                        f"{self._connect_timeout:.0f} s: {error}"
-                    ) from error
+                if isinstance(error, ProtocolMismatch):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise self._none_came_back(stopped, error) from error
                 time.sleep(0.2)
         self.generation = generation
         self._closed = False
@@ -238,6 +265,18 @@ class Reconnector:
             self._register_now(registration)
             for proxy in registration.proxies:
                 proxy.retarget(self.target_of(registration))
+
+    def _none_came_back(
+        self, stopped: DaemonStopped | None, error: DalidError
+    ) -> DaemonUnavailable:
+        waited = f"within {self._reconnect_timeout:.0f} s (the session's reconnect_timeout)"
+        if stopped is not None:
+            return DaemonStopped(
+                f"{stopped.notice}, and no dalid daemon came back on {self.socket} {waited}: "
+                "start one (`dalid serve`) and connect again",
+                notice=stopped.notice,
+            )
+        return DaemonUnavailable(f"no dalid daemon came back on {self.socket} {waited}: {error}")
 
     # --- registrations ------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
 from ..runs import wakes
 from .credentials import from_message
-from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .farewell import NOTICE_LINGER_MS, Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
 from .heap import give_back_free_memory
@@ -135,6 +135,8 @@ class DaemonConfig:
     max_connections: int = IntakeLimits.max_connections
     # Which DALI operators registered pipelines may hold (operators.py).
     operators: OperatorPolicy = field(default_factory=OperatorPolicy)
+    # The pid of the `dalid serve` that runs this daemon as its child (None: unsupervised).
+    supervisor: int | None = None
 
 
 def usable_cores() -> int:
@@ -176,7 +178,11 @@ class Daemon:
         self.config = config
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
-        self._stop_signal: int | None = None
+        # Why it stops, once asked to (farewell.py); a `shutdown` request is the core's.
+        self._stop_cause: Stop | None = None
+        self._stop_bounded = False
+        # Set once closed: a stop that overruns its bound is ended (farewell.bound_the_stop).
+        self._closed = threading.Event()
         # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
         self._linger_ms = 0
         self._reload_requested = False
@@ -203,10 +209,27 @@ class Daemon:
         self._socket.push(identity, message, request_id)
 
     def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """SIGTERM or SIGINT (None: a stop of the daemon's own, as `dalid stop` asks)."""
+        if signum is None:
+            self._request_stop(Stop(StopKind.REQUEST))
+        else:
+            self._request_stop(Stop.from_signal(signum, self.config.supervisor))
+
+    def supervisor_gone(self, supervisor: int) -> None:
+        """The supervisor ``supervisor`` died (:mod:`dalid.server.operations.lifeline`)."""
+        self._request_stop(Stop(StopKind.SUPERVISOR_GONE, supervisor=supervisor))
+
+    def _request_stop(self, stop: Stop) -> None:
         if not self._stop.is_set():
-            self._stop_signal = signum
+            self._stop_cause = stop
+            self._bound_the_stop()
         self._stop.set()
         self._wake()
+
+    def _bound_the_stop(self) -> None:
+        if not self._stop_bounded:
+            self._stop_bounded = True
+            bound_the_stop(self.abandon, self._closed)
 
     def request_reload(self, *_: object) -> None:
         """SIGHUP: the loop reloads the pipeline repository at its next turn."""
@@ -373,6 +396,7 @@ class Daemon:
         if self._wake_fd >= 0:
             os.close(self._wake_fd)
             self._wake_fd = -1
+        self._closed.set()
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -442,14 +466,16 @@ class Daemon:
                 break
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
-            self._tell_peers(stop_reason(self._stop_signal))
+            self._bound_the_stop()
+            kind = StopKind.END_JOBS if self.core.end_jobs else StopKind.REQUEST
+            self._tell_peers(self._stop_cause or Stop(kind))
 
-    def _tell_peers(self, reason: str) -> None:
-        """Tells every connected peer that the daemon was stopped (see farewell.py)."""
+    def _tell_peers(self, stop: Stop) -> None:
+        """Tells every connected peer why the daemon stops (see farewell.py)."""
         assert self.core is not None
         peers = list(self.core.peers)
-        log.info("stopping (%s): telling %d connected peer(s)", reason, len(peers))
-        notice = stopping_notice(self.config.socket, reason)
+        log.info("stopping (%s): telling %d connected peer(s)", stop.reason, len(peers))
+        notice = stop.notice(self.config.socket)
         for identity in peers:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(identity, notice, None)

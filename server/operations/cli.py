@@ -37,7 +37,7 @@ from ..pipelines.operators import OperatorPolicy
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
 from .control import EXIT_LOAD_FAILED, ping, reload, start_command, status, stop
 from .devices import DeviceListError, child_specs, parse_devices
-from .lifeline import watch_supervisor
+from .lifeline import supervisor_pid, watch_supervisor
 from .status_view import legend
 from .supervisor import Supervisor
 
@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="refresh period of the live table (default 1)",
             )
             command.add_argument("--once", action="store_true", help="print the table once")
+        if name == "stop":
+            command.add_argument(
+                "--end-jobs",
+                action="store_true",
+                help="end the daemon's jobs with it, those connected with reconnect=True too "
+                "(without it, such jobs wait for the next daemon on the socket, as across an "
+                "upgrade; the others end)",
+            )
     return parser
 
 
@@ -242,9 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _supervise(args, settings)
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
-        daemon = Daemon(config)
-        # A child of `dalid serve` ends with its supervisor, stuck or not.
-        watch_supervisor(daemon.request_stop, daemon.abandon)
+        supervisor = supervisor_pid()
+        daemon = Daemon(dataclasses.replace(config, supervisor=supervisor))
+        if supervisor is not None:
+            # A child of `dalid serve` ends with its supervisor, stuck or not.
+            watch_supervisor(supervisor, daemon.supervisor_gone, daemon.abandon)
         return daemon.serve()
     # These need no hello: whoever can open the socket (mode 0600, its user) may send them.
     start = start_command(settings["device"], path)
@@ -253,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "reload":
         return reload(path, args.timeout, start)
     if args.command == "stop":
-        return stop(path, args.timeout, start)
+        return stop(path, args.timeout, start, end_jobs=args.end_jobs)
     return ping(path, args.timeout, start)
 
 
