@@ -2,7 +2,7 @@
 
     python -m tests.integration.restart_job --socket PATH [--reconnect] [--pause-at K[,K2...]]
         [--epochs E] [--persistent-workers] [--step-seconds S] [--deterministic]
-        [--reconnect-timeout T]
+        [--reconnect-timeout T] [--start-method spawn|fork] [--say-started]
 
 Trainer and DataLoader workers on a CPU pipeline. After batch K of the first epoch (and after
 K2, ... counted the same way) it prints "paused" and waits for a line on stdin (the test kills
@@ -44,6 +44,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--pause-at", default="3")
     parser.add_argument("--reconnect-timeout", type=float, default=60.0)
+    parser.add_argument("--start-method", default=None)
+    parser.add_argument("--say-started", action="store_true")
     parser.add_argument("--reconnect", action="store_true")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--persistent-workers", action="store_true")
@@ -66,7 +68,10 @@ def main() -> int:
             batch_size=BATCH,
             num_workers=args.workers,
             persistent_workers=args.persistent_workers,
+            multiprocessing_context=args.start_method,
         )
+        if args.say_started:
+            print("started", flush=True)
         first = None
         samples = 0
         for epoch in range(1, args.epochs + 1):
