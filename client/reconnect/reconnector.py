@@ -11,46 +11,19 @@ three keep.
 
 Note [Daemon restarts]
 ~~~~~~~~~~~~~~~~~~~~~~
-A daemon keeps nothing across a restart: the new one on the socket knows none of the old one's
-jobs, pipelines, batch ids or regions. What each process holds, and what it does when it finds
-the daemon gone (the link notices within a second where the daemon's pid can be watched, a few
-seconds otherwise, and raises DaemonUnavailable):
+A job with reconnect=True carries on across every way its daemon goes (a stop, an upgrade, a
+kill, a crash, its supervisor's death), each batch delivered once, while a daemon comes back on
+the socket within ``reconnect_timeout``; only ``dalid stop --end-jobs`` ends it. A daemon keeps
+nothing across a restart, so the trainer, which outlives every daemon, carries it all:
 
-1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
-   batch and the job its proxy names (``job_token``, unique to one job of one daemon
-   instance). With reconnect=True the ref also carries a ``Resubmission`` (``refs.py``): the
-   batch's inputs, kept until the trainer has delivered its outputs, and the job that accepted
-   the batch (``accepted_by``, the token of its link's welcome). A worker that finds the
-   daemon gone leaves the batch unsent (``batch_id`` None) and drops that job's link; the
-   trainer submits it.
-2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
-   whole: its link (no goodbye), its slab mappings and the results it had received but not
-   yet delivered. Tensors already delivered stay valid: their pages stay mapped until the
-   tensors are freed (the new daemon unlinks the old segments' names), and their releases go
-   to the abandoned mappings, never to the new daemon, whose region ids and slabs are
-   unrelated. Then it connects again (a new job), registers every pipeline again and points
-   the proxies it made at the new registrations (workers started from then on submit to the
-   new job). Its hello names every job it had on earlier daemons (``earlier_jobs``), and each
-   registration the pipeline's id in each of them (``earlier_ids``): the new daemon knows
-   nothing of them, so the trainer, which outlives them all, is what carries them from daemon
-   to daemon.
-3. When the trainer delivers a batch that another job accepted (one of an abandoned daemon),
-   or no job at all, it submits the batch again from the inputs the ref carries, under the
-   pipeline's new id. A batch is delivered once: its ref is turned into tensors once, and
-   results that came from the old daemon but were not yet delivered are dropped with it, so
-   nothing arrives twice and nothing is lost.
-4. Workers that were running at the restart hold an earlier job in their pickled proxy. A
-   worker tries that job again with a new hello at its next batch, and while hellos fail at
-   most once per REJOIN_EVERY_S (each waits at most REJOIN_HELLO_TIMEOUT_S). The new daemon
-   welcomes it into the trainer's new job once the trainer has reconnected, and runs its
-   batches, which name the pipeline's earlier id, on the pipeline registered again; the
-   welcome's token becomes the refs' ``accepted_by``, so the trainer waits for those batches
-   instead of submitting them again. Until then (daemon still down, trainer not reconnected or
-   the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1;
-   or, sent before the trainer registered the pipeline again, they fail with
-   ``unknown_pipeline`` (the worker handed them on without waiting: Note [Submitting without
-   waiting] in ``worker/submitter.py``), and the trainer submits them again from their inputs.
-   GPU outputs follow the same steps; that path has not run on a GPU.
+1. a worker's batch reference carries the batch's inputs until the trainer delivers it, and a
+   worker that finds the daemon gone leaves the batch to the trainer;
+2. the trainer abandons a gone daemon's generation whole, connects again and registers its
+   pipelines again, naming its earlier jobs and pipeline ids;
+3. it submits again, from the inputs, every batch no live job accepted: once, never twice;
+4. running workers rejoin the trainer's new job by their earlier job's identity.
+
+The why, the stop notice, drain and the tests that hold it: docs/design/daemon-restarts.md.
 """
 
 from __future__ import annotations
@@ -239,6 +212,9 @@ class Reconnector:
                     connect_timeout=max(remaining, 1.0),
                     hello_timeout=min(max(remaining, 1.0), 5.0),
                     earlier_jobs=tuple(self._earlier_jobs),
+                    # After a stop, whoever stopped the daemon starts the next (a service
+                    # manager, an upgrade): a daemon autostarted here would take its socket.
+                    may_start=stopped is None,
                 )
                 break
             except (DaemonUnavailable, RequestError) as error:

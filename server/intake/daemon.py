@@ -18,21 +18,6 @@ reload; the log tells what it loaded).
 
 What the daemon keeps in the runtime directory (the socket's lock file, the socket file, the
 GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.socket_claim`.
-
-Note [A routing id claimed twice]
----------------------------------
-A ZeroMQ peer may choose its routing id (``zmq.ROUTING_ID``), and so claim one in use. libzmq
-4.3.5 parks such a connection unread (or, with ``ROUTER_HANDOVER``, detaches the earlier one);
-once that parked connection has sent more than its receive queue holds and then closes, its
-next heartbeat aborts the whole process ("Assertion failed: !_io_error
-(src/stream_engine_base.cpp:310)"). The daemon cannot stop its own user's processes from doing
-that (nor from killing it); it refuses every other user's connection at the handshake
-(:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
-that another connection or process used first (:mod:`.intake`).
-
-Why one module of some 570 lines: it owns the socket from bind to close (through
-:class:`SharedSocket`), its monitor and the connections' intake, and runs the loop that serves
-them; split further, those would pass between modules.
 """
 
 from __future__ import annotations
@@ -48,18 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from dalid.protocol import (
     BatchFailed,
     BatchReady,
     Device,
-    Error,
     GpuUnavailable,
     Message,
-    ProtocolError,
     StatusReport,
-    decode,
     device_label,
     endpoint,
     gpu_uuid,
@@ -76,8 +57,6 @@ from ..outputs.shm import host_outputs
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
-from ..runs import wakes
-from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
@@ -85,13 +64,11 @@ from .heap import give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
     SEND_QUEUE,
-    TURN_MESSAGES,
-    TURN_SECONDS,
     Intake,
     IntakeLimits,
-    Verdict,
     reserve_descriptors,
 )
+from .reception import Reception
 from .shared_socket import SharedSocket
 from .socket_claim import AlreadyRunning, SocketClaim
 
@@ -108,9 +85,6 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
-# Answers that count against a connection's limits (Daemon._answer).
-_REFUSALS = (Error, BatchFailed)
-_SRCFD = int(zmq.SRCFD)
 # How often the status snapshot that the metrics endpoint serves is refreshed (only while the
 # daemon serves metrics).
 SNAPSHOT_INTERVAL_S = 1.0
@@ -189,6 +163,8 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket = SharedSocket(self._wake, self._deliverable, self._undelivered)
         self._monitor: zmq.Socket[Any] | None = None
+        # Each message in and its answer out (reception.py), once the socket is open.
+        self._reception: Reception | None = None
         # Refuses the connections of other users at the handshake (gate.py).
         self._gate: Gate | None = None
         # What each pipeline runs, for the next daemon should this one die (flight.py).
@@ -352,6 +328,7 @@ class Daemon:
             os.umask(previous)
         self._socket.open(sock)
         self._monitor = self._socket.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._reception = Reception(self._socket, self._monitor, intake, self.core)
         if config.metrics_port is not None:
             from .metrics import serve_metrics
 
@@ -402,6 +379,7 @@ class Daemon:
 
     def _loop(self) -> None:
         assert self.core is not None and self._monitor is not None and self._intake is not None
+        assert self._reception is not None
         # The socket's descriptor, not the socket (Note [Sending from an executor]).
         socket_fd = self._socket.loop_starts()
         poller = zmq.Poller()
@@ -435,9 +413,9 @@ class Daemon:
             # Connection events first: a closed descriptor may already carry a new peer's
             # messages, and those must not be taken for the old peer's.
             if self._monitor in events:
-                self._connection_events()
+                self._reception.connection_events()
             if waiting or socket_fd in events or self._wake_fd in events:
-                self._receive_turn()
+                self._reception.turn()
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
@@ -495,81 +473,6 @@ class Daemon:
         assert self.core is not None and self._intake is not None
         return self.core.registry.ended + self._intake.cuts
 
-    def _receive_turn(self) -> None:
-        """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
-        connection after the other); the rest wait for the next turn, after the loop has sent
-        what is ready. Executors the turn's messages woke wake after its answers are sent
-        (Note [Waking executors after the turn's answers] in wakes.py)."""
-        deadline = time.monotonic() + TURN_SECONDS
-        with wakes.turn():
-            for _ in range(TURN_MESSAGES):
-                frames = self._socket.receive()
-                if frames is None:
-                    return
-                self._receive(frames)
-                if time.monotonic() >= deadline:
-                    return
-
-    def _receive(self, frames: list[zmq.Frame]) -> None:
-        assert self.core is not None and self._intake is not None
-        identity = frames[0].bytes
-        if len(frames) < 2:
-            return  # ZeroMQ hands over no empty message
-        if not self._intake.knows(identity):
-            # A peer's first message. A descriptor is reused as soon as it is closed. ZeroMQ
-            # reports the close to the monitor before it accepts the connection that reuses
-            # the descriptor, so handling the reports that are in now keeps an old peer's close
-            # from being taken for this sender's.
-            self._connection_events()
-        # Every message names its connection and its sender's process, which bind its identity
-        # (the intake refuses one that another connection used first).
-        message = frames[1:]
-        first = message[0]
-        verdict = self._intake.admit(
-            identity, first.get(_SRCFD), sum(map(len, message)), from_message(first)
-        )
-        if verdict is Verdict.DROP:
-            return
-        if not isinstance(verdict, Verdict):
-            self._socket.send(identity, verdict, None)
-            return
-        try:
-            envelope = decode(message)
-        except ProtocolError as error:
-            if self._intake.log_refusal(identity):
-                log.warning("malformed message from %s: %s", identity.hex(), error.message)
-            self._answer(identity, self.core.malformed(error), error.request_id)
-            return
-        reply = self.core.handle(identity, envelope.message, envelope.request_id)
-        if reply is not None:
-            self._answer(identity, reply, envelope.request_id)
-
-    def _answer(self, identity: bytes, reply: Message, request_id: int | None) -> None:
-        """Sends a reply; a refusal counts against the connection's limits (a batch refused
-        once sent is answered ``batch_failed``: a refusal too)."""
-        assert self._intake is not None
-        self._socket.send(identity, reply, request_id)
-        if isinstance(reply, _REFUSALS):
-            cut = self._intake.refused(identity, reply)
-            if cut is not None:
-                self._socket.send(identity, cut, None)
-
-    def _connection_events(self) -> None:
-        assert self._monitor is not None and self.core is not None and self._intake is not None
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            # For these two events the value is the connection's file descriptor.
-            fd = int(event["value"])
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                gone = self._intake.accepted(fd)
-            else:
-                gone = self._intake.closed(fd)
-            if gone is not None:
-                self.core.peer_disconnected(gone)
-
     def _deliverable(self, identity: bytes, message: Message) -> bool:
         """False for a batch's result whose job ended while the batch ran: its pool is freed.
 
@@ -583,11 +486,5 @@ class Daemon:
 
     def _undelivered(self, identity: bytes, error: zmq.ZMQError) -> None:
         """A message could not be sent to ``identity`` (in the loop's thread)."""
-        assert self.core is not None and self._intake is not None
-        if isinstance(error, zmq.Again):
-            # Its queue is full: the peer does not read what it is sent.
-            self._intake.unreachable(identity)
-        elif error.errno == zmq.EHOSTUNREACH:
-            self.core.trainer_unreachable(identity)
-        else:
-            raise error
+        assert self._reception is not None
+        self._reception.undelivered(identity, error)

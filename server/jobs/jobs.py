@@ -7,22 +7,15 @@ an (id, token) pair, its aliases after daemon restarts included.
 
 Note [Daemon restarts] (the daemon's half)
 ------------------------------------------
-A daemon keeps nothing across a restart; the trainer, which outlives every daemon, carries its
-jobs' identities from one to the next (``client/reconnect/`` keeps the client's half; SPEC.md
-"Restarts" is the contract both sides rely on).
+A daemon keeps nothing across a restart; the trainer carries its jobs' identities from one
+daemon to the next (docs/design/daemon-restarts.md; SPEC.md "Restarts" is the contract).
 
-1. A trainer's new ``hello`` names the jobs it had on earlier daemons (``earlier_jobs``). They
-   become aliases of its new job: a worker whose ``hello`` names one of them, with that job's
-   token, joins the new job (:meth:`JobRegistry.named`) and its welcome names the new job.
-2. An alias names one job: a trainer claiming an identity that is a live job here, or another
-   job's alias, is refused with ``job_claimed`` (:meth:`JobRegistry.check_unclaimed`). A trainer
-   that reconnects to the daemon it abandoned, before that daemon ended the old job, is refused
-   so too, and tries again.
-3. Each registration names the pipeline's ids in the earlier jobs (``earlier_ids``), only of
-   jobs its hello claimed (:meth:`Job.check_earlier_ids`); a batch of a worker that joined as an
-   earlier job names its pipeline by that earlier id (:meth:`Job.pipeline_in_this_job`). The
-   latest registration under an earlier id wins: a pipeline whose build failed may be
-   registered again.
+1. The jobs a trainer's ``hello`` names (``earlier_jobs``) become aliases of its new job: a
+   worker naming one, with its token, joins the new job (:meth:`JobRegistry.named`).
+2. An alias names one job: a claim on a live job or another job's alias is refused with
+   ``job_claimed`` (:meth:`JobRegistry.check_unclaimed`); the trainer tries again.
+3. A registration names the pipeline's ids in the earlier jobs its hello claimed
+   (:meth:`Job.check_earlier_ids`); a rejoined worker's batch names its pipeline so.
 4. Aliases go when the job ends, with everything else it held.
 """
 

@@ -10,7 +10,7 @@ batch's answer is being sent, and runs its Python (forming a run: a few hundred 
 I/O thread waits to get the GIL back. Every message that woke an executor paid that hand-over,
 and the I/O thread's wall time per message was several times its CPU time.
 
-So, within a receive turn (``Daemon._receive_turn``):
+So, within a receive turn (``Reception.turn``):
 
 1. State changes at once, under the planner's lock, as before: a batch is queued, a want moves
    it, a release frees its window. An executor busy with a run sees them when it next looks.
