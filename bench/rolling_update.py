@@ -52,14 +52,10 @@ def job(socket: str, workers: int, step_seconds: float) -> int:
     """A trainer that runs until killed, printing ``batch <time>`` for each batch."""
     import numpy as np
     import torch
-    from nvidia.dali import fn
-    from nvidia.dali.pipeline import pipeline_def
 
     import dalid.client as dalid
 
-    @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
-    def tiny() -> object:
-        return fn.external_source(name="data", no_copy=True)
+    from .pipelines import tiny_pipeline
 
     class Samples(torch.utils.data.Dataset[object]):
         def __init__(self, proxy: dalid.Proxy) -> None:
@@ -73,7 +69,10 @@ def job(socket: str, workers: int, step_seconds: float) -> int:
 
     with dalid.connect(socket=socket, autostart=False, reconnect=True, name="rolling") as session:
         loader = dalid.DataLoader(
-            session, Samples(session.proxy(tiny())), batch_size=BATCH, num_workers=workers
+            session,
+            Samples(session.proxy(tiny_pipeline(BATCH))),
+            batch_size=BATCH,
+            num_workers=workers,
         )
         while True:
             for _ in loader:

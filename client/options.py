@@ -52,7 +52,7 @@ def check_job_options(
     if (
         isinstance(reconnect_timeout, bool)
         or not isinstance(reconnect_timeout, Real)
-        or not (math.isfinite(reconnect_timeout) and reconnect_timeout > 0)
+        or not (math.isfinite(reconnect_timeout) and float(reconnect_timeout) > 0)
     ):
         raise InputError(
             f"reconnect_timeout={reconnect_timeout!r}: how long a job with reconnect=True waits "

@@ -12,6 +12,7 @@ someone).
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import time
@@ -37,6 +38,10 @@ def _wait_paused(jobs: list[subprocess.Popen[str]], outputs: list[list[str]]) ->
             lines.append(line)
             if line.strip() == "paused":
                 break
+
+
+def _gone(pid: int) -> bool:
+    return not alive(pid)
 
 
 def _go(jobs: list[subprocess.Popen[str]]) -> None:
@@ -68,7 +73,7 @@ def test_jobs_carry_on_across_rolling_updates_and_a_killed_supervisor(short_tmp:
             else:
                 daemon.process.kill()
                 daemon.process.wait()
-                wait_for(lambda pid=child: not alive(pid), 30, "the orphaned daemon to stop")
+                wait_for(functools.partial(_gone, child), 30, "the orphaned daemon to stop")
                 stopped.append((child, f"its supervisor `dalid serve` (pid {daemon.pid}) died"))
             # The jobs go on with the daemon gone, and wait; the new one comes a moment later.
             _go(jobs)
