@@ -154,7 +154,6 @@ class Daemon:
         self._stop = threading.Event()
         # Why it stops, once asked to (farewell.py); a `shutdown` request is the core's.
         self._stop_cause: Stop | None = None
-        self._stop_bounded = False
         # Set once closed: a stop that overruns its bound is ended (farewell.bound_the_stop).
         self._closed = threading.Event()
         # ZeroMQ's linger when the socket closes: long enough for the stop notices to leave.
@@ -198,14 +197,8 @@ class Daemon:
     def _request_stop(self, stop: Stop) -> None:
         if not self._stop.is_set():
             self._stop_cause = stop
-            self._bound_the_stop()
         self._stop.set()
         self._wake()
-
-    def _bound_the_stop(self) -> None:
-        if not self._stop_bounded:
-            self._stop_bounded = True
-            bound_the_stop(self.abandon, self._closed)
 
     def request_reload(self, *_: object) -> None:
         """SIGHUP: the loop reloads the pipeline repository at its next turn."""
@@ -231,6 +224,8 @@ class Daemon:
             self.close()
             return EXIT_UNSAFE_PATH
         try:
+            # Started here, not by a signal's handler: a handler must not start threads.
+            bound_the_stop(self.abandon, self._stop, self._closed)
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             # Before the repository is first loaded: a SIGHUP that comes meanwhile loads it
@@ -374,6 +369,7 @@ class Daemon:
             os.close(self._wake_fd)
             self._wake_fd = -1
         self._closed.set()
+        self._stop.set()  # the stop's bound sees the daemon closed, and ends
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -444,7 +440,7 @@ class Daemon:
                 break
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
-            self._bound_the_stop()
+            self._stop.set()  # the stop's bound runs from here for a `shutdown` request
             kind = StopKind.END_JOBS if self.core.end_jobs else StopKind.REQUEST
             self._tell_peers(self._stop_cause or Stop(kind))
 

@@ -85,12 +85,17 @@ class Stop:
 
 
 def bound_the_stop(
-    abandon: Callable[[], None], stopped: threading.Event, bound_s: float = STOP_BOUND_S
+    abandon: Callable[[], None],
+    asked: threading.Event,
+    stopped: threading.Event,
+    bound_s: float = STOP_BOUND_S,
 ) -> None:
-    """Exits the process ``bound_s`` from now unless ``stopped`` is set by then, after
-    ``abandon`` (which removes the socket's files and the daemon's shared memory)."""
+    """Exits the process ``bound_s`` after ``asked`` is set unless ``stopped`` is set by then,
+    after ``abandon`` (which removes the socket's files and the daemon's shared memory). The
+    thread ends at once when ``stopped`` is set with ``asked`` (a clean stop, or a close)."""
 
     def overrun() -> None:
+        asked.wait()
         if stopped.wait(bound_s):
             return
         log.error("not stopped %.0f s after it was asked to: exiting now", bound_s)

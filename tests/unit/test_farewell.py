@@ -46,8 +46,10 @@ _BOUNDED = """
 import sys, threading, time
 from pathlib import Path
 from dalid.server.intake.farewell import bound_the_stop
-stopped = threading.Event()
-bound_the_stop(lambda: Path(sys.argv[1]).touch(), stopped, bound_s=0.3)
+asked, stopped = threading.Event(), threading.Event()
+bound_the_stop(lambda: Path(sys.argv[1]).touch(), asked, stopped, bound_s=0.3)
+time.sleep(0.5)  # not asked yet: nothing happens
+asked.set()
 if sys.argv[2] == "stops":
     stopped.set()
     time.sleep(1.0)
