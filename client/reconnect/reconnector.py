@@ -321,7 +321,7 @@ class Reconnector:
 
     def submit_if_lost(self, run: DALIPipelineRunRef) -> None:
         """Submits the batch to the daemon connected now unless one of its jobs accepted it:
-        a batch of an abandoned daemon, or one a worker could not send (point 3)."""
+        a batch of an abandoned daemon, or one a worker could not send."""
         accepted_by = run.resubmission.accepted_by if run.resubmission is not None else None
         if run.batch_id is not None and accepted_by in (None, self.link.welcome.job_token):
             return
@@ -349,7 +349,7 @@ class Reconnector:
 
     def resubmit_refused(self, run: DALIPipelineRunRef, failed: BatchFailed) -> bool:
         """Submits again a batch of a worker that rejoined this job before the trainer had
-        registered its pipeline again (point 4 of the note); whether it did."""
+        registered its pipeline again (a rejoined worker's); whether it did."""
         resubmission = run.resubmission
         if (
             failed.code is not ErrorCode.UNKNOWN_PIPELINE

@@ -7,14 +7,12 @@ handle it and sends the answer; a refusal counts against the connection.
 
 Note [A routing id claimed twice]
 ---------------------------------
-A ZeroMQ peer may choose its routing id (``zmq.ROUTING_ID``), and so claim one in use. libzmq
-4.3.5 parks such a connection unread (or, with ``ROUTER_HANDOVER``, detaches the earlier one);
-once that parked connection has sent more than its receive queue holds and then closes, its
-next heartbeat aborts the whole process ("Assertion failed: !_io_error
-(src/stream_engine_base.cpp:310)"). The daemon cannot stop its own user's processes from doing
-that (nor from killing it); it refuses every other user's connection at the handshake
-(:mod:`.gate`), before a queue of theirs exists, and refuses a message under a routing id
-that another connection or process used first (:mod:`.intake`).
+No connection of another user has a queue in the socket, and no message under a routing id is
+handled from any connection or process but the one that used it first: libzmq 4.3.5 aborts
+the process when a connection claims a routing id in use, sends more than its queue holds and
+closes. The gate (:mod:`.gate`) refuses other users at the handshake; the intake
+(:mod:`.intake`) binds each routing id to its first connection and process. Why, what it
+leaves open, and the tests: docs/design/daemon-loop.md.
 """
 
 from __future__ import annotations

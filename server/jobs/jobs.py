@@ -5,10 +5,9 @@ connection closes or its process is gone; DataLoader workers join it by its id a
 :class:`JobRegistry` owns the jobs and peers of one daemon and is the one place that resolves
 an (id, token) pair, its aliases after daemon restarts included.
 
-Note [Daemon restarts] (the daemon's half)
-------------------------------------------
-A daemon keeps nothing across a restart; the trainer carries its jobs' identities from one
-daemon to the next (docs/design/daemon-restarts.md; SPEC.md "Restarts" is the contract).
+The daemon's half of Note [Daemon restarts] (docs/design/daemon-restarts.md; SPEC.md
+"Restarts" is the contract): a daemon keeps nothing across a restart, and the trainer carries
+its jobs' identities from one daemon to the next.
 
 1. The jobs a trainer's ``hello`` names (``earlier_jobs``) become aliases of its new job: a
    worker naming one, with its token, joins the new job (:meth:`JobRegistry.named`).
@@ -111,7 +110,7 @@ class Job:
         lingering = self.outputs.close(unmap=all(stopped))
         return waiting, lingering
 
-    # --- Note [Daemon restarts], point 3 --------------------------------------------------------
+    # --- earlier pipeline ids (Note [Daemon restarts]) ----------------------------------------
 
     def check_earlier_ids(self, request: RegisterPipeline | RegisterNamedPipeline) -> None:
         """Refuses a registration naming an earlier job that this job's hello did not claim."""
@@ -271,7 +270,7 @@ class JobRegistry:
             self.ended += 1
             self._unfollow(job.pid, job.pid_namespace)
 
-    # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
+    # --- earlier jobs as aliases (Note [Daemon restarts]) -------------------------------------
 
     def named(self, job_id: int, token: str) -> tuple[Job, str] | None:
         """The job that (``job_id``, ``token``) names, and "" for a live job of this daemon or
