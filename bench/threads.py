@@ -9,7 +9,7 @@ what the threads used over the jobs' timed window, without the pipelines' builds
 and the jobs' teardown:
 
 - the I/O thread (``Daemon._loop``): its CPU time, and for every message it took
-  (``SharedSocket.receive`` then ``Daemon._receive``: receive, decode, handle, answer) the wall
+  (``SharedSocket.receive`` then ``Reception._receive``: receive, decode, handle, answer) the wall
   time and the thread's CPU time, summed, and the CPU time of each operation's handler, and
   of the heap trims that follow jobs' departures (``give_back_free_memory``). Wall
   over CPU per message is what the thread waited for meanwhile: the GIL while other threads
@@ -323,8 +323,10 @@ def install() -> None:
     """Wraps the daemon's thread functions in place (before the daemon starts)."""
     from dalid.server.handling.core import DaemonCore
     from dalid.server.intake import daemon as daemon_module
+    from dalid.server.intake import reception as reception_module
     from dalid.server.intake.daemon import Daemon
     from dalid.server.intake.intake import Intake
+    from dalid.server.intake.reception import Reception
     from dalid.server.intake.shared_socket import SharedSocket
     from dalid.server.outputs.job_outputs import JobOutputs
     from dalid.server.pipelines.runner import PipelineRunner
@@ -359,7 +361,7 @@ def install() -> None:
                     TOTALS.io_schedstat_fd = None
 
     receive = SharedSocket.receive
-    handle = Daemon._receive
+    handle = Reception._receive
     stepping = TOTALS.stepping = os.environ.get(STEPS_ENV, "") not in ("", "0")
 
     # The receive of a message starts its span; the handling that follows ends it. A receive
@@ -587,13 +589,13 @@ def install() -> None:
     SharedSocket.flush = timed_flush  # type: ignore[method-assign]
     SharedSocket._send_locked = counted_send_locked  # type: ignore[method-assign]
     if stepping:
-        daemon_module.decode = step(daemon_module.decode, "decode")  # type: ignore[attr-defined]
-        daemon_module.from_message = step(daemon_module.from_message, "admit")  # type: ignore[attr-defined]
+        reception_module.decode = step(reception_module.decode, "decode")  # type: ignore[attr-defined]
+        reception_module.from_message = step(reception_module.from_message, "admit")  # type: ignore[attr-defined]
         Intake.admit = step(Intake.admit, "admit")  # type: ignore[method-assign]
-        Daemon._answer = step(Daemon._answer, "answer")  # type: ignore[method-assign]
+        Reception.answer = step(Reception.answer, "answer")  # type: ignore[method-assign]
     Daemon._loop = io_loop  # type: ignore[method-assign]
     SharedSocket.receive = timed_receive  # type: ignore[method-assign]
-    Daemon._receive = timed_handle  # type: ignore[method-assign]
+    Reception._receive = timed_handle  # type: ignore[method-assign]
     DaemonCore.handle = handle_op  # type: ignore[method-assign]
     RunLoop.run = executor_loop  # type: ignore[method-assign]
     JobOutputs.write_batch = copying(JobOutputs.write_batch)  # type: ignore[method-assign]

@@ -56,6 +56,7 @@ def connect(
     memory_bytes: int | None = None,
     max_inflight_batches: int | None = None,
     reconnect: bool = False,
+    reconnect_timeout: float = 60.0,
     cohort: str = "",
 ) -> Session:
     """A :class:`Session` with the daemon for ``device`` ("cpu" or a GPU ordinal).
@@ -72,7 +73,9 @@ def connect(
     defaults). A daemon that cannot give as much refuses the connection with a
     ``RequestError`` that says what it can give.
 
-    With ``reconnect``, the job carries on across a restart of the daemon, losing no batch.
+    With ``reconnect``, the job carries on across a restart of the daemon, losing no batch: a
+    daemon stopped (an upgrade), killed or crashed, waiting up to ``reconnect_timeout`` seconds
+    for the next one on the socket (docs/deployment.md, Restarts and upgrades).
 
     ``cohort``: the cohort the session's pipelines join (see :meth:`Session.proxy`).
     """
@@ -96,6 +99,7 @@ def connect(
         memory_bytes=memory_bytes,
         max_inflight_batches=max_inflight_batches,
         reconnect=reconnect,
+        reconnect_timeout=reconnect_timeout,
         cohort=cohort,
     )
 

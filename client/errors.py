@@ -128,8 +128,32 @@ class ProtocolMismatch(DaemonUnavailable):
 
 
 class DaemonStopped(DaemonUnavailable):
-    """The daemon was stopped on purpose (``dalid stop``, SIGTERM) and said so before it went:
-    it will not come back by itself, so a session with ``reconnect`` does not wait for it."""
+    """The daemon was stopped (``dalid stop``, SIGTERM, its supervisor's death) and said why
+    before it went. A session with ``reconnect`` waits for the next daemon on its socket, as
+    across an upgrade, unless the daemon ended its jobs (``ends_jobs``: ``dalid stop
+    --end-jobs``); ``notice`` is what the daemon said."""
+
+    def __init__(self, message: str, *, notice: str = "", ends_jobs: bool = False) -> None:
+        super().__init__(message)
+        self.notice = notice or message
+        self.ends_jobs = ends_jobs
+
+
+def stopped_error(
+    notice: Error, then: str = "start a daemon again (`dalid serve`), then connect again"
+) -> DaemonStopped:
+    """The error a job without ``reconnect`` (or one whose jobs were ended) raises for a
+    daemon's stop notice; ``then``: what the job's user can do next."""
+    said = notice.message
+    if notice.ends_jobs:
+        message = f"{said}, and ended this job: {then}"
+    else:
+        message = (
+            f"{said}, which ends a job without reconnect=True: {then}; a job connected with "
+            "reconnect=True waits for the next daemon on its socket instead (an upgrade is a "
+            "stop followed by a new daemon)"
+        )
+    return DaemonStopped(message, notice=said, ends_jobs=notice.ends_jobs)
 
 
 # A batch that DALI ran and that failed there (not one the daemon refused).
@@ -147,6 +171,6 @@ def error_from_reply(reply: Error) -> DalidError:
     if reply.code is ErrorCode.PROTOCOL_MISMATCH:
         return ProtocolMismatch(reply.message)
     if reply.code is ErrorCode.SHUTTING_DOWN:
-        return DaemonStopped(reply.message)
+        return stopped_error(reply)
     cls = PipelineError if reply.code in _PIPELINE_CODES else RequestError
     return cls(reply.code, reply.message, reply.traceback)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import collections
 import gc
+import multiprocessing
+import os
+import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.utils import data as torchdata
@@ -134,8 +139,17 @@ class _ProducingIterator:
 
 
 class _FrozenHeap:
-    """A DataLoader worker's ``worker_init_fn``: freezes the heap the worker inherited before
-    running the user's own (``inner``).
+    """A DataLoader worker's ``worker_init_fn``: ends the worker with its trainer, and freezes
+    the heap the worker inherited, before running the user's own (``inner``).
+
+    torch's worker watchdog compares ``getppid()`` with the parent pid it read when its loop
+    started: a worker whose trainer died before that (while a spawned worker was importing)
+    reads the reaper's pid and would run on forever. So the worker checks here that its trainer
+    (the process that started it) is still its parent, and a thread of its own checks again
+    every ``TRAINER_WATCH_S``: once the trainer is gone, the worker exits, which closes its
+    link to the daemon (the daemon then drops what the worker held). A thread rather than
+    ``PR_SET_PDEATHSIG``: that signal follows the *thread* that started the worker, and a
+    trainer may start its workers from a thread that ends before they do.
 
     A forked worker shares its trainer's pages until it writes to them, and a full garbage
     collection writes to every object it walks: the worker's first one copies nearly all the
@@ -150,9 +164,44 @@ class _FrozenHeap:
         self.inner = inner
 
     def __call__(self, worker_id: int) -> None:
+        _end_with_trainer()
         gc.freeze()
         if self.inner is not None:
             self.inner(worker_id)
+
+
+# How often a DataLoader worker checks that its trainer lives.
+TRAINER_WATCH_S = 0.5
+
+
+def _end_with_trainer() -> None:
+    """Exits this worker now if its trainer is gone, else once it goes (see _FrozenHeap)."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return  # not a worker process
+    trainer = parent.pid
+    # The trainer is the parent, unless a fork server started the worker (or the trainer
+    # died already, and this process has another parent): then its pid tells.
+    direct = os.getppid() == trainer
+    if not _lives(trainer, direct):
+        os._exit(1)
+
+    def watch() -> None:
+        while _lives(trainer, direct):
+            time.sleep(TRAINER_WATCH_S)
+        os._exit(1)  # the trainer died: nobody will read this worker's batches
+
+    threading.Thread(target=watch, name="dalid-trainer-watch", daemon=True).start()
+
+
+def _lives(trainer: int, direct: bool) -> bool:
+    if direct:
+        return os.getppid() == trainer
+    try:
+        state = Path(f"/proc/{trainer}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class DataLoader(_StatefulDataLoader[Any]):
@@ -168,9 +217,10 @@ class DataLoader(_StatefulDataLoader[Any]):
     (``dataset_indices``). Indices are known with a batch sampler and ``in_order=True``.
 
     Small CPU tensors of a worker's batch (its labels, say) reach the trainer as copies rather
-    than through shared-memory files (:mod:`dalid.client.worker.carry`). Each worker freezes
-    the heap it inherited (``gc.freeze``) before the ``worker_init_fn`` given, so that its
-    garbage collections leave the trainer's pages shared (:class:`_FrozenHeap`).
+    than through shared-memory files (:mod:`dalid.client.worker.carry`). Each worker exits
+    within a second of its trainer's death, and freezes the heap it inherited (``gc.freeze``)
+    before the ``worker_init_fn`` given, so that its garbage collections leave the trainer's
+    pages shared (:class:`_FrozenHeap`).
     """
 
     def __init__(self, session: Producer, dataset: Any, *args: Any, **kwargs: Any) -> None:

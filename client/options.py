@@ -22,6 +22,7 @@ def check_job_options(
     memory_bytes: Any = None,
     max_inflight_batches: Any = None,
     reconnect: Any = False,
+    reconnect_timeout: Any = 60.0,
 ) -> None:
     """Raises InputError for the first option that is not one a daemon could take."""
     if name is not None and not isinstance(name, str):
@@ -48,3 +49,12 @@ def check_job_options(
             )
     if not isinstance(reconnect, bool):
         raise InputError(f"reconnect must be True or False, got {reconnect!r}")
+    if (
+        isinstance(reconnect_timeout, bool)
+        or not isinstance(reconnect_timeout, Real)
+        or not (math.isfinite(reconnect_timeout) and float(reconnect_timeout) > 0)
+    ):
+        raise InputError(
+            f"reconnect_timeout={reconnect_timeout!r}: how long a job with reconnect=True waits "
+            "for a new daemon on its socket, in seconds; give a number above 0 (default 60)"
+        )

@@ -44,8 +44,8 @@ class DALIServer:
     job's batches never share a DALI run with other jobs') and ``cohort`` (jobs of one cohort
     that submit the same inputs get the outputs of one run), see :meth:`Session.proxy`,
     ``socket`` and ``autostart``, and the job options of :func:`dalid.client.connect`:
-    ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches`` and ``reconnect`` (the job
-    carries on across a restart of the daemon, see ``Session``).
+    ``name``, ``weight``, ``memory_bytes``, ``max_inflight_batches``, ``reconnect`` (the job
+    carries on across a restart of the daemon, see ``Session``) and ``reconnect_timeout``.
     """
 
     def __init__(
@@ -63,6 +63,7 @@ class DALIServer:
         memory_bytes: int | None = None,
         max_inflight_batches: int | None = None,
         reconnect: bool = False,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         try:
             check_pipeline(pipeline)
@@ -74,6 +75,7 @@ class DALIServer:
             "memory_bytes": memory_bytes,
             "max_inflight_batches": max_inflight_batches,
             "reconnect": reconnect,
+            "reconnect_timeout": reconnect_timeout,
         }
         check_job_options(**self._job)
         if not external_source_names(pipeline):

@@ -23,8 +23,8 @@ class Submits(Protocol):
 @dataclass
 class Resubmission:
     """What a batch reference carries with reconnect=True, so that the trainer can submit the
-    batch again to a restarted daemon (Note [Daemon restarts] in reconnect/reconnector.py,
-    points 1 and 3)."""
+    batch again to a restarted daemon (Note [Daemon restarts] in
+    reconnect/reconnector.py)."""
 
     # The token of the job that accepted the batch ("": none). Another job's than the ref's
     # job_token when a worker rejoined its trainer's job on a restarted daemon.

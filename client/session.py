@@ -46,8 +46,9 @@ class Session:
     arrive as copies on this process's GPU, made on the current stream; their regions go back
     once the copies have completed. The rules both sides keep are protocol/SPEC.md, "Outputs".
 
-    With ``reconnect``, a daemon that is killed or restarted does not end the job: the session
-    connects to the daemon that comes back on the socket (waiting up to ``connect_timeout``),
+    With ``reconnect``, a daemon that is stopped, killed or restarted does not end the job: the
+    session connects to the daemon that comes back on the socket (waiting up to
+    ``reconnect_timeout`` seconds, after one warning that says why the daemon went),
     registers its pipelines again and submits again every batch not yet delivered, so none is
     lost or delivered twice (Note [Daemon restarts]). Batches then carry their inputs from the
     DataLoader workers to the trainer, a copy that costs little beside decoding them.
@@ -65,6 +66,7 @@ class Session:
         memory_bytes: int | None = None,
         max_inflight_batches: int | None = None,
         reconnect: bool = False,
+        reconnect_timeout: float = 60.0,
         cohort: str = "",
     ) -> None:
         # The cohort the session's pipelines join unless a registration names another.
@@ -75,6 +77,7 @@ class Session:
             memory_bytes=memory_bytes,
             max_inflight_batches=max_inflight_batches,
             reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
         )
         try:
             self.device = parse_device(device)
@@ -97,6 +100,7 @@ class Session:
             device=self.device,
             enabled=reconnect,
             connect_timeout=connect_timeout,
+            reconnect_timeout=reconnect_timeout,
         )
         self._delivery = Delivery(self._daemon)
         # Closes the job at GC if the session is not closed before: it must not hold the session.

@@ -353,9 +353,11 @@ class Pong(Message):
 
 @dataclass(frozen=True)
 class Shutdown(Message):
-    """Asks the daemon to stop, as SIGTERM does."""
+    """Asks the daemon to stop, as SIGTERM does. ``end_jobs``: its jobs end with it, those
+    with ``reconnect`` too (``dalid stop --end-jobs``); otherwise they wait for a new daemon."""
 
     OP: ClassVar[str] = "shutdown"
+    end_jobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -1145,6 +1147,9 @@ class Error(Message):
     message: str
     traceback: str = ""
     op: str = ""
+    # Only on a ``shutting_down`` notice: the daemon ended its jobs on purpose, so a job that
+    # would wait for a new daemon (``reconnect``) ends too.
+    ends_jobs: bool = False
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (

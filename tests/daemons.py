@@ -195,10 +195,12 @@ def start_daemon(
     name: str = "d",
     supervised: bool = False,
     module: str = "dalid.server",
+    log_name: str = "",
 ) -> DaemonProcess:
-    """``module``: what runs ``serve`` (tests.simulated_gpu: the daemon on a simulated GPU)."""
+    """``module``: what runs ``serve`` (tests.simulated_gpu: the daemon on a simulated GPU);
+    ``log_name``: its log's name when not ``name`` (a daemon replacing another on its socket)."""
     socket = directory / f"{name}.sock"
-    log = directory / f"{name}.log"
+    log = directory / f"{log_name or name}.log"
     command = [sys.executable, "-m", module, "serve", "--socket", str(socket), *args]
     if not supervised:
         command.append("--no-supervisor")

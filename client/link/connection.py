@@ -38,7 +38,13 @@ from dalid.protocol import (
     transport,
 )
 
-from ..errors import DaemonStopped, DaemonUnavailable, ProtocolMismatch, error_from_reply
+from ..errors import (
+    DaemonStopped,
+    DaemonUnavailable,
+    ProtocolMismatch,
+    error_from_reply,
+    stopped_error,
+)
 from .advice import NO_ADVICE, Advice
 
 log = logging.getLogger("dalid.client")
@@ -97,15 +103,15 @@ def process_context() -> zmq.Context[Any]:
 
 
 def stop_notice(envelope: Envelope, then: str) -> DaemonStopped | None:
-    """The error for a daemon's notice that it was stopped (see dalid.server.intake.farewell),
-    ending with ``then``, what this link's user can do next."""
+    """The error for a daemon's notice that it stops (see dalid.server.intake.farewell), ending
+    with ``then``, what this link's user can do next."""
     message = envelope.message
     if (
         envelope.request_id is None
         and isinstance(message, Error)
         and message.code is ErrorCode.SHUTTING_DOWN
     ):
-        return DaemonStopped(f"{message.message.rstrip('.')}: {then}")
+        return stopped_error(message, then)
     return None
 
 

@@ -189,6 +189,7 @@ class Dial(Protocol):
         connect_timeout: float,
         hello_timeout: float,
         earlier_jobs: tuple[EarlierJob, ...],
+        may_start: bool = True,
     ) -> Link: ...
 
 
@@ -203,11 +204,12 @@ def trainer_dial(
         connect_timeout: float,
         hello_timeout: float,
         earlier_jobs: tuple[EarlierJob, ...],
+        may_start: bool = True,
     ) -> Link:
         return autostart_connect(
             socket,
             device,
-            autostart=autostart,
+            autostart=autostart and may_start,
             connect_timeout=connect_timeout,
             name=name,
             on_push=on_push,

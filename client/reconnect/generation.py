@@ -1,8 +1,8 @@
 """What a session holds of one daemon: its link, the outputs mapped from it, and its results.
 
 A :class:`Generation` lasts as long as the daemon it was dialled to: it is closed with a
-goodbye when the session ends, or abandoned as a whole when that daemon is found gone (point 2
-of Note [Daemon restarts] in ``reconnector.py``), and the session's :class:`Reconnector` opens
+goodbye when the session ends, or abandoned as a whole when that daemon is found gone (Note
+[Daemon restarts] in ``reconnector.py``), and the session's :class:`Reconnector` opens
 the next one.
 """
 
@@ -74,7 +74,7 @@ class Generation:
         """Lets go of a daemon that is gone: no goodbye, and nothing more is sent to it.
 
         Mappings close as at the end of a job: tensors that view them keep them; their
-        releases are dropped with this object (point 2 of Note [Daemon restarts]).
+        releases are dropped with this object (Note [Daemon restarts]).
         """
         welcome = self.link.welcome
         worker_links.close_job(self.link.path, welcome.job_id, welcome.job_token, False)

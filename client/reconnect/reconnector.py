@@ -11,46 +11,19 @@ three keep.
 
 Note [Daemon restarts]
 ~~~~~~~~~~~~~~~~~~~~~~
-A daemon keeps nothing across a restart: the new one on the socket knows none of the old one's
-jobs, pipelines, batch ids or regions. What each process holds, and what it does when it finds
-the daemon gone (the link notices within a second where the daemon's pid can be watched, a few
-seconds otherwise, and raises DaemonUnavailable):
+A job with reconnect=True carries on across every way its daemon goes (a stop, an upgrade, a
+kill, a crash, its supervisor's death), each batch delivered once, while a daemon comes back on
+the socket within ``reconnect_timeout``; only ``dalid stop --end-jobs`` ends it. A daemon keeps
+nothing across a restart, so the trainer, which outlives every daemon, carries it all:
 
-1. A worker process submits batches and hands the trainer a DALIPipelineRunRef naming the
-   batch and the job its proxy names (``job_token``, unique to one job of one daemon
-   instance). With reconnect=True the ref also carries a ``Resubmission`` (``refs.py``): the
-   batch's inputs, kept until the trainer has delivered its outputs, and the job that accepted
-   the batch (``accepted_by``, the token of its link's welcome). A worker that finds the
-   daemon gone leaves the batch unsent (``batch_id`` None) and drops that job's link; the
-   trainer submits it.
-2. The trainer's session, finding the daemon gone, abandons that daemon's generation as a
-   whole: its link (no goodbye), its slab mappings and the results it had received but not
-   yet delivered. Tensors already delivered stay valid: their pages stay mapped until the
-   tensors are freed (the new daemon unlinks the old segments' names), and their releases go
-   to the abandoned mappings, never to the new daemon, whose region ids and slabs are
-   unrelated. Then it connects again (a new job), registers every pipeline again and points
-   the proxies it made at the new registrations (workers started from then on submit to the
-   new job). Its hello names every job it had on earlier daemons (``earlier_jobs``), and each
-   registration the pipeline's id in each of them (``earlier_ids``): the new daemon knows
-   nothing of them, so the trainer, which outlives them all, is what carries them from daemon
-   to daemon.
-3. When the trainer delivers a batch that another job accepted (one of an abandoned daemon),
-   or no job at all, it submits the batch again from the inputs the ref carries, under the
-   pipeline's new id. A batch is delivered once: its ref is turned into tensors once, and
-   results that came from the old daemon but were not yet delivered are dropped with it, so
-   nothing arrives twice and nothing is lost.
-4. Workers that were running at the restart hold an earlier job in their pickled proxy. A
-   worker tries that job again with a new hello at its next batch, and while hellos fail at
-   most once per REJOIN_EVERY_S (each waits at most REJOIN_HELLO_TIMEOUT_S). The new daemon
-   welcomes it into the trainer's new job once the trainer has reconnected, and runs its
-   batches, which name the pipeline's earlier id, on the pipeline registered again; the
-   welcome's token becomes the refs' ``accepted_by``, so the trainer waits for those batches
-   instead of submitting them again. Until then (daemon still down, trainer not reconnected or
-   the pipeline not registered again yet) its batches reach the trainer unsent, as in point 1;
-   or, sent before the trainer registered the pipeline again, they fail with
-   ``unknown_pipeline`` (the worker handed them on without waiting: Note [Submitting without
-   waiting] in ``worker/submitter.py``), and the trainer submits them again from their inputs.
-   GPU outputs follow the same steps; that path has not run on a GPU.
+1. a worker's batch reference carries the batch's inputs until the trainer delivers it, and a
+   worker that finds the daemon gone leaves the batch to the trainer;
+2. the trainer abandons a gone daemon's generation whole, connects again and registers its
+   pipelines again, naming its earlier jobs and pipeline ids;
+3. it submits again, from the inputs, every batch no live job accepted: once, never twice;
+4. running workers rejoin the trainer's new job by their earlier job's identity.
+
+The why, the stop notice, drain and the tests that hold it: docs/design/daemon-restarts.md.
 """
 
 from __future__ import annotations
@@ -78,7 +51,14 @@ from dalid.protocol import (
     Welcome,
 )
 
-from ..errors import DaemonStopped, DaemonUnavailable, InputError, ProtocolMismatch, RequestError
+from ..errors import (
+    DaemonStopped,
+    DaemonUnavailable,
+    DalidError,
+    InputError,
+    ProtocolMismatch,
+    RequestError,
+)
 from ..link.launcher import Dial
 from ..link.link import Link
 from ..worker.target import ProxyTarget
@@ -119,17 +99,25 @@ class Reconnector:
 
     Without ``enabled`` there is one generation, and a daemon found gone ends the session.
     With it, :meth:`call` reconnects to the daemon that comes back on the socket (waiting up to
-    ``connect_timeout``) and tries again (Note [Daemon restarts]).
+    ``reconnect_timeout``) and tries again (Note [Daemon restarts]).
     """
 
     def __init__(
-        self, dial: Dial, *, socket: Path, device: Device, enabled: bool, connect_timeout: float
+        self,
+        dial: Dial,
+        *,
+        socket: Path,
+        device: Device,
+        enabled: bool,
+        connect_timeout: float,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         self.socket = socket
         self.device = device
         self.enabled = enabled
         self._dial = dial
-        self._connect_timeout = connect_timeout
+        # How long a reconnection waits for a daemon to come back on the socket.
+        self._reconnect_timeout = reconnect_timeout
         self._registrations: list[Registration] = []
         # Every (job_token, pipeline_id) this session was given, in any daemon generation.
         self._pipeline_keys: dict[tuple[str, int], Registration] = {}
@@ -169,18 +157,20 @@ class Reconnector:
     def call(self, action: Callable[[], T]) -> T:
         """``action()``; when enabled, again after each reconnection to a new daemon."""
         gone = False
+        stopped: DaemonStopped | None = None
         for attempt in range(MAX_RECONNECTS + 1):
             try:
                 if gone:
-                    self.reconnect_now()
+                    self.reconnect_now(stopped)
                 return action()
             except DaemonUnavailable as error:
                 if (
                     not self.enabled
-                    or isinstance(error, ProtocolMismatch | DaemonStopped)
+                    or isinstance(error, ProtocolMismatch)
+                    or (isinstance(error, DaemonStopped) and error.ends_jobs)
                     or self._closed
                 ):
-                    raise  # a daemon stopped on purpose is not restarted: nothing to wait for
+                    raise
                 if attempt == MAX_RECONNECTS:
                     raise DaemonUnavailable(
                         f"{error} (gave up after {MAX_RECONNECTS} reconnections in a row)"
@@ -188,12 +178,23 @@ class Reconnector:
                 # The text, not the exception: a record kept after this call (a buffering
                 # handler, pytest's caplog) would keep the traceback's frames alive, and with
                 # them the outputs this call goes on to deliver and their daemon's regions.
-                log.warning("%s: reconnecting", str(error))
+                stopped = error if isinstance(error, DaemonStopped) else None
+                if stopped is not None:
+                    # A stop is what an upgrade starts with: the next daemon may be on its way.
+                    log.warning(
+                        "%s: this job (reconnect=True) waits up to %.0f s for a new daemon on "
+                        "that socket",
+                        stopped.notice,
+                        self._reconnect_timeout,
+                    )
+                else:
+                    log.warning("%s: reconnecting", str(error))
                 gone = True
         raise AssertionError("unreachable")
 
-    def reconnect_now(self) -> None:
-        """Abandons the daemon that is gone and starts over with the one on the socket now."""
+    def reconnect_now(self, stopped: DaemonStopped | None = None) -> None:
+        """Abandons the daemon that is gone (``stopped``: it said why) and starts over with the
+        one on the socket now, waiting for one up to the reconnect timeout."""
         welcome = self.welcome
         abandoned = EarlierJob(welcome.job_id, welcome.job_token)
         if abandoned not in self._earlier_jobs:
@@ -202,7 +203,7 @@ class Reconnector:
             self._earlier_jobs = [*self._earlier_jobs, abandoned][-MAX_EARLIER_JOBS:]
         self.generation.abandon()
         self._closed = True  # until a daemon welcomes the session
-        deadline = time.monotonic() + self._connect_timeout
+        deadline = time.monotonic() + self._reconnect_timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -211,6 +212,9 @@ class Reconnector:
                     connect_timeout=max(remaining, 1.0),
                     hello_timeout=min(max(remaining, 1.0), 5.0),
                     earlier_jobs=tuple(self._earlier_jobs),
+                    # After a stop, whoever stopped the daemon starts the next (a service
+                    # manager, an upgrade): a daemon autostarted here would take its socket.
+                    may_start=stopped is None,
                 )
                 break
             except (DaemonUnavailable, RequestError) as error:
@@ -219,11 +223,10 @@ class Reconnector:
                 # does once it notices that job's connection closed.
                 if isinstance(error, RequestError) and error.code is not ErrorCode.JOB_CLAIMED:
                     raise
-                if isinstance(error, ProtocolMismatch) or time.monotonic() >= deadline:
-                    raise DaemonUnavailable(
-                        f"no dalid daemon came back on {self.socket} within "
-                        f"{self._connect_timeout:.0f} s: {error}"
-                    ) from error
+                if isinstance(error, ProtocolMismatch):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise self._none_came_back(stopped, error) from error
                 time.sleep(0.2)
         self.generation = generation
         self._closed = False
@@ -238,6 +241,18 @@ class Reconnector:
             self._register_now(registration)
             for proxy in registration.proxies:
                 proxy.retarget(self.target_of(registration))
+
+    def _none_came_back(
+        self, stopped: DaemonStopped | None, error: DalidError
+    ) -> DaemonUnavailable:
+        waited = f"within {self._reconnect_timeout:.0f} s (the session's reconnect_timeout)"
+        if stopped is not None:
+            return DaemonStopped(
+                f"{stopped.notice}, and no dalid daemon came back on {self.socket} {waited}: "
+                "start one (`dalid serve`) and connect again",
+                notice=stopped.notice,
+            )
+        return DaemonUnavailable(f"no dalid daemon came back on {self.socket} {waited}: {error}")
 
     # --- registrations ------------------------------------------------------------------------
 
@@ -311,7 +326,7 @@ class Reconnector:
 
     def submit_if_lost(self, run: DALIPipelineRunRef) -> None:
         """Submits the batch to the daemon connected now unless one of its jobs accepted it:
-        a batch of an abandoned daemon, or one a worker could not send (point 3)."""
+        a batch of an abandoned daemon, or one a worker could not send."""
         accepted_by = run.resubmission.accepted_by if run.resubmission is not None else None
         if run.batch_id is not None and accepted_by in (None, self.link.welcome.job_token):
             return
@@ -339,7 +354,7 @@ class Reconnector:
 
     def resubmit_refused(self, run: DALIPipelineRunRef, failed: BatchFailed) -> bool:
         """Submits again a batch of a worker that rejoined this job before the trainer had
-        registered its pipeline again (point 4 of the note); whether it did."""
+        registered its pipeline again (a rejoined worker's); whether it did."""
         resubmission = run.resubmission
         if (
             failed.code is not ErrorCode.UNKNOWN_PIPELINE

@@ -4,7 +4,8 @@
 its batches; a daemon restart takes a job's link away and a later hello gives it back, welcomed
 into the new job of that job's trainer. :func:`left_to_trainer` decides whether a batch the
 daemon could not take is the trainer's to submit. This is a worker's side of Note [Daemon
-restarts] in ``reconnect/reconnector.py`` (points 1 and 4); the trainer's side is there.
+restarts] in ``reconnect/reconnector.py``: a worker leaving batches to the trainer, and
+rejoining; the trainer's side is there.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class WorkerLinks:
     """This process's worker links, one per (socket, job); reset in a forked child.
 
     A link's key is the job the proxy names; after a daemon restart the link may be welcomed
-    into the new job of that job's trainer (point 4 of Note [Daemon restarts]).
+    into the new job of that job's trainer (rejoining: Note [Daemon restarts]).
     """
 
     def __init__(self) -> None:
@@ -135,7 +136,7 @@ def left_to_trainer(
     target: ProxyTarget, error: DaemonUnavailable | RequestError, link: Link | None
 ) -> bool:
     """Whether a batch that ``link`` (None: not opened) could not submit is the trainer's to
-    submit (points 1 and 4 of Note [Daemon restarts]); if so, this process stops using that
+    submit (a worker's side of Note [Daemon restarts]); if so, this process stops using that
     job's link until a later hello is welcomed. False: the error is the caller's to raise."""
     rejoined = link is not None and link.welcome.job_token != target.job_token
     if not target.reconnect or not _not_taken_yet(error, rejoined):

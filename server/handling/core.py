@@ -197,6 +197,8 @@ class DaemonCore:
         )
         self.checkpoints = Checkpoints(self.registry.peers)
         self.stop_requested = False
+        # A shutdown that ends the jobs too (`dalid stop --end-jobs`; farewell.py).
+        self.end_jobs = False
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
             IpcProbeResult: self._on_ipc_probe_result,
@@ -395,7 +397,8 @@ class DaemonCore:
         self.reload_repository(lambda reply: self._push(identity, reply, request_id))
         # answered once loaded
 
-    def _on_shutdown(self, identity: bytes, _: Shutdown, _request_id: int | None) -> Message:
-        log.info("shutdown requested")
+    def _on_shutdown(self, identity: bytes, request: Shutdown, _request_id: int | None) -> Message:
+        log.info("shutdown requested%s", ", ending every job" if request.end_jobs else "")
         self.stop_requested = True
+        self.end_jobs = request.end_jobs
         return Ok()

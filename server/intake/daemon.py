@@ -28,15 +28,6 @@ libzmq 4.3.5 aborts the process when a peer closes a connection whose input is s
 heartbeat fires before the socket reads again. So a stopping daemon reads, and drops, what its
 peers send until they have gone (at most ``NOTICE_LINGER_MS``), then closes the socket at once,
 before it ends its jobs. Why and the test: docs/design/daemon-loop.md.
-
-Note [A routing id claimed twice]
----------------------------------
-No connection of another user has a queue in the socket, and no message under a routing id is
-handled from any connection or process but the one that used it first: libzmq 4.3.5 aborts
-the process when a connection claims a routing id in use, sends more than its queue holds and
-closes. The gate (:mod:`.gate`) refuses other users at the handshake; the intake
-(:mod:`.intake`) binds each routing id to its first connection and process. Why, what it
-leaves open, and the tests: docs/design/daemon-loop.md.
 """
 
 from __future__ import annotations
@@ -52,18 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from dalid.protocol import (
     BatchFailed,
     BatchReady,
     Device,
-    Error,
     GpuUnavailable,
     Message,
-    ProtocolError,
     StatusReport,
-    decode,
     device_label,
     endpoint,
     gpu_uuid,
@@ -81,22 +68,18 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
-from ..runs import wakes
-from .credentials import from_message
-from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
+from .farewell import Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
 from .heap import give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
     SEND_QUEUE,
-    TURN_MESSAGES,
-    TURN_SECONDS,
     Intake,
     IntakeLimits,
-    Verdict,
     reserve_descriptors,
 )
+from .reception import Reception
 from .shared_socket import SharedSocket
 from .socket_claim import AlreadyRunning, SocketClaim
 
@@ -113,9 +96,6 @@ HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 # Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
 TRIM_AFTER_BYTES = 16 << 20
-# Answers that count against a connection's limits (Daemon._answer).
-_REFUSALS = (Error, BatchFailed)
-_SRCFD = int(zmq.SRCFD)
 # How often the status snapshot that the metrics endpoint serves is refreshed (only while the
 # daemon serves metrics).
 SNAPSHOT_INTERVAL_S = 1.0
@@ -140,6 +120,8 @@ class DaemonConfig:
     max_connections: int = IntakeLimits.max_connections
     # Which DALI operators registered pipelines may hold (operators.py).
     operators: OperatorPolicy = field(default_factory=OperatorPolicy)
+    # The pid of the `dalid serve` that runs this daemon as its child (None: unsupervised).
+    supervisor: int | None = None
 
 
 def usable_cores() -> int:
@@ -178,7 +160,10 @@ class Daemon:
         self.config = config
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = threading.Event()
-        self._stop_signal: int | None = None
+        # Why it stops, once asked to (farewell.py); a `shutdown` request is the core's.
+        self._stop_cause: Stop | None = None
+        # Set once closed: a stop that overruns its bound is ended (farewell.bound_the_stop).
+        self._closed = threading.Event()
         # ZeroMQ's linger when the socket closes: none, the stop notices have left by then
         # (Note [Closing with peers connected]).
         self._linger_ms = 0
@@ -186,6 +171,8 @@ class Daemon:
         self._context: zmq.Context[Any] | None = None
         self._socket = SharedSocket(self._wake, self._deliverable, self._undelivered)
         self._monitor: zmq.Socket[Any] | None = None
+        # Each message in and its answer out (reception.py), once the socket is open.
+        self._reception: Reception | None = None
         # Refuses the connections of other users at the handshake (gate.py).
         self._gate: Gate | None = None
         # What each pipeline runs, for the next daemon should this one die (flight.py).
@@ -206,8 +193,19 @@ class Daemon:
         self._socket.push(identity, message, request_id)
 
     def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """SIGTERM or SIGINT (None: a stop of the daemon's own, as `dalid stop` asks)."""
+        if signum is None:
+            self._request_stop(Stop(StopKind.REQUEST))
+        else:
+            self._request_stop(Stop.from_signal(signum, self.config.supervisor))
+
+    def supervisor_gone(self, supervisor: int) -> None:
+        """The supervisor ``supervisor`` died (:mod:`dalid.server.operations.lifeline`)."""
+        self._request_stop(Stop(StopKind.SUPERVISOR_GONE, supervisor=supervisor))
+
+    def _request_stop(self, stop: Stop) -> None:
         if not self._stop.is_set():
-            self._stop_signal = signum
+            self._stop_cause = stop
         self._stop.set()
         self._wake()
 
@@ -235,6 +233,8 @@ class Daemon:
             self.close()
             return EXIT_UNSAFE_PATH
         try:
+            # Started here, not by a signal's handler: a handler must not start threads.
+            bound_the_stop(self.abandon, self._stop, self._closed)
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             # Before the repository is first loaded: a SIGHUP that comes meanwhile loads it
@@ -332,6 +332,7 @@ class Daemon:
             os.umask(previous)
         self._socket.open(sock)
         self._monitor = self._socket.monitor(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._reception = Reception(self._socket, self._monitor, intake, self.core)
         if config.metrics_port is not None:
             from .metrics import serve_metrics
 
@@ -377,11 +378,14 @@ class Daemon:
         if self._wake_fd >= 0:
             os.close(self._wake_fd)
             self._wake_fd = -1
+        self._closed.set()
+        self._stop.set()  # the stop's bound sees the daemon closed, and ends
 
     # --- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         assert self.core is not None and self._monitor is not None and self._intake is not None
+        assert self._reception is not None
         # The socket's descriptor, not the socket (Note [Sending from an executor]).
         socket_fd = self._socket.loop_starts()
         poller = zmq.Poller()
@@ -415,9 +419,9 @@ class Daemon:
             # Connection events first: a closed descriptor may already carry a new peer's
             # messages, and those must not be taken for the old peer's.
             if self._monitor in events:
-                self._connection_events()
+                self._reception.connection_events()
             if waiting or socket_fd in events or self._wake_fd in events:
-                self._receive_turn()
+                self._reception.turn()
             if self._reload_requested:
                 self._reload_requested = False
                 self._reload()
@@ -446,34 +450,21 @@ class Daemon:
                 break
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_requested:
-            self._tell_peers(stop_reason(self._stop_signal))
-            self._let_notices_leave(poller)
+            self._stop.set()  # the stop's bound runs from here for a `shutdown` request
+            kind = StopKind.END_JOBS if self.core.end_jobs else StopKind.REQUEST
+            self._tell_peers(self._stop_cause or Stop(kind))
+            assert self._reception is not None
+            self._reception.drain(poller, self._wake_fd)
 
-    def _tell_peers(self, reason: str) -> None:
-        """Tells every connected peer that the daemon was stopped (see farewell.py)."""
+    def _tell_peers(self, stop: Stop) -> None:
+        """Tells every connected peer why the daemon stops (see farewell.py)."""
         assert self.core is not None
         peers = list(self.core.peers)
-        log.info("stopping (%s): telling %d connected peer(s)", reason, len(peers))
-        notice = stopping_notice(self.config.socket, reason)
+        log.info("stopping (%s): telling %d connected peer(s)", stop.reason, len(peers))
+        notice = stop.notice(self.config.socket)
         for identity in peers:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(identity, notice, None)
-
-    def _let_notices_leave(self, poller: zmq.Poller) -> None:
-        """Reads, and drops, what peers send until their connections have closed or
-        ``NOTICE_LINGER_MS`` has passed (Note [Closing with peers connected])."""
-        assert self._intake is not None and self._monitor is not None
-        deadline = time.monotonic() + NOTICE_LINGER_MS / 1000
-        while self._intake.open_connections and (left := deadline - time.monotonic()) > 0:
-            if self._wake_fd in dict(poller.poll(timeout=int(left * 1000) + 1)):
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._wake_fd)
-            while time.monotonic() < deadline and self._socket.receive() is not None:
-                pass  # the daemon serves nothing more
-            with contextlib.suppress(zmq.Again):
-                while event := parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK)):
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._intake.closed(int(event["value"]))
 
     def _reload(self) -> None:
         assert self.core is not None
@@ -488,81 +479,6 @@ class Daemon:
         assert self.core is not None and self._intake is not None
         return self.core.registry.ended + self._intake.cuts
 
-    def _receive_turn(self) -> None:
-        """Handles the messages that are in, up to a turn's worth (ZeroMQ hands them over one
-        connection after the other); the rest wait for the next turn, after the loop has sent
-        what is ready. Executors the turn's messages woke wake after its answers are sent
-        (Note [Waking executors after the turn's answers] in wakes.py)."""
-        deadline = time.monotonic() + TURN_SECONDS
-        with wakes.turn():
-            for _ in range(TURN_MESSAGES):
-                frames = self._socket.receive()
-                if frames is None:
-                    return
-                self._receive(frames)
-                if time.monotonic() >= deadline:
-                    return
-
-    def _receive(self, frames: list[zmq.Frame]) -> None:
-        assert self.core is not None and self._intake is not None
-        identity = frames[0].bytes
-        if len(frames) < 2:
-            return  # ZeroMQ hands over no empty message
-        if not self._intake.knows(identity):
-            # A peer's first message. A descriptor is reused as soon as it is closed. ZeroMQ
-            # reports the close to the monitor before it accepts the connection that reuses
-            # the descriptor, so handling the reports that are in now keeps an old peer's close
-            # from being taken for this sender's.
-            self._connection_events()
-        # Every message names its connection and its sender's process, which bind its identity
-        # (the intake refuses one that another connection used first).
-        message = frames[1:]
-        first = message[0]
-        verdict = self._intake.admit(
-            identity, first.get(_SRCFD), sum(map(len, message)), from_message(first)
-        )
-        if verdict is Verdict.DROP:
-            return
-        if not isinstance(verdict, Verdict):
-            self._socket.send(identity, verdict, None)
-            return
-        try:
-            envelope = decode(message)
-        except ProtocolError as error:
-            if self._intake.log_refusal(identity):
-                log.warning("malformed message from %s: %s", identity.hex(), error.message)
-            self._answer(identity, self.core.malformed(error), error.request_id)
-            return
-        reply = self.core.handle(identity, envelope.message, envelope.request_id)
-        if reply is not None:
-            self._answer(identity, reply, envelope.request_id)
-
-    def _answer(self, identity: bytes, reply: Message, request_id: int | None) -> None:
-        """Sends a reply; a refusal counts against the connection's limits (a batch refused
-        once sent is answered ``batch_failed``: a refusal too)."""
-        assert self._intake is not None
-        self._socket.send(identity, reply, request_id)
-        if isinstance(reply, _REFUSALS):
-            cut = self._intake.refused(identity, reply)
-            if cut is not None:
-                self._socket.send(identity, cut, None)
-
-    def _connection_events(self) -> None:
-        assert self._monitor is not None and self.core is not None and self._intake is not None
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            # For these two events the value is the connection's file descriptor.
-            fd = int(event["value"])
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                gone = self._intake.accepted(fd)
-            else:
-                gone = self._intake.closed(fd)
-            if gone is not None:
-                self.core.peer_disconnected(gone)
-
     def _deliverable(self, identity: bytes, message: Message) -> bool:
         """False for a batch's result whose job ended while the batch ran: its pool is freed.
 
@@ -576,11 +492,5 @@ class Daemon:
 
     def _undelivered(self, identity: bytes, error: zmq.ZMQError) -> None:
         """A message could not be sent to ``identity`` (in the loop's thread)."""
-        assert self.core is not None and self._intake is not None
-        if isinstance(error, zmq.Again):
-            # Its queue is full: the peer does not read what it is sent.
-            self._intake.unreachable(identity)
-        elif error.errno == zmq.EHOSTUNREACH:
-            self.core.trainer_unreachable(identity)
-        else:
-            raise error
+        assert self._reception is not None
+        self._reception.undelivered(identity, error)

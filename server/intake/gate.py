@@ -8,7 +8,7 @@ process of a user the daemon serves and 400 for anyone else, and for a connectio
 it cannot read (it fails closed). ZeroMQ then ends a refused handshake with a ZMTP ERROR command
 carrying the gate's reason, and closes the connection: nothing the peer sends reaches the
 daemon, however it times its messages or its close, and no queue of its exists for libzmq to
-mishandle (see Note [A routing id claimed twice] in ``daemon.py``).
+mishandle (see Note [A routing id claimed twice] in ``reception.py``).
 
 The intake (:mod:`.intake`) checks every message's sender again, as defence in depth.
 """

@@ -5,24 +5,16 @@ connection closes or its process is gone; DataLoader workers join it by its id a
 :class:`JobRegistry` owns the jobs and peers of one daemon and is the one place that resolves
 an (id, token) pair, its aliases after daemon restarts included.
 
-Note [Daemon restarts] (the daemon's half)
-------------------------------------------
-A daemon keeps nothing across a restart; the trainer, which outlives every daemon, carries its
-jobs' identities from one to the next (``client/reconnect/`` keeps the client's half; SPEC.md
-"Restarts" is the contract both sides rely on).
+The daemon's half of Note [Daemon restarts] (docs/design/daemon-restarts.md; SPEC.md
+"Restarts" is the contract): a daemon keeps nothing across a restart, and the trainer carries
+its jobs' identities from one daemon to the next.
 
-1. A trainer's new ``hello`` names the jobs it had on earlier daemons (``earlier_jobs``). They
-   become aliases of its new job: a worker whose ``hello`` names one of them, with that job's
-   token, joins the new job (:meth:`JobRegistry.named`) and its welcome names the new job.
-2. An alias names one job: a trainer claiming an identity that is a live job here, or another
-   job's alias, is refused with ``job_claimed`` (:meth:`JobRegistry.check_unclaimed`). A trainer
-   that reconnects to the daemon it abandoned, before that daemon ended the old job, is refused
-   so too, and tries again.
-3. Each registration names the pipeline's ids in the earlier jobs (``earlier_ids``), only of
-   jobs its hello claimed (:meth:`Job.check_earlier_ids`); a batch of a worker that joined as an
-   earlier job names its pipeline by that earlier id (:meth:`Job.pipeline_in_this_job`). The
-   latest registration under an earlier id wins: a pipeline whose build failed may be
-   registered again.
+1. The jobs a trainer's ``hello`` names (``earlier_jobs``) become aliases of its new job: a
+   worker naming one, with its token, joins the new job (:meth:`JobRegistry.named`).
+2. An alias names one job: a claim on a live job or another job's alias is refused with
+   ``job_claimed`` (:meth:`JobRegistry.check_unclaimed`); the trainer tries again.
+3. A registration names the pipeline's ids in the earlier jobs its hello claimed
+   (:meth:`Job.check_earlier_ids`); a rejoined worker's batch names its pipeline so.
 4. Aliases go when the job ends, with everything else it held.
 """
 
@@ -130,7 +122,7 @@ class Job:
         # An executor stuck inside DALI may still write its outputs: keep the memory mapped.
         return self.outputs.close(unmap=all(stop.stopped for stop in self.stops))
 
-    # --- Note [Daemon restarts], point 3 --------------------------------------------------------
+    # --- earlier pipeline ids (Note [Daemon restarts]) ----------------------------------------
 
     def check_earlier_ids(self, request: RegisterPipeline | RegisterNamedPipeline) -> None:
         """Refuses a registration naming an earlier job that this job's hello did not claim."""
@@ -290,7 +282,7 @@ class JobRegistry:
             self.ended += 1
             self._unfollow(job.pid, job.pid_namespace)
 
-    # --- Note [Daemon restarts], points 1 and 2 ---------------------------------------------------
+    # --- earlier jobs as aliases (Note [Daemon restarts]) -------------------------------------
 
     def named(self, job_id: int, token: str) -> tuple[Job, str] | None:
         """The job that (``job_id``, ``token``) names, and "" for a live job of this daemon or

@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="refresh period of the live table (default 1)",
             )
             command.add_argument("--once", action="store_true", help="print the table once")
+        if name == "stop":
+            command.add_argument(
+                "--end-jobs",
+                action="store_true",
+                help="end the daemon's jobs with it, those connected with reconnect=True too "
+                "(without it, such jobs wait for the next daemon on the socket, as across an "
+                "upgrade; the others end)",
+            )
     return parser
 
 
@@ -259,13 +267,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..intake.daemon import Daemon
         from ..intake.heap import limit_malloc_arenas
         from ..runs import stopping
-        from .lifeline import watch_supervisor
+        from .lifeline import supervisor_pid, watch_supervisor
 
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
-        daemon = Daemon(config)
-        # A child of `dalid serve` ends with its supervisor, stuck or not.
-        watch_supervisor(daemon.request_stop, daemon.abandon)
+        supervisor = supervisor_pid()
+        daemon = Daemon(dataclasses.replace(config, supervisor=supervisor))
+        if supervisor is not None:
+            # A child of `dalid serve` ends with its supervisor, stuck or not.
+            watch_supervisor(supervisor, daemon.supervisor_gone, daemon.abandon)
         code = daemon.serve()
         if stopping.any_under_way():
             # A pipeline's thread is inside a DALI call that may never return: the interpreter
@@ -283,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "reload":
         return reload(path, args.timeout, start)
     if args.command == "stop":
-        return stop(path, args.timeout, start)
+        return stop(path, args.timeout, start, end_jobs=args.end_jobs)
     return ping(path, args.timeout, start)
 
 

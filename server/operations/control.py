@@ -167,13 +167,14 @@ def ping(path: Path, timeout: float, start: str) -> int:
 STOP_QUIET_S = 1.0
 
 
-def stop(path: Path, timeout: float, start: str) -> int:
-    """Asks the daemon to stop (it tells its jobs) and waits until its socket is gone."""
+def stop(path: Path, timeout: float, start: str, *, end_jobs: bool = False) -> int:
+    """Asks the daemon to stop (it tells its jobs why) and waits until its socket is gone.
+    ``end_jobs``: its jobs end, those that would wait for a new daemon (reconnect) too."""
     try:
         with DaemonLine(path, timeout, start) as line:
             report = line.ask(StatusRequest())
             assert isinstance(report, StatusReport)
-            line.ask(Shutdown())
+            line.ask(Shutdown(end_jobs=end_jobs))
     except NoAnswer as error:
         print(f"dalid stop: {error}", file=sys.stderr)
         return 1
@@ -201,10 +202,16 @@ def stop(path: Path, timeout: float, start: str) -> int:
             return 1
         time.sleep(0.05)
     jobs = len(report.jobs)
-    print(
-        f"stopped {what}"
-        + (f"; its {jobs} job(s) were told that it was stopped" if jobs else "; it had no jobs")
-    )
+    if not jobs:
+        told = "; it had no jobs"
+    elif end_jobs:
+        told = f"; its {jobs} job(s) were told that it was stopped, and ended"
+    else:
+        told = (
+            f"; its {jobs} job(s) were told that it was stopped (those with reconnect=True "
+            "wait for a new daemon on this socket; `dalid stop --end-jobs` ends them too)"
+        )
+    print(f"stopped {what}{told}")
     return 0
 
 

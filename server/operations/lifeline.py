@@ -8,7 +8,8 @@ importing, say, or in a loop that does not get back to its flag) would never see
 as an orphan holding the socket, which no new supervisor could then replace.
 
 So the daemon also watches its supervisor from a thread of its own (:func:`watch_supervisor`):
-once the supervisor is gone (the daemon has a new parent), it asks the daemon to stop, and if
+once the supervisor is gone (the daemon has a new parent), it asks the daemon to stop (a stop
+its peers are told is the supervisor's death, not an operator's: ``farewell.py``), and if
 the process still runs ``ORPHAN_GRACE_S`` later, it removes what a stop would have removed (the
 socket file and link, the daemon's shared memory: ``abandon``) and exits at once.
 """
@@ -29,26 +30,29 @@ WATCH_INTERVAL_S = 0.2
 EXIT_ORPHANED = 1
 
 
-def watch_supervisor(
-    stop: Callable[[], None], abandon: Callable[[], None]
-) -> threading.Thread | None:
-    """Starts the watch when this process runs under a supervisor (None otherwise)."""
+def supervisor_pid() -> int | None:
+    """The supervisor this process runs under (None: none), as it named itself."""
     named = os.environ.pop(SUPERVISOR_ENV, "")
-    if not named.isdigit():
-        return None
+    return int(named) if named.isdigit() else None
+
+
+def watch_supervisor(
+    supervisor: int, stop: Callable[[int], None], abandon: Callable[[], None]
+) -> threading.Thread:
+    """Starts the watch of ``supervisor``; ``stop(supervisor)`` once it is gone."""
     thread = threading.Thread(
-        target=_watch, args=(int(named), stop, abandon), name="dalid-lifeline", daemon=True
+        target=_watch, args=(supervisor, stop, abandon), name="dalid-lifeline", daemon=True
     )
     thread.start()
     return thread
 
 
-def _watch(supervisor: int, stop: Callable[[], None], abandon: Callable[[], None]) -> None:
+def _watch(supervisor: int, stop: Callable[[int], None], abandon: Callable[[], None]) -> None:
     # Checked at once, too: the supervisor may have died before this process was watching.
     while os.getppid() == supervisor:
         time.sleep(WATCH_INTERVAL_S)
     log.error("the supervisor (pid %d) is gone: this daemon stops", supervisor)
-    stop()
+    stop(supervisor)
     time.sleep(ORPHAN_GRACE_S)
     # Still here: the main thread is stuck somewhere it does not see the stop.
     log.error("not stopped %.0f s after the supervisor died: exiting now", ORPHAN_GRACE_S)

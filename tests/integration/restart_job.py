@@ -1,11 +1,13 @@
 """A training job that the restart tests run while they kill its daemon.
 
-    python -m tests.integration.restart_job --socket PATH [--reconnect] [--pause-at K]
+    python -m tests.integration.restart_job --socket PATH [--reconnect] [--pause-at K[,K2...]]
         [--epochs E] [--persistent-workers] [--step-seconds S] [--deterministic]
+        [--reconnect-timeout T] [--start-method spawn|fork] [--say-started]
 
-Trainer and DataLoader workers on a CPU pipeline. After batch K of the first epoch it prints
-"paused" and waits for a line on stdin (the test kills the daemon meanwhile, while the workers'
-next batches are in flight); then it finishes its epochs, checking every batch's data and that
+Trainer and DataLoader workers on a CPU pipeline. After batch K of the first epoch (and after
+K2, ... counted the same way) it prints "paused" and waits for a line on stdin (the test kills
+or replaces the daemon meanwhile, while the workers' next batches are in flight); then it
+finishes its epochs, checking every batch's data and that
 each epoch saw every sample exactly once. It prints, per epoch, how many batches the trainer
 had to submit itself ("epoch 1 trainer-submitted S"), and at the end "ok N reconnects R" with N
 the samples seen in all. It keeps the tensors of batch 1, which view the first daemon's shared
@@ -40,15 +42,23 @@ def main() -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--length", type=int, default=160)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--pause-at", type=int, default=3)
+    parser.add_argument("--pause-at", default="3")
+    parser.add_argument("--reconnect-timeout", type=float, default=60.0)
+    parser.add_argument("--start-method", default=None)
+    parser.add_argument("--say-started", action="store_true")
     parser.add_argument("--reconnect", action="store_true")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--deterministic", action="store_true")
     args = parser.parse_args()
+    pauses = {int(step) for step in args.pause_at.split(",")}
     with dalid.connect(
-        socket=args.socket, autostart=False, name="restart job", reconnect=args.reconnect
+        socket=args.socket,
+        autostart=False,
+        name="restart job",
+        reconnect=args.reconnect,
+        reconnect_timeout=args.reconnect_timeout,
     ) as session:
         proxy = session.proxy(two_output_pipeline(), deterministic=args.deterministic)
         dataset = ProxyDataset(proxy, args.length)
@@ -58,7 +68,10 @@ def main() -> int:
             batch_size=BATCH,
             num_workers=args.workers,
             persistent_workers=args.persistent_workers,
+            multiprocessing_context=args.start_method,
         )
+        if args.say_started:
+            print("started", flush=True)
         first = None
         samples = 0
         for epoch in range(1, args.epochs + 1):
@@ -70,7 +83,7 @@ def main() -> int:
                 seen.update(indices.tolist())
                 if first is None:
                     first = (scaled, shifted, indices)
-                if epoch == 1 and step == args.pause_at:
+                if epoch == 1 and step in pauses:
                     print("paused", flush=True)
                     sys.stdin.readline()
             repeated = sorted(index for index, count in seen.items() if count > 1)

@@ -224,7 +224,7 @@ def test_another_user_reusing_a_clients_routing_id_gets_nothing() -> None:
         shutdown = _hex(Shutdown(), 2)
         # Under the victim's id while it is connected, sending more than the daemon reads of a
         # connection at once, then reading or closing: that once aborted the daemon in libzmq
-        # (Note [A routing id claimed twice] in server/intake/daemon.py).
+        # (Note [A routing id claimed twice] in server/intake/reception.py).
         step: dict[str, Any] = {"rid": victim_id.hex(), "messages": [shutdown, hello, shutdown]}
         plan: list[dict[str, Any]] = [
             {**step, "read": True},

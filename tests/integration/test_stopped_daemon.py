@@ -1,10 +1,12 @@
-"""A daemon stopped on purpose under a running job: the job is told, and says so.
+"""A daemon stopped under a running job, and no daemon after it: the job is told, and says so.
 
 The job (``restart_job``: a trainer and two DataLoader workers) pauses mid-epoch with batches
 in flight; the test stops the daemon with ``dalid stop`` or SIGTERM to ``dalid serve``, then
-lets the job go on. The job must fail at once with ``DaemonStopped`` saying that the daemon was
-stopped and why, even with ``reconnect=True`` (nobody will restart a stopped daemon), and
-nothing in its output may speak of a crash or of protocol errors.
+lets the job go on. A job without ``reconnect=True`` must fail at once with ``DaemonStopped``
+saying that the daemon was stopped and why; so must one with it after ``dalid stop
+--end-jobs``. One with it after a plain stop waits for a new daemon (test_rolling_update.py),
+and when none comes within its reconnect timeout, says that the daemon was stopped and that
+nothing came back. Nothing in its output may speak of a crash or of protocol errors.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ NOT_SAID = (
 
 @pytest.mark.parametrize(
     ("how", "reconnect"),
-    [("dalid stop", False), ("dalid stop", True), ("SIGTERM", True)],
-    ids=["dalid-stop", "dalid-stop-reconnect", "sigterm-reconnect"],
+    [("dalid stop", False), ("dalid stop --end-jobs", True), ("SIGTERM", False)],
+    ids=["dalid-stop", "end-jobs-reconnect", "sigterm"],
 )
 def test_a_job_is_told_that_its_daemon_was_stopped(
     short_tmp: Path, how: str, reconnect: bool
@@ -50,20 +52,23 @@ def test_a_job_is_told_that_its_daemon_was_stopped(
         assert job.stdout is not None and job.stdin is not None
         line = job.stdout.readline()
         assert line.strip() == "paused", line + job.stdout.read()
-        if how == "dalid stop":
+        if how.startswith("dalid stop"):
             stop = subprocess.run(
-                [sys.executable, "-m", "dalid.server", "stop", "--socket", str(daemon.socket)],
+                [sys.executable, "-m", "dalid.server", *how.split()[1:], "--socket",
+                 str(daemon.socket)],
                 capture_output=True,
                 text=True,
                 timeout=60,
                 check=False,
-            )
+            )  # fmt: skip
             assert stop.returncode == 0, stop.stderr
             assert "its 1 job(s) were told that it was stopped" in stop.stdout
-            reason = "`dalid stop` asked it to"
+            reason = f"`{how}` asked it to"
+            said = "and ended this job" if reconnect else "which ends a job without reconnect=True"
         else:
             daemon.process.send_signal(signal.SIGTERM)
             reason = "it received SIGTERM"
+            said = "which ends a job without reconnect=True"
         # The supervisor does not restart a daemon that was stopped: it exits, cleanly.
         assert daemon.process.wait(timeout=30) == 0
         started = time.monotonic()
@@ -76,7 +81,9 @@ def test_a_job_is_told_that_its_daemon_was_stopped(
         daemon.stop()
     assert job.returncode != 0, out
     assert "DaemonStopped" in out, out
-    assert f"was stopped ({reason})" in out, out
+    assert f"was stopped ({reason}" in out, out
+    assert said in out, out
+    assert "waits up to" not in out, out
     for words in NOT_SAID:
         assert words not in out, f"{words!r} in the job's output:\n{out}"
     # Not the minute a reconnecting job waits for a daemon that was killed.
@@ -86,6 +93,34 @@ def test_a_job_is_told_that_its_daemon_was_stopped(
     assert not daemon.segments()
     assert not daemon.socket.exists()
     assert not daemon.socket.with_name(daemon.socket.name + ".lock").exists()
+
+
+def test_a_job_with_reconnect_waits_for_a_new_daemon_then_says_none_came(short_tmp: Path) -> None:
+    """SIGTERM, as an upgrade starts, and no daemon after it: the job waits its reconnect
+    timeout, saying so in one warning line, then fails saying what happened."""
+    daemon = start_daemon(short_tmp, supervised=True)
+    job = _job(daemon.socket, "--pause-at", "3", "--reconnect", "--reconnect-timeout", "3")
+    try:
+        assert job.stdout is not None and job.stdin is not None
+        line = job.stdout.readline()
+        assert line.strip() == "paused", line + job.stdout.read()
+        daemon_pid = daemon.daemon_pid()
+        daemon.process.send_signal(signal.SIGTERM)
+        assert daemon.process.wait(timeout=30) == 0
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        out, _ = job.communicate(timeout=60)
+    finally:
+        kill_leftovers([job])
+        daemon.stop()
+    assert job.returncode != 0, out
+    notice = f"the dalid daemon on ipc://{daemon.socket} (pid {daemon_pid}) was stopped (it "
+    assert f"{notice}received SIGTERM): this job (reconnect=True) waits up to 3 s" in out, out
+    assert out.count("waits up to") == 1, out
+    assert "DaemonStopped" in out, out
+    assert f"received SIGTERM), and no dalid daemon came back on {daemon.socket} within 3 s" in out
+    for words in NOT_SAID:
+        assert words not in out, f"{words!r} in the job's output:\n{out}"
 
 
 def test_a_worker_whose_job_ended_is_told_so_not_that_the_daemon_restarted(

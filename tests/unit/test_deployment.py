@@ -234,3 +234,17 @@ def test_kubernetes_daemons_serve_one_gpu_each_with_real_dalid_commands() -> Non
         assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {})
         assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert devices == list(range(len(devices)))
+
+
+def test_kubernetes_daemonset_update_is_one_safe_under_running_jobs() -> None:
+    """An update stops the old pod before it starts the new one (a surge pod's daemon would
+    find the socket taken), and gives the old daemons more than their stop's bound."""
+    from dalid.server.intake.farewell import STOP_BOUND_S
+    from dalid.server.operations.supervisor import STOP_GRACE_S
+
+    daemonset = _yaml(DOCKER / "k8s" / "dalid-daemonset.yaml")
+    strategy = daemonset["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"]["maxSurge"] == 0
+    grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert STOP_BOUND_S < grace <= STOP_GRACE_S
