@@ -41,6 +41,12 @@ class Advice:
             "reconnect=True to have a job carry on by itself"
         )
 
+    def after_dropped(self) -> str:
+        """What follows from a job the daemon ended for a trainer that stopped answering."""
+        if self.reconnects:
+            return "This job has reconnect=True and carries on with the daemon on the socket"
+        return "connect again, or connect with reconnect=True to have a job carry on by itself"
+
     def after_stop(self, path: Path, device: str | int) -> str:
         """What follows from a daemon stopped on purpose, which nothing restarts."""
         if self.autostarts:

@@ -7,6 +7,7 @@ pid, and :func:`process_context` gives each process a context of its own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -180,6 +182,14 @@ class Connection:
         # One poller for the connection's life: Socket.poll would make one per wait.
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        # A trainer whose connection the daemon dropped (it answered no heartbeat: a process
+        # stopped or frozen a few seconds) has lost its job; ZeroMQ connects again unseen, as a
+        # stranger the daemon ignores. Its monitor tells (``_dropped``).
+        self._monitor: zmq.Socket[Any] | None = (
+            self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            if role is Role.TRAINER
+            else None
+        )
         try:
             hello = Hello(
                 protocol_version=PROTOCOL_VERSION,
@@ -288,6 +298,15 @@ class Connection:
             if not self._poller.poll(int(wait * 1000) + 1):
                 if idle is not None:
                     idle()
+                if self._dropped():
+                    self._daemon_gone = True
+                    raise DaemonUnavailable(
+                        f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) "
+                        f"ended job {self.welcome.job_id}: it dropped the trainer's connection, "
+                        "which answered none of its heartbeats for a few seconds (was this "
+                        "process stopped: SIGSTOP, a debugger, a frozen container?). "
+                        f"{self.advice.after_dropped()}"
+                    )
                 now = time.monotonic()
                 silent = now - last_heard
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
@@ -350,8 +369,26 @@ class Connection:
     def abort(self) -> None:
         """Closes the socket now, without a goodbye. Idempotent."""
         sock, self._socket = self._socket, None
-        if sock is not None and self._pid == os.getpid():
+        monitor, self._monitor = self._monitor, None
+        if self._pid != os.getpid():
+            return
+        if monitor is not None and sock is not None:
+            sock.disable_monitor()
+        if monitor is not None:
+            monitor.close(linger=0)
+        if sock is not None:
             sock.close(linger=0)
+
+    def _dropped(self) -> bool:
+        """Whether the daemon dropped this (welcomed) connection since the last look."""
+        if self._monitor is None or not self._daemon_pid:
+            return False
+        dropped = False
+        with contextlib.suppress(zmq.Again):
+            while True:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
 
     @property
     def _ping_after(self) -> float:
