@@ -630,8 +630,10 @@ def serve(argv: Sequence[str]) -> int:
         with path.open("a") as out:
             out.write(json.dumps(TOTALS.snapshot()) + "\n")
 
-    from dalid.server.intake.heap import limit_malloc_arenas as limit
+    from dalid.server.intake import heap
     from dalid.server.operations import cli
+
+    limit = heap.limit_malloc_arenas
 
     # The writer starts once the daemon has set its malloc arena limit, as the daemon makes
     # its own threads: a thread that allocates before the limit gets an arena of its own, which
@@ -644,7 +646,8 @@ def serve(argv: Sequence[str]) -> int:
         atexit.register(last)
         return limited
 
-    vars(cli)["limit_malloc_arenas"] = limit_then_write  # the name cli calls it by
+    # `dalid serve` imports it from its module when it starts the daemon.
+    heap.limit_malloc_arenas = limit_then_write
     return cli.main(["serve", *argv])
 
 
