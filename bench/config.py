@@ -153,12 +153,12 @@ runs on the CPU too."""
 
 GPU = Settings(
     profile="gpu", images=8192, classes=100, batch_size=256, workers=8, threads=8, repeats=2,
-    jobs=1, transport_iterations=1000, pipeline="train", scaled=("dali", "dalid"),
+    jobs=1, transport_iterations=1000, pipeline="train", scaled=("dali", "dali-proxy", "dalid"),
 )  # fmt: skip
 """The GPU profile (``--profile gpu``): the ImageNet-style training pipeline at batch 256 with 8
 DataLoader workers, DALI's QA decoder configuration, and the scaling runs of dalid (shared)
-against DALI in-process, which hold its runs of several jobs (the private pipelines are left
-out, to fit a short stay on a GPU)."""
+against DALI in-process and DALI's proxy, which hold its runs of several jobs (the private
+pipelines are left out, to fit a short stay on a GPU)."""
 
 GPU_QUICK = GPU.with_(
     images=512, epochs=2, repeats=1, batch_size=64, workers=2, threads=2,
