@@ -18,6 +18,7 @@ SCALING = "scaling"  # the --only key that adds the scaling runs
 # profile names (Settings.scaled: the CPU profile's dali, dalid and dalid-private; the GPU
 # profile's dali, dali-proxy and dalid).
 SCALED = ("dali", "dali-proxy", "dalid", "dalid-private")
+CPU_SCALED = ("dali", "dalid", "dalid-private")
 # --only cohort: jobs that read the same data through the same pipeline, in-process, through
 # dalid, and through dalid as one cohort (each batch run once), also with one member trailing,
 # at every --scaling-jobs count.
@@ -53,10 +54,10 @@ def parse_job_counts(text: str) -> tuple[int, ...]:
 
 
 def add_scaling_runs(
-    runs: Iterable[tuple[str, int]], job_counts: Iterable[int], kinds: Sequence[str] = SCALED
+    runs: Iterable[tuple[str, int]], job_counts: Iterable[int], kinds: Sequence[str] = CPU_SCALED
 ) -> list[tuple[str, int]]:
-    """``runs`` followed by a run of each of ``kinds`` (of ``SCALED``) per job count, none
-    twice."""
+    """``runs`` followed by a run of each of ``kinds`` (of ``SCALED``; the CPU profile's by
+    default) per job count, none twice."""
     planned = list(runs)
     for jobs in job_counts:
         for kind in kinds:
