@@ -4,7 +4,8 @@ Each image is a random crop of ``china.jpg`` or ``flower.jpg`` (427x640), rescal
 ImageNet-typical size (300-500 px wide, 400x350 on average), maybe flipped, and saved at a
 random JPEG quality with 4:4:4 chroma so that files average about 110 KB like ImageNet's.
 Image ``i`` depends only on ``(seed, i)``, so a dataset is the same on every machine with the
-same Pillow, and it is cached under ``bench/data/`` by its parameters.
+same Pillow, and it is cached under ``bench/data/`` by its parameters. Another range of widths
+makes small images the same way (the small profile's: 40-100 px wide).
 
 Most of ImageNet's own files are 4:2:0 chroma at quality 75 to 95, which decode about twice as
 fast as these: :class:`JpegStyle` makes such files (``python -m bench --jpeg-subsampling 420
