@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import PROFILES, Settings
-from .contenders import CHECKPOINT_KINDS, CONTENDERS, GPU_KINDS
+from .contenders import CHECKPOINT_KINDS, CONTENDERS, GPU_KINDS, SMALL_KINDS
 from .dataset import SUBSAMPLING, JpegStyle, make_imagefolder
 from .machine import BUSY_CORES, describe, gpu_present, wait_until_idle
 from .progress import Progress
@@ -46,7 +46,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="the named configuration to start from: cpu (the default: batch 32, 2 workers, "
         "every contender) or gpu (the ImageNet-style training pipeline at batch 256 with 8 "
         "workers, DALI's QA decoder configuration, staged GPU outputs, scaling runs of dalid "
-        "against DALI in-process; see README.md)",
+        "against DALI in-process) or small (16,384 small JPEGs resized to 32x32 at batch 256: "
+        "DALI in-process, fed by workers, DALI's proxy and dalid, 1 and 4 jobs); see README.md",
     )
     parser.add_argument("--quick", action="store_true", help="a small smoke run (about a minute)")
     parser.add_argument("--images", type=int, help="images in the dataset (default 512)")
@@ -146,13 +147,19 @@ def make_settings(args: argparse.Namespace) -> Settings:
 
 
 def default_kinds(settings: Settings) -> list[str]:
-    """What a run without ``--only`` runs: on the GPU profile, neither torch + PIL nor the
+    """What a run without ``--only`` runs: on the small profile, its four contenders; on the
+    GPU profile, neither torch + PIL nor the
     private pipelines (a short stay on a GPU has no time for them); on the CPU profile, the
     GPU profile's contenders in quick mode only (their code runs; their figures mean nothing
     on a CPU)."""
-    # The cohort runs (N jobs reading the same data) and the checkpoint rows only when asked:
-    # --only cohort, --only dalid-deterministic,dalid-checkpoint.
-    asked_only = (COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing", *CHECKPOINT_KINDS)
+    if settings.profile == "small":
+        return list(SMALL_KINDS)
+    # The cohort runs (N jobs reading the same data), the checkpoint rows and DALI fed by
+    # workers (the small profile's) only when asked: --only cohort, --only
+    # dalid-deterministic,dalid-checkpoint, --only dali-fed.
+    asked_only = (
+        COHORT_RUNS, "dalid-cohort", "dalid-cohort-trailing", *CHECKPOINT_KINDS, "dali-fed",
+    )  # fmt: skip
     kinds = [kind for kind in KINDS if kind not in asked_only]
     if settings.profile == "gpu":
         return [kind for kind in kinds if kind not in ("torch-pil", "dalid-private")]
@@ -245,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     progress.start(f"dataset of {settings.images} images")
     style = JpegStyle.parse(settings.jpeg_subsampling, settings.jpeg_quality)
-    dataset = make_imagefolder(None, settings.images, settings.classes, settings.seed, style)
+    dataset = make_imagefolder(
+        None, settings.images, settings.classes, settings.seed, style, widths=settings.image_widths
+    )
     settings = settings.with_(dataset_root=str(dataset.root))
     machine = describe()
     progress.finish(f"dataset ready: {dataset.root.name}, {dataset.mean_bytes / 1e3:.0f} KB/image")
@@ -275,9 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "foreign_cores": foreign,
         "redone_runs": len(discarded),
-        "summary": summarize(outcomes, gpu=settings.gpu, batch_size=settings.batch_size),
+        "summary": summarize(
+            outcomes, gpu=settings.gpu, batch_size=settings.batch_size, profile=settings.profile
+        ),
     }
-    update_latest = not settings.quick and not args.no_latest
+    # LATEST.md is the CPU and GPU profiles' latest full run; the small profile's runs are
+    # named by their profile beside it (report.write).
+    update_latest = not settings.quick and not args.no_latest and settings.profile != "small"
     written = write(report, outcomes, discarded, args.output, update_latest)
     print(markdown(report))
     failed = [o for o in outcomes if o.error]

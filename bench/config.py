@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .dataset import WIDTH_RANGE
 from .weights import PASSES, PREFETCH, by_weight
 
 # The augmentation every contender performs: decode, random resized crop to CROP x CROP with
@@ -47,6 +48,9 @@ class Settings:
     repeats: int = 3
     transport_iterations: int = 2000
     pipeline: str = "rrc"  # one of PIPELINES
+    crop: int = CROP  # the side of the square images every contender outputs
+    # How wide the dataset's images are, in pixels (a range; the recipe's own by default).
+    image_widths: tuple[int, int] = WIDTH_RANGE
     # The decoder's share of images for the hardware JPEG decoder (None: DALI's default).
     hw_decoder_load: float | None = None
     # DALI's QA decoder configuration (hw_decoder_bench -p rn50: batch 408, 70 threads,
@@ -127,7 +131,7 @@ class Settings:
     @classmethod
     def from_json(cls, text: str) -> Settings:
         data = json.loads(text)
-        names = ("scaling_jobs", "scaled", "weights")
+        names = ("scaling_jobs", "scaled", "weights", "image_widths")
         tuples = {name: tuple(data[name]) for name in names if name in data}
         return cls(**{**data, **tuples})
 
@@ -149,12 +153,12 @@ runs on the CPU too."""
 
 GPU = Settings(
     profile="gpu", images=8192, classes=100, batch_size=256, workers=8, threads=8, repeats=2,
-    jobs=1, transport_iterations=1000, pipeline="train", scaled=("dali", "dalid"),
+    jobs=1, transport_iterations=1000, pipeline="train", scaled=("dali", "dali-proxy", "dalid"),
 )  # fmt: skip
 """The GPU profile (``--profile gpu``): the ImageNet-style training pipeline at batch 256 with 8
 DataLoader workers, DALI's QA decoder configuration, and the scaling runs of dalid (shared)
-against DALI in-process, which hold its runs of several jobs (the private pipelines are left
-out, to fit a short stay on a GPU)."""
+against DALI in-process and DALI's proxy, which hold its runs of several jobs (the private
+pipelines are left out, to fit a short stay on a GPU)."""
 
 GPU_QUICK = GPU.with_(
     images=512, epochs=2, repeats=1, batch_size=64, workers=2, threads=2,
@@ -162,5 +166,20 @@ GPU_QUICK = GPU.with_(
 )  # fmt: skip
 """Quick mode of the GPU profile: its smoke test, on a GPU or on the CPU."""
 
-PROFILES = {"cpu": (Settings(), QUICK), "gpu": (GPU, GPU_QUICK)}
+SMALL_WIDTHS = (40, 100)
+SMALL_CROP = 32
+SMALL = Settings(
+    profile="small", images=16384, classes=10, batch_size=256, workers=2, threads=2, jobs=4,
+    scaling_jobs=(), crop=SMALL_CROP, image_widths=SMALL_WIDTHS, scaled=("dali", "dalid"),
+)  # fmt: skip
+"""The small profile (``--profile small``): small JPEGs (40-100 px wide) cropped and resized to
+32x32, at batch 256 with 2 DataLoader workers and 2 DALI threads, where batches come tens of
+times a second and what a loader spends per batch shows beside the decoding: DALI in-process
+(its own file reader, and fed by DataLoader workers), DALI's proxy and dalid (shared), with 1
+job and with 4 (bench.targets.small_targets)."""
+
+SMALL_QUICK = SMALL.with_(images=2048, epochs=2, repeats=1, quick=True)
+"""Quick mode of the small profile: its smoke test."""
+
+PROFILES = {"cpu": (Settings(), QUICK), "gpu": (GPU, GPU_QUICK), "small": (SMALL, SMALL_QUICK)}
 """Each profile's settings, in full and in quick mode."""

@@ -85,9 +85,10 @@ def random_resized_crop_box(width: int, height: int) -> tuple[int, int, int, int
 class PilDataset(Dataset[tuple[torch.Tensor, int]]):
     """Decode with PIL, then torchvision's RandomResizedCrop, flip and Normalize, by hand."""
 
-    def __init__(self, paths: list[Path], labels: list[int]) -> None:
+    def __init__(self, paths: list[Path], labels: list[int], crop: int = CROP) -> None:
         self.paths = paths
         self.labels = labels
+        self.crop = crop
         self.mean = torch.tensor(MEAN).view(3, 1, 1)
         self.std = torch.tensor(STD).view(3, 1, 1)
 
@@ -99,7 +100,7 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
             image = file.convert("RGB")
         box = random_resized_crop_box(image.width, image.height)
         # Crop and resize in one step, as torchvision's resized_crop does with PIL images.
-        image = image.resize((CROP, CROP), Image.Resampling.BILINEAR, box=box)
+        image = image.resize((self.crop, self.crop), Image.Resampling.BILINEAR, box=box)
         if random.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         array = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy
@@ -109,7 +110,7 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
 @contextlib.contextmanager
 def torch_pil(settings: Settings) -> Iterator[EpochFactory]:
     folder = read_imagefolder(settings.dataset_root)
-    loader = _loader(settings, PilDataset(list(folder.paths), list(folder.labels)))
+    loader = _loader(settings, PilDataset(list(folder.paths), list(folder.labels), settings.crop))
     yield lambda: iter(loader)
 
 
@@ -131,6 +132,7 @@ def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
         settings.seed + settings.job,
         pipeline=settings.pipeline,
         hw_decoder_load=settings.hw_decoder_load,
+        crop=settings.crop,
     )
     iterator = DALIGenericIterator(
         [pipe],
@@ -139,12 +141,80 @@ def dali_inprocess(settings: Settings) -> Iterator[EpochFactory]:
         last_batch_policy=LastBatchPolicy.DROP,
         auto_reset=True,
     )
+    yield functools.partial(_dali_epoch, iterator)
 
-    def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for outputs in iterator:
-            yield outputs[0]["images"], outputs[0]["labels"]
 
-    yield epoch
+def _dali_epoch(iterator: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for outputs in iterator:
+        yield outputs[0]["images"], outputs[0]["labels"]
+
+
+class JpegDataset(Dataset[tuple[np.ndarray, int]]):
+    """Yields ``(file bytes, label)``: a DataLoader worker reads the file, the trainer's DALI
+    pipeline decodes it."""
+
+    def __init__(self, root: str) -> None:
+        folder = read_imagefolder(root)
+        self.paths = list(folder.paths)
+        self.labels = list(folder.labels)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        return np.fromfile(self.paths[index], dtype=np.uint8), self.labels[index]
+
+
+def collate_jpegs(samples: list[tuple[np.ndarray, int]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """A batch as ``external_source`` takes it: the files' bytes, and the labels."""
+    return [jpeg for jpeg, _ in samples], np.array([label for _, label in samples], np.int64)
+
+
+class LoaderSource:
+    """A DataLoader as an ``external_source`` iterable: its batches, an epoch at a time. The
+    loader's end of epoch ends the pipeline's, and the next call starts the loader's next
+    epoch (DALI's reset does not ask an iterable for a new iterator)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._batches: Iterator[Any] | None = None
+
+    def __iter__(self) -> LoaderSource:
+        return self
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            self._batches = iter(self._loader)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = None
+            raise
+
+
+@contextlib.contextmanager
+def dali_fed(settings: Settings) -> Iterator[EpochFactory]:
+    """DALI in-process fed by DataLoader workers: the workers read the files, the trainer's
+    DALI pipeline takes their batches through ``external_source`` and decodes them."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from .pipelines import fed_pipeline
+
+    loader = _loader(settings, JpegDataset(settings.dataset_root), collate_fn=collate_jpegs)
+    pipe = fed_pipeline(
+        LoaderSource(loader),
+        settings.batch_size,
+        settings.threads,
+        settings.gpu,
+        settings.seed + settings.job,
+        pipeline=settings.pipeline,
+        hw_decoder_load=settings.hw_decoder_load,
+        crop=settings.crop,
+    )
+    # No reader: the loader's StopIteration ends each epoch, and the pipeline's reset starts
+    # the next one's iterator.
+    iterator = DALIGenericIterator([pipe], ["images", "labels"], auto_reset=True)
+    yield functools.partial(_dali_epoch, iterator)
 
 
 # --- (3) DALI's proxy, and (4) dalid, which is a drop-in for it --------------------------------
@@ -195,6 +265,7 @@ def _path_pipeline(settings: Settings) -> Any:
         pipeline=settings.pipeline,
         hw_decoder_load=settings.hw_decoder_load,
         enable_checkpointing=settings.checkpoint_every > 0,
+        crop=settings.crop,
     )
 
 
@@ -372,6 +443,13 @@ CONTENDERS: dict[str, Contender] = {
             dali_inprocess,
         ),
         Contender(
+            "dali-fed",
+            "DALI in-process, fed by workers",
+            "a DALI pipeline in the trainer fed by DataLoader workers that read the files: "
+            "fn.external_source and DALIGenericIterator",
+            dali_fed,
+        ),
+        Contender(
             "dali-proxy",
             "DALI proxy",
             "DALI's experimental proxy: DataLoader workers feed paths to a DALIServer thread",
@@ -477,6 +555,8 @@ CONTENDERS: dict[str, Contender] = {
 }
 
 QA_KINDS = ("dali-qa", "dalid-qa")
+SMALL_KINDS = ("dali", "dali-fed", "dali-proxy", "dalid")
+"""The small profile's contenders (``dali-fed`` runs elsewhere only when asked)."""
 CHECKPOINT_KINDS = ("dalid-deterministic", "dalid-checkpoint")
 """The checkpoint rows, side by side: run when asked (``--only``), not by default."""
 GPU_KINDS = ("dalid-staged", *QA_KINDS)

@@ -4,7 +4,8 @@ Each image is a random crop of ``china.jpg`` or ``flower.jpg`` (427x640), rescal
 ImageNet-typical size (300-500 px wide, 400x350 on average), maybe flipped, and saved at a
 random JPEG quality with 4:4:4 chroma so that files average about 110 KB like ImageNet's.
 Image ``i`` depends only on ``(seed, i)``, so a dataset is the same on every machine with the
-same Pillow, and it is cached under ``bench/data/`` by its parameters.
+same Pillow, and it is cached under ``bench/data/`` by its parameters. Another range of widths
+makes small images the same way (the small profile's: 40-100 px wide).
 
 Most of ImageNet's own files are 4:2:0 chroma at quality 75 to 95, which decode about twice as
 fast as these: :class:`JpegStyle` makes such files (``python -m bench --jpeg-subsampling 420
@@ -101,12 +102,17 @@ def class_name(label: int) -> str:
 
 
 def _render(
-    sources: list[Image.Image], seed: int, index: int, style: JpegStyle = JpegStyle()
+    sources: list[Image.Image],
+    seed: int,
+    index: int,
+    style: JpegStyle = JpegStyle(),
+    widths: tuple[int, int] = WIDTH_RANGE,
 ) -> bytes:
-    """The JPEG bytes of image ``index``; depends only on ``(seed, index)`` and ``style``."""
+    """The JPEG bytes of image ``index``, ``widths`` pixels wide (a range); depends only on
+    ``(seed, index)``, ``style`` and ``widths``."""
     rng = np.random.default_rng([seed, index])
     source = sources[int(rng.integers(len(sources)))]
-    width = int(rng.integers(WIDTH_RANGE[0], WIDTH_RANGE[1] + 1))
+    width = int(rng.integers(widths[0], widths[1] + 1))
     height = round(width * rng.uniform(*ASPECT_RANGE))
     scale = min(rng.uniform(*SCALE_RANGE), source.width / width, source.height / height)
     crop_w, crop_h = width * scale, height * scale
@@ -122,22 +128,37 @@ def _render(
 
 
 def _write_images(
-    root: Path, num_classes: int, seed: int, indices: range, style: JpegStyle = JpegStyle()
+    root: Path,
+    num_classes: int,
+    seed: int,
+    indices: range,
+    style: JpegStyle = JpegStyle(),
+    *,
+    widths: tuple[int, int] = WIDTH_RANGE,
 ) -> None:
     """Renders images ``indices`` into their class folders under ``root``."""
     sources = _sources()
     for index in indices:
         label = index % num_classes
         file = root / class_name(label) / f"{class_name(label)}_{index:06d}{EXTENSION}"
-        file.write_bytes(_render(sources, seed, index, style))
+        file.write_bytes(_render(sources, seed, index, style, widths))
+
+
+def _widths_suffix(widths: tuple[int, int]) -> str:
+    """What a dataset's folder name adds for its widths ("" for the recipe's own)."""
+    return "" if tuple(widths) == WIDTH_RANGE else f"-w{widths[0]}-{widths[1]}"
 
 
 def dataset_dir(
-    num_images: int, num_classes: int, seed: int, style: JpegStyle = JpegStyle()
+    num_images: int,
+    num_classes: int,
+    seed: int,
+    style: JpegStyle = JpegStyle(),
+    widths: tuple[int, int] = WIDTH_RANGE,
 ) -> Path:
     """The cache folder of a dataset with these parameters."""
     name = f"imagefolder-v{RECIPE_VERSION}-n{num_images}-c{num_classes}-s{seed}{style.suffix}"
-    return DATA_DIR / name
+    return DATA_DIR / (name + _widths_suffix(widths))
 
 
 def make_imagefolder(
@@ -146,16 +167,25 @@ def make_imagefolder(
     num_classes: int = 8,
     seed: int = 0,
     style: JpegStyle = JpegStyle(),
+    *,
+    widths: tuple[int, int] = WIDTH_RANGE,
 ) -> ImageFolder:
     """Generates (or reuses) an ImageFolder of ``num_images`` JPEGs in ``num_classes`` classes,
-    saved in ``style``.
+    saved in ``style``, ``widths`` pixels wide (a range: the small profile's are 40-100).
 
     ``root`` defaults to a cache folder under ``bench/data/`` named by the parameters. A folder
     holding a complete dataset with the same parameters is reused as it is.
     """
     if num_images < 1 or num_classes < 1:
         raise ValueError("num_images and num_classes must be positive")
-    path = Path(root) if root is not None else dataset_dir(num_images, num_classes, seed, style)
+    if not 8 <= widths[0] <= widths[1]:
+        raise ValueError(f"image widths must be a range of 8 pixels or more, not {widths}")
+    widths = (int(widths[0]), int(widths[1]))
+    path = (
+        Path(root)
+        if root is not None
+        else dataset_dir(num_images, num_classes, seed, style, widths)
+    )
     params: dict[str, object] = {
         "recipe": RECIPE_VERSION,
         "num_images": num_images,
@@ -164,6 +194,8 @@ def make_imagefolder(
     }
     if style != JpegStyle():  # datasets of the default style keep their old markers
         params["jpeg"] = {"subsampling": style.subsampling, "quality": list(style.quality)}
+    if widths != WIDTH_RANGE:  # likewise datasets of the recipe's widths
+        params["widths"] = list(widths)
     marker = path / _COMPLETE
     if marker.exists() and json.loads(marker.read_text()).get("params") == params:
         return read_imagefolder(path)
@@ -176,13 +208,14 @@ def make_imagefolder(
         (staging / class_name(label)).mkdir(parents=True)
     chunks = [range(start, num_images, PARALLEL_CHUNKS) for start in range(PARALLEL_CHUNKS)]
     if num_images < PARALLEL_FROM:
-        _write_images(staging, num_classes, seed, range(num_images), style)
+        _write_images(staging, num_classes, seed, range(num_images), style, widths=widths)
     else:
         # Image i depends on (seed, i) alone, so the processes may split the work any way.
         workers = min(PARALLEL_CHUNKS, os.cpu_count() or 1)
         with concurrent.futures.ProcessPoolExecutor(workers) as pool:
             done = [
-                pool.submit(_write_images, staging, num_classes, seed, c, style) for c in chunks
+                pool.submit(_write_images, staging, num_classes, seed, c, style, widths=widths)
+                for c in chunks
             ]
             for future in done:
                 future.result()

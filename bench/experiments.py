@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 BASE = "base"
+# The contenders' labels as the bench's tables have them (bench.contenders, without its imports).
+LABELS = {"dali": "DALI in-process", "dali-proxy": "DALI proxy", "dalid": "dalid (shared)"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Row:
 
     experiment: str
     daemon: str  # the daemon's settings beyond the defaults, as run
-    kind: str  # "dali" or "dalid"
+    kind: str  # "dali", "dali-proxy" or "dalid"
     jobs: int
     samples_per_s: float | None
     gpu_busy_pct: float | None
@@ -127,7 +129,7 @@ def summary(rows_by_experiment: Mapping[str, Sequence[Row]]) -> str:
                 ratio = row.samples_per_s / reference.samples_per_s
             lines.append(
                 f"| {name} | {row.daemon if row.kind == 'dalid' else ''} "
-                f"| {'DALI in-process' if row.kind == 'dali' else 'dalid (shared)'} "
+                f"| {LABELS.get(row.kind, row.kind)} "
                 f"| {row.jobs} | {_figure(row.samples_per_s)} | {_figure(ratio, 2)} "
                 f"| {_figure(row.gpu_busy_pct)} | {_figure(row.all_gpu_mb)} "
                 f"| {_figure(row.daemon_gpu_mb)} | {_figure(row.daemon_peak_rss_mb)} "

@@ -2,8 +2,9 @@
 
 Every contender does the same work per image (see the augmentation in :mod:`bench.config`).
 The DALI contenders differ only in how file bytes enter the pipeline: DALI's own file reader,
-or file paths fed through ``fn.external_source`` and read with ``fn.io.file.read``, which is
-what the proxy APIs need (as in DALI's proxy documentation). On a machine with a GPU the
+file paths fed through ``fn.external_source`` and read with ``fn.io.file.read``, which is
+what the proxy APIs need (as in DALI's proxy documentation), or file bytes that DataLoader
+workers read, fed through ``fn.external_source`` in the trainer. On a machine with a GPU the
 decoder is ``mixed`` and the rest runs on the GPU.
 
 Two augmentations (``Settings.pipeline``): ``rrc`` decodes whole images, then crops at random,
@@ -37,14 +38,16 @@ def _options(batch_size: int, num_threads: int, gpu: bool, **more: Any) -> dict[
     }
 
 
-def _augment(jpegs: Any, gpu: bool, pipeline: str, hw_decoder_load: float | None) -> Any:
+def _augment(
+    jpegs: Any, gpu: bool, pipeline: str, hw_decoder_load: float | None, crop: int = CROP
+) -> Any:
     if pipeline == "train":
         return _train(jpegs, gpu, hw_decoder_load)
     images = fn.decoders.image(
         jpegs, device="mixed" if gpu else "cpu", output_type=types.DALIImageType.RGB
     )
     images = fn.random_resized_crop(
-        images, size=[CROP, CROP], random_area=list(AREA), random_aspect_ratio=list(RATIO)
+        images, size=[crop, crop], random_area=list(AREA), random_aspect_ratio=list(RATIO)
     )
     return fn.crop_mirror_normalize(
         images,
@@ -89,13 +92,37 @@ def reader_pipeline(
     *,
     pipeline: str = "rrc",
     hw_decoder_load: float | None = None,
+    crop: int = CROP,
 ) -> Any:
     """DALI's file reader over an ImageFolder; outputs ``images`` and ``labels``."""
 
     @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
     def pipe() -> Any:
         jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
-        return _augment(jpegs, gpu, pipeline, hw_decoder_load), labels
+        return _augment(jpegs, gpu, pipeline, hw_decoder_load, crop), labels
+
+    return pipe()
+
+
+def fed_pipeline(
+    source: Any,
+    batch_size: int,
+    num_threads: int,
+    gpu: bool,
+    seed: int,
+    *,
+    pipeline: str = "rrc",
+    hw_decoder_load: float | None = None,
+    crop: int = CROP,
+) -> Any:
+    """Batches of JPEG bytes and labels from ``source`` (an iterable of ``(jpegs, labels)``:
+    a DataLoader's batches, each epoch a new iterator) through ``fn.external_source``;
+    outputs ``images`` and ``labels``."""
+
+    @pipeline_def(**_options(batch_size, num_threads, gpu, seed=seed))
+    def pipe() -> Any:
+        jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True)
+        return _augment(jpegs, gpu, pipeline, hw_decoder_load, crop), labels
 
     return pipe()
 
@@ -109,6 +136,7 @@ def path_pipeline(
     pipeline: str = "rrc",
     hw_decoder_load: float | None = None,
     enable_checkpointing: bool = False,
+    crop: int = CROP,
 ) -> Any:
     """File paths in (int8 arrays through ``external_source``), augmented images out."""
 
@@ -120,7 +148,7 @@ def path_pipeline(
     def pipe() -> Any:
         paths = fn.external_source(name=PATH_INPUT, no_copy=True)
         jpegs = fn.io.file.read(paths)  # type: ignore[attr-defined]
-        return _augment(jpegs, gpu, pipeline, hw_decoder_load)
+        return _augment(jpegs, gpu, pipeline, hw_decoder_load, crop)
 
     return pipe()
 

@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import cohort_report, scaling_report, threads_report
+from .config import CROP
 from .machine import BUSY_CORES
 from .runner import Outcome
 from .summary import BASELINE
@@ -80,7 +81,11 @@ def _pipeline_text(settings: dict[str, Any]) -> str:
             ", the ImageNet-style training pipeline (decoder with random crop, resize, flip, "
             "normalize to float16 NCHW)"
         )
-    if settings.get("profile", "cpu") != "cpu" or settings.get("quick"):
+    if settings.get("crop", CROP) != CROP:
+        text += f", images cropped and resized to {settings['crop']}x{settings['crop']}"
+    if settings.get("profile", "cpu") == "gpu" or (
+        settings.get("profile", "cpu") == "cpu" and settings.get("quick")
+    ):
         text += (
             f"; QA configuration: batch {settings.get('qa_batch_size')}, "
             f"{settings.get('qa_threads')} threads, hw_decoder_load "
@@ -355,7 +360,10 @@ def write(
     raw = directory / RAW
     raw.mkdir(parents=True, exist_ok=True)
     stamp = report["created_utc"].replace(":", "").replace("-", "")
-    prefix = f"{stamp}-quick" if report["settings"]["quick"] else stamp
+    profile = report["settings"].get("profile", "cpu")
+    # The CPU profile's runs keep their plain names; another profile's name its profile.
+    prefix = stamp if profile == "cpu" else f"{stamp}-{profile}"
+    prefix = f"{prefix}-quick" if report["settings"]["quick"] else prefix
     summary_path, raw_path = directory / f"{prefix}.json", raw / f"{prefix}.json"
     png_path = raw / f"{prefix}.png"
     runs = [_raw_run(outcome) for outcome in outcomes]

@@ -1,7 +1,8 @@
 """The scaling runs: N training jobs through one dalid daemon against N jobs with DALI each.
 
 For every job count the bench runs ``dali``, ``dalid`` (the jobs share one pipeline in the
-daemon) and ``dalid-private`` (each job a pipeline of its own in the daemon) with that many
+daemon) and ``dalid-private`` (each job a pipeline of its own in the daemon), and on the GPU
+profile ``dali-proxy`` (each job DALI's proxy in its own process), with that many
 concurrent trainers (the same runs as the multi-job contenders), and reports their throughput,
 how evenly the jobs shared it (Jain's fairness index), the memory every process used and how
 full the daemon's pipeline runs were. The logic here is plain data in and out, so that it can
@@ -13,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 SCALING = "scaling"  # the --only key that adds the scaling runs
-# The contenders run once per job count, and as the multi-job contenders (--jobs).
-SCALED = ("dali", "dalid", "dalid-private")
+# The contenders run once per job count, and as the multi-job contenders (--jobs), of those a
+# profile names (Settings.scaled: the CPU profile's dali, dalid and dalid-private; the GPU
+# profile's dali, dali-proxy and dalid).
+SCALED = ("dali", "dali-proxy", "dalid", "dalid-private")
+CPU_SCALED = ("dali", "dalid", "dalid-private")
 # --only cohort: jobs that read the same data through the same pipeline, in-process, through
 # dalid, and through dalid as one cohort (each batch run once), also with one member trailing,
 # at every --scaling-jobs count.
@@ -50,10 +54,10 @@ def parse_job_counts(text: str) -> tuple[int, ...]:
 
 
 def add_scaling_runs(
-    runs: Iterable[tuple[str, int]], job_counts: Iterable[int], kinds: Sequence[str] = SCALED
+    runs: Iterable[tuple[str, int]], job_counts: Iterable[int], kinds: Sequence[str] = CPU_SCALED
 ) -> list[tuple[str, int]]:
-    """``runs`` followed by a run of each of ``kinds`` (of ``SCALED``) per job count, none
-    twice."""
+    """``runs`` followed by a run of each of ``kinds`` (of ``SCALED``; the CPU profile's by
+    default) per job count, none twice."""
     planned = list(runs)
     for jobs in job_counts:
         for kind in kinds:

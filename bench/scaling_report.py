@@ -53,11 +53,12 @@ def markdown(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     ratios = report["summary"]["ratios"]
-    dali, shared, private = (CONTENDERS[kind].label for kind in SCALED)
+    dali, shared, private = (CONTENDERS[kind].label for kind in ("dali", "dalid", "dalid-private"))
     lines = [
         f"Scaling: N training jobs through one dalid daemon, sharing one pipeline in it "
         f"({shared}) or each with a pipeline of its own in it ({private}), or each with its "
-        f"own in-process pipeline ({dali}); every job with its own trainer process and "
+        f"own in-process pipeline ({dali}, and where the profile runs it "
+        f"{CONTENDERS['dali-proxy'].label}); every job with its own trainer process and "
         "DataLoader workers, all started together.",
         "",
         "| jobs | contender | samples/s, all jobs | per job | vs DALI in-process "

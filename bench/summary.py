@@ -217,10 +217,13 @@ def _transport_metrics(outcome: Outcome) -> dict[str, dict[str, float]]:
 
 
 def summarize(
-    outcomes: Sequence[Outcome], gpu: bool = False, batch_size: int = DAEMON_OWN_BATCH
+    outcomes: Sequence[Outcome],
+    gpu: bool = False,
+    batch_size: int = DAEMON_OWN_BATCH,
+    profile: str = "cpu",
 ) -> dict[str, Any]:
     """Rows per contender, the transport table, the ratio matrix and the targets (those of a
-    GPU where ``gpu``; the daemon's threads' at the run's ``batch_size``)."""
+    GPU where ``gpu``; the daemon's threads' at the run's ``batch_size``; the ``profile``'s)."""
     by_row: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
     for outcome in outcomes:
         by_row[(outcome.kind, outcome.jobs)].append(outcome)
@@ -342,7 +345,9 @@ def summarize(
         "rows": rows,
         "ratios": _ratios(rates),
         "transport": transport,
-        "targets": all_targets(values, transport, labels, gpu=gpu, batch_size=batch_size),
+        "targets": all_targets(
+            values, transport, labels, gpu=gpu, batch_size=batch_size, profile=profile
+        ),
     }
 
 

@@ -3,27 +3,29 @@
 # every part writes its log and an archive of its results to $OUT.
 #
 #   bash bench/gpu/run_on_device.sh              (from the repository root, once DALI is staged)
-#       the whole GPU check in one call, in under 8 minutes (BUDGET_S 450 by default): setup,
-#       tests (the gpu-marked tests, DALI's proxy conformance cases on the GPU among them) and
-#       bench-gpu; each part's time is capped so that the ones after it still get theirs
+#       the whole GPU check in one call, in under 10 minutes (BUDGET_S 570 by default): setup,
+#       bench-gpu (DALI's proxy among its contenders), experiments (bench-gpu's first run is
+#       their base) and tests (the gpu-marked tests, DALI's proxy conformance cases on the GPU
+#       among them, with what time is left: skipped under 90 s); each part's time is capped
+#       so that the ones after it still get theirs
 #   bash bench/gpu/run_on_device.sh PART...
 #
 #   setup          installs dalid (editable, no dependencies fetched) and records the machine:
 #                  nvidia-smi, versions; checks that DALI, torch with CUDA, CuPy and pyzmq import
 #   tests          the gpu-marked tests (pytest -m gpu -rA, JUnit XML), with nvidia-smi's
 #                  processes before and after them (a leaked GPU process shows there)
-#   bench-gpu      the GPU profile as first measured: DALI in-process and dalid (shared) at 1 and
-#                  8 jobs (4,096 images, 3 epochs), then the QA decoder configuration in-process
-#                  and through dalid
+#   bench-gpu      the GPU profile: DALI in-process, DALI's proxy and dalid (shared) at 1 and 8
+#                  jobs (2,048 images, 3 epochs, the experiments' size), then the QA decoder
+#                  configuration in-process and through dalid
 #   bench-main     python -m bench --profile gpu: DALI in-process, DALI's proxy, dalid, dalid with
 #                  staged outputs, the QA configuration in-process and through dalid, transport
 #   bench-scaling  python -m bench --profile gpu --only scaling: 1, 2, 4 and 8 jobs of dalid
 #                  (shared) and of DALI in-process, with each process's GPU memory
 #   experiments    short bench runs (1 repeat, 2,048 images, 3 epochs) that tell where dalid's
-#                  samples/s and GPU memory go: the defaults (base, in-process beside them), then
-#                  the daemon with 1-batch runs, 8 DALI threads, 1 pinned instance, all three,
-#                  a hardware decoder share of HW_LOAD (0.9) for both, and 1-batch runs with 1
-#                  instance at 8 jobs; writes the table
+#                  samples/s and GPU memory go: the defaults (base, in-process beside them; after
+#                  bench-gpu in the same call, its first run), then the daemon as in-process runs
+#                  (8 threads, 1-batch runs, 1 instance), 4-batch runs, 1 pinned instance, 8 DALI
+#                  threads, and a hardware decoder share of HW_LOAD (0.9) for both; writes the table
 #                  $OUT/experiments-summary.md (python -m bench.experiments). With setup, about
 #                  6 minutes (BUDGET_S 380 by default, with setup or alone); experiments that
 #                  would not fit what is left are skipped, and said so
@@ -33,7 +35,7 @@
 # Environment:
 #   OUT         where results go (default ./gpu-out)
 #   PYTHON      the interpreter (default python3)
-#   BUDGET_S    seconds the parts of one invocation may take together (default 560; 450 for
+#   BUDGET_S    seconds the parts of one invocation may take together (default 560; 570 for
 #               the whole check; 380 for experiments, with setup or alone)
 #   REPEATS     repeats of the benchmark parts (default 1)
 #   HW_LOAD     the hardware decoder share of the experiments' hw-load run (default 0.9)
@@ -46,8 +48,8 @@ ROOT="$PWD"
 OUT="${OUT:-$ROOT/gpu-out}"
 PYTHON="${PYTHON:-python3}"
 if [ $# -eq 0 ]; then
-  set -- setup tests bench-gpu
-  BUDGET_S="${BUDGET_S:-450}"
+  set -- setup bench-gpu experiments tests
+  BUDGET_S="${BUDGET_S:-570}"
 fi
 case "$*" in
   experiments | "setup experiments") BUDGET_S="${BUDGET_S:-380}" ;;
@@ -60,15 +62,20 @@ export PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + BUDGET_S))
 mkdir -p "$OUT"
 
-usage() { sed -n '2,41p' "$0"; exit 2; }
+usage() { sed -n '2,43p' "$0"; exit 2; }
 
-# Seconds the parts after the running one keep for themselves (set per part below).
+# Seconds the parts after the running one keep for themselves (set per part below), and the
+# steps after the running one within its part.
+AFTER=0
 RESERVE=0
+# bench-gpu's first run (DALI in-process, DALI's proxy and dalid at 1 and 8 jobs, the
+# experiments' size): the experiments' base when they follow it in the same invocation.
+PROFILE_RUN=""
 
-# Seconds left for a step, keeping 15 s to pack its results and RESERVE for the parts after it;
-# at least 30.
+# Seconds left for a step, keeping 15 s to pack its results, AFTER for the parts after it and
+# RESERVE for the steps after it; at least 30.
 left() {
-  local remaining=$((DEADLINE - SECONDS - 15 - RESERVE))
+  local remaining=$((DEADLINE - SECONDS - 15 - AFTER - RESERVE))
   echo $((remaining > 30 ? remaining : 30))
 }
 
@@ -126,6 +133,11 @@ PY
 
 part_tests() {
   local dir="$1"
+  local left_s=$((DEADLINE - SECONDS - 15 - AFTER))
+  if [ "$left_s" -lt 90 ]; then
+    echo "tests skipped: ${left_s}s left, they need about 90s" | tee "$dir/skipped.txt"
+    return 0
+  fi
   gpu_processes > "$dir/gpu-processes-before.txt" 2>&1
   # The modules that hold gpu-marked tests, and of them those tests (they skip without CUDA):
   # collecting every module would import what only CPU tests need.
@@ -159,12 +171,13 @@ bench() {
 }
 
 part_bench_gpu() {
-  local size=(--epochs 3 --images 4096)
+  local size=(--epochs 3 --images 2048)
   [ "$DRY_RUN" = 1 ] && size=()
   # The QA configuration takes about a third of the time of the first run: keep it that.
-  RESERVE=$(( (DEADLINE - SECONDS) / 4 ))
-  bench "$1/profile" "${size[@]}" --only dali,dalid,scaling --scaling-jobs 1,8
+  RESERVE=$(( (DEADLINE - SECONDS - AFTER) / 4 ))
+  bench "$1/profile" "${size[@]}" --only dali,dali-proxy,dalid,scaling --scaling-jobs 1,8
   local status=$?
+  [ "$status" = 0 ] && PROFILE_RUN="$1/profile"
   RESERVE=0
   bench "$1/qa" "${size[@]}" --only dali-qa,dalid-qa || status=1
   return "$status"
@@ -191,7 +204,7 @@ experiment() {
     shift
   done
   shift
-  local left_s=$((DEADLINE - SECONDS - 15 - RESERVE))
+  local left_s=$((DEADLINE - SECONDS - 15 - AFTER - RESERVE))
   if [ "$left_s" -lt "$need" ]; then
     echo "experiment $name skipped: ${left_s}s left, it needs about ${need}s" |
       tee -a "$dir/skipped.txt"
@@ -215,7 +228,13 @@ part_experiments() {
   local one=(--only dalid) both=(--only dalid --jobs 8)
   local status=0
   # base: the defaults, DALI in-process beside dalid at 1 and 8 jobs; every ratio is against it.
-  experiment "$dir" base 80 -- "${size[@]}" --only dali,dalid --jobs 8 || status=1
+  # After bench-gpu in this invocation, its first run is the base (the same size and daemon).
+  if [ -n "$PROFILE_RUN" ]; then
+    echo "--- experiment base: bench-gpu's first run ($PROFILE_RUN)"
+    mkdir -p "$dir/base" && cp -r "$PROFILE_RUN/." "$dir/base/" || status=1
+  else
+    experiment "$dir" base 80 -- "${size[@]}" --only dali,dalid --jobs 8 || status=1
+  fi
   # The daemon as in-process DALI runs: 8 threads (the cores, 16, by default), one batch a run
   # (--run-batches auto does that at batch 256), one pinned instance (the controller's 'auto').
   # At in-process's rate, the gap is these settings; below it, the daemon's path itself.
@@ -250,9 +269,13 @@ for part in "$@"; do
   dir="$(mktemp -d "/tmp/dalid-gpu-$part-XXXX")"
   echo "=== $part (${BUDGET_S}s budget, $((DEADLINE - SECONDS))s left) ==="
   started=$SECONDS
-  # The tests leave the bench at least 150 s when it follows them in this invocation.
+  # The tests leave the bench at least 150 s when it follows them in this invocation; bench-gpu
+  # leaves the experiments 200 s when they follow it (their first four fit; the last are
+  # skipped first).
+  AFTER=0
   RESERVE=0
-  [ "$part" = tests ] && [[ " $* " == *" bench-gpu "* ]] && RESERVE=150
+  [ "$part" = tests ] && [[ " $* " == *" bench-gpu "* ]] && AFTER=150
+  [ "$part" = bench-gpu ] && [[ " $* " == *" experiments "* ]] && AFTER=200
   "part_${part//-/_}" "$dir" > >(tee "$OUT/$part.log") 2>&1
   status=$?
   echo "=== $part: exit $status after $((SECONDS - started))s ===" | tee -a "$OUT/$part.log"

@@ -4,6 +4,7 @@ whose daemon ran with settings of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -63,3 +64,14 @@ def test_the_summary_puts_the_base_first_and_says_what_each_daemon_ran_with(
     # Without GPU memory (a CPU run), the table and a line that says so.
     cpu = experiments.summary({"base": experiments.read_experiment(folder / "base")[:2]})
     assert cpu.endswith("- none: no experiment read GPU memory at both job counts")
+
+
+def test_a_base_with_dali_proxy_names_its_rows(folder: Path) -> None:
+    """bench-gpu's first run, the base when both run in one call, holds DALI's proxy rows too:
+    named as such, against in-process with as many jobs, with no daemon settings."""
+    base = experiments.read_experiment(folder / "base")
+    proxy = [dataclasses.replace(row, kind="dali-proxy") for row in base if row.kind == "dali"]
+    text = experiments.summary({"base": [*base, *proxy]})
+    rows = [line for line in text.splitlines() if "| DALI proxy |" in line]
+    assert len(rows) == 2 and all(line.startswith("| base |  | DALI proxy |") for line in rows)
+    assert all("| 1.00 |" in line for line in rows)  # the same rate as in-process here

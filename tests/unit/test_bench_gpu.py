@@ -4,6 +4,7 @@ runs on a GPU is the profile itself (bench/gpu/run_on_device.sh)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +48,39 @@ def test_which_contenders_each_profile_runs() -> None:
     assert set(GPU_KINDS) <= set(default_kinds(QUICK))  # their code runs in quick mode
     assert not set(GPU_KINDS) & set(default_kinds(Settings()))
     runs, _ = plan(GPU.with_(scaling_jobs=(1, 2, 4, 8), jobs=2), "scaling")
-    assert runs == [(kind, jobs) for jobs in (1, 2, 4, 8) for kind in ("dali", "dalid")]
+    scaled = ("dali", "dali-proxy", "dalid")
+    assert runs == [(kind, jobs) for jobs in (1, 2, 4, 8) for kind in scaled]
+
+
+def test_the_gpu_scripts_profile_run_holds_dali_proxy_at_1_and_8_jobs() -> None:
+    """bench-gpu's first run (bench/gpu/run_on_device.sh), which is also the experiments' base:
+    DALI in-process, DALI's proxy and dalid, each at 1 and 8 jobs."""
+    only = "dali,dali-proxy,dalid,scaling"
+    args = parse_args(["--profile", "gpu", "--cpu", "--only", only, "--scaling-jobs", "1,8"])
+    runs, settings = plan(make_settings(args), args.only)
+    kinds = ("dali", "dali-proxy", "dalid")
+    assert runs == [(kind, 1) for kind in kinds] + [(kind, 8) for kind in kinds]
+    assert settings.scaling_jobs == (1, 8)
+    # Its dry run (DRY_RUN=1: the profile's quick mode on the CPU) plans the same runs.
+    quick = parse_args(["--profile", "gpu", "--quick", "--cpu", "--only", only])
+    quick.scaling_jobs = (1, 8)
+    assert plan(make_settings(quick), quick.only)[0] == runs
+    # The CPU profile's scaling runs keep their three contenders, without the proxy.
+    cpu_runs, _ = plan(Settings(jobs=1, scaling_jobs=(1, 8)), "scaling")
+    assert {kind for kind, _ in cpu_runs} == {"dali", "dalid", "dalid-private"}
+    # The GPU profile's default run has the proxy at 1 job (bench-main).
+    assert ("dali-proxy", 1) in plan(GPU, None)[0]
+
+
+def test_the_gpu_script_runs_the_profile_and_the_experiments_in_one_call() -> None:
+    """What one call of the script with no parts does: read from the script, since what runs
+    it is a GPU machine (its plumbing is checked with DRY_RUN=1)."""
+    script = (Path(__file__).parents[2] / "bench/gpu/run_on_device.sh").read_text()
+    assert "set -- setup bench-gpu experiments tests\n" in script
+    assert "--only dali,dali-proxy,dalid,scaling --scaling-jobs 1,8" in script
+    experiments = script[script.index("part_experiments() {") :]
+    for name in ("like-in-process", "run-batches-4", "instances-1", "threads-8", "hw-load"):
+        assert f'experiment "$dir" {name} ' in experiments
 
 
 def _result(job_id: int, opened: list[int], events: list[int], slabs: int | None) -> dict[str, Any]:

@@ -80,6 +80,15 @@ def test_a_quick_run_or_no_latest_leaves_latest_alone(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*.json"))) == 1
 
 
+def test_a_profiles_results_name_it_the_cpu_profiles_do_not(tmp_path: Path) -> None:
+    report = _report()
+    report["settings"] = {**report["settings"], "profile": "small", "quick": True}
+    written = write(report, [], [], tmp_path, update_latest=False)
+    assert written[0].name == "20300102T030405Z-small-quick.json"
+    report["settings"] = {**report["settings"], "profile": "cpu", "quick": False}
+    assert write(report, [], [], tmp_path, update_latest=False)[0].name == "20300102T030405Z.json"
+
+
 def test_git_ignores_raw_results_under_bench_results() -> None:
     for path in ("bench/results/raw/x.json", "bench/results/gpu-h100-x/a-profile/raw/x.png"):
         ignored = subprocess.run(
