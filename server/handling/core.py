@@ -172,6 +172,7 @@ class DaemonCore:
             operators=operators,
             max_threads=quotas.max_threads,
             max_pipelines=quotas.max_daemon_pipelines,
+            user_share=quotas.user_share,
             recorder=recorder,
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
@@ -311,7 +312,8 @@ class DaemonCore:
         credentials = self._credentials(identity)
         pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
-            job = self.opening.open(identity, hello, pid)
+            uid = credentials.uid if credentials is not None else -1
+            job = self.opening.open(identity, hello, pid, uid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             if found is None:

@@ -96,6 +96,8 @@ class Job:
     earlier_jobs: tuple[EarlierJob, ...] = ()
     # (earlier job's token, a pipeline's id in that job) -> the pipeline's id in this job.
     earlier_pipelines: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The uid of its trainer's process as its socket tells (-1: unknown).
+    uid: int = -1
 
     def close(self) -> tuple[list[WaitingBatch], bool]:
         """Stops the job's pipelines and closes its outputs. Idempotent.
@@ -225,10 +227,12 @@ class JobRegistry:
         max_waiting_batches: int,
         *,
         pid: int,
+        uid: int = -1,
     ) -> Job:
         """A new job for a trainer's hello, granted ``limits``; ``outputs(job_id)`` makes its
         output stores. ``pid``: the trainer's process as its socket tells (the hello's pid is
-        the client's word, and decides nothing), 0 where this daemon cannot see it."""
+        the client's word, and decides nothing), 0 where this daemon cannot see it; ``uid`` its user
+        (-1: unknown)."""
         job_id = self._next_job_id
         self._next_job_id += 1
         job = Job(
@@ -242,6 +246,7 @@ class JobRegistry:
             outputs=outputs(job_id),
             admission=Admission(job_id, limits.max_inflight_batches, max_waiting_batches),
             earlier_jobs=hello.earlier_jobs,
+            uid=uid,
         )
         self.jobs[job_id] = job
         self._follow(pid, job.pid_namespace)

@@ -277,6 +277,16 @@ OPTIONS: tuple[Option, ...] = (
         "N",
     ),
     Option(
+        "max_jobs_per_user",
+        parse_count,
+        None,
+        "jobs whose trainers are processes of one uid, so that the other uid the daemon serves "
+        "(its own, or root) finds room; also the share of one uid of --max-daemon-pipelines "
+        "and --max-threads is as much as this of --max-jobs (0: no per-user limit)",
+        "N",
+        default_text="half of --max-jobs",
+    ),
+    Option(
         "input_memory",
         parse_size,
         parse_size("2G"),
