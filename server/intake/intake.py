@@ -29,6 +29,9 @@ daemon shuts its socket down (ZeroMQ then frees it as if the peer had gone):
 Two limits cut at once, untold: a connection past ``max_connections`` open at once (it has
 asked nothing to answer), and a peer that leaves ``SEND_QUEUE`` messages unread (nothing more
 can reach it).
+
+A line that a storm of connections could repeat is logged a few times a second at most, with a
+count of those left out (:mod:`dalid.server.intake.log_damper`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from dalid.protocol import BatchFailed, Error, ErrorCode
 
 from .credentials import PeerCredentials, SocketId, not_served, read_peer, shut_down
+from .log_damper import DampedLog
 
 log = logging.getLogger("dalid.server")
 
@@ -126,6 +130,10 @@ class Intake:
         self.cuts = 0
         # Messages refused for an identity that another connection had used first.
         self.impostors = 0
+        # The lines of cut connections, at most a few a second each (a storm of connections
+        # would write thousands): those cut at once over the limit, and the others.
+        self.cut_at_once_log = DampedLog(log, clock=clock)
+        self.cut_log = DampedLog(log, clock=clock)
 
     @property
     def open_connections(self) -> int:
@@ -148,7 +156,7 @@ class Intake:
             # Cut once its first message, if one comes at once, has been answered.
             self._cut(connection, self._stranger_notice(connection))
         elif len(self._by_fd) > self.limits.max_connections:
-            log.warning(
+            self.cut_at_once_log.warning(
                 "%s cut at once: %d connections are open, the daemon's limit "
                 "(dalid serve --max-connections %d)",
                 connection.describe(),
@@ -256,7 +264,7 @@ class Intake:
         connection = self._by_identity.get(identity)
         if connection is None or connection.fd < 0:
             return
-        log.warning(
+        self.cut_log.warning(
             "%s cut: it left %d messages of the daemon unread", connection.describe(), SEND_QUEUE
         )
         connection.cut_at = self._clock()
@@ -272,7 +280,10 @@ class Intake:
         return max(0.0, min(due) - self._clock()) if due else None
 
     def cut_due(self) -> None:
-        """Shuts down the connections whose grace has passed."""
+        """Shuts down the connections whose grace has passed (and tells the log how many cut
+        lines it left out, once a storm is over)."""
+        self.cut_at_once_log.flush()
+        self.cut_log.flush()
         if not self._cutting:
             return
         now = self._clock()
@@ -282,7 +293,7 @@ class Intake:
                 self._shut_down(connection)
 
     def _cut(self, connection: Connection, notice: Error) -> Error:
-        log.warning("%s cut: %s", connection.describe(), notice.message)
+        self.cut_log.warning("%s cut: %s", connection.describe(), notice.message)
         connection.cut_at = self._clock() + CUT_GRACE_S
         self._cutting[id(connection)] = connection
         return notice
