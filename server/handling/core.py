@@ -86,10 +86,13 @@ log = logging.getLogger("dalid.server")
 class PeerProcess(Protocol):
     """What the core reads of a connection's credentials (``intake/credentials.py`` reads them
     from the socket, a stage above): the pid of the process behind it, 0 where it cannot be seen
-    from the daemon's pid namespace."""
+    from the daemon's pid namespace, and its uid."""
 
     @property
     def pid(self) -> int: ...
+
+    @property
+    def uid(self) -> int: ...
 
 
 Push = Callable[[bytes, Message, int | None], None]
