@@ -26,9 +26,10 @@ daemon shuts its socket down (ZeroMQ then frees it as if the peer had gone):
 - refused requests faster than a client that reads its answers makes them: a burst of
   ``refusal_burst``, then ``refusals_per_second``.
 
-Two limits cut at once, untold: a connection past ``max_connections`` open at once (it has
-asked nothing to answer), and a peer that leaves ``SEND_QUEUE`` messages unread (nothing more
-can reach it).
+Three limits cut at once, untold: a connection past ``max_connections`` open at once (it has
+asked nothing to answer), one past a process's share of them (``per_process_connections``, so
+that a storm of one process's connections leaves room for others'), and a peer that leaves
+``SEND_QUEUE`` messages unread (nothing more can reach it).
 
 A line that a storm of connections could repeat is logged a few times a second at most, with a
 count of those left out (:mod:`dalid.server.intake.log_damper`).
@@ -79,6 +80,16 @@ class IntakeLimits:
     refusals_per_second: float = 20.0
 
 
+def per_process_connections(max_connections: int) -> int:
+    """The connections one process may hold open: an eighth of ``max_connections``, at least
+    ``MIN_PER_PROCESS`` (a trainer holds one per session, each worker one of its own)."""
+    return max(MIN_PER_PROCESS, max_connections // 8)
+
+
+# The fewest connections one process may always hold.
+MIN_PER_PROCESS = 64
+
+
 class Verdict(enum.Enum):
     PROCESS = "process"
     DROP = "drop"
@@ -122,6 +133,9 @@ class Intake:
         self._uids = frozenset({os.getuid(), 0}) if uids is None else uids
         self._clock = clock
         self._by_fd: dict[int, Connection] = {}
+        # Open connections by the pid of their process (those it can see), and the most of one.
+        self._of_process: collections.Counter[int] = collections.Counter()
+        self._per_process = per_process_connections(limits.max_connections)
         self._by_identity: dict[bytes, Connection] = {}
         # Connections told they are cut, whose sockets are still to be shut down (by id).
         self._cutting: dict[int, Connection] = {}
@@ -150,8 +164,9 @@ class Intake:
         closed unreported (treat it as disconnected), else None."""
         replaced = self.closed(fd)
         connection = self._new(fd)
-        self._by_fd[fd] = connection
         self._read_credentials(connection)
+        self._hold(fd, connection)
+        pid = connection.credentials.pid if connection.credentials is not None else 0
         if self._stranger(connection):
             # Cut once its first message, if one comes at once, has been answered.
             self._cut(connection, self._stranger_notice(connection))
@@ -164,13 +179,41 @@ class Intake:
                 self.limits.max_connections,
             )
             self._shut_down(connection)
+        elif pid > 0 and self._of_process[pid] > self._per_process:
+            self.cut_at_once_log.warning(
+                "%s cut at once: process %d holds %d connections, the most of one process "
+                "(an eighth of dalid serve --max-connections %d, at least %d): it opens "
+                "connections it does not close",
+                connection.describe(),
+                pid,
+                self._of_process[pid],
+                self.limits.max_connections,
+                MIN_PER_PROCESS,
+            )
+            self._shut_down(connection)
         return replaced
+
+    def _hold(self, fd: int, connection: Connection) -> None:
+        """``connection`` is the one open on ``fd`` (one there before, closed unreported, is
+        no longer counted)."""
+        self._release(self._by_fd.get(fd))
+        self._by_fd[fd] = connection
+        if connection.credentials is not None and connection.credentials.pid > 0:
+            self._of_process[connection.credentials.pid] += 1
+
+    def _release(self, connection: Connection | None) -> None:
+        creds = connection.credentials if connection is not None else None
+        if creds is not None and creds.pid > 0:
+            self._of_process[creds.pid] -= 1
+            if self._of_process[creds.pid] <= 0:
+                del self._of_process[creds.pid]
 
     def closed(self, fd: int) -> bytes | None:
         """The connection on ``fd`` closed; the identity that sent on it, if any did."""
         connection = self._by_fd.pop(fd, None)
         if connection is None:
             return None
+        self._release(connection)
         if self._cutting.pop(id(connection), None) is not None:
             self.cuts += 1
         identity = connection.identity
@@ -360,9 +403,11 @@ class Intake:
             connection = self._new(fd if fd is not None else -1)
             self._read_credentials(connection)
             if connection.fd >= 0 and connection.credentials == sender:
-                self._by_fd[connection.fd] = connection
+                self._hold(connection.fd, connection)
         elif connection.credentials is None:
             self._read_credentials(connection)
+            if connection.credentials is not None and connection.credentials.pid > 0:
+                self._of_process[connection.credentials.pid] += 1
         if connection.credentials != sender:
             # The descriptor names another process's connection now (the sender's closed and
             # its number was taken again): that one is not the sender's to have cut.

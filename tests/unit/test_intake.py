@@ -11,7 +11,14 @@ import pytest
 
 from dalid.protocol import Error, ErrorCode
 from dalid.server.intake.credentials import PeerCredentials, parse_peer_address
-from dalid.server.intake.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
+from dalid.server.intake.intake import (
+    CUT_GRACE_S,
+    MIN_PER_PROCESS,
+    Intake,
+    IntakeLimits,
+    Verdict,
+    per_process_connections,
+)
 from dalid.server.intake.log_damper import LINES_PER_SECOND, DampedLog
 
 
@@ -161,6 +168,25 @@ def test_connections_past_the_limit_are_cut_at_once(
     _, third = connect(intake, pairs)
     assert is_cut(third)
     assert not any(is_cut(theirs) for theirs in kept)
+
+
+def test_one_process_holds_at_most_its_share_of_the_connections(
+    pairs: list[tuple[socket.socket, socket.socket]], caplog: pytest.LogCaptureFixture
+) -> None:
+    intake = Intake(IntakeLimits(max_connections=200))
+    share = per_process_connections(200)
+    assert share == MIN_PER_PROCESS  # an eighth of 200 is fewer
+    held = [connect(intake, pairs) for _ in range(share)]
+    with caplog.at_level(logging.WARNING, logger="dalid.server"):
+        fd, over = connect(intake, pairs)
+    assert is_cut(over)
+    assert f"process {os.getpid()} holds {share + 1} connections" in caplog.text
+    assert "--max-connections 200" in caplog.text
+    assert not is_cut(held[0][1])
+    # Connections that close give their place back to their process.
+    intake.closed(fd)
+    intake.closed(held[0][0])
+    assert not is_cut(connect(intake, pairs)[1])
 
 
 def test_a_storm_of_connections_is_cut_with_a_few_log_lines_that_count_the_rest(
