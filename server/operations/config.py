@@ -316,7 +316,8 @@ OPTIONS: tuple[Option, ...] = (
         "max_connections",
         parse_positive_int,
         2048,
-        "client connections open at once; more are closed as they come",
+        "client connections open at once, one process at most an eighth of them (at least 64); "
+        "more are closed as they come",
         "N",
     ),
     Option(
