@@ -198,8 +198,12 @@ class Intake:
         no longer counted)."""
         self._release(self._by_fd.get(fd))
         self._by_fd[fd] = connection
-        if connection.credentials is not None and connection.credentials.pid > 0:
-            self._of_process[connection.credentials.pid] += 1
+        self._count(connection)
+
+    def _count(self, connection: Connection) -> None:
+        creds = connection.credentials
+        if creds is not None and creds.pid > 0:
+            self._of_process[creds.pid] += 1
 
     def _release(self, connection: Connection | None) -> None:
         creds = connection.credentials if connection is not None else None
@@ -406,8 +410,7 @@ class Intake:
                 self._hold(connection.fd, connection)
         elif connection.credentials is None:
             self._read_credentials(connection)
-            if connection.credentials is not None and connection.credentials.pid > 0:
-                self._of_process[connection.credentials.pid] += 1
+            self._count(connection)
         if connection.credentials != sender:
             # The descriptor names another process's connection now (the sender's closed and
             # its number was taken again): that one is not the sender's to have cut.
