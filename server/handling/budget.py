@@ -9,6 +9,7 @@ instance's threads with :meth:`~PipelineBudget.take` and gives them back with
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -20,22 +21,31 @@ from ..errors import RequestRefused
 class PipelineBudget:
     """DALI threads and pipelines of the daemon: ``max_threads`` threads of all pipelines together
     (0: 8 a core, at least 128), at most the cores for one pipeline, and ``max_pipelines`` DALI
-    instances at once (0: no limit). Thread-safe: the I/O thread adds and forgets pipelines,
-    executors take and give back their instances' threads."""
+    instances at once (0: no limit); of those, one uid's pipelines (those its jobs started) hold
+    at most ``user_share`` (0: no per-user limit), so that another uid finds room. Thread-safe:
+    the I/O thread adds and forgets pipelines, executors take and give back their instances'
+    threads."""
 
-    def __init__(self, max_threads: int = 0, max_pipelines: int = 0) -> None:
+    def __init__(
+        self, max_threads: int = 0, max_pipelines: int = 0, user_share: float = 0.0
+    ) -> None:
         # Threads past the cores only wait (one registration of 1,024 threads used to exhaust
         # the system's).
         cores = len(os.sched_getaffinity(0))
         self.max_threads = max_threads or max(128, 8 * cores)
         self._thread_share = cores
         self.max_pipelines = max_pipelines
+        # What one uid's pipelines may hold (0: no limit).
+        self.user_threads = math.ceil(self.max_threads * user_share)
+        self.user_pipelines = math.ceil(max_pipelines * user_share)
         self._lock = threading.Lock()
         # The threads each running pipeline may have, by instance id (all its DALI instances'),
         # what one DALI instance of it has, and its instances past the first.
         self._threads: dict[int, int] = {}
         self._instance_threads: dict[int, int] = {}
         self._more_instances: dict[int, int] = {}
+        # The uid whose job started each pipeline (-1: unknown, counted as no one's).
+        self._owners: dict[int, int] = {}
 
     @property
     def threads(self) -> dict[int, int]:
@@ -43,17 +53,35 @@ class PipelineBudget:
         with self._lock:
             return dict(self._threads)
 
-    def room(self) -> int:
-        """The DALI threads a new pipeline may have; refuses one that does not fit."""
+    def _of_user(self, uid: int) -> tuple[int, int]:
+        """The pipelines (instances) and threads that ``uid``'s pipelines hold; under the lock."""
+        mine = [i for i, owner in self._owners.items() if owner == uid]
+        return (
+            sum(1 + self._more_instances.get(i, 0) for i in mine),
+            sum(self._threads.get(i, 0) for i in mine),
+        )
+
+    def room(self, uid: int = -1) -> int:
+        """The DALI threads a new pipeline of a job of ``uid`` may have; refuses one that does
+        not fit."""
         with self._lock:
             running = len(self._threads) + sum(self._more_instances.values())
             used = sum(self._threads.values())
+            user_running, user_used = self._of_user(uid) if uid >= 0 else (0, 0)
         if self.max_pipelines and running >= self.max_pipelines:
             raise RequestRefused(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"the daemon runs {running} pipelines, its limit (dalid serve "
                 f"--max-daemon-pipelines {self.max_pipelines}): wait for jobs to end, or "
                 "register a pipeline another job runs already",
+            )
+        if uid >= 0 and self.user_pipelines and user_running >= self.user_pipelines:
+            raise RequestRefused(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"uid {uid} already runs {user_running} pipelines on this daemon, the share of one "
+                f"user of its {self.max_pipelines} (dalid serve --max-daemon-pipelines and "
+                "--max-jobs-per-user), kept so that other users find room: end a job or pipeline "
+                "of yours first, or register one another job runs already",
             )
         left = self.max_threads - used
         if left < 1:
@@ -62,13 +90,25 @@ class PipelineBudget:
                 f"the daemon's pipelines have all its {self.max_threads} DALI threads (dalid "
                 "serve --max-threads): wait for jobs to end",
             )
+        if uid >= 0 and self.user_threads:
+            user_left = self.user_threads - user_used
+            if user_left < 1:
+                raise RequestRefused(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"uid {uid}'s pipelines already have {user_used} DALI threads, the share of "
+                    f"one user of the daemon's {self.max_threads} (dalid serve --max-threads and "
+                    "--max-jobs-per-user), kept so that other users find room: end a job or "
+                    "pipeline of yours first",
+                )
+            left = min(left, user_left)
         return min(self._thread_share, left)
 
-    def add(self, instance_id: int, threads: int) -> None:
-        """Pipeline ``instance_id`` starts, its first DALI instance with ``threads`` (as
-        :meth:`room` gave)."""
+    def add(self, instance_id: int, threads: int, uid: int = -1) -> None:
+        """Pipeline ``instance_id`` starts for a job of ``uid``, its first DALI instance with
+        ``threads`` (as :meth:`room` gave)."""
         with self._lock:
             self._threads[instance_id] = self._instance_threads[instance_id] = threads
+            self._owners[instance_id] = uid
 
     def take(self, instance_id: int) -> int:
         """The threads another DALI instance of pipeline ``instance_id`` gets (as many as its
@@ -80,6 +120,13 @@ class PipelineBudget:
                 return 0
             if self.max_threads - sum(self._threads.values()) < threads:
                 return 0
+            uid = self._owners.get(instance_id, -1)
+            if uid >= 0 and (self.user_pipelines or self.user_threads):
+                user_running, user_used = self._of_user(uid)
+                if self.user_pipelines and user_running >= self.user_pipelines:
+                    return 0
+                if self.user_threads and self.user_threads - user_used < threads:
+                    return 0
             self._threads[instance_id] += threads
             self._more_instances[instance_id] = self._more_instances.get(instance_id, 0) + 1
             return threads
@@ -98,3 +145,4 @@ class PipelineBudget:
             self._threads.pop(instance_id, None)
             self._instance_threads.pop(instance_id, None)
             self._more_instances.pop(instance_id, None)
+            self._owners.pop(instance_id, None)

@@ -86,10 +86,13 @@ log = logging.getLogger("dalid.server")
 class PeerProcess(Protocol):
     """What the core reads of a connection's credentials (``intake/credentials.py`` reads them
     from the socket, a stage above): the pid of the process behind it, 0 where it cannot be seen
-    from the daemon's pid namespace."""
+    from the daemon's pid namespace, and its uid."""
 
     @property
     def pid(self) -> int: ...
+
+    @property
+    def uid(self) -> int: ...
 
 
 Push = Callable[[bytes, Message, int | None], None]
@@ -172,6 +175,7 @@ class DaemonCore:
             operators=operators,
             max_threads=quotas.max_threads,
             max_pipelines=quotas.max_daemon_pipelines,
+            user_share=quotas.user_share,
             recorder=recorder,
         )
         # Jobs that share the runs of batches of the same inputs (cohorts.py).
@@ -313,7 +317,8 @@ class DaemonCore:
         credentials = self._credentials(identity)
         pid = credentials.pid if credentials is not None else 0
         if hello.role is Role.TRAINER:
-            job = self.opening.open(identity, hello, pid)
+            uid = credentials.uid if credentials is not None else -1
+            job = self.opening.open(identity, hello, pid, uid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             if found is None:

@@ -48,9 +48,9 @@ class JobOpening:
         # against --memory-limit, device memory the same way with no limit of its own.
         self.output_memory = {"cpu": OutputMemory(quotas.memory_limit), "cuda": OutputMemory(0)}
 
-    def open(self, identity: bytes, hello: Hello, pid: int) -> Job:
+    def open(self, identity: bytes, hello: Hello, pid: int, uid: int = -1) -> Job:
         """A new job for a trainer's hello, within the daemon's quotas; ``pid``: its trainer's
-        process, 0 where the daemon cannot see it.
+        process, 0 where the daemon cannot see it; ``uid``: its user, -1 where unknown.
 
         Its output memory is reserved now if the job asked for an amount, else as its outputs
         need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
@@ -65,6 +65,8 @@ class JobOpening:
                 max_message_bytes=self._inputs.job_limit,
                 pid=pid,
                 jobs_of_process=sum(1 for job in jobs.values() if job.pid == pid),
+                uid=uid,
+                jobs_of_user=sum(1 for job in jobs.values() if job.uid == uid),
             )
             reservations = {
                 device: memory.fixed(limits.pool_bytes)
@@ -82,6 +84,7 @@ class JobOpening:
                 lambda job_id: self._outputs(f"{self._prefix}-j{job_id}", limits),
                 self._quotas.max_waiting_batches,
                 pid=pid,
+                uid=uid,
             )
         except BaseException:
             for reservation in reservations.values():

@@ -111,6 +111,7 @@ class PipelineBuilder:
         operators: OperatorPolicy = ALLOW_LIST,
         max_threads: int = 0,
         max_pipelines: int = 0,
+        user_share: float = 0.0,
         recorder: FlightRecorder | None = None,
     ) -> None:
         # What each pipeline runs, for the next daemon should this one die (flight.py).
@@ -124,7 +125,7 @@ class PipelineBuilder:
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
         # DALI threads and pipelines of all pipelines together (budget.py).
-        self.budget = PipelineBudget(max_threads, max_pipelines)
+        self.budget = PipelineBudget(max_threads, max_pipelines, user_share)
         self._max_batch_size = max_batch_size
         self._repository = repository
         self._scheduler = scheduler
@@ -159,7 +160,7 @@ class PipelineBuilder:
             if shared is not None and shared.failed:
                 shared = None
         # A new pipeline must fit in the daemon's: checked before anything changes.
-        threads = self.budget.room() if shared is None else 0
+        threads = self.budget.room(job.uid) if shared is None else 0
         pipeline_id = self._next_pipeline_id
         self._next_pipeline_id += 1
         job.adopt_earlier_ids(request, pipeline_id)
@@ -214,7 +215,7 @@ class PipelineBuilder:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
             self._pids[instance_id] = {job.pid}
-        self.budget.add(instance_id, max_threads)
+        self.budget.add(instance_id, max_threads, job.uid)
         controller = None
         if shared:
             pinned = self._sharing.instances or None

@@ -38,7 +38,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -294,11 +294,13 @@ class Daemon:
         # The users whose processes it serves: its own, and root.
         served = frozenset({os.getuid(), 0})
         intake = self._intake = Intake(limits, served)
+        # A daemon of root serves root alone: no other user to keep room for.
+        quotas = config.quotas if len(served) > 1 else replace(config.quotas, max_jobs_per_user=0)
         self.core = DaemonCore(
             config.device,
             outputs,
             self.push,
-            config.quotas,
+            quotas,
             concurrency=config.concurrency or automatic_concurrency(),
             device_uuid=device_uuid,
             repository=repository,

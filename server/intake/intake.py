@@ -26,9 +26,13 @@ daemon shuts its socket down (ZeroMQ then frees it as if the peer had gone):
 - refused requests faster than a client that reads its answers makes them: a burst of
   ``refusal_burst``, then ``refusals_per_second``.
 
-Two limits cut at once, untold: a connection past ``max_connections`` open at once (it has
-asked nothing to answer), and a peer that leaves ``SEND_QUEUE`` messages unread (nothing more
-can reach it).
+Three limits cut at once, untold: a connection past ``max_connections`` open at once (it has
+asked nothing to answer), one past a process's share of them (``per_process_connections``, so
+that a storm of one process's connections leaves room for others'), and a peer that leaves
+``SEND_QUEUE`` messages unread (nothing more can reach it).
+
+A line that a storm of connections could repeat is logged a few times a second at most, with a
+count of those left out (:mod:`dalid.server.intake.log_damper`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 from dalid.protocol import BatchFailed, Error, ErrorCode
 
 from .credentials import PeerCredentials, SocketId, not_served, read_peer, shut_down
+from .log_damper import DampedLog
 
 log = logging.getLogger("dalid.server")
 
@@ -73,6 +78,16 @@ class IntakeLimits:
     max_message_bytes: int = 1 << 30
     refusal_burst: int = 100
     refusals_per_second: float = 20.0
+
+
+def per_process_connections(max_connections: int) -> int:
+    """The connections one process may hold open: an eighth of ``max_connections``, at least
+    ``MIN_PER_PROCESS`` (a trainer holds one per session, each worker one of its own)."""
+    return max(MIN_PER_PROCESS, max_connections // 8)
+
+
+# The fewest connections one process may always hold.
+MIN_PER_PROCESS = 64
 
 
 class Verdict(enum.Enum):
@@ -118,6 +133,9 @@ class Intake:
         self._uids = frozenset({os.getuid(), 0}) if uids is None else uids
         self._clock = clock
         self._by_fd: dict[int, Connection] = {}
+        # Open connections by the pid of their process (those it can see), and the most of one.
+        self._of_process: collections.Counter[int] = collections.Counter()
+        self._per_process = per_process_connections(limits.max_connections)
         self._by_identity: dict[bytes, Connection] = {}
         # Connections told they are cut, whose sockets are still to be shut down (by id).
         self._cutting: dict[int, Connection] = {}
@@ -126,6 +144,10 @@ class Intake:
         self.cuts = 0
         # Messages refused for an identity that another connection had used first.
         self.impostors = 0
+        # The lines of cut connections, at most a few a second each (a storm of connections
+        # would write thousands): those cut at once over the limit, and the others.
+        self.cut_at_once_log = DampedLog(log, clock=clock)
+        self.cut_log = DampedLog(log, clock=clock)
 
     @property
     def open_connections(self) -> int:
@@ -142,13 +164,14 @@ class Intake:
         closed unreported (treat it as disconnected), else None."""
         replaced = self.closed(fd)
         connection = self._new(fd)
-        self._by_fd[fd] = connection
         self._read_credentials(connection)
+        self._hold(fd, connection)
+        pid = connection.credentials.pid if connection.credentials is not None else 0
         if self._stranger(connection):
             # Cut once its first message, if one comes at once, has been answered.
             self._cut(connection, self._stranger_notice(connection))
         elif len(self._by_fd) > self.limits.max_connections:
-            log.warning(
+            self.cut_at_once_log.warning(
                 "%s cut at once: %d connections are open, the daemon's limit "
                 "(dalid serve --max-connections %d)",
                 connection.describe(),
@@ -156,13 +179,45 @@ class Intake:
                 self.limits.max_connections,
             )
             self._shut_down(connection)
+        elif pid > 0 and self._of_process[pid] > self._per_process:
+            self.cut_at_once_log.warning(
+                "%s cut at once: process %d holds %d connections, the most of one process "
+                "(an eighth of dalid serve --max-connections %d, at least %d): it opens "
+                "connections it does not close",
+                connection.describe(),
+                pid,
+                self._of_process[pid],
+                self.limits.max_connections,
+                MIN_PER_PROCESS,
+            )
+            self._shut_down(connection)
         return replaced
+
+    def _hold(self, fd: int, connection: Connection) -> None:
+        """``connection`` is the one open on ``fd`` (one there before, closed unreported, is
+        no longer counted)."""
+        self._release(self._by_fd.get(fd))
+        self._by_fd[fd] = connection
+        self._count(connection)
+
+    def _count(self, connection: Connection) -> None:
+        creds = connection.credentials
+        if creds is not None and creds.pid > 0:
+            self._of_process[creds.pid] += 1
+
+    def _release(self, connection: Connection | None) -> None:
+        creds = connection.credentials if connection is not None else None
+        if creds is not None and creds.pid > 0:
+            self._of_process[creds.pid] -= 1
+            if self._of_process[creds.pid] <= 0:
+                del self._of_process[creds.pid]
 
     def closed(self, fd: int) -> bytes | None:
         """The connection on ``fd`` closed; the identity that sent on it, if any did."""
         connection = self._by_fd.pop(fd, None)
         if connection is None:
             return None
+        self._release(connection)
         if self._cutting.pop(id(connection), None) is not None:
             self.cuts += 1
         identity = connection.identity
@@ -256,7 +311,7 @@ class Intake:
         connection = self._by_identity.get(identity)
         if connection is None or connection.fd < 0:
             return
-        log.warning(
+        self.cut_log.warning(
             "%s cut: it left %d messages of the daemon unread", connection.describe(), SEND_QUEUE
         )
         connection.cut_at = self._clock()
@@ -272,7 +327,10 @@ class Intake:
         return max(0.0, min(due) - self._clock()) if due else None
 
     def cut_due(self) -> None:
-        """Shuts down the connections whose grace has passed."""
+        """Shuts down the connections whose grace has passed (and tells the log how many cut
+        lines it left out, once a storm is over)."""
+        self.cut_at_once_log.flush()
+        self.cut_log.flush()
         if not self._cutting:
             return
         now = self._clock()
@@ -282,7 +340,7 @@ class Intake:
                 self._shut_down(connection)
 
     def _cut(self, connection: Connection, notice: Error) -> Error:
-        log.warning("%s cut: %s", connection.describe(), notice.message)
+        self.cut_log.warning("%s cut: %s", connection.describe(), notice.message)
         connection.cut_at = self._clock() + CUT_GRACE_S
         self._cutting[id(connection)] = connection
         return notice
@@ -349,9 +407,10 @@ class Intake:
             connection = self._new(fd if fd is not None else -1)
             self._read_credentials(connection)
             if connection.fd >= 0 and connection.credentials == sender:
-                self._by_fd[connection.fd] = connection
+                self._hold(connection.fd, connection)
         elif connection.credentials is None:
             self._read_credentials(connection)
+            self._count(connection)
         if connection.credentials != sender:
             # The descriptor names another process's connection now (the sender's closed and
             # its number was taken again): that one is not the sender's to have cut.

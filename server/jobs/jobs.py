@@ -91,6 +91,8 @@ class Job:
     earlier_pipelines: dict[tuple[str, int], int] = field(default_factory=dict)
     # The stops of its pipelines, once it is closed.
     stops: list[Stop] = field(default_factory=list)
+    # The uid of its trainer's process as its socket tells (-1: unknown).
+    uid: int = -1
 
     def close(self) -> list[WaitingBatch]:
         """Stops the job's pipelines, without waiting long for them (``stopping``, then
@@ -229,10 +231,12 @@ class JobRegistry:
         max_waiting_batches: int,
         *,
         pid: int,
+        uid: int = -1,
     ) -> Job:
         """A new job for a trainer's hello, granted ``limits``; ``outputs(job_id)`` makes its
         output stores. ``pid``: the trainer's process as its socket tells (the hello's pid is
-        the client's word, and decides nothing), 0 where this daemon cannot see it."""
+        the client's word, and decides nothing), 0 where this daemon cannot see it; ``uid`` its user
+        (-1: unknown)."""
         job_id = self._next_job_id
         self._next_job_id += 1
         job = Job(
@@ -246,6 +250,7 @@ class JobRegistry:
             outputs=outputs(job_id),
             admission=Admission(job_id, limits.max_inflight_batches, max_waiting_batches),
             earlier_jobs=hello.earlier_jobs,
+            uid=uid,
         )
         self.jobs[job_id] = job
         self._follow(pid, job.pid_namespace)

@@ -27,7 +27,9 @@ class Quotas:
     or running, and what a job that asks for none gets. ``max_waiting_batches``: batches a job
     may have waiting over that limit or deferred before more are refused. ``input_memory``: the
     batch samples the daemon holds for all jobs (one job at most half). ``max_jobs_per_process``:
-    jobs whose trainer is one process (0: no limit). ``max_pipelines``: pipelines one job may
+    jobs whose trainer is one process (0: no limit). ``max_jobs_per_user``: jobs whose trainers
+    are processes of one uid, so that another served uid finds room (0: no limit).
+    ``max_pipelines``: pipelines one job may
     have. ``max_image_pixels``: an image sample declaring more is a bad sample (0: no limit).
     ``max_threads``: DALI threads of all pipelines together, each pipeline's at most the cores
     the daemon may use (0: eight per core, at least 128). ``max_daemon_pipelines``: pipelines the
@@ -36,6 +38,7 @@ class Quotas:
 
     max_jobs: int = 64
     max_jobs_per_process: int = 8
+    max_jobs_per_user: int = 32
     pool_bytes: int = 1 * GiB
     slab_bytes: int = 64 * MiB
     memory_limit: int = 0
@@ -51,6 +54,19 @@ class Quotas:
     # which may hold outputs for its trailing members (cohorts.py).
     cohort_bytes: int = 0
 
+    @property
+    def user_share(self) -> float:
+        """The part of the daemon's pipelines and DALI threads one uid may hold: as much as its
+        jobs' of ``max_jobs`` (0: no per-user limit)."""
+        if not self.max_jobs_per_user:
+            return 0.0
+        return min(1.0, self.max_jobs_per_user / self.max_jobs)
+
+
+def per_user_jobs(max_jobs: int, asked: int | None) -> int:
+    """``--max-jobs-per-user``: as ``asked``, else half of ``max_jobs`` (at least 1)."""
+    return asked if asked is not None else max(1, max_jobs // 2)
+
 
 class QuotaRefused(Exception):
     """A job asked for more than the daemon can give; the message says what it can."""
@@ -64,9 +80,12 @@ def grant(
     max_message_bytes: int,
     pid: int = 0,
     jobs_of_process: int = 0,
+    uid: int = -1,
+    jobs_of_user: int = 0,
 ) -> Limits:
     """The limits of a new job, given the ``jobs`` already open, ``jobs_of_process`` of them
-    with a trainer of process ``pid`` (0: a process the daemon cannot see)."""
+    with a trainer of process ``pid`` (0: a process the daemon cannot see) and ``jobs_of_user``
+    with a trainer of uid ``uid`` (-1: unknown)."""
     if jobs >= quotas.max_jobs:
         raise QuotaRefused(
             f"this daemon already serves {jobs} jobs, its limit (dalid serve --max-jobs "
@@ -78,6 +97,13 @@ def grant(
             f"process {pid} already has {jobs_of_process} jobs on this daemon, the limit of one "
             f"process (dalid serve --max-jobs-per-process {per_process}): close a session "
             "first, or start the daemon with a higher limit"
+        )
+    per_user = quotas.max_jobs_per_user
+    if uid >= 0 and per_user and jobs_of_user >= per_user:
+        raise QuotaRefused(
+            f"uid {uid} already has {jobs_of_user} jobs on this daemon, the share of one user "
+            f"(dalid serve --max-jobs-per-user {per_user}), kept so that other users find room: "
+            "close a job of yours first, or start the daemon with a higher limit (0: none)"
         )
     memory = hello.memory_bytes or quotas.pool_bytes
     inflight = hello.max_inflight_batches or quotas.max_inflight_batches

@@ -156,7 +156,7 @@ def shm_size() -> int:
 def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     from ..handling.registration import Sharing
     from ..intake.daemon import DaemonConfig, usable_cores
-    from ..jobs.quotas import Quotas
+    from ..jobs.quotas import Quotas, per_user_jobs
     from ..pipelines.operators import OperatorPolicy
 
     pipelines = settings["pipelines"]
@@ -166,6 +166,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     quotas = Quotas(
         max_jobs=settings["max_jobs"],
         max_jobs_per_process=settings["max_jobs_per_process"],
+        max_jobs_per_user=per_user_jobs(settings["max_jobs"], settings["max_jobs_per_user"]),
         pool_bytes=settings["pool_bytes"],
         slab_bytes=settings["slab_bytes"],
         memory_limit=limit if limit is not None else shm_size(),

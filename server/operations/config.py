@@ -277,6 +277,16 @@ OPTIONS: tuple[Option, ...] = (
         "N",
     ),
     Option(
+        "max_jobs_per_user",
+        parse_count,
+        None,
+        "jobs whose trainers are processes of one uid, so that the other uid the daemon serves "
+        "(its own, or root) finds room; also the share of one uid of --max-daemon-pipelines "
+        "and --max-threads is as much as this of --max-jobs (0: no per-user limit)",
+        "N",
+        default_text="half of --max-jobs",
+    ),
+    Option(
         "input_memory",
         parse_size,
         parse_size("2G"),
@@ -306,7 +316,8 @@ OPTIONS: tuple[Option, ...] = (
         "max_connections",
         parse_positive_int,
         2048,
-        "client connections open at once; more are closed as they come",
+        "client connections open at once, one process at most an eighth of them (at least 64); "
+        "more are closed as they come",
         "N",
     ),
     Option(

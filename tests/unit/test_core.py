@@ -412,6 +412,33 @@ def test_one_process_holds_at_most_its_share_of_the_jobs() -> None:
         core.close()
 
 
+def test_one_user_holds_at_most_its_share_of_the_jobs() -> None:
+    credentials: dict[bytes, PeerCredentials] = {}
+    core = _limited_core(credentials, max_jobs=4, max_jobs_per_user=2)
+    try:
+
+        def hello(identity: bytes, pid: int, uid: int) -> Message | None:
+            credentials[identity] = PeerCredentials(pid, uid, uid)
+            return core.handle(identity, Hello(PROTOCOL_VERSION, 1, Role.TRAINER), 1)
+
+        assert isinstance(hello(b"a", 100, 1000), Welcome)
+        assert isinstance(hello(b"b", 101, 1000), Welcome)
+        # Another process of the same user: refused, with what was exceeded and what to do.
+        refused = hello(b"c", 102, 1000)
+        assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "uid 1000 already has 2 jobs" in refused.message
+        assert "--max-jobs-per-user 2" in refused.message
+        assert "close a job of yours first" in refused.message
+        # The other user finds its share.
+        assert isinstance(hello(b"d", 200, 0), Welcome)
+        assert isinstance(hello(b"e", 201, 0), Welcome)
+        # A job that ends gives its place back to its user.
+        core.peer_disconnected(b"a")
+        assert isinstance(hello(b"f", 103, 1000), Welcome)
+    finally:
+        core.close()
+
+
 def test_a_job_registers_at_most_its_limit_of_pipelines() -> None:
     core = _limited_core({}, max_pipelines=1)
     try:

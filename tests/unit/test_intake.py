@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -10,7 +11,15 @@ import pytest
 
 from dalid.protocol import Error, ErrorCode
 from dalid.server.intake.credentials import PeerCredentials, parse_peer_address
-from dalid.server.intake.intake import CUT_GRACE_S, Intake, IntakeLimits, Verdict
+from dalid.server.intake.intake import (
+    CUT_GRACE_S,
+    MIN_PER_PROCESS,
+    Intake,
+    IntakeLimits,
+    Verdict,
+    per_process_connections,
+)
+from dalid.server.intake.log_damper import LINES_PER_SECOND, DampedLog
 
 
 class Clock:
@@ -159,6 +168,62 @@ def test_connections_past_the_limit_are_cut_at_once(
     _, third = connect(intake, pairs)
     assert is_cut(third)
     assert not any(is_cut(theirs) for theirs in kept)
+
+
+def test_one_process_holds_at_most_its_share_of_the_connections(
+    pairs: list[tuple[socket.socket, socket.socket]], caplog: pytest.LogCaptureFixture
+) -> None:
+    intake = Intake(IntakeLimits(max_connections=200))
+    share = per_process_connections(200)
+    assert share == MIN_PER_PROCESS  # an eighth of 200 is fewer
+    held = [connect(intake, pairs) for _ in range(share)]
+    with caplog.at_level(logging.WARNING, logger="dalid.server"):
+        fd, over = connect(intake, pairs)
+    assert is_cut(over)
+    assert f"process {os.getpid()} holds {share + 1} connections" in caplog.text
+    assert "--max-connections 200" in caplog.text
+    assert not is_cut(held[0][1])
+    # Connections that close give their place back to their process.
+    intake.closed(fd)
+    intake.closed(held[0][0])
+    assert not is_cut(connect(intake, pairs)[1])
+
+
+def test_a_storm_of_connections_is_cut_with_a_few_log_lines_that_count_the_rest(
+    pairs: list[tuple[socket.socket, socket.socket]], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    intake = Intake(IntakeLimits(max_connections=1), clock=clock)
+    connect(intake, pairs)
+    with caplog.at_level(logging.WARNING, logger="dalid.server"):
+        storm = [connect(intake, pairs)[1] for _ in range(50)]
+        assert all(is_cut(theirs) for theirs in storm)  # every one is still cut
+        lines = [r.getMessage() for r in caplog.records if "cut at once" in r.getMessage()]
+        assert len(lines) == LINES_PER_SECOND
+        intake.cut_due()  # within the second: nothing more
+        clock.now += 1.5
+        intake.cut_due()  # the second is over: the lines left out are counted
+    told = caplog.records[-1].getMessage()
+    assert f"{50 - LINES_PER_SECOND} more lines like the last were not logged" in told
+    assert len(caplog.records) == LINES_PER_SECOND + 1
+
+
+def test_a_damped_line_says_how_many_of_its_kind_were_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    damped = DampedLog(logging.getLogger("dalid.test"), per_second=2, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="dalid.test"):
+        for n in range(10):
+            damped.warning("line %d", n)
+        clock.now += 1.0
+        damped.warning("line %d", 10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "line 0",
+        "line 1",
+        "line 10 (and 8 more like it not logged)",
+    ]
+    assert damped.left_out == 0 and damped.left_out_total == 8
 
 
 def test_a_peer_that_reads_nothing_is_cut_at_once(

@@ -112,6 +112,27 @@ def test_no_pipeline_starts_past_the_threads_or_the_pipelines_limit() -> None:
         budget.room()
 
 
+def test_one_user_holds_at_most_its_share_of_the_pipelines_and_threads() -> None:
+    budget = PipelineBudget(max_threads=100, max_pipelines=4, user_share=0.5)
+    budget.add(1, 1, uid=1000)
+    budget.add(2, 1, uid=1000)
+    with pytest.raises(RequestRefused, match="uid 1000 already runs 2 pipelines") as refused:
+        budget.room(1000)
+    assert "--max-jobs-per-user" in str(refused.value)
+    assert budget.take(1) == 0  # another DALI instance would pass the share too
+    assert budget.room(0) >= 1  # the other user finds room
+    budget.forget(2)
+    assert budget.room(1000) >= 1  # a pipeline that ends gives its place back
+    # Threads: one user's pipelines hold at most half of them.
+    budget = PipelineBudget(max_threads=4, max_pipelines=0, user_share=0.5)
+    budget.add(1, 2, uid=1000)
+    with pytest.raises(RequestRefused, match="uid 1000's pipelines already have 2 DALI threads"):
+        budget.room(1000)
+    assert budget.room(0) >= 1
+    budget.add(2, 1, uid=0)
+    assert budget.room(0) == 1  # root's share is 2 threads, 1 of them held
+
+
 def test_another_instance_takes_its_first_ones_threads_and_gives_them_back() -> None:
     budget = PipelineBudget(max_threads=10, max_pipelines=3)
     budget.add(1, 4)
