@@ -257,11 +257,11 @@ class Connection:
             raise error_from_reply(envelope.message)
         return envelope.message
 
-    def _answering_pid(self) -> int | None:
+    def _answering_pid(self, timeout: float = 2.0) -> int | None:
         """The pid of the daemon that answers a ping on the socket now (None: none does)."""
         ping_id = next(self._request_ids)
         self._send(Ping(), ping_id)
-        envelope = self.receive_until(lambda e: e.request_id == ping_id, 2.0, ping=False)
+        envelope = self.receive_until(lambda e: e.request_id == ping_id, timeout, ping=False)
         if envelope is None or not isinstance(envelope.message, Pong):
             return None
         return envelope.message.daemon_pid
@@ -299,14 +299,7 @@ class Connection:
                 if idle is not None:
                     idle()
                 if self._dropped():
-                    self._daemon_gone = True
-                    raise DaemonUnavailable(
-                        f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) "
-                        f"ended job {self.welcome.job_id}: it dropped the trainer's connection, "
-                        "which answered none of its heartbeats for a few seconds (was this "
-                        "process stopped: SIGSTOP, a debugger, a frozen container?). "
-                        f"{self.advice.after_dropped()}"
-                    )
+                    raise self._dropped_error()
                 now = time.monotonic()
                 silent = now - last_heard
                 if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
@@ -378,6 +371,28 @@ class Connection:
             monitor.close(linger=0)
         if sock is not None:
             sock.close(linger=0)
+
+    def _dropped_error(self) -> DaemonUnavailable:
+        """The error for a connection the daemon dropped: the daemon died or was replaced, or
+        it ended this trainer's job for answering none of its heartbeats."""
+        if self._watch_daemon:
+            if not process_running(self._daemon_pid):
+                return self.gone_error("its process has exited (was it killed?)")
+        else:
+            answering = self._answering_pid(self._ping_timeout)
+            if answering is None:
+                return self.gone_error(
+                    f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
+                )
+            if answering != self._daemon_pid:
+                return self.gone_error(f"daemon pid {answering} now answers (it was restarted)")
+        self._daemon_gone = True
+        return DaemonUnavailable(
+            f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) ended job "
+            f"{self.welcome.job_id}: it dropped the trainer's connection, which answered none of "
+            "its heartbeats for a few seconds (was this process stopped: SIGSTOP, a debugger, a "
+            f"frozen container?). {self.advice.after_dropped()}"
+        )
 
     def _dropped(self) -> bool:
         """Whether the daemon dropped this (welcomed) connection since the last look."""
