@@ -105,7 +105,11 @@ def _heap_reading(baseline: tracemalloc.Snapshot | None) -> dict[str, Any]:
         if baseline is not None:
             grew = snapshot.compare_to(baseline, "lineno")[:15]
             reading["grew"] = [
-                {"where": str(stat.traceback), "kib": stat.size_diff / 1024, "count": stat.count_diff}
+                {
+                    "where": str(stat.traceback),
+                    "kib": stat.size_diff / 1024,
+                    "count": stat.count_diff,
+                }
                 for stat in grew
             ]
     return reading
@@ -324,9 +328,20 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             start = time.monotonic()
             trainers = [
                 subprocess.Popen(
-                    [sys.executable, "-m", "bench.soak", "job", str(socket), str(folder.root),
-                     str(jobs_s), str(i), str(args.workers), str(args.batch_size)],
-                    stdout=subprocess.PIPE, text=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.soak",
+                        "job",
+                        str(socket),
+                        str(folder.root),
+                        str(jobs_s),
+                        str(i),
+                        str(args.workers),
+                        str(args.batch_size),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
                 )  # fmt: skip
                 for i in range(args.jobs)
             ]
