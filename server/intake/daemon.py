@@ -78,7 +78,7 @@ from .credentials import from_message
 from .farewell import NOTICE_LINGER_MS, stop_reason, stopping_notice
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
-from .heap import give_back_free_memory
+from .heap import HeapKeeper, give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
     SEND_QUEUE,
@@ -384,6 +384,8 @@ class Daemon:
         # once a tick: a flooding job may come, be cut and go within one.
         departures = self._departures()
         inputs_peak = self.core.inputs.held
+        # And while jobs run, whenever the heap's resident memory has grown (heap.py).
+        heap = HeapKeeper(trim=give_back_free_memory)
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         timeout = self.config.idle_timeout
@@ -420,9 +422,11 @@ class Daemon:
                 inputs_peak = max(inputs_peak, self.core.inputs.take_peak())
                 held = self.core.inputs.held
                 if departures != self._departures() or inputs_peak - held >= TRIM_AFTER_BYTES:
-                    give_back_free_memory()
+                    heap.trim()
                     departures = self._departures()
                     inputs_peak = held
+                else:
+                    heap.check()
             if self._metrics is not None and now >= next_snapshot:
                 # Only the metrics endpoint reads it: without one, the status is made when asked.
                 self.snapshot = self.core.status()
