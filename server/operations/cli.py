@@ -31,7 +31,7 @@ from dalid.protocol import (
 
 from ..handling.registration import Sharing
 from ..intake.daemon import Daemon, DaemonConfig, usable_cores
-from ..intake.heap import limit_malloc_arenas
+from ..intake.heap import host_buffers_from_malloc, limit_malloc_arenas
 from ..jobs.quotas import Quotas
 from ..pipelines.operators import OperatorPolicy
 from .config import CONFIG_ENV, OPTIONS, ConfigError, add_options, resolve
@@ -242,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _supervise(args, settings)
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
+        host_buffers_from_malloc()
         daemon = Daemon(config)
         # A child of `dalid serve` ends with its supervisor, stuck or not.
         watch_supervisor(daemon.request_stop, daemon.abandon)
