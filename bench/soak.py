@@ -167,9 +167,11 @@ def serve(argv: Sequence[str]) -> int:
 # --- a job -------------------------------------------------------------------------------------
 
 
-def job(socket: str, root: str, seconds: float, index: int, workers: int, batch: int) -> int:
-    """One trainer: epochs until ``seconds`` have passed, each index checked; its counts as
-    one JSON line on stdout."""
+def job(argv: Sequence[str]) -> int:
+    """One trainer (``job SOCKET ROOT SECONDS INDEX WORKERS BATCH``): epochs until ``SECONDS``
+    have passed, each index checked; its counts as one JSON line on stdout."""
+    socket, root = argv[0], argv[1]
+    seconds, index, workers, batch = float(argv[2]), int(argv[3]), int(argv[4]), int(argv[5])
     import numpy as np
     from torch.utils.data import Dataset
 
@@ -346,23 +348,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             start = time.monotonic()
             trainers = [
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "bench.soak",
-                        "job",
-                        str(socket),
-                        str(folder.root),
-                        str(jobs_s),
-                        str(i),
-                        str(args.workers),
-                        str(args.batch_size),
-                    ],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )  # fmt: skip
+                    [sys.executable, "-m", "bench.soak", "job", str(socket), str(folder.root),
+                     str(jobs_s), str(i), str(args.workers), str(args.batch_size)],
+                    stdout=subprocess.PIPE, text=True,
+                )
                 for i in range(args.jobs)
-            ]
+            ]  # fmt: skip
             while any(t.poll() is None for t in trainers):
                 value = rss_anon_mib(process.pid)
                 elapsed = time.monotonic() - start
@@ -403,7 +394,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             rss_anon_after_collection_mib=collected,
             left_behind=left_behind,
             rss_anon=samples,
-            heap=_read_lines(heap),
+            heap=_kept_readings(_read_lines(heap)),
             settings=vars(args),
         )
         return result
@@ -426,6 +417,15 @@ def _last_heap(path: Path) -> str:
     if "traced_mib" in last:
         words += f", traced {last['traced_mib']:.1f} MiB"
     return words
+
+
+def _kept_readings(readings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The probe's readings as the result keeps them: the most numerous types of the first and
+    the last only (the figures of every one)."""
+    return [
+        r if index in (0, len(readings) - 1) else {k: v for k, v in r.items() if k != "types"}
+        for index, r in enumerate(readings)
+    ]
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:
@@ -466,8 +466,7 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
     if argv[:1] == ["job"]:
-        socket, root, seconds, index, workers, batch = argv[1:7]
-        return job(socket, root, float(seconds), int(index), int(workers), int(batch))
+        return job(argv[1:7])
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     parser.add_argument("--jobs", type=int, default=TARGET_JOBS)
     parser.add_argument("--minutes", type=float, default=TARGET_MINUTES)

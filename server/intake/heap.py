@@ -22,9 +22,11 @@ in the arena for its next allocations, and a pipeline whose runs vary in size (s
 one to four jobs' batches) frees and allocates its buffers at shifting places, so that the
 arena's resident free pages grow run after run (a 6-job soak: 38 MiB a minute, glibc's count
 of memory in use flat). ``malloc_trim`` returns those pages (``madvise``) wherever they are;
-the keeper calls it once the process's anonymous resident memory has grown by ``growth``
-since the last time, at most once every ``interval_s``: what a run re-touches after a trim
-costs a page fault a page, a few milliseconds a trim.
+the keeper calls it once the process's anonymous resident memory has grown ``growth`` past its
+ceiling, the most it held in the ``interval_s`` after the last trim (what the runs take back
+after a trim, their working set, is not growth): at most one trim a ``interval_s``, and
+rarely more than one every few minutes; what a run re-touches after one costs a page fault a
+page, a few milliseconds a trim.
 
 DALI's large host buffers: unless ``DALI_MALLOC_POOL_THRESHOLD`` is set, DALI 2.4 keeps them in
 blocks that outlive the pipeline that used them (a pipeline of 128-sample runs built, run and
@@ -129,9 +131,10 @@ def anonymous_resident_bytes() -> int | None:
 
 
 class HeapKeeper:
-    """Gives the heap's free memory back when anonymous resident memory has grown by
-    ``growth`` bytes since it last did, at most once every ``interval_s`` (see the module's
-    docstring); used by the daemon's I/O thread alone."""
+    """Gives the heap's free memory back when anonymous resident memory has grown ``growth``
+    bytes over its ceiling: the most it held in the ``interval_s`` after the last trim, once
+    the runs had taken back what they use (see the module's docstring). Never twice within
+    ``interval_s``. Used by the daemon's I/O thread alone."""
 
     def __init__(
         self,
@@ -147,26 +150,27 @@ class HeapKeeper:
         self._resident = resident
         self._trim = trim
         self._clock = clock
-        self._after: int | None = resident()  # resident memory after the last trim
-        self._at = clock()
+        self._ceiling: int | None = None
+        self._settled_at = clock() + interval_s
         self.trims = 0
 
     def check(self) -> bool:
-        """Trims if resident memory has grown enough since the last trim, and it is time;
-        whether it did."""
-        if self._clock() - self._at < self.interval_s:
-            return False
+        """Trims if resident memory is ``growth`` over the ceiling; whether it did."""
         now = self._resident()
-        if now is None or self._after is None or now - self._after < self.growth:
-            if self._after is None or (now is not None and now < self._after):
-                self._after = now  # memory given back otherwise: grown from there on
+        if now is None:
+            return False
+        if self._ceiling is None or self._clock() < self._settled_at:
+            self._ceiling = max(now, self._ceiling or 0)
+            return False
+        if now - self._ceiling < self.growth:
             return False
         self.trim()
         return True
 
     def trim(self) -> None:
-        """Gives the heap's free memory back now (after a job's departure, say)."""
+        """Gives the heap's free memory back now (after a job's departure, say); the ceiling
+        is set again over the next ``interval_s``."""
         self._trim()
         self.trims += 1
-        self._after = self._resident()
-        self._at = self._clock()
+        self._ceiling = None
+        self._settled_at = self._clock() + self.interval_s

@@ -78,6 +78,7 @@ libc.malloc.argtypes = (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
 libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
 keeper = HeapKeeper(growth=64 << 20, interval_s=0.0)
+assert not keeper.check()  # its ceiling: what the process holds before
 blocks = [libc.malloc(64 << 10) for _ in range(4096)]
 for block in blocks:
     libc.memset(block, 1, 64 << 10)
@@ -110,7 +111,7 @@ class Clock:
         return self.now
 
 
-def test_a_keeper_trims_on_growth_at_most_once_an_interval() -> None:
+def test_a_keeper_trims_on_growth_over_what_the_runs_took_back() -> None:
     clock, resident, trims = Clock(), [100 << 20], []
 
     def trim() -> None:
@@ -120,29 +121,40 @@ def test_a_keeper_trims_on_growth_at_most_once_an_interval() -> None:
     keeper = HeapKeeper(
         growth=32 << 20, interval_s=30.0, resident=lambda: resident[0], trim=trim, clock=clock
     )
-    resident[0] = 200 << 20
-    clock.now = 10.0
-    assert not keeper.check()  # grown, but too soon
-    clock.now = 30.0
-    assert keeper.check()
-    assert trims == [30.0]
-    resident[0] = 140 << 20  # grown by 20 MiB since the trim left 120: not enough
-    clock.now = 90.0
+    for now, mib in ((10.0, 150), (20.0, 200)):  # the first runs: the ceiling is set
+        clock.now, resident[0] = now, mib << 20
+        assert not keeper.check()
+    clock.now, resident[0] = 40.0, 230 << 20  # 30 MiB over the ceiling of 200
     assert not keeper.check()
-    resident[0] = 160 << 20
+    resident[0] = 240 << 20
+    assert keeper.check()
+    assert trims == [40.0]
+    # The runs take back their working set: not growth, however soon after the trim.
+    for now, mib in ((45.0, 180), (60.0, 230), (69.0, 220)):
+        clock.now, resident[0] = now, mib << 20
+        assert not keeper.check()
+    clock.now, resident[0] = 80.0, 250 << 20
+    assert not keeper.check()
+    resident[0] = 262 << 20
     assert keeper.check()
     assert keeper.trims == 2
 
 
-def test_a_keeper_counts_growth_from_where_memory_went_down_to() -> None:
-    clock, resident = Clock(), [300 << 20]
+def test_a_keeper_trims_at_most_once_an_interval() -> None:
+    clock, resident = Clock(), [100 << 20]
     keeper = HeapKeeper(
-        growth=32 << 20, interval_s=0.0, resident=lambda: resident[0], trim=lambda: None,
+        growth=1 << 20, interval_s=30.0, resident=lambda: resident[0], trim=lambda: None,
         clock=clock,
     )  # fmt: skip
-    resident[0] = 100 << 20  # given back otherwise (a job's departure, a trim of glibc's own)
-    assert not keeper.check()
-    resident[0] = 140 << 20
+    clock.now = 31.0
+    keeper.check()
+    keeper.trim()
+    for now in (35.0, 45.0, 60.0):
+        clock.now = now
+        resident[0] += 100 << 20
+        assert not keeper.check()
+    clock.now = 62.0
+    resident[0] += 100 << 20
     assert keeper.check()
 
 
