@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .dataset import make_imagefolder
+from .machine import describe
 
 # Targets: flat over the second half of a 15-minute 6-job run, and back after the jobs leave.
 SLOPE_TARGET_MIB_MIN = 2.0
@@ -395,7 +396,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             left_behind=left_behind,
             rss_anon=samples,
             heap=_kept_readings(_read_lines(heap)),
-            settings=vars(args),
+            settings={**vars(args), "output": str(args.output)},
+            machine=describe(),
         )
         return result
     finally:
