@@ -71,7 +71,7 @@ from ..pipelines.repository import PipelineRepository
 from .farewell import Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
-from .heap import give_back_free_memory
+from .heap import HeapKeeper, give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
     SEND_QUEUE,
@@ -395,11 +395,12 @@ class Daemon:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
         next_reap = time.monotonic() + 1.0
-        # A job that ended, a connection cut, or batch inputs freed (by executors that stop
-        # late too) since the last trim leave freed memory to give back. Counted, not sampled
-        # once a tick: a flooding job may come, be cut and go within one.
+        # A job that ended, a connection cut, or batch inputs freed since the last trim leave
+        # freed memory to give back; counted, as a flooding job may come and go within a tick.
         departures = self._departures()
         inputs_peak = self.core.inputs.held
+        # And while jobs run, whenever the heap's resident memory has grown (heap.py).
+        heap = HeapKeeper(trim=give_back_free_memory)
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         timeout = self.config.idle_timeout
@@ -436,9 +437,11 @@ class Daemon:
                 inputs_peak = max(inputs_peak, self.core.inputs.take_peak())
                 held = self.core.inputs.held
                 if departures != self._departures() or inputs_peak - held >= TRIM_AFTER_BYTES:
-                    give_back_free_memory()
+                    heap.trim()
                     departures = self._departures()
                     inputs_peak = held
+                else:
+                    heap.check()
             if self._metrics is not None and now >= next_snapshot:
                 # Only the metrics endpoint reads it: without one, the status is made when asked.
                 self.snapshot = self.core.status()
@@ -482,11 +485,8 @@ class Daemon:
         return self.core.registry.ended + self._intake.cuts
 
     def _deliverable(self, identity: bytes, message: Message) -> bool:
-        """False for a batch's result whose job ended while the batch ran: its pool is freed.
-
-        An executor asks without the loop's order, so a job that ends at that moment may still
-        get the result; its trainer, leaving or gone, could as well have had it a moment
-        earlier, and reads it as any result that was on its way when it left."""
+        """False for a batch's result whose job ended while the batch ran: its pool is freed
+        (a job ending as an executor asks may still get it, as any result on its way)."""
         core = self.core
         return not isinstance(message, BatchReady | BatchFailed) or (
             core is not None and core.job_for(identity) is not None

@@ -266,12 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is None:
             return _supervise(args, settings)
         from ..intake.daemon import Daemon
-        from ..intake.heap import limit_malloc_arenas
+        from ..intake.heap import host_buffers_from_malloc, limit_malloc_arenas
         from ..runs import stopping
         from .lifeline import supervisor_pid, watch_supervisor
 
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
+        # DALI's host buffers come from malloc, which gives them back (heap.py).
+        host_buffers_from_malloc()
         supervisor = supervisor_pid()
         daemon = Daemon(dataclasses.replace(config, supervisor=supervisor))
         if supervisor is not None:

@@ -227,6 +227,30 @@ def test_goodbye_frees_the_job(core: PushingCore) -> None:
     assert core.registry.ended == 1  # the daemon gives freed memory back after each
 
 
+def test_workers_that_come_and_go_leave_no_record_behind(core: PushingCore) -> None:
+    """As a DataLoader without persistent workers makes them: new connections every epoch.
+    Each worker that leaves, by goodbye or by its connection's close, is forgotten; what the
+    job's pipeline remembers of them is bounded."""
+    from dalid.protocol import Goodbye
+    from dalid.server.runs.runs import SENDERS_REMEMBERED
+
+    welcome = _hello(core)
+    _register(core)
+    job = core.jobs[welcome.job_id]
+    for index in range(SENDERS_REMEMBERED + 100):
+        identity = b"worker-%d" % index
+        hello = _worker_hello(core, identity, welcome.job_id, welcome.job_token)
+        assert isinstance(hello, Welcome)
+        if index % 2:
+            assert isinstance(core.handle(identity, Goodbye(), 2), Ok)
+        else:
+            core.peer_disconnected(identity)
+    assert set(core.peers) == {TRAINER}
+    assert job.peers == {TRAINER}
+    (member,) = job.pipelines.values()
+    assert len(member.senders_left) == SENDERS_REMEMBERED
+
+
 # --- earlier jobs: workers rejoining a trainer's job after a daemon restart -----------------------
 
 OLD_TOKEN = "token-of-a-job-of-an-earlier-daemon"
