@@ -14,7 +14,7 @@ gc tracks (their number, and the most numerous types); with ``--tracemalloc`` al
 Python heap tracemalloc counts and the lines whose allocations grew most since the jobs
 started (tracemalloc slows the daemon: compare slopes with it on or off, not across).
 
-The result (printed, and written as ``bench/results/<time>-soak.json``) says the slope of
+The result (printed, and written as ``bench/results/soak/<time>-soak.json``) says the slope of
 RssAnon over the second half of the jobs' time, MiB/min (least squares), and RssAnon after
 every job has left against before any joined, each held to its target.
 """
@@ -56,7 +56,7 @@ INTERVAL_ENV = "DALID_SOAK_INTERVAL"
 # trims its heap once a job ends) before the reading that is held to the target.
 SETTLE_S = 20.0
 MIB = 1024 * 1024
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "soak"
 
 
 # --- in the daemon: the heap probe ---------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_a_resume_on_a_restarted_daemon(daemon: DaemonProcess, short_tmp: Path, 
     kills = _kills(rng, 1)
     expected = _reference(daemon.socket, short_tmp, mode, 2, proxy=False)
     own = short_tmp / "own"
-    own.mkdir()
+    own.mkdir(mode=0o700)
     running = [start_daemon(own)]
 
     def restart() -> None:

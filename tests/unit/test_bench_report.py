@@ -15,7 +15,11 @@ from bench import cpu_split, scaling_report
 from bench.report import RAW, RAW_KEYS, RESULTS_DIR, compact, markdown, plot, write
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARIES = sorted(p for p in RESULTS_DIR.rglob("*.json") if RAW not in p.parts)
+SUMMARIES = sorted(
+    p for p in RESULTS_DIR.rglob("*.json") if RAW not in p.parts and "soak" not in p.parts
+)
+# The soak's results (bench/soak.py) are of their own form: samples of the daemon's memory.
+SOAKS = sorted((RESULTS_DIR / "soak").glob("*-soak.json"))
 LATEST_CPU = RESULTS_DIR / "20261125T215110Z.json"  # the run bench/results/LATEST.md shows
 
 
@@ -112,3 +116,11 @@ def test_cpu_split_reads_a_summarys_raw_result_and_says_when_there_is_none(
     (tmp_path / "s.json").write_text(json.dumps({"summary": {}}))
     with pytest.raises(SystemExit, match=r"is a run's summary.*raw/s\.json"):
         cpu_split.load_runs(tmp_path / "s.json")
+
+
+@pytest.mark.parametrize("path", SOAKS, ids=lambda path: path.name)
+def test_every_soak_result_says_its_targets_and_stays_small(path: Path) -> None:
+    data = json.loads(path.read_text())
+    assert {"slope_second_half_mib_per_min", "rss_anon_after_mib", "targets"} <= set(data), path
+    assert data["missing"] == data["duplicated"] == 0, path
+    assert path.stat().st_size < 100_000, path
