@@ -12,6 +12,7 @@ It holds every message of the protocol, the schema the codec reads, grouped by f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -730,16 +731,17 @@ class SubmitBatch(Message):
     def without_samples(self) -> SubmitBatch:
         """This submission with none of its samples' bytes: its ids, size and flags, and one
         input of empty samples (what a receiver keeps of a batch whose result has gone)."""
-        size = self.batch_size
-        empty = InputBatch(
-            self.inputs[0].name,
-            "uint8",
-            size,
-            1,
-            memoryview(bytes(size * SHAPE_DTYPE.itemsize)),
-            memoryview(b""),
+        return dataclasses.replace(
+            self, inputs=(_empty_input(self.inputs[0].name, self.batch_size),)
         )
-        return dataclasses.replace(self, inputs=(empty,))
+
+
+@functools.lru_cache(maxsize=64)
+def _empty_input(name: str, size: int) -> InputBatch:
+    """``size`` empty samples of ``name``: immutable, so one serves every batch of that size."""
+    return InputBatch(
+        name, "uint8", size, 1, memoryview(bytes(size * SHAPE_DTYPE.itemsize)), memoryview(b"")
+    )
 
 
 @dataclass(frozen=True)
