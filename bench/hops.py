@@ -133,11 +133,11 @@ def trace_daemon() -> None:
     """Stamps in the daemon process: its I/O thread and its executors."""
     from dalid.protocol import Message, transport
     from dalid.server.handling import core
-    from dalid.server.intake import daemon, shared_socket
+    from dalid.server.intake import daemon, reception, shared_socket
     from dalid.server.pipelines import runner
     from dalid.server.runs import delivery, run_planner
 
-    decode = daemon.decode  # type: ignore[attr-defined]  # the daemon's own name for it
+    decode = reception.decode  # the reception's own name for it
 
     def traced_decode(frames: Any) -> Any:
         _stamp("d.decode>")
@@ -145,7 +145,7 @@ def trace_daemon() -> None:
         _stamp(f"d.decode<:{envelope.message.OP}")
         return envelope
 
-    daemon.decode = traced_decode  # type: ignore[attr-defined]
+    reception.decode = traced_decode
     _wrap(core.DaemonCore, "handle", "d.handle", lambda self, peer, message, rid: message.OP)
     _wrap(transport, "send_to", "d.send", _op)
     _wrap(run_planner.RunPlanner, "submit", "d.queue")
@@ -210,20 +210,20 @@ STEPS = [
     ("dalid.server.runs.run_planner", "RunPlanner", "next_run", "next_run (forming the run)"),
     ("dalid.server.runs.run_planner", "RunPlanner", "prepare", "next_run: prepare"),
     ("dalid.server.runs.run_planner", "RunPlanner", "_pick", "next_run, give_slots: _pick"),
-    ("dalid.server.runs.run_planner", "RunPlanner", "_take_slot", "next_run: _take_slot"),
+    ("dalid.server.runs.slots", "Slots", "take", "next_run: Slots.take"),
     ("dalid.server.pipelines.runner", "PipelineRunner", "schedule", "schedule (DALI)"),
     ("dalid.server.pipelines.runner", None, "feedable", "schedule: feedable"),
     ("dalid.server.pipelines.runner", "PipelineRunner", "collect", "collect (DALI)"),
     (
-        "dalid.server.runs.executor",
-        "PipelineExecutor",
-        "_holds_runs",
-        "schedule, collect: _holds_runs",
+        "dalid.server.runs.dali_instances",
+        "DaliInstances",
+        "holds_runs",
+        "schedule, collect: holds_runs",
     ),
-    ("dalid.server.runs.executor", "PipelineExecutor", "_account", "_account"),
+    ("dalid.server.runs.executor", "PipelineExecutor", "account", "account"),
     ("dalid.server.runs.run_planner", "RunPlanner", "give_slots", "give_slots"),
-    ("dalid.server.runs.executor", "PipelineExecutor", "_look", "_look"),
-    ("dalid.server.runs.executor", "PipelineExecutor", "_deliver", "_deliver"),
+    ("dalid.server.runs.executor", "PipelineExecutor", "look", "look"),
+    ("dalid.server.runs.delivery", "Delivery", "deliver", "deliver"),
     (
         "dalid.server.outputs.job_outputs",
         "JobOutputs",

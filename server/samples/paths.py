@@ -11,7 +11,8 @@ pays for a check of each file's access. Before a run (:func:`check_paths`) empty
 bytes and the samples the trainer could not read are bad samples, found as arrays; a path
 that is not a regular file
 (a FIFO, a device, a directory) is a bad sample too, found by one ``os.stat`` per path in a
-loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever); then only the
+loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever), once per period
+for a path found regular (:class:`RegularFiles`); then only the
 directory of the first good path is looked at, once per :data:`DIRECTORY_RECHECK_S`
 (:class:`DirectoryChecks`). A batch whose run fails is checked file by file
 (:func:`unseen_file`) before any bad sample is looked for. Why, what the check leaves open
@@ -95,12 +96,55 @@ class DirectoryChecks:
 
 DIRECTORIES = DirectoryChecks()
 
+# Paths remembered as regular files at most; past that the memory starts afresh.
+MAX_REGULAR_FILES = 1 << 17
+
+
+class RegularFiles:
+    """The paths found to name regular files lately, by their hash (Note [Checking paths per
+    directory]): one found in this period of ``recheck_s`` is not ``stat``ed again until the
+    next. An epoch of a dataset that passes within the period pays one ``stat`` a file, not one
+    a sample of every epoch; one that does not (ImageNet at any rate) pays as before, plus a
+    hash a path.
+
+    Thread-safe: the executors of several pipelines check their batches at once.
+    """
+
+    def __init__(
+        self, recheck_s: float = DIRECTORY_RECHECK_S, most: int = MAX_REGULAR_FILES
+    ) -> None:
+        self.recheck_s = recheck_s
+        self.most = most
+        self.stats = 0  # paths stat'ed, for tests and the curious
+        self._regular: set[int] = set()
+        self._period_start = time.monotonic()
+        self._lock = threading.Lock()
+
+    def unknown(self, keys: list[int]) -> np.ndarray:
+        """Which of the paths of these hashes were not found regular in this period, as a
+        mask (starting the next period if due)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._period_start >= self.recheck_s or len(self._regular) >= self.most:
+                self._regular = set()
+                self._period_start = now
+            known = np.fromiter(map(self._regular.__contains__, keys), bool, len(keys))
+        return ~known
+
+    def found_regular(self, keys: list[int]) -> None:
+        with self._lock:
+            self._regular.update(keys)
+
+
+REGULAR_FILES = RegularFiles()
+
 
 def check_paths(
     inputs: Sequence[InputBatch],
     path_inputs: Collection[str],
     unreadable: Collection[int],
     directories: DirectoryChecks = DIRECTORIES,
+    regular: RegularFiles = REGULAR_FILES,
 ) -> dict[int, str]:
     """The bad samples among the path samples of a batch, with why; raises FilesUnseen where
     the directory of the first path that is not bad is one the daemon cannot enter (Note
@@ -133,7 +177,7 @@ def check_paths(
                     f"input {item.name!r}: cannot read {shown}, in the trainer either (a "
                     "missing file, or a wrong path)"
                 )
-        for position, kind in not_regular(data, starts, stops, bad).items():
+        for position, kind in not_regular(data, starts, stops, bad, regular).items():
             shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
             bad[position] = (
                 f"input {item.name!r}: {shown} is not a regular file ({kind}); the daemon reads "
@@ -168,14 +212,19 @@ _DEVICE = operator.attrgetter("st_dev")
 
 
 def not_regular(
-    data: np.ndarray, starts: np.ndarray, stops: np.ndarray, bad: Collection[int]
+    data: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    bad: Collection[int],
+    regular: RegularFiles | None = None,
 ) -> dict[int, str]:
     """The positions of the paths (sample i: ``data[starts[i]:stops[i]]``, those in ``bad``
     left out) that name something other than a regular file, with what they name.
 
-    One ``os.stat`` a path, made and read in loops of C (``map``), and the modes judged as
-    arrays: no Python runs per sample. A path whose ``stat`` fails (a missing file, or one
-    the daemon does not see) is left to the read and the checks after a failure, as before."""
+    One ``os.stat`` a path not found regular in ``regular``'s period, made and read in loops
+    of C (``map``), and the modes judged as arrays: no Python runs per sample. A path whose
+    ``stat`` fails (a missing file, or one the daemon does not see) is left to the read and
+    the checks after a failure, as before."""
     keep = np.ones(len(starts), bool)
     keep[list(bad)] = False
     positions = np.flatnonzero(keep)
@@ -184,12 +233,26 @@ def not_regular(
     raw = data.tobytes()
     paths = list(map(raw.__getitem__, map(slice, starts[positions].tolist(),
                                          stops[positions].tolist())))  # fmt: skip
+    keys: list[int] = []
+    if regular is not None:
+        keys = list(map(hash, paths))
+        unknown = regular.unknown(keys)
+        if not unknown.any():
+            return {}
+        if not unknown.all():
+            chosen = np.flatnonzero(unknown)
+            positions = positions[chosen]
+            paths = list(map(paths.__getitem__, chosen.tolist()))
+            keys = list(map(keys.__getitem__, chosen.tolist()))
+        regular.stats += len(paths)
     try:
         stats = list(map(os.stat, paths))
     except (OSError, ValueError):
         # A path that cannot be stat'ed: this batch pays for a loop in Python.
         looked = [_stat_or_none(path) for path in paths]
-        positions = positions[[i for i, info in enumerate(looked) if info is not None]]
+        seen = [i for i, info in enumerate(looked) if info is not None]
+        positions = positions[seen]
+        keys = list(map(keys.__getitem__, seen)) if keys else keys
         stats = [info for info in looked if info is not None]
     modes = np.fromiter(map(_MODE, stats), np.int64, len(stats)) & TYPE_BITS
     devices = np.fromiter(map(_DEVICE, stats), np.uint64, len(stats))
@@ -203,6 +266,9 @@ def not_regular(
     }
     for i in np.flatnonzero(kernel & ~odd).tolist():
         found[int(positions[i])] = KERNEL_FILE
+    if regular is not None:
+        fine = np.flatnonzero(~(odd | kernel)).tolist()
+        regular.found_regular(list(map(keys.__getitem__, fine)))
     return found
 
 
