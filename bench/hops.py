@@ -137,7 +137,7 @@ def trace_daemon() -> None:
     from dalid.server.pipelines import runner
     from dalid.server.runs import delivery, run_planner
 
-    decode = reception.decode  # the reception's own name for it
+    decode = reception.decode  # type: ignore[attr-defined]  # the reception's own name
 
     def traced_decode(frames: Any) -> Any:
         _stamp("d.decode>")
@@ -145,7 +145,7 @@ def trace_daemon() -> None:
         _stamp(f"d.decode<:{envelope.message.OP}")
         return envelope
 
-    reception.decode = traced_decode
+    reception.decode = traced_decode  # type: ignore[attr-defined]
     _wrap(core.DaemonCore, "handle", "d.handle", lambda self, peer, message, rid: message.OP)
     _wrap(transport, "send_to", "d.send", _op)
     _wrap(run_planner.RunPlanner, "submit", "d.queue")
