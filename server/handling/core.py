@@ -74,6 +74,7 @@ from .batch_requests import BatchRequests
 from .checkpoints import Checkpoints
 from .endings import JobEndings
 from .opening import JobOpening
+from .push import Push
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -94,9 +95,6 @@ class PeerProcess(Protocol):
     @property
     def uid(self) -> int: ...
 
-
-Push = Callable[[bytes, Message, int | None], None]
-"""push(peer, message, request_id): queues a message for a peer; safe from any thread."""
 
 # Requests a connection may send before its hello.
 _NEEDS_NO_HELLO = (Hello, Ping, Shutdown, StatusRequest, ReloadRepository)

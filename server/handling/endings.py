@@ -10,14 +10,12 @@ cohorts, from the I/O thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from dalid.protocol import (
     BATCH_IDS_PER_CONNECTION,
     BatchFailed,
     Error,
     ErrorCode,
-    Message,
     Role,
     SubmitBatch,
     WorkerLeft,
@@ -26,10 +24,9 @@ from dalid.protocol import (
 from ..jobs.jobs import Job, JobRegistry
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
+from .push import Push
 
 log = logging.getLogger("dalid.server")
-
-Push = Callable[[bytes, Message, int | None], None]
 
 
 class JobEndings:
