@@ -1,4 +1,5 @@
 """One DEALER connection to a daemon, for one process: hello, requests, pushes, goodbye.
+Whether the daemon behind it lives is its watch's (``watch.py``).
 
 A connection belongs to the process that opened it. After a fork the child must open its own:
 ZeroMQ sockets and contexts are not fork-safe, so a connection refuses to be used from another
@@ -7,7 +8,6 @@ pid, and :func:`process_context` gives each process a context of its own.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from dalid.protocol import (
     PROTOCOL_VERSION,
@@ -36,7 +35,6 @@ from dalid.protocol import (
     daemon_socket,
     endpoint,
     pid_namespace,
-    process_running,
     transport,
 )
 
@@ -48,22 +46,10 @@ from ..errors import (
     stopped_error,
 )
 from .advice import NO_ADVICE, Advice
+from .watch import NOTICE_GRACE_MS, DaemonWatch, Silence
 
 log = logging.getLogger("dalid.client")
 
-# How long the daemon may stay silent while we wait before we ping it, and how long a ping
-# may go unanswered before the daemon counts as gone. Where the daemon's pid means something
-# here (same pid namespace), a silent wait also checks every WATCH_EVERY_S that its process
-# lives, so a killed daemon is noticed at once; a daemon that lives but does not answer then
-# gets the longer PING_TIMEOUT_WATCHED_S, since a busy machine may delay a live daemon's pong,
-# and is pinged only after PING_AFTER_WATCHED_S: every trainer and worker waiting for a batch
-# pinged each second, which with eight jobs of eight workers was most of what the daemon's
-# I/O thread received.
-PING_AFTER_S = 1.0
-PING_AFTER_WATCHED_S = 5.0
-PING_TIMEOUT_S = 5.0
-PING_TIMEOUT_WATCHED_S = 30.0
-WATCH_EVERY_S = 0.25
 # While a trainer waits for a batch, its ``idle`` work (returning the regions of tensors that
 # other threads dropped meanwhile, progress reports) runs this often. Each wake-up costs the
 # trainer CPU, and more of them the longer a batch takes: at 50 ms, four jobs sharing the
@@ -71,8 +57,6 @@ WATCH_EVERY_S = 0.25
 IDLE_EVERY_S = 0.25
 # How often a socket that nothing listens on yet is tried again.
 CONNECT_RETRY_S = 0.05
-# A daemon found exited may have sent a stop notice just before: one last look for it.
-NOTICE_GRACE_MS = 200
 
 _context: zmq.Context[Any] | None = None
 _context_pid = -1
@@ -170,10 +154,8 @@ class Connection:
         self._pid = os.getpid()
         self._on_push = on_push or self._log_push
         self._request_ids = itertools.count(1)
-        # The welcomed daemon's pid, and whether this process can watch it (same namespace).
-        self._daemon_pid = 0
-        self._watch_daemon = False
-        self._daemon_gone = False
+        # Whether the welcomed daemon lives: its pid, pongs and the drop monitor.
+        self._watch = DaemonWatch(path, advice)
         # The hello may carry a job token: it goes only to the user's own daemon.
         target = _verified_socket(path, device, hello_timeout, advice)
         self._socket: zmq.Socket[Any] | None = transport.make_socket(
@@ -182,14 +164,9 @@ class Connection:
         # One poller for the connection's life: Socket.poll would make one per wait.
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
-        # A trainer whose connection the daemon dropped (it answered no heartbeat: a process
-        # stopped or frozen a few seconds) has lost its job; ZeroMQ connects again unseen, as a
-        # stranger the daemon ignores. Its monitor tells (``_dropped``).
-        self._monitor: zmq.Socket[Any] | None = (
-            self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            if role is Role.TRAINER
-            else None
-        )
+        if role is Role.TRAINER:
+            # A trainer's job ends with a dropped connection: its watch tells (watch.py).
+            self._watch.watch_drops(self._socket)
         try:
             hello = Hello(
                 protocol_version=PROTOCOL_VERSION,
@@ -213,8 +190,7 @@ class Connection:
             raise
         assert isinstance(reply, Welcome)
         self.welcome: Welcome = reply
-        self._daemon_pid = reply.daemon_pid
-        self._watch_daemon = reply.pid_namespace != 0 and reply.pid_namespace == pid_namespace()
+        self._watch.welcomed(reply)
 
     @property
     def closed(self) -> bool:
@@ -244,12 +220,13 @@ class Connection:
                 "shows whether it answers; its log says more)"
             )
         if isinstance(envelope.message, Error):
-            if self._daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
+            daemon_pid = self._watch.daemon_pid
+            if daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
                 # A welcomed connection is unknown to the daemon when its job ended, or when
                 # another daemon answers on the socket now.
-                if self._answering_pid() == self._daemon_pid:
+                if self._answering_pid() == daemon_pid:
                     raise DaemonUnavailable(
-                        f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) "
+                        f"the dalid daemon on {endpoint(self.path)} (pid {daemon_pid}) "
                         f"ended job {self.welcome.job_id}, which this connection belonged to: "
                         "its trainer closed its session or exited"
                     )
@@ -259,12 +236,17 @@ class Connection:
 
     def _answering_pid(self, timeout: float = 2.0) -> int | None:
         """The pid of the daemon that answers a ping on the socket now (None: none does)."""
-        ping_id = next(self._request_ids)
-        self._send(Ping(), ping_id)
+        ping_id = self._ping()
         envelope = self.receive_until(lambda e: e.request_id == ping_id, timeout, ping=False)
         if envelope is None or not isinstance(envelope.message, Pong):
             return None
         return envelope.message.daemon_pid
+
+    def _ping(self) -> int:
+        """Sends a ping; returns its request id."""
+        ping_id = next(self._request_ids)
+        self._send(Ping(), ping_id)
+        return ping_id
 
     def notify(self, message: Message) -> None:
         """Sends a message that gets no reply."""
@@ -286,8 +268,7 @@ class Connection:
         """
         sock = self._live_socket()
         deadline = None if timeout is None else time.monotonic() + timeout
-        last_heard = last_watch = time.monotonic()
-        ping_id: int | None = None
+        silence = Silence(self._watch, ping, time.monotonic())
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -298,42 +279,19 @@ class Connection:
             if not self._poller.poll(int(wait * 1000) + 1):
                 if idle is not None:
                     idle()
-                if self._dropped():
-                    raise self._dropped_error()
-                now = time.monotonic()
-                silent = now - last_heard
-                if ping and self._watch_daemon and now - last_watch >= WATCH_EVERY_S:
-                    last_watch = now
-                    if not process_running(self._daemon_pid):
-                        if sock.poll(NOTICE_GRACE_MS):
-                            continue  # its last words, a stop notice, may be on their way
-                        raise self.gone_error("its process has exited (was it killed?)")
-                if ping and ping_id is None and silent > self._ping_after:
-                    ping_id = next(self._request_ids)
-                    self._send(Ping(), ping_id)
-                elif ping and silent > self._ping_after + self._ping_timeout:
-                    raise self.gone_error(
-                        f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
-                    )
+                if self._watch.dropped():
+                    raise self._watch.dropped_error(self._answering_pid, self.welcome.job_id)
+                silence.quiet(
+                    time.monotonic(), self._ping, lambda: bool(sock.poll(NOTICE_GRACE_MS))
+                )
                 continue
             envelope = self._recv(sock)
-            last_heard = time.monotonic()
+            silence.heard(time.monotonic())
             stopped = stop_notice(envelope, self.advice.after_stop(self.path, self.device))
             if stopped is not None:
-                self._daemon_gone = True
+                self._watch.gone = True
                 raise stopped
-            if ping_id is not None and envelope.request_id == ping_id:
-                pong = envelope.message
-                assert isinstance(pong, Pong | Error)
-                if (
-                    isinstance(pong, Pong)
-                    and self._daemon_pid
-                    and pong.daemon_pid != self._daemon_pid
-                ):
-                    raise self.gone_error(
-                        f"daemon pid {pong.daemon_pid} now answers (it was restarted)"
-                    )
-                ping_id = None
+            if silence.answers_ping(envelope):
                 continue
             if done(envelope):
                 return envelope
@@ -346,7 +304,7 @@ class Connection:
         """
         if self._socket is None:
             return
-        if goodbye and self._pid == os.getpid() and not self._daemon_gone:
+        if goodbye and self._pid == os.getpid() and not self._watch.gone:
             try:
                 request_id = self.send(Goodbye(kept_slabs))
                 # Any answer ends it. An error is not looked into as a request's is: for a
@@ -362,65 +320,15 @@ class Connection:
     def abort(self) -> None:
         """Closes the socket now, without a goodbye. Idempotent."""
         sock, self._socket = self._socket, None
-        monitor, self._monitor = self._monitor, None
-        if self._pid != os.getpid():
-            return
-        if monitor is not None and sock is not None:
-            sock.disable_monitor()
-        if monitor is not None:
-            monitor.close(linger=0)
-        if sock is not None:
+        owned = self._pid == os.getpid()
+        self._watch.close(sock, owned=owned)
+        if owned and sock is not None:
             sock.close(linger=0)
-
-    def _dropped_error(self) -> DaemonUnavailable:
-        """The error for a connection the daemon dropped: the daemon died or was replaced, or
-        it ended this trainer's job for answering none of its heartbeats."""
-        if self._watch_daemon:
-            if not process_running(self._daemon_pid):
-                return self.gone_error("its process has exited (was it killed?)")
-        else:
-            answering = self._answering_pid(self._ping_timeout)
-            if answering is None:
-                return self.gone_error(
-                    f"no reply to a ping in {self._ping_timeout:.0f} s (was it killed?)"
-                )
-            if answering != self._daemon_pid:
-                return self.gone_error(f"daemon pid {answering} now answers (it was restarted)")
-        self._daemon_gone = True
-        return DaemonUnavailable(
-            f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) ended job "
-            f"{self.welcome.job_id}: it dropped the trainer's connection, which answered none of "
-            "its heartbeats for a few seconds (was this process stopped: SIGSTOP, a debugger, a "
-            f"frozen container?). {self.advice.after_dropped()}"
-        )
-
-    def _dropped(self) -> bool:
-        """Whether the daemon dropped this (welcomed) connection since the last look."""
-        if self._monitor is None or not self._daemon_pid:
-            return False
-        dropped = False
-        with contextlib.suppress(zmq.Again):
-            while True:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-                dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
-        return dropped
-
-    @property
-    def _ping_after(self) -> float:
-        return PING_AFTER_WATCHED_S if self._watch_daemon else PING_AFTER_S
-
-    @property
-    def _ping_timeout(self) -> float:
-        return PING_TIMEOUT_WATCHED_S if self._watch_daemon else PING_TIMEOUT_S
 
     def gone_error(self, why: str) -> DaemonUnavailable:
         """The error for a daemon found gone, saying ``why`` and what to do. From then on
         ``close`` waits for no goodbye."""
-        self._daemon_gone = True
-        return DaemonUnavailable(
-            f"the dalid daemon on {endpoint(self.path)} (pid {self._daemon_pid}) is gone: {why}. "
-            f"{self.advice.after_gone()}"
-        )
+        return self._watch.gone_error(why)
 
     def _live_socket(self) -> zmq.Socket[Any]:
         if self._socket is None:

@@ -2,7 +2,7 @@
 with opening a job in ``opening.py`` and its end in ``endings.py``; ``batch_requests.py`` a job's
 pipelines and batches (a batch is checked and handed to its pipeline here), ``registration.py``
 registers pipelines within the DALI threads and pipelines of ``budget.py``, ``status.py`` answers
-status.
+status; what is not a reply leaves through the daemon's ``push`` (``push.py``).
 
 Imported by ``intake/`` (the daemon's loop gives it each message) and by tests that drive a core
 in-process; it imports the stages below: ``jobs/``, ``runs/``, ``pipelines/``, ``samples/``,

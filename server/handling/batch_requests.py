@@ -39,7 +39,8 @@ from ..outputs.store import ReleaseRefused
 from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch
-from .registration import PipelineBuilder, Push, check_batch, executor_for
+from .push import Push
+from .registration import PipelineBuilder, check_batch, executor_for
 
 log = logging.getLogger("dalid.server")
 

@@ -16,6 +16,7 @@ jobs and connections end is ``endings.py``'s.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -72,8 +73,9 @@ from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
 from .checkpoints import Checkpoints
-from .endings import JobEndings
+from .endings import Closing, JobEndings
 from .opening import JobOpening
+from .push import Push
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -95,8 +97,13 @@ class PeerProcess(Protocol):
     def uid(self) -> int: ...
 
 
-Push = Callable[[bytes, Message, int | None], None]
-"""push(peer, message, request_id): queues a message for a peer; safe from any thread."""
+class StopAsked(enum.Enum):
+    """Whether a client asked the daemon to stop (a ``shutdown`` request), and how."""
+
+    NO = enum.auto()
+    KEEP_JOBS = enum.auto()  # `dalid stop`: a job that reconnects waits for the next daemon
+    END_JOBS = enum.auto()  # `dalid stop --end-jobs`: its jobs end with it
+
 
 # Requests a connection may send before its hello.
 _NEEDS_NO_HELLO = (Hello, Ping, Shutdown, StatusRequest, ReloadRepository)
@@ -200,9 +207,8 @@ class DaemonCore:
             prefix=f"dalid-{self._instance}",
         )
         self.checkpoints = Checkpoints(self.registry.peers)
-        self.stop_requested = False
-        # A shutdown that ends the jobs too (`dalid stop --end-jobs`; farewell.py).
-        self.end_jobs = False
+        # Set by a shutdown request; the daemon's loop stops once it is (farewell.py).
+        self.stop_asked = StopAsked.NO
         self._handlers: dict[type[Message], Callable[[bytes, Any, int | None], Message | None]] = {
             Hello: self._on_hello,
             IpcProbeResult: self._on_ipc_probe_result,
@@ -275,8 +281,8 @@ class DaemonCore:
         """Closes the jobs whose trainer process is gone; returns their ids."""
         return self.endings.reap()
 
-    def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
-        self.endings.close_job(job, daemon_stopping)
+    def close_job(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
+        self.endings.close_job(job, why)
 
     def trainer_unreachable(self, identity: bytes) -> None:
         self.endings.trainer_unreachable(identity)
@@ -404,6 +410,5 @@ class DaemonCore:
 
     def _on_shutdown(self, identity: bytes, request: Shutdown, _request_id: int | None) -> Message:
         log.info("shutdown requested%s", ", ending every job" if request.end_jobs else "")
-        self.stop_requested = True
-        self.end_jobs = request.end_jobs
+        self.stop_asked = StopAsked.END_JOBS if request.end_jobs else StopAsked.KEEP_JOBS
         return Ok()

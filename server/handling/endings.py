@@ -9,15 +9,14 @@ cohorts, from the I/O thread.
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Callable
 
 from dalid.protocol import (
     BATCH_IDS_PER_CONNECTION,
     BatchFailed,
     Error,
     ErrorCode,
-    Message,
     Role,
     SubmitBatch,
     WorkerLeft,
@@ -26,10 +25,19 @@ from dalid.protocol import (
 from ..jobs.jobs import Job, JobRegistry
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
+from .push import Push
 
 log = logging.getLogger("dalid.server")
 
-Push = Callable[[bytes, Message, int | None], None]
+
+class Closing(enum.Enum):
+    """Why a job closes, which says when its output memory may go."""
+
+    # Its trainer said goodbye, exited or went silent: its memory goes once its pipelines
+    # have stopped, and what the trainer still maps stays until its process exits.
+    JOB_ENDED = enum.auto()
+    # The daemon stops: every job's memory goes now, mapped or not.
+    DAEMON_STOPS = enum.auto()
 
 
 class JobEndings:
@@ -67,7 +75,7 @@ class JobEndings:
         self._cohorts.reap()
         return [job.job_id for job in dead]
 
-    def close_job(self, job: Job, daemon_stopping: bool = False) -> None:
+    def close_job(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
         self._registry.remove(job)
         share = self._scheduler.stats(job.job_id)
         log.info(
@@ -97,16 +105,16 @@ class JobEndings:
                 ),
                 batch.request_id,
             )
-        if job.stopping and not daemon_stopping:
+        if job.stopping and why is Closing.JOB_ENDED:
             # Its outputs close once its pipelines have stopped (Note [A pipeline stuck inside
             # DALI] in runs/stopping.py): looked at each reap.
             self._stopping_jobs.append(job)
             return
-        self._close_outputs(job, daemon_stopping)
+        self._close_outputs(job, why)
 
-    def _close_outputs(self, job: Job, daemon_stopping: bool = False) -> None:
-        lingering = job.close_outputs()
-        if lingering and not daemon_stopping and self._registry.alive(job.pid, job.pid_namespace):
+    def _close_outputs(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
+        kept = job.close_outputs() and why is Closing.JOB_ENDED
+        if kept and self._registry.alive(job.pid, job.pid_namespace):
             # Tensors of the trainer still view some of the job's memory, which CUDA forbids
             # freeing before it unmaps it; its process exit does (Note [GPU output lifetime]).
             log.info("job %d: keeping the outputs its trainer still maps until pid %d exits",
@@ -178,9 +186,9 @@ class JobEndings:
     def close_all(self) -> None:
         """The daemon stops: every job ends, and the memory trainers still map is freed."""
         for job in list(self._registry.jobs.values()):
-            self.close_job(job, daemon_stopping=True)
+            self.close_job(job, Closing.DAEMON_STOPS)
         for job in self._stopping_jobs:
-            self._close_outputs(job, daemon_stopping=True)
+            self._close_outputs(job, Closing.DAEMON_STOPS)
         self._stopping_jobs.clear()
         for job in self._registry.take_lingering(everything=True):
             job.outputs.free()

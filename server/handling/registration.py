@@ -46,15 +46,14 @@ from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, c
 from ..pipelines.reload import LiveRepository
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import UnreadablePipeline, read_graph
-from ..runs.executor import PipelineExecutor
+from ..runs.executor import ExecutorParts, ExecutorSettings, PipelineExecutor
 from ..runs.instances import MAX_INSTANCES, InstanceController
 from ..runs.runs import Answer, Member
 from ..runs.scheduler import FairScheduler
 from .budget import PipelineBudget
+from .push import Push
 
 log = logging.getLogger("dalid.server")
-
-Push = Callable[[bytes, Message, int | None], None]
 
 Registration = RegisterPipeline | RegisterNamedPipeline
 
@@ -220,30 +219,31 @@ class PipelineBuilder:
         if shared:
             pinned = self._sharing.instances or None
             controller = InstanceController(pinned=pinned, max_instances=pinned or MAX_INSTANCES)
-        executor = PipelineExecutor(
+        settings = ExecutorSettings(
             instance_id,
             plan.name,
+            shared=shared,
+            run_batches=run_batches,
+            private_reason=plan.why_private,
+            max_image_pixels=job.limits.max_image_pixels,
+            device_id=self._device_id,
+        )
+        parts = ExecutorParts(
             functools.partial(
                 plan.make_runner,
                 run_batches=run_batches,
                 num_threads=threads or None,
                 max_threads=max_threads,
             ),
-            member,
-            on_built,
-            shared=shared,
-            run_batches=run_batches,
             scheduler=self._scheduler,
             stream=self._streams() if shared else None,
-            max_image_pixels=job.limits.max_image_pixels,
-            on_empty=self._forget,
-            on_private=self._unshare,
-            private_reason=plan.why_private,
             controller=controller,
             room=self.budget,
             on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
-            device_id=self._device_id,
+            on_empty=self._forget,
+            on_private=self._unshare,
         )
+        executor = PipelineExecutor(settings, parts, member, on_built)
         with self._lock:
             self.instances[instance_id] = executor
             if plan.key is not None:

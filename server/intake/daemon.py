@@ -59,7 +59,7 @@ from dalid.protocol import (
 )
 from dalid.protocol.ownership import UnsafePath
 
-from ..handling.core import DaemonCore
+from ..handling.core import DaemonCore, StopAsked
 from ..handling.registration import SHARING, Sharing
 from ..jobs.quotas import Quotas
 from ..outputs.job_outputs import OutputsFactory
@@ -404,7 +404,7 @@ class Daemon:
         next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
         idle_since: float | None = time.monotonic()
         timeout = self.config.idle_timeout
-        while not self._stop.is_set() and not self.core.stop_requested:
+        while not self._stop.is_set() and self.core.stop_asked is StopAsked.NO:
             # Asleep until the next thing due (Note [The loop's timers]); news wakes it sooner.
             wait_ms = sleep_ms(
                 time.monotonic(),
@@ -454,9 +454,13 @@ class Daemon:
                 log.info("no jobs for %.0f s: exiting", timeout)
                 break
         self._socket.flush()
-        if self._stop.is_set() or self.core.stop_requested:
+        if self._stop.is_set() or self.core.stop_asked is not StopAsked.NO:
             self._stop.set()  # the stop's bound runs from here for a `shutdown` request
-            kind = StopKind.END_JOBS if self.core.end_jobs else StopKind.REQUEST
+            kind = (
+                StopKind.END_JOBS
+                if self.core.stop_asked is StopAsked.END_JOBS
+                else StopKind.REQUEST
+            )
             self._tell_peers(self._stop_cause or Stop(kind))
             assert self._reception is not None
             self._reception.drain(poller, self._wake_fd)

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dalid.protocol import PipelineStatus
 
@@ -39,56 +40,73 @@ from .runs import Member, PendingBatch, Run
 from .scheduler import FairScheduler, ServiceClock
 from .stopping import Stop
 
-__all__ = ["InstanceRoom", "OnBuilt", "PipelineExecutor"]
+__all__ = ["ExecutorParts", "ExecutorSettings", "InstanceRoom", "OnBuilt", "PipelineExecutor"]
 
 log = logging.getLogger("dalid.server")
 
 OnBuilt = Callable[[PipelineSpec | PipelineBuildError], None]
 
 
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """What a pipeline of the daemon is and how it runs: ``instance_id`` and ``name`` name it;
+    ``shared``: its runs mix the batches of several members, up to ``run_batches`` batches'
+    worth of samples (0: as ``sharing.batches_a_run`` chooses for the pipeline's batch size);
+    ``private_reason`` says why a pipeline is not shared ("" for a shared one);
+    ``max_image_pixels`` bounds the pixels an image sample of its batches may declare (0: no
+    bound; ``badsamples.oversized_images``);
+    ``device_id`` is its instances' GPU (None: CPU pipelines)."""
+
+    instance_id: int
+    name: str
+    shared: bool = False
+    run_batches: int = 1
+    private_reason: str = ""
+    max_image_pixels: int = 0
+    device_id: int | None = None
+
+
+@dataclass(frozen=True)
+class ExecutorParts:
+    """What an executor works with, and whom it tells. ``make_runner`` builds its DALI
+    pipeline (once per instance); each run holds a slot of ``scheduler``
+    (None: no limit); a shared pipeline's DALI hands outputs over on ``stream`` (a GPU
+    daemon's own stream for the pipeline), which the executor owns and closes; ``controller``
+    and ``room`` size its instances (``DaliInstances``), and ``on_run`` hears whether it has
+    runs in DALI. ``on_empty`` is called once the last member has left, ``on_private`` when a
+    pipeline meant to be shared turns out, once built, to look across the batch (it then runs
+    one batch at a time)."""
+
+    make_runner: Callable[..., PipelineRunner]
+    scheduler: FairScheduler | None = None
+    stream: Stream | None = None
+    controller: InstanceController | None = None
+    room: InstanceRoom | None = None
+    on_run: Callable[[bool], None] | None = None
+    on_empty: Callable[[PipelineExecutor], None] | None = None
+    on_private: Callable[[PipelineExecutor], None] | None = None
+
+
 class PipelineExecutor:
     """Builds one pipeline and runs the batches of its members, in a thread of its own.
 
     Building happens in that thread too, so a slow build never holds up the daemon's other
-    jobs: ``make_runner`` builds it, and each member's ``on_built`` receives the built
+    jobs: ``parts.make_runner`` builds it, and each member's ``on_built`` receives the built
     pipeline's spec, or the PipelineBuildError, once it is done (at once for a member that
-    joins later); ``spec`` is None until then. ``shared``: runs mix the batches of several
-    members up to ``run_batches`` batches' worth of samples (0: as ``sharing.batches_a_run``
-    chooses for the pipeline's batch size), and DALI hands outputs over on
-    ``stream`` (a GPU daemon's own stream for the pipeline). Each run holds a slot of
-    ``scheduler`` (None: no limit). ``first`` is the member that registered it; ``on_empty``
-    is called once the last member has left, ``on_private`` when a pipeline meant to be shared
-    turns out, once built, to look across the batch (it then runs one batch at a time);
-    ``controller``, ``room``, ``device_id`` and ``on_run`` are its instances'
-    (``DaliInstances``). The members' queues and windows are its planner's, under the
-    planner's lock; the build's outcome is under its own, the instances under theirs.
+    joins later); ``spec`` is None until then. ``first`` is the member that registered it;
+    ``settings`` say what it is and how it runs, ``parts`` what it works with (each in its
+    docstring). The members' queues and windows are its planner's, under the planner's lock;
+    the build's outcome is under its own, the instances under theirs.
     """
 
     def __init__(
-        self,
-        instance_id: int,
-        name: str,
-        make_runner: Callable[..., PipelineRunner],
-        first: Member,
-        on_built: OnBuilt,
-        *,
-        shared: bool = False,
-        run_batches: int = 1,
-        scheduler: FairScheduler | None = None,
-        stream: Stream | None = None,
-        max_image_pixels: int = 0,
-        on_empty: Callable[[PipelineExecutor], None] | None = None,
-        on_private: Callable[[PipelineExecutor], None] | None = None,
-        private_reason: str = "",
-        controller: InstanceController | None = None,
-        room: InstanceRoom | None = None,
-        device_id: int | None = None,
-        on_run: Callable[[bool], None] | None = None,
+        self, settings: ExecutorSettings, parts: ExecutorParts, first: Member, on_built: OnBuilt
     ) -> None:
+        instance_id, name, shared = settings.instance_id, settings.name, settings.shared
         self.instance_id = instance_id
         self.name = name
         self.shared = shared
-        self.run_batches = run_batches if shared else 1
+        self.run_batches = settings.run_batches if shared else 1
         self.spec: PipelineSpec | None = None
         self.runner: PipelineRunner | None = None
         self.failed = False
@@ -96,12 +114,12 @@ class PipelineExecutor:
         self.samples_run = 0
         self.mixed_runs = 0
         # Why a pipeline is not shared ("" for a shared one).
-        self.private_reason = private_reason
-        self._make_runner = make_runner
-        self._scheduler = scheduler
-        self._own_stream = stream
-        self._on_empty = on_empty
-        self._on_private = on_private
+        self.private_reason = settings.private_reason
+        self._make_runner = parts.make_runner
+        self._scheduler = parts.scheduler
+        self._own_stream = parts.stream
+        self._on_empty = parts.on_empty
+        self._on_private = parts.on_private
         # The build's outcome and who waits for it, under ``_building``.
         self._building = threading.Lock()
         self._build_error: PipelineBuildError | None = None
@@ -111,7 +129,9 @@ class PipelineExecutor:
         self.stopping = threading.Event()
         # Members, their queues, their windows and the next run; every instance plans on it
         # (the slots it holds are its thread's).
-        self.planner = RunPlanner(scheduler, self.clock, self.stopping, max_image_pixels)
+        self.planner = RunPlanner(
+            parts.scheduler, self.clock, self.stopping, settings.max_image_pixels
+        )
         self.planner.shared = self.shared
         self.delivery = Delivery(instance_id, self.planner, self.stopping)
         # How many DALI instances run the graph (shared pipelines only; else one, always).
@@ -119,10 +139,10 @@ class PipelineExecutor:
             instance_id,
             name,
             self._size_windows,
-            controller=controller if shared else None,
-            room=room,
-            device_id=device_id,
-            on_run=on_run,
+            controller=parts.controller if shared else None,
+            room=parts.room,
+            device_id=settings.device_id,
+            on_run=parts.on_run,
         )
         self.join(first, on_built)
         self.instances.start(Instance(), self._run_first)

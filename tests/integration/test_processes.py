@@ -126,10 +126,10 @@ def test_a_new_daemon_takes_over_the_socket_of_a_killed_one(short_tmp: Path) -> 
 
 
 def test_client_notices_a_killed_daemon(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dalid.client.link import connection
+    from dalid.client.link import watch
 
-    monkeypatch.setattr(connection, "PING_AFTER_S", 0.2)
-    monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(watch, "PING_AFTER_S", 0.2)
+    monkeypatch.setattr(watch, "PING_TIMEOUT_S", 1.0)
     daemon = start_daemon(short_tmp)
     with dalid.connect(socket=daemon.socket, autostart=False) as session:
         # Deterministic: the batch waits in the daemon until produce_data asks for it, so its

@@ -194,10 +194,11 @@ def test_without_reconnect_a_batch_of_a_killed_daemon_raises(short_tmp: Path) ->
 def unwatched_daemon_pid(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process in another pid namespace than the daemon, as far as the client can tell:
     the daemon's pid cannot be watched, and only pings tell whether it lives."""
-    from dalid.client.link import connection
+    from dalid.client.link import connection, watch
 
     monkeypatch.setattr(connection, "pid_namespace", lambda: 1)
-    monkeypatch.setattr(connection, "PING_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(watch, "pid_namespace", lambda: 1)
+    monkeypatch.setattr(watch, "PING_TIMEOUT_S", 1.0)
 
 
 def test_a_killed_daemon_whose_pid_cannot_be_watched_is_noticed_by_ping(

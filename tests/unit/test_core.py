@@ -32,12 +32,13 @@ from dalid.protocol import (
     ReleaseRegions,
     Role,
     ScheduleBatch,
+    Shutdown,
     SubmitBatch,
     TrainerProgress,
     Welcome,
     WorkerLeft,
 )
-from dalid.server.handling.core import DaemonCore
+from dalid.server.handling.core import DaemonCore, StopAsked
 from dalid.server.handling.opening import job_label
 from dalid.server.intake.credentials import PeerCredentials
 from dalid.server.jobs.quotas import Quotas
@@ -133,6 +134,17 @@ def test_a_job_is_named_once_in_the_log() -> None:
     assert job_label("resnet", 12) == "resnet, pid 12"
     assert job_label("pid 12", 12) == "pid 12"
     assert job_label("", 12) == "pid 12"
+
+
+@pytest.mark.parametrize(
+    ("end_jobs", "asked"), [(False, StopAsked.KEEP_JOBS), (True, StopAsked.END_JOBS)]
+)
+def test_a_shutdown_request_says_whether_the_jobs_end_with_the_daemon(
+    core: PushingCore, end_jobs: bool, asked: StopAsked
+) -> None:
+    assert core.stop_asked is StopAsked.NO
+    assert isinstance(core.handle(b"stop", Shutdown(end_jobs=end_jobs), 1), Ok)
+    assert core.stop_asked is asked
 
 
 def test_a_batch_runs_and_its_regions_are_leased_until_released(core: PushingCore) -> None:
