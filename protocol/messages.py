@@ -285,6 +285,10 @@ class Welcome(Message):
     # ride in a release where one goes anyway. False from an older daemon, which would ignore
     # that field: its trainers send ``TrainerProgress``.
     progress_in_release: bool = False
+    # The daemon reads ``LoaderWorkers``: the trainer tells it how many DataLoader workers its
+    # loaders started, which ``dalid status`` shows before they connect. False from an older
+    # daemon, which would answer ``unknown_operation``: its trainers do not send it.
+    loader_workers: bool = False
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
@@ -956,6 +960,28 @@ class TrainerProgress(Message):
         _check(self.batches_received >= 0, "batches_received must not be negative")
 
 
+# The most DataLoader workers a trainer says it runs (``LoaderWorkers``), far past any loader's.
+MAX_LOADER_WORKERS = 1 << 16
+
+
+@dataclass(frozen=True)
+class LoaderWorkers(Message):
+    """A request from the trainer: its DataLoaders have ``workers`` worker processes started and
+    not stopped, all loaders together. Sent when a loader's iterator starts its workers and when
+    they stop, so that ``dalid status`` shows them before they connect (at their first sample);
+    answered ``ok``, so a status asked after it counts them. Only to a daemon whose welcome says
+    ``loader_workers``."""
+
+    OP: ClassVar[str] = "loader_workers"
+    workers: int
+
+    def __post_init__(self) -> None:
+        _check(
+            0 <= self.workers <= MAX_LOADER_WORKERS,
+            f"loader_workers.workers must be 0 to {MAX_LOADER_WORKERS}",
+        )
+
+
 @dataclass(frozen=True)
 class StatusRequest(Message):
     """Asks for a :class:`StatusReport`; needs no hello (like ``ping``)."""
@@ -1013,6 +1039,9 @@ class JobStatus:
     peak_slab_bytes: int = 0
     # Of ``slab_bytes``, those of its copy memory (private copies left on the device).
     copy_slab_bytes: int = 0
+    # The DataLoader workers its trainer says its loaders started (``LoaderWorkers``), connected
+    # or not yet; None from a trainer that does not say (``workers`` counts those connected).
+    workers_started: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1179,6 +1208,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     BatchFailed,
     ReleaseRegions,
     TrainerProgress,
+    LoaderWorkers,
     StatusRequest,
     StatusReport,
     ReloadRepository,
@@ -1191,6 +1221,7 @@ __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "MAX_EARLIER_JOBS",
+    "MAX_LOADER_WORKERS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "BadSample",
@@ -1209,6 +1240,7 @@ __all__ = [
     "IpcProbeResult",
     "JobStatus",
     "Limits",
+    "LoaderWorkers",
     "Message",
     "Ok",
     "OnError",
