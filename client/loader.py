@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ from dalid.protocol import PROTOCOL_VERSION
 
 from .badsamples import SampleReport
 from .checkpoint import STATE_KEY, check_state
-from .errors import InputError
+from .errors import DaemonUnavailable, InputError
 from .worker.carry import CarryingCollate
 
 if TYPE_CHECKING:
@@ -106,10 +107,14 @@ class _ProducingIterator:
     """Wraps torch's loader iterator; each batch goes through ``produce_data`` on its way out,
     named by its step (as ``enumerate(loader)`` counts) and its dataset indices."""
 
-    def __init__(self, inner: Iterator[Any], loader: DataLoader) -> None:
+    def __init__(
+        self, inner: Iterator[Any], loader: DataLoader, workers: _ToldWorkers | None = None
+    ) -> None:
         self._inner = inner
         self._loader = loader
         self._step = 0
+        # An epoch's own workers (not persistent), which stop with the epoch.
+        self._workers = workers
 
     def __iter__(self) -> _ProducingIterator:
         return self
@@ -119,6 +124,8 @@ class _ProducingIterator:
         try:
             batch = next(self._inner)
         except StopIteration:
+            if self._workers is not None:
+                self._workers.stopped()  # torch stopped them as the epoch ended
             raise
         except BaseException:
             self._step += 1
@@ -204,6 +211,45 @@ def _lives(trainer: int, direct: bool) -> bool:
     return state not in ("Z", "X")
 
 
+class _ToldWorkers:
+    """The workers one loader iterator started, as its session counts them for the daemon
+    (``dalid status`` shows them before they connect, at their first sample): counted and told
+    once started (:meth:`tell`), uncounted once stopped (told at once from the thread that
+    iterates, else with the session's next batch). A producer without a count (DALI's own
+    server) counts nothing."""
+
+    def __init__(self, producer: Producer, workers: int) -> None:
+        self._producer = producer
+        self._counted = getattr(producer, "started_workers", None)
+        self._key = self._counted.start(workers) if self._counted is not None else None
+
+    def stopped(self, *, tell: bool = True) -> None:
+        """They stopped; ``tell``: the daemon is told now (only from the iterating thread: a
+        finalizer leaves it to the session's next batch). Idempotent."""
+        key, self._key = self._key, None
+        if key is not None and self._counted is not None:
+            self._counted.stop(key)
+            if tell:
+                self.tell()
+
+    def tell(self) -> None:
+        """Tells the daemon the session's count now (only from the iterating thread). A daemon
+        gone is left for the next batch to report (the count goes with it, to a new daemon)."""
+        tell = getattr(self._producer, "tell_workers", None)
+        if tell is not None:
+            with contextlib.suppress(DaemonUnavailable):
+                tell()
+
+
+def _stop_workers(shutdown: Callable[[], None], workers: _ToldWorkers | None) -> None:
+    """A finalizer's: stops an iterator's workers and uncounts them."""
+    try:
+        shutdown()
+    finally:
+        if workers is not None:
+            workers.stopped(tell=False)
+
+
 class DataLoader(_StatefulDataLoader[Any]):
     """``torch.utils.data.DataLoader`` with a dalid session (or DALIServer) as first argument.
 
@@ -236,6 +282,8 @@ class DataLoader(_StatefulDataLoader[Any]):
         self.bad_samples: list[SampleReport] = []
         self._recorder: _RecordingSampler | None = None
         self._warned_draws = False
+        # The workers of the latest iterator, as the session counts them.
+        self._workers: _ToldWorkers | None = None
 
     @property
     def _index_sampler(self) -> Any:
@@ -259,6 +307,11 @@ class DataLoader(_StatefulDataLoader[Any]):
 
     def _get_iterator(self) -> Any:
         iterator: Any = super()._get_iterator()
+        # The workers this iterator started, counted for the daemon (`dalid status`) until
+        # they stop: with the epoch, by the finalizers below, or when the iterator is collected.
+        self._workers = _ToldWorkers(self.session, self.num_workers) if self.num_workers else None
+        if self._workers is not None:
+            weakref.finalize(iterator, self._workers.stopped, tell=False)
         if self.num_workers and self.persistent_workers:
             # Note [Stopping torchdata's workers]
             # -----------------------------------
@@ -270,19 +323,24 @@ class DataLoader(_StatefulDataLoader[Any]):
             replaced = getattr(self, "_stop_persistent", None)
             if replaced is not None:
                 replaced()  # the iterator this one replaces (a state loaded): its workers go
-            self._stop_persistent = weakref.finalize(self, iterator._shutdown_workers)
+            self._stop_persistent = weakref.finalize(
+                self, _stop_workers, iterator._shutdown_workers, self._workers
+            )
+        if self._workers is not None:
+            self._workers.tell()
         return iterator
 
     def __iter__(self) -> _ProducingIterator:  # type: ignore[override]
         if self._recorder is not None:
             self._recorder.given.clear()  # a new epoch: indices of the last one are stale
         inner: Any = super().__iter__()
-        produced = _ProducingIterator(inner, self)
         if self.num_workers and not self.persistent_workers:
+            produced = _ProducingIterator(inner, self, self._workers)
             # An epoch's workers stop with it, or with the last reference to its iterator
             # (Note [Stopping torchdata's workers]).
-            weakref.finalize(produced, inner._shutdown_workers)
-        return produced
+            weakref.finalize(produced, _stop_workers, inner._shutdown_workers, self._workers)
+            return produced
+        return _ProducingIterator(inner, self)
 
     # --- resuming ---------------------------------------------------------------------------
 

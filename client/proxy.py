@@ -17,6 +17,7 @@ from .options import check_job_options
 from .pipelines import check_pipeline, external_source_names, no_inputs_hint, pipeline_device
 from .refs import DALIOutputBatchRef, DALIOutputSampleRef, DALIPipelineRunRef
 from .session import Session
+from .started_workers import StartedWorkers
 from .worker.worker import Proxy, collate_sample_refs
 
 __all__ = [
@@ -156,6 +157,17 @@ class DALIServer:
         if states:
             self.start_thread()
             self.session.restore_pipelines(states)
+
+    @property
+    def started_workers(self) -> StartedWorkers:
+        """:attr:`Session.started_workers`, for the DataLoader: the workers of its loaders."""
+        return self.session.started_workers
+
+    def tell_workers(self) -> None:
+        """:meth:`Session.tell_workers`, for the DataLoader; nothing while the server is
+        stopped (its next start tells the new job)."""
+        if self._session is not None and not self._session.closed:
+            self._session.tell_workers()
 
     @property
     def last_bad_samples(self) -> list[Any]:

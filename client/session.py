@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dalid.protocol import Device, Limits, parse_device, socket_path
+from dalid.protocol import Device, Limits, LoaderWorkers, parse_device, socket_path
 
 from . import checkpoint
 from .badsamples import SampleReport, follow_bad_samples, locate
@@ -26,6 +26,7 @@ from .options import check_job_options
 from .pipelines import registration_request
 from .reconnect.reconnector import Reconnector
 from .refs import DALIPipelineRunRef
+from .started_workers import StartedWorkers
 from .structure import replace_refs
 from .worker.worker import Proxy
 
@@ -103,6 +104,7 @@ class Session:
             reconnect_timeout=reconnect_timeout,
         )
         self._delivery = Delivery(self._daemon)
+        self._workers = StartedWorkers()
         # Closes the job at GC if the session is not closed before: it must not hold the session.
         self._finalizer = weakref.finalize(self, self._daemon.close)
 
@@ -228,6 +230,7 @@ class Session:
         """:meth:`produce_data` for dalid's DataLoader, which names the batch's ``step`` (as
         ``enumerate(loader)`` counts) and the dataset ``indices`` of its samples: bad samples
         and batch errors are then told by those, not by the daemon's batch ids."""
+        self.tell_workers()
         reports: list[SampleReport] = []
         self.last_bad_samples = []
         resolved: list[tuple[DALIPipelineRunRef, tuple[torch.Tensor, ...]]] = []
@@ -255,6 +258,29 @@ class Session:
         for report in reports:
             log.warning("%s", report)
         return outputs
+
+    @property
+    def started_workers(self) -> StartedWorkers:
+        """The DataLoader workers this session's loaders have started and not stopped; a loader
+        counts its iterators' workers here, and :meth:`tell_workers` tells the daemon."""
+        return self._workers
+
+    def tell_workers(self) -> None:
+        """Tells the daemon how many DataLoader workers the session's loaders run, where that
+        changed since it was last told (or the daemon is a new one), so that `dalid status`
+        counts them before they connect. A daemon that does not read it is not told."""
+        if not self._daemon.closed:
+            self._daemon.call(self._tell_workers_now)
+
+    def _tell_workers_now(self) -> None:
+        link = self._daemon.link
+        welcome = link.welcome
+        if not welcome.loader_workers:
+            return
+        count = self._workers.due(welcome.job_token)
+        if count is not None:
+            link.request(LoaderWorkers(count))
+            self._workers.told(welcome.job_token, count)
 
     def pipeline_states(self) -> tuple[list[dict[str, Any]], list[str]]:
         """For a DataLoader's ``state_dict()``: the state of each pipeline this session

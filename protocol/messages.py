@@ -19,11 +19,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import ErrorCode
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PROTOCOL_VERSION = 8
 """Bumped only when a meaning changes: a change a peer of the previous version would misread.
@@ -285,6 +286,10 @@ class Welcome(Message):
     # ride in a release where one goes anyway. False from an older daemon, which would ignore
     # that field: its trainers send ``TrainerProgress``.
     progress_in_release: bool = False
+    # The daemon reads ``LoaderWorkers``: the trainer tells it how many DataLoader workers its
+    # loaders started, which ``dalid status`` shows before they connect. False from an older
+    # daemon, which would answer ``unknown_operation``: its trainers do not send it.
+    loader_workers: bool = False
 
     def __post_init__(self) -> None:
         _check_handle(self.ipc_probe, "welcome.ipc_probe", optional=True)
@@ -553,12 +558,27 @@ class RestorePipeline(Message):
 # A sample's extent at most: far past any buffer, and small enough that the checks' sums and
 # products of extents stay exact.
 MAX_EXTENT = 1 << 48
-# How a batch input's shapes travel: one row of ``ndim`` of these per sample.
-SHAPE_DTYPE = np.dtype("<u8")
+# How a batch input's shapes travel: one row of ``ndim`` of these per sample (``<u8``).
+SHAPE_ITEMSIZE = 8
+# numpy, imported with the first batch (``_import_numpy``), not with the protocol: the commands
+# that only ask a daemon (`dalid stop`, `dalid status`) start without it, some 0.1 s sooner.
+_numpy_imported = False
+_SHAPE_DTYPE: np.dtype[Any]
 # The ufuncs themselves: their methods' Python wrappers (``ndarray.max``, ``np.cumsum``) cost
 # more than the work on a batch's few hundred extents.
-_MAXIMUM = np.maximum.reduce
-_ACCUMULATE = np.add.accumulate
+_MAXIMUM: Any
+_ACCUMULATE: Any
+
+
+def _import_numpy() -> None:
+    """Binds ``np`` and the batch checks' dtype and ufuncs in this module, once."""
+    global np, _SHAPE_DTYPE, _MAXIMUM, _ACCUMULATE, _numpy_imported
+    import numpy as np
+
+    _SHAPE_DTYPE = np.dtype("<u8")
+    _MAXIMUM = np.maximum.reduce
+    _ACCUMULATE = np.add.accumulate
+    _numpy_imported = True
 
 
 @dataclass(frozen=True)
@@ -581,6 +601,8 @@ class InputBatch:
     def __post_init__(self) -> None:
         # Every batch of every job passes here on the daemon's I/O thread: the checks are a
         # few numpy calls on the whole batch, and an error's text is made only once it fails.
+        if not _numpy_imported:
+            _import_numpy()
         name = self.name
         if not 0 < len(name) <= MAX_NAME_LENGTH:
             _check_name(name, "an input name")
@@ -592,12 +614,12 @@ class InputBatch:
             raise ValueError(f"input {name!r}: ndim must be 0 to {MAX_NDIM}")
         size, ndim = self.size, self.ndim
         rows = size * ndim
-        if self.shapes.nbytes != rows * SHAPE_DTYPE.itemsize:
+        if self.shapes.nbytes != rows * SHAPE_ITEMSIZE:
             raise ValueError(
                 f"input {name!r}: {size} shapes of {ndim} extents need "
-                f"{rows * SHAPE_DTYPE.itemsize} bytes, their frame has {self.shapes.nbytes}"
+                f"{rows * SHAPE_ITEMSIZE} bytes, their frame has {self.shapes.nbytes}"
             )
-        flat = np.frombuffer(self.shapes, SHAPE_DTYPE)
+        flat = np.frombuffer(self.shapes, _SHAPE_DTYPE)
         top = int(_MAXIMUM(flat)) if rows else 0
         if top > MAX_EXTENT:
             raise ValueError(f"input {name!r}: an extent is over {MAX_EXTENT}")
@@ -643,6 +665,8 @@ class InputBatch:
         """The batch of ``samples``: C-contiguous numpy arrays of one dtype and rank, copied
         once into one frame; raises ValueError for anything else."""
         _check(len(samples) > 0, f"input {name!r}: no samples")
+        if not _numpy_imported:
+            _import_numpy()
         first = samples[0]
         dtype, ndim = first.dtype, first.ndim
         for index, sample in enumerate(samples):
@@ -652,7 +676,7 @@ class InputBatch:
                     f"dimension(s), sample 0 {dtype} of {ndim}: every sample of an input needs "
                     "one dtype and one number of dimensions"
                 )
-        shapes = np.array([sample.shape for sample in samples], SHAPE_DTYPE).reshape(-1)
+        shapes = np.array([sample.shape for sample in samples], _SHAPE_DTYPE).reshape(-1)
         # bytes.join reads each array through its buffer: one copy, in C.
         data = b"".join(samples)
         return cls(name, dtype.name, len(samples), ndim, shapes.data.cast("B"),
@@ -740,7 +764,7 @@ class SubmitBatch(Message):
 def _empty_input(name: str, size: int) -> InputBatch:
     """``size`` empty samples of ``name``: immutable, so one serves every batch of that size."""
     return InputBatch(
-        name, "uint8", size, 1, memoryview(bytes(size * SHAPE_DTYPE.itemsize)), memoryview(b"")
+        name, "uint8", size, 1, memoryview(bytes(size * SHAPE_ITEMSIZE)), memoryview(b"")
     )
 
 
@@ -956,6 +980,28 @@ class TrainerProgress(Message):
         _check(self.batches_received >= 0, "batches_received must not be negative")
 
 
+# The most DataLoader workers a trainer says it runs (``LoaderWorkers``), far past any loader's.
+MAX_LOADER_WORKERS = 1 << 16
+
+
+@dataclass(frozen=True)
+class LoaderWorkers(Message):
+    """A request from the trainer: its DataLoaders have ``workers`` worker processes started and
+    not stopped, all loaders together. Sent when a loader's iterator starts its workers and when
+    they stop, so that ``dalid status`` shows them before they connect (at their first sample);
+    answered ``ok``, so a status asked after it counts them. Only to a daemon whose welcome says
+    ``loader_workers``."""
+
+    OP: ClassVar[str] = "loader_workers"
+    workers: int
+
+    def __post_init__(self) -> None:
+        _check(
+            0 <= self.workers <= MAX_LOADER_WORKERS,
+            f"loader_workers.workers must be 0 to {MAX_LOADER_WORKERS}",
+        )
+
+
 @dataclass(frozen=True)
 class StatusRequest(Message):
     """Asks for a :class:`StatusReport`; needs no hello (like ``ping``)."""
@@ -1013,6 +1059,9 @@ class JobStatus:
     peak_slab_bytes: int = 0
     # Of ``slab_bytes``, those of its copy memory (private copies left on the device).
     copy_slab_bytes: int = 0
+    # The DataLoader workers its trainer says its loaders started (``LoaderWorkers``), connected
+    # or not yet; None from a trainer that does not say (``workers`` counts those connected).
+    workers_started: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1179,6 +1228,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     BatchFailed,
     ReleaseRegions,
     TrainerProgress,
+    LoaderWorkers,
     StatusRequest,
     StatusReport,
     ReloadRepository,
@@ -1191,6 +1241,7 @@ __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "DTYPES",
     "MAX_EARLIER_JOBS",
+    "MAX_LOADER_WORKERS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "BadSample",
@@ -1209,6 +1260,7 @@ __all__ = [
     "IpcProbeResult",
     "JobStatus",
     "Limits",
+    "LoaderWorkers",
     "Message",
     "Ok",
     "OnError",

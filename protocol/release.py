@@ -7,13 +7,15 @@ daemon first, an older release left running) and says so, naming both.
 
 from __future__ import annotations
 
-from importlib import metadata
 from pathlib import Path
 
 
 def release() -> str:
     """dalid's release, as installed ("" when dalid runs from a tree it was not installed
     from)."""
+    # Here, not with the protocol: importing it is a fair part of a control command's start.
+    from importlib import metadata
+
     try:
         return metadata.version("dalid")
     except metadata.PackageNotFoundError:

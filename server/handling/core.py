@@ -33,6 +33,7 @@ from dalid.protocol import (
     Goodbye,
     Hello,
     IpcProbeResult,
+    LoaderWorkers,
     Message,
     Ok,
     Ping,
@@ -223,6 +224,7 @@ class DaemonCore:
             WantBatch: self.batches.on_want_batch,
             ReleaseRegions: self.batches.on_release_regions,
             TrainerProgress: self._on_trainer_progress,
+            LoaderWorkers: self._on_loader_workers,
             ReloadRepository: self._on_reload_repository,
             CheckpointPipeline: self.checkpoints.on_checkpoint_pipeline,
             RestorePipeline: self.checkpoints.on_restore_pipeline,
@@ -359,6 +361,7 @@ class DaemonCore:
             installation=self.installation,
             want_in_release=True,
             progress_in_release=True,
+            loader_workers=True,
         )
 
     def _on_ipc_probe_result(
@@ -401,6 +404,17 @@ class DaemonCore:
         self, identity: bytes, progress: TrainerProgress, _request_id: int | None
     ) -> None:
         self.peers[identity].job.trainer_waited = progress.waited_seconds
+
+    def _on_loader_workers(
+        self, identity: bytes, told: LoaderWorkers, _request_id: int | None
+    ) -> Message:
+        peer = self.peers[identity]
+        if peer.role is not Role.TRAINER:
+            raise RequestRefused(
+                ErrorCode.NOT_WELCOMED, "only a trainer tells how many workers its loaders run"
+            )
+        peer.job.workers_started = told.workers
+        return Ok()
 
     def _on_reload_repository(
         self, identity: bytes, _: ReloadRepository, request_id: int | None

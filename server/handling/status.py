@@ -55,6 +55,7 @@ def job_status(job: Job, share: ShareStats, now: float) -> JobStatus:
         pid=job.pid,
         weight=job.limits.weight,
         workers=sum(1 for peer in job.peers if peer != job.trainer),
+        workers_started=job.workers_started,
         pipelines=len(job.pipelines),
         batches_done=job.meter.batches,
         samples_done=job.meter.samples,

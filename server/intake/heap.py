@@ -45,7 +45,6 @@ Elsewhere than glibc (musl has no arenas) all of this does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -65,6 +64,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
+    # Here: `dalid stop` and the other commands read this module's defaults, not libc.
+    import ctypes.util
+
     name = ctypes.util.find_library("c")
     if name is None:
         return None

@@ -84,6 +84,9 @@ class Job:
     batches_copied_on_device: int = 0
     meter: RateMeter = field(default_factory=RateMeter)
     trainer_waited: float = 0.0
+    # The DataLoader workers its trainer says its loaders started (LoaderWorkers); None until
+    # it says (an older trainer never does).
+    workers_started: int | None = None
     connected_at: float = field(default_factory=time.monotonic)
     # The jobs its trainer had on earlier daemons of the socket (Hello.earlier_jobs).
     earlier_jobs: tuple[EarlierJob, ...] = ()

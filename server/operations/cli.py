@@ -18,7 +18,6 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,6 @@ from dalid.protocol import (
     RUNTIME_DIR_ENV,
     check_socket_directory,
     gpu_count,
-    slabs,
     socket_path,
 )
 
@@ -53,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dalid",
         description="A daemon that runs NVIDIA DALI pipelines for many PyTorch training jobs.",
     )
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -129,8 +127,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """``--version``: prints :func:`version_line` and exits. Read only when asked: the installed
+    release's metadata takes a while to find, which every other command would wait for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(
+            option_strings,
+            dest=dest,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show dalid's release and protocol version and exit",
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def version_line() -> str:
     """What ``dalid --version`` prints: this release and the protocol version it speaks."""
+    from importlib import metadata
+
     try:
         release = metadata.version("dalid")
     except metadata.PackageNotFoundError:
@@ -149,6 +173,8 @@ def _socket(settings: dict[str, Any]) -> Path:
 
 def shm_size() -> int:
     """The size of the shared-memory filesystem, which bounds what CPU outputs can use."""
+    from dalid.protocol import slabs
+
     info = os.statvfs(slabs.SHM_DIR)
     return info.f_frsize * info.f_blocks
 

@@ -13,10 +13,8 @@ It holds the table of every option, the parsers its rows name, and the code that
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
-import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,6 +468,10 @@ def _argparse_type(option: Option) -> Callable[[str], Any]:
 
 def read_toml(path: Path) -> dict[str, Any]:
     """The options set in the TOML file at ``path``. Unknown keys and bad values raise."""
+    # Imported here, as only a configured daemon reads a file: not with every command.
+    import difflib
+    import tomllib
+
     try:
         with path.open("rb") as file:
             table = tomllib.load(file)

@@ -48,6 +48,9 @@ EXIT_LOAD_FAILED = 3
 
 # How often a request waiting for its answer looks whether the daemon's socket is still there.
 _GONE_CHECK_S = 0.1
+# How long a command waits quietly (for an answer, for `dalid stop` to take effect) before it
+# says what it waits for: a daemon answers, and stops, in a fraction of that.
+QUIET_S = 1.0
 
 
 class NoAnswer(Exception):
@@ -104,11 +107,17 @@ class DaemonLine:
                     raise NoAnswer(absent) from None
             time.sleep(0.05)
 
-    def ask(self, request: Message) -> Message:
+    def ask(self, request: Message, *, slow: str = "") -> Message:
+        """The daemon's answer to ``request``. ``slow``: said on stderr once the answer is
+        ``QUIET_S`` late (a command that waits says for what)."""
         request_id = next(self._request_ids)
         transport.send(self._socket, request, request_id)
-        deadline = time.monotonic() + self.timeout
+        asked = time.monotonic()
+        deadline = asked + self.timeout
         while (left := deadline - time.monotonic()) > 0:
+            if slow and time.monotonic() - asked >= QUIET_S:
+                print(slow, file=sys.stderr, flush=True)
+                slow = ""
             if not self._socket.poll(int(min(left, _GONE_CHECK_S) * 1000) + 1):
                 if not self.path.exists():
                     # A daemon that stops cleanly removes its socket: say so now, rather than
@@ -163,18 +172,16 @@ def ping(path: Path, timeout: float, start: str) -> int:
     return 0
 
 
-# How long `dalid stop` waits for the socket to go before it says what it waits for.
-STOP_QUIET_S = 1.0
-
-
 def stop(path: Path, timeout: float, start: str, *, end_jobs: bool = False) -> int:
-    """Asks the daemon to stop (it tells its jobs why) and waits until its socket is gone.
+    """Asks the daemon to stop (it tells its jobs why) and waits until its socket is gone;
+    says what it waits for once a wait is ``QUIET_S`` long.
     ``end_jobs``: its jobs end, those that would wait for a new daemon (reconnect) too."""
+    waiting = f"dalid stop: waiting (up to {timeout:g} s) for the daemon on {endpoint(path)}"
     try:
         with DaemonLine(path, timeout, start) as line:
-            report = line.ask(StatusRequest())
+            report = line.ask(StatusRequest(), slow=f"{waiting} to answer")
             assert isinstance(report, StatusReport)
-            line.ask(Shutdown(end_jobs=end_jobs))
+            line.ask(Shutdown(end_jobs=end_jobs), slow=f"{waiting} to take the stop")
     except NoAnswer as error:
         print(f"dalid stop: {error}", file=sys.stderr)
         return 1
@@ -184,11 +191,17 @@ def stop(path: Path, timeout: float, start: str, *, end_jobs: bool = False) -> i
     said = False
     while path.exists():
         now = time.monotonic()
-        if not said and now - asked >= STOP_QUIET_S:
-            # A daemon stops in a fraction of a second unless freeing its jobs takes long.
+        if not said and now - asked >= QUIET_S:
+            # A daemon stops in a fraction of a second unless telling its jobs (each gets a
+            # notice, which may wait up to a second to leave) or freeing them takes long.
+            jobs = len(report.jobs)
             print(
                 f"dalid stop: {what} was asked to stop; waiting (up to {timeout:g} s) for it to "
-                f"free its {len(report.jobs)} job(s)' memory and remove its socket",
+                + (
+                    f"tell its {jobs} job(s) that it stops, free their memory and remove its socket"
+                    if jobs
+                    else "remove its socket"
+                ),
                 file=sys.stderr,
                 flush=True,
             )

@@ -58,7 +58,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("pid", "right", 4, "the trainer's process id"),
     Column("weight", "right", 7, "its share of the daemon when jobs compete"),
     Column(
-        "workers", "right", 10, "DataLoader workers connected (only persistent ones between epochs)"
+        "workers", "right", 10, "DataLoader workers its trainer started (N joined: those connected)"
     ),
     Column("pipes", "right", 11, "pipelines it registered"),
     Column("batches/s", "right", 9, "batches delivered a second, over the last 5 s"),
@@ -96,7 +96,7 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         job_name(job),
         str(job.pid),
         f"{job.weight:g}",
-        str(job.workers),
+        _workers(job),
         str(job.pipelines),
         f"{job.batches_per_second:.1f}",
         f"{job.samples_per_second:.0f}",
@@ -110,6 +110,15 @@ def job_row(job: JobStatus) -> tuple[str, ...]:
         _copies(job),
         job.output_path.replace("_", " "),
     )
+
+
+def _workers(job: JobStatus) -> str:
+    """A job's DataLoader workers: those its trainer says it started, and where those connected
+    differ, how many (``2 (0 joined)``); a trainer that does not say: those connected."""
+    started = job.workers_started
+    if started is None or started == job.workers:
+        return str(job.workers)
+    return f"{started} ({job.workers} joined)"
 
 
 def _copies(job: JobStatus) -> str:

@@ -367,6 +367,8 @@ def test_persistent_workers_across_stops(dali_proxy: ModuleType, daemon: DaemonP
         server.stop_thread()
     assert len(jobs) == 1  # one job all along: the workers' target never went stale
     assert [job.job_id for job in daemon.status().jobs] == list(jobs)
+    # `dalid status` counts the loader's workers between its epochs too: they persist.
+    assert [job.workers_started for job in daemon.status().jobs] == [2]
     del loader
     gc.collect()
     assert not daemon.status().jobs, "the job outlived the loader's workers"

@@ -24,6 +24,7 @@ import torch
 import dalid.client as dalid
 from dalid.client import RequestError
 from dalid.protocol import ErrorCode, JobStatus
+from dalid.server.operations.status_view import COLUMNS, job_row
 
 from ..daemons import ROOT, DaemonProcess, kill_leftovers, start_daemon, start_job, wait_for
 from .helpers import BATCH, ProxyDataset, two_output_pipeline
@@ -408,6 +409,36 @@ def test_status_command_prints_the_jobs_as_a_table_and_as_json(short_tmp: Path) 
     assert gone.returncode == 1
     assert "no dalid daemon listens" in gone.stderr
     assert f"start one with `dalid serve --device cpu --socket {daemon.socket}`" in gone.stderr
+
+
+def test_the_first_status_after_a_loader_starts_counts_its_workers(short_tmp: Path) -> None:
+    """A loader's workers connect at their first sample; the status counts them from the
+    moment its iterator starts them, and an epoch's workers no longer once the epoch ends."""
+    daemon = start_daemon(short_tmp)
+    session = dalid.connect(socket=daemon.socket, autostart=False, name="starting")
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(
+            session, ProxyDataset(proxy, BATCH * 4), batch_size=BATCH, num_workers=2
+        )
+        (job,) = daemon.status().jobs
+        assert job.workers == 0 and job.workers_started is None
+        iterator = iter(loader)
+        (job,) = daemon.status().jobs
+        assert job.workers_started == 2
+        assert job_row(job)[[c.header for c in COLUMNS].index("workers")].startswith("2")
+        # As the table prints it, in another process.
+        command = [sys.executable, "-m", "dalid.server", "status", "--socket", str(daemon.socket)]
+        as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
+        assert json.loads(as_json.stdout)["jobs"][0]["workers_started"] == 2
+        assert len(list(iterator)) == 4
+        # The epoch's workers stopped with it (they were not persistent).
+        (job,) = daemon.status().jobs
+        assert job.workers_started == 0
+        del iterator
+    finally:
+        session.close()
+        assert daemon.stop() == 0
 
 
 def _free_port() -> int:

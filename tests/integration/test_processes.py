@@ -215,6 +215,52 @@ def test_a_clean_stop_leaves_nothing_behind_and_every_command_says_how_to_start_
         assert start in done.stderr, done.stderr
 
 
+def test_dalid_stop_with_a_job_connected_stops_the_daemon_and_imports_no_numpy_torch_or_dali(
+    short_tmp: Path,
+) -> None:
+    """`dalid stop` is mostly its own start on a busy machine: the daemon is gone in a fraction
+    of a second. Its process imports nothing a training job needs (numpy, torch, DALI) nor the
+    daemon itself, so that it starts in a fraction of a second too (timings are the bench's)."""
+    daemon = start_daemon(short_tmp)
+    session = dalid.connect(socket=daemon.socket, autostart=False, name="training")
+    try:
+        proxy = session.proxy(two_output_pipeline())
+        loader = dalid.DataLoader(session, ProxyDataset(proxy, BATCH * 2), batch_size=BATCH)
+        batches = iter(loader)
+        next(batches)  # a job mid-epoch, holding outputs
+        # -X importtime lists, on stderr, every module the command's process imports.
+        command = [sys.executable, "-X", "importtime", "-m", "dalid.server", "stop"]
+        stop = subprocess.run(
+            [*command, "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert stop.returncode == 0, stop.stderr
+        assert "its 1 job(s) were told that it was stopped" in stop.stdout
+        assert daemon.process.wait(timeout=20) == 0
+        assert not daemon.socket.exists()
+        imported = {
+            line.rpartition("|")[2].strip()
+            for line in stop.stderr.splitlines()
+            if line.startswith("import time:")
+        }
+        assert {"zmq", "dalid.server.operations.control", "dalid.protocol.codec"} <= imported
+        heavy = sorted(
+            name
+            for name in imported
+            if name.partition(".")[0] in ("numpy", "torch", "nvidia", "rich")
+            or name.startswith(("dalid.server.intake.daemon", "dalid.server.handling"))
+        )
+        assert heavy == [], heavy
+        del batches
+    finally:
+        session.close()
+        daemon.stop()
+    assert not daemon.segments()
+
+
 def _dalid(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "dalid.server", *args],

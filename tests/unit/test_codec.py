@@ -33,6 +33,7 @@ from dalid.protocol import (
     IpcProbeResult,
     JobStatus,
     Limits,
+    LoaderWorkers,
     Message,
     Ok,
     OnError,
@@ -368,6 +369,7 @@ def _examples() -> list[tuple[Message, int | None]]:
             9,
         ),
         (TrainerProgress(waited_seconds=1.25, batches_received=40), None),
+        (LoaderWorkers(workers=2), 11),
         (StatusRequest(), 10),
         (
             StatusReport(

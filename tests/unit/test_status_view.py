@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from dalid.protocol import JobStatus, PipelineStatus, StatusReport
-from dalid.server.operations.status_view import COLUMNS, pipeline_lines, table
+from dalid.server.operations.status_view import COLUMNS, job_row, pipeline_lines, table
 
 JOB = JobStatus(
     job_id=12, name="resnet50-imagenet-run-7", pid=4123456, weight=2, workers=8, pipelines=1,
@@ -108,6 +108,30 @@ def test_private_copies_say_how_many_stayed_on_the_device() -> None:
     row = {line.split()[0]: line for line in lines if line.lstrip().startswith(("14 ", "15 "))}
     assert " 9 (7 dev) " in row["14"]
     assert " 3 " in row["15"] and "dev" not in row["15"]
+
+
+def _workers_cell(job: JobStatus) -> str:
+    """The workers column of ``job``'s row."""
+    return job_row(job)[[column.header for column in COLUMNS].index("workers")]
+
+
+def test_workers_started_show_from_the_first_snapshot_and_those_joined_where_they_differ() -> None:
+    # A new job's loader started 2 workers, which connect at their first sample: the table
+    # says 2, and how many have connected so far, not "0".
+    starting = dataclasses.replace(JOB, job_id=14, workers=0, workers_started=2)
+    assert _workers_cell(starting) == "2 (0 joined)"
+    assert _workers_cell(dataclasses.replace(starting, workers=1)) == "2 (1 joined)"
+    # All connected: the figure alone, as for a trainer that does not say (an older client).
+    assert _workers_cell(dataclasses.replace(starting, workers=2)) == "2"
+    assert _workers_cell(dataclasses.replace(starting, workers=3, workers_started=None)) == "3"
+    # Workers of a loader that is not dalid's connect uncounted: more joined than started.
+    assert _workers_cell(dataclasses.replace(starting, workers=3)) == "2 (3 joined)"
+    # An epoch's workers stopped, the next epoch's not yet started.
+    assert _workers_cell(dataclasses.replace(starting, workers_started=0)) == "0"
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table(dataclasses.replace(REPORT, jobs=(starting,)), WHERE, 200))
+    (row,) = [line for line in console.export_text().splitlines() if line.startswith(" 14 ")]
+    assert "  2 (0 joined)  " in row
 
 
 def test_a_pipeline_one_job_uses_says_so_and_shows_no_run_fill() -> None:
