@@ -170,6 +170,7 @@ class DaemonCore:
             self.scheduler,
             outputs=outputs,
             prefix=f"dalid-{self._instance}",
+            end_job=self._end_idle_job,
         )
         self.pipelines = PipelineBuilder(
             self.device_id,
@@ -283,6 +284,10 @@ class DaemonCore:
 
     def close_job(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
         self.endings.close_job(job, why)
+
+    def _end_idle_job(self, job: Job, why: str) -> None:
+        """Ends a job reclaimed for a newcomer as any job ends, its trainer told ``why``."""
+        self.endings.end_idle(job, why)
 
     def trainer_unreachable(self, identity: bytes) -> None:
         self.endings.trainer_unreachable(identity)

@@ -112,6 +112,13 @@ class JobEndings:
             return
         self._close_outputs(job, why)
 
+    def end_idle(self, job: Job, why: str) -> None:
+        """Ends an idle job to make room for a new one (reclaim.py), telling its trainer
+        ``why``: an ``unknown_job`` notice with ``ends_jobs`` (SPEC.md, "Liveness"), which its
+        client raises as ``JobEnded`` at its next call."""
+        self._push(job.trainer, Error(ErrorCode.UNKNOWN_JOB, why, ends_jobs=True), None)
+        self.close_job(job)
+
     def _close_outputs(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
         kept = job.close_outputs() and why is Closing.JOB_ENDED
         if kept and self._registry.alive(job.pid, job.pid_namespace):
