@@ -332,6 +332,9 @@ class DaemonCore:
             job = self.opening.open(identity, hello, pid, uid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
+            ended_why = self.endings.ended_why(hello.job_id or 0, hello.job_token or "")
+            if found is None and ended_why:
+                raise RequestRefused(ErrorCode.UNKNOWN_JOB, ended_why)
             if found is None:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_JOB,

@@ -305,6 +305,7 @@ OPTIONS: tuple[Option, ...] = (
         "the job idle longest (no batch for this many seconds) among those it competes with, "
         "telling its trainer why, and welcome the new one (0: never end idle jobs)",
         "SECONDS",
+        default_text="300",
     ),
     Option(
         "input_memory",

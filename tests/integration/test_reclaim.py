@@ -21,7 +21,8 @@ from dalid.client import JobEnded, RequestError
 from ..daemons import DaemonProcess, start_daemon
 from .helpers import BATCH, sample, two_output_pipeline
 
-IDLE_S = 1.0
+# Long enough that the steps of a test between two activities of a job never reach it.
+IDLE_S = 2.0
 
 
 @pytest.fixture
