@@ -14,9 +14,10 @@ it has been idle for at least ``--reclaim-idle-s``, and welcomes the newcomer:
 A job is idle while it has no batch in flight, waiting or deferred, and none was submitted,
 scheduled, wanted, released or delivered, nor a pipeline registered, since ``active_at``
 (its connect at first); pings do not count. Its trainer and workers are told why (an
-``error`` ``unknown_job`` with ``ends_jobs``, SPEC.md "Liveness"; endings.py). A job ended so that reconnects is a
-new job with a fresh clock: it ends another only once that one has been idle as long, so two
-jobs idling in turn take the place in turn, never faster than one end per idle period.
+``error`` ``unknown_job`` with ``ends_jobs``, SPEC.md "Liveness"; endings.py). A job ended
+so that reconnects is a new job with a fresh clock: it ends another only once that one has
+been idle as long, so two jobs idling in turn take the place in turn, never faster than one
+end per idle period.
 """
 
 from __future__ import annotations
