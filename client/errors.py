@@ -139,6 +139,21 @@ class DaemonStopped(DaemonUnavailable):
         self.ends_jobs = ends_jobs
 
 
+class JobEnded(DaemonUnavailable):
+    """The daemon ended this job while the daemon itself runs on: it had been idle (no batch
+    for the daemon's ``--reclaim-idle-s``) when another job needed its place. A session with
+    ``reconnect`` connects again at its next call, as a new job (refused while the daemon stays
+    full); the message says why and what to do."""
+
+
+def ended_notice(notice: Error) -> JobEnded | None:
+    """The error for a daemon's notice that it ended this connection's job (an ``error``
+    ``unknown_job`` with ``ends_jobs``, pushed with no request id), else None."""
+    if notice.code is ErrorCode.UNKNOWN_JOB and notice.ends_jobs:
+        return JobEnded(f"the dalid daemon ended this job: {notice.message}")
+    return None
+
+
 def stopped_error(
     notice: Error, then: str = "start a daemon again (`dalid serve`), then connect again"
 ) -> DaemonStopped:

@@ -35,9 +35,17 @@ class ServedCore:
         pool_bytes: int = 8 << 20,
         slab_bytes: int = 1 << 20,
         older_welcome: bool = False,
+        max_jobs: int = 64,
+        reclaim_idle_s: float = 300.0,
     ) -> None:
         self.path = path
-        self._quotas = Quotas(max_batch_size=64, pool_bytes=pool_bytes, slab_bytes=slab_bytes)
+        self._quotas = Quotas(
+            max_batch_size=64,
+            pool_bytes=pool_bytes,
+            slab_bytes=slab_bytes,
+            max_jobs=max_jobs,
+            reclaim_idle_s=reclaim_idle_s,
+        )
         self._older_welcome = older_welcome
         self.received: list[Message] = []
         self.restarts = 0

@@ -41,7 +41,9 @@ from dalid.protocol import (
 from ..errors import (
     DaemonStopped,
     DaemonUnavailable,
+    JobEnded,
     ProtocolMismatch,
+    ended_notice,
     error_from_reply,
     stopped_error,
 )
@@ -98,6 +100,15 @@ def stop_notice(envelope: Envelope, then: str) -> DaemonStopped | None:
         and message.code is ErrorCode.SHUTTING_DOWN
     ):
         return stopped_error(message, then)
+    return None
+
+
+def job_ended(envelope: Envelope) -> JobEnded | None:
+    """The error for a daemon's notice that it ended this link's job (an idle one, to make
+    room for another: dalid.server.jobs.reclaim)."""
+    message = envelope.message
+    if envelope.request_id is None and isinstance(message, Error):
+        return ended_notice(message)
     return None
 
 
@@ -291,6 +302,10 @@ class Connection:
             if stopped is not None:
                 self._watch.gone = True
                 raise stopped
+            ended = job_ended(envelope)
+            if ended is not None:
+                self._watch.gone = True  # its job, not the daemon: no goodbye is due
+                raise ended
             if silence.answers_ping(envelope):
                 continue
             if done(envelope):

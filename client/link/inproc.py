@@ -43,7 +43,7 @@ from dalid.protocol import (
 
 from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 from .advice import NO_ADVICE, Advice
-from .connection import IDLE_EVERY_S
+from .connection import IDLE_EVERY_S, job_ended
 
 log = logging.getLogger("dalid.client")
 
@@ -275,6 +275,9 @@ class InprocLink:
                 if error.code is ErrorCode.PROTOCOL_MISMATCH:
                     raise ProtocolMismatch(error.message) from None
                 raise DaemonUnavailable(f"malformed message from the daemon: {error}") from None
+            ended = job_ended(envelope)
+            if ended is not None:
+                raise ended
             if done(envelope):
                 return envelope
             self._on_push(envelope)

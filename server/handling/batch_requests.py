@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Hashable, Sequence
 
 from dalid.protocol import (
@@ -92,6 +93,7 @@ class BatchRequests:
             )
         peer.job.check_earlier_ids(request)
         job = peer.job
+        job.active_at = time.monotonic()
         cohort_key: list[Hashable] = []
         check = None
         if request.cohort:
@@ -119,6 +121,7 @@ class BatchRequests:
         holds) and gets an ``error``, as does a submission whose id is refused.
         """
         peer = self.peers[identity]
+        peer.job.active_at = time.monotonic()  # what idle means: reclaim.py
         peer.batch_ids.take(request.batch_id)
         try:
             return self._submit(peer, request, request_id)
@@ -195,6 +198,7 @@ class BatchRequests:
             skipped = sum(1 for bad in result.bad_samples if bad.replaced_by < 0)
             job.meter.add(batch.request.batch_size - skipped)
         batch.drop_samples()
+        job.active_at = time.monotonic()
         self._push(job.trainer, result, None)
         admitted = job.admission.answered(batch)
         if admitted is not None:
@@ -204,6 +208,7 @@ class BatchRequests:
         self, identity: bytes, request: ScheduleBatch, _request_id: int | None
     ) -> Message:
         job = self.peers[identity].job
+        job.active_at = time.monotonic()
         batch = job.deferred.pop(request.batch_id, None)
         if batch is None:
             raise RequestRefused(
@@ -222,6 +227,7 @@ class BatchRequests:
         self._want(self.peers[identity].job, request.batch_id)
 
     def _want(self, job: Job, batch_id: int) -> None:
+        job.active_at = time.monotonic()
         for member in job.pipelines.values():
             if member.executor is not None:
                 member.executor.want(member, batch_id)
@@ -239,6 +245,7 @@ class BatchRequests:
         after them, as its own message sent next would have been, even if they are refused,
         and so is the progress report it carries."""
         job = self.peers[identity].job
+        job.active_at = time.monotonic()
         if request.progress is not None:
             job.trainer_waited = request.progress.waited_seconds
         try:

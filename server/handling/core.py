@@ -171,6 +171,7 @@ class DaemonCore:
             self.scheduler,
             outputs=outputs,
             prefix=f"dalid-{self._instance}",
+            end_job=self._end_idle_job,
         )
         self.pipelines = PipelineBuilder(
             self.device_id,
@@ -286,6 +287,10 @@ class DaemonCore:
     def close_job(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
         self.endings.close_job(job, why)
 
+    def _end_idle_job(self, job: Job, why: str) -> None:
+        """Ends a job reclaimed for a newcomer as any job ends, its trainer told ``why``."""
+        self.endings.end_idle(job, why)
+
     def trainer_unreachable(self, identity: bytes) -> None:
         self.endings.trainer_unreachable(identity)
 
@@ -329,6 +334,9 @@ class DaemonCore:
             job = self.opening.open(identity, hello, pid, uid)
         else:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
+            ended_why = self.endings.ended_why(hello.job_id or 0, hello.job_token or "")
+            if found is None and ended_why:
+                raise RequestRefused(ErrorCode.UNKNOWN_JOB, ended_why)
             if found is None:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_JOB,

@@ -9,7 +9,9 @@ cohorts, from the I/O thread.
 
 from __future__ import annotations
 
+import collections
 import enum
+import hmac
 import logging
 
 from dalid.protocol import (
@@ -28,6 +30,9 @@ from ..runs.scheduler import FairScheduler
 from .push import Push
 
 log = logging.getLogger("dalid.server")
+
+# Jobs ended to make room whose reason a worker that joins late is told (a few epochs' worth).
+REASONS_REMEMBERED = 256
 
 
 class Closing(enum.Enum):
@@ -53,6 +58,8 @@ class JobEndings:
         self._push = push
         # Ended jobs whose pipelines' stops are under way: their outputs are closed after.
         self._stopping_jobs: list[Job] = []
+        # Why idle jobs were ended, by job id, with their tokens: told to their workers.
+        self._ended_why: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
 
     def reap(self) -> list[int]:
         """Closes the jobs whose trainer process is gone; returns their ids."""
@@ -111,6 +118,28 @@ class JobEndings:
             self._stopping_jobs.append(job)
             return
         self._close_outputs(job, why)
+
+    def end_idle(self, job: Job, why: str) -> None:
+        """Ends an idle job to make room for a new one (reclaim.py), telling its trainer and
+        workers ``why``: an ``unknown_job`` notice with ``ends_jobs`` (SPEC.md, "Liveness"),
+        which their clients raise as ``JobEnded`` at their next call; a worker that joins
+        later is refused with it."""
+        notice = Error(ErrorCode.UNKNOWN_JOB, why, ends_jobs=True)
+        for identity in job.peers:
+            self._push(identity, notice, None)
+        self._ended_why[job.job_id] = (job.token, why)
+        if len(self._ended_why) > REASONS_REMEMBERED:
+            self._ended_why.popitem(last=False)
+        self.close_job(job)
+
+    def ended_why(self, job_id: int, token: str) -> str:
+        """Why job ``job_id`` (with ``token``) was ended to make room, "" if it was not."""
+        token_and_why = self._ended_why.get(job_id)
+        if token_and_why is None or not hmac.compare_digest(
+            token_and_why[0].encode(), token.encode()
+        ):
+            return ""
+        return token_and_why[1]
 
     def _close_outputs(self, job: Job, why: Closing = Closing.JOB_ENDED) -> None:
         kept = job.close_outputs() and why is Closing.JOB_ENDED

@@ -8,6 +8,8 @@ their stores); the core asks it to open a job for a trainer's hello and to make 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from dalid.protocol import ErrorCode, Hello, Limits
 
@@ -15,6 +17,7 @@ from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory
 from ..jobs.jobs import Job, JobRegistry
 from ..jobs.quotas import QuotaRefused, Quotas, grant
+from ..jobs.reclaim import job_to_end
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
 from ..outputs.job_outputs import JobOutputs, OutputsFactory
@@ -26,7 +29,8 @@ log = logging.getLogger("dalid.server")
 class JobOpening:
     """Opens the jobs of ``registry`` within ``quotas``, each with output stores made by
     ``outputs`` (slabs named after ``prefix``), and makes cohorts' output memory. Called from
-    the I/O thread."""
+    the I/O thread. ``end_job(job, why)`` ends a job idle long enough to make room for a
+    newcomer, telling its trainer ``why`` (reclaim.py); None: none is ended."""
 
     def __init__(
         self,
@@ -37,7 +41,9 @@ class JobOpening:
         *,
         outputs: OutputsFactory,
         prefix: str,
+        end_job: Callable[[Job, str], None] | None = None,
     ) -> None:
+        self._end_job = end_job
         self._registry = registry
         self._quotas = quotas
         self._inputs = inputs
@@ -55,19 +61,14 @@ class JobOpening:
         Its output memory is reserved now if the job asked for an amount, else as its outputs
         need it, up to ``limits.pool_bytes`` (:mod:`dalid.server.jobs.reservations`).
         """
-        jobs = self._registry.jobs
         self._registry.check_unclaimed(hello.earlier_jobs)
         try:
-            limits = grant(
-                hello,
-                self._quotas,
-                jobs=len(jobs),
-                max_message_bytes=self._inputs.job_limit,
-                pid=pid,
-                jobs_of_process=sum(1 for job in jobs.values() if job.pid == pid),
-                uid=uid,
-                jobs_of_user=sum(1 for job in jobs.values() if job.uid == uid),
-            )
+            try:
+                limits = self._grant(hello, pid, uid)
+            except QuotaRefused as refusal:
+                if refusal.full is None or not self._reclaim(refusal, uid):
+                    raise
+                limits = self._grant(hello, pid, uid)
             reservations = {
                 device: memory.fixed(limits.pool_bytes)
                 if hello.memory_bytes
@@ -75,7 +76,7 @@ class JobOpening:
                 for device, memory in self.output_memory.items()
             }
         except QuotaRefused as refusal:
-            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, str(refusal)) from None
+            raise RequestRefused(ErrorCode.RESOURCE_EXHAUSTED, self._refused(refusal)) from None
         try:
             job = self._registry.open(
                 identity,
@@ -112,6 +113,59 @@ class JobOpening:
             else "",
         )
         return job
+
+    def _grant(self, hello: Hello, pid: int, uid: int) -> Limits:
+        jobs = self._registry.jobs
+        return grant(
+            hello,
+            self._quotas,
+            jobs=len(jobs),
+            max_message_bytes=self._inputs.job_limit,
+            pid=pid,
+            jobs_of_process=sum(1 for job in jobs.values() if job.pid == pid),
+            uid=uid,
+            jobs_of_user=sum(1 for job in jobs.values() if job.uid == uid),
+        )
+
+    def _reclaim(self, refusal: QuotaRefused, uid: int) -> bool:
+        """Ends the job idle longest that a newcomer of ``uid`` competes with under the limit
+        that refused it, if one has been idle long enough (reclaim.py); whether one was."""
+        idle_s = self._quotas.reclaim_idle_s
+        if self._end_job is None or refusal.full is None:
+            return False
+        now = time.monotonic()
+        jobs = self._registry.jobs.values()
+        job = job_to_end(jobs, refusal.full, uid=uid, now=now, idle_s=idle_s)
+        if job is None:
+            return False
+        idle = now - job.active_at
+        log.info(
+            "job %d (%s) reclaimed after %.0f s idle, for a new job: %s",
+            job.job_id,
+            job_label(job.name, job.pid),
+            idle,
+            refusal.what,
+        )
+        self._end_job(
+            job,
+            f"job {job.job_id} was ended after {idle:.0f} s idle, to make room for a new job; "
+            f"the daemon is full: {refusal.what}. Connect again when the job has batches to run "
+            "(a session with reconnect=True does so at its next call, and is refused while the "
+            "daemon stays full), or start the daemon with a longer --reclaim-idle-s (now "
+            f"{idle_s:g} s; 0: never end idle jobs)",
+        )
+        return True
+
+    def _refused(self, refusal: QuotaRefused) -> str:
+        """A refusal's message; one of a full limit of jobs says that no job was idle long
+        enough to be ended for the newcomer."""
+        idle_s = self._quotas.reclaim_idle_s
+        if refusal.full is None or self._end_job is None or idle_s <= 0:
+            return str(refusal)
+        return (
+            f"{refusal}; none of the jobs it competes with has been idle for {idle_s:g} s, "
+            "which the daemon would end to make room (dalid serve --reclaim-idle-s)"
+        )
 
     def cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
         """A cohort's output memory, of the kinds a job's is (shared memory; on a GPU daemon,

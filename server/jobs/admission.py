@@ -52,6 +52,12 @@ class Admission:
         with self._lock:
             return len(self._waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Whether any batch of the job is in flight or waits for its turn."""
+        with self._lock:
+            return self._inflight > 0 or bool(self._waiting)
+
     def submit(
         self,
         batch: PendingBatch,

@@ -96,6 +96,15 @@ class Job:
     stops: list[Stop] = field(default_factory=list)
     # The uid of its trainer's process as its socket tells (-1: unknown).
     uid: int = -1
+    # When a batch of it was last submitted, scheduled, wanted, released or delivered, or a
+    # pipeline registered (monotonic; set once a batch): reclaim.py ends the job idle longest
+    # when a newcomer finds no place.
+    active_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """Whether it has batches in flight, waiting for their turn or deferred."""
+        return bool(self.deferred) or self.admission.busy
 
     def close(self) -> list[WaitingBatch]:
         """Stops the job's pipelines, without waiting long for them (``stopping``, then

@@ -7,6 +7,7 @@ it, or at connect when the job asks for an amount (:mod:`dalid.server.jobs.reser
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from dalid.protocol import Hello, Limits
@@ -39,6 +40,7 @@ class Quotas:
     max_jobs: int = 64
     max_jobs_per_process: int = 8
     max_jobs_per_user: int = 32
+    reclaim_idle_s: float = 300.0
     pool_bytes: int = 1 * GiB
     slab_bytes: int = 64 * MiB
     memory_limit: int = 0
@@ -68,8 +70,23 @@ def per_user_jobs(max_jobs: int, asked: int | None) -> int:
     return asked if asked is not None else max(1, max_jobs // 2)
 
 
+class JobsFull(enum.Enum):
+    """Which limit of jobs refused a hello, where ending an idle job could make room."""
+
+    DAEMON = enum.auto()  # --max-jobs
+    USER = enum.auto()  # --max-jobs-per-user, of the newcomer's uid
+
+
 class QuotaRefused(Exception):
-    """A job asked for more than the daemon can give; the message says what it can."""
+    """A job asked for more than the daemon can give; the message says what it can. ``full``:
+    the limit of jobs that is full, where another job's end would make room (None: another
+    refusal, the per-process limit's among them: a process may not end others' jobs to pass
+    its own limit); ``what``: what is full, in words, where ``full`` is set."""
+
+    def __init__(self, message: str, full: JobsFull | None = None, what: str = "") -> None:
+        super().__init__(message)
+        self.full = full
+        self.what = what
 
 
 def grant(
@@ -86,11 +103,7 @@ def grant(
     """The limits of a new job, given the ``jobs`` already open, ``jobs_of_process`` of them
     with a trainer of process ``pid`` (0: a process the daemon cannot see) and ``jobs_of_user``
     with a trainer of uid ``uid`` (-1: unknown)."""
-    if jobs >= quotas.max_jobs:
-        raise QuotaRefused(
-            f"this daemon already serves {jobs} jobs, its limit (dalid serve --max-jobs "
-            f"{quotas.max_jobs}): wait for one to end, or start the daemon with a higher limit"
-        )
+    # The per-process limit first: no other job's end makes room under it.
     per_process = quotas.max_jobs_per_process
     if pid and per_process and jobs_of_process >= per_process:
         raise QuotaRefused(
@@ -98,12 +111,28 @@ def grant(
             f"process (dalid serve --max-jobs-per-process {per_process}): close a session "
             "first, or start the daemon with a higher limit"
         )
+    # The uid's share before the daemon's limit: ending one of the uid's jobs frees both.
     per_user = quotas.max_jobs_per_user
     if uid >= 0 and per_user and jobs_of_user >= per_user:
-        raise QuotaRefused(
+        what = (
             f"uid {uid} already has {jobs_of_user} jobs on this daemon, the share of one user "
-            f"(dalid serve --max-jobs-per-user {per_user}), kept so that other users find room: "
-            "close a job of yours first, or start the daemon with a higher limit (0: none)"
+            f"(dalid serve --max-jobs-per-user {per_user}), kept so that other users find room"
+        )
+        raise QuotaRefused(
+            f"{what}: close a job of yours first, or start the daemon with a higher limit "
+            "(0: none)",
+            JobsFull.USER,
+            what,
+        )
+    if jobs >= quotas.max_jobs:
+        what = (
+            f"this daemon already serves {jobs} jobs, its limit (dalid serve --max-jobs "
+            f"{quotas.max_jobs})"
+        )
+        raise QuotaRefused(
+            f"{what}: wait for one to end, or start the daemon with a higher limit",
+            JobsFull.DAEMON,
+            what,
         )
     memory = hello.memory_bytes or quotas.pool_bytes
     inflight = hello.max_inflight_batches or quotas.max_inflight_batches

@@ -193,6 +193,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
         max_jobs=settings["max_jobs"],
         max_jobs_per_process=settings["max_jobs_per_process"],
         max_jobs_per_user=per_user_jobs(settings["max_jobs"], settings["max_jobs_per_user"]),
+        reclaim_idle_s=settings["reclaim_idle_s"],
         pool_bytes=settings["pool_bytes"],
         slab_bytes=settings["slab_bytes"],
         memory_limit=limit if limit is not None else shm_size(),

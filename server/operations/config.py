@@ -60,6 +60,17 @@ def parse_seconds(text: str) -> float | None:
     return seconds
 
 
+def parse_idle_seconds(text: str) -> float:
+    """A number of seconds, 0 or more (0: off)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {text!r} (0: off)") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"must be 0 or a positive number of seconds: {text!r}")
+    return seconds
+
+
 def parse_positive_int(text: str) -> int:
     try:
         number = int(text)
@@ -283,6 +294,16 @@ OPTIONS: tuple[Option, ...] = (
         "and --max-threads is as much as this of --max-jobs (0: no per-user limit)",
         "N",
         default_text="half of --max-jobs",
+    ),
+    Option(
+        "reclaim_idle_s",
+        parse_idle_seconds,
+        300.0,
+        "when a new job would be refused because --max-jobs or its user's share is full, end "
+        "the job idle longest (no batch for this many seconds) among those it competes with, "
+        "telling its trainer why, and welcome the new one (0: never end idle jobs)",
+        "SECONDS",
+        default_text="300",
     ),
     Option(
         "input_memory",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import pickle
+import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 import torch
 from nvidia.dali import fn
 
-from dalid.client import DaemonUnavailable, Session
+from dalid.client import DaemonUnavailable, JobEnded, RequestError, Session
 from dalid.client import delivery as delivery_module
 from dalid.client.worker.worker import Proxy
 from dalid.protocol import ReleaseRegions, TrainerProgress, WantBatch
@@ -276,3 +278,22 @@ def test_a_session_that_ends_lets_the_daemon_free_its_job(
     assert job_id not in daemon.core.jobs
     assert any(f"job {job_id} said goodbye" in r.getMessage() for r in caplog.records)
     assert _values(kept) == [0, 1]  # the tensor outlives the job
+
+
+@pytest.mark.parametrize("ran_a_batch", [False, True])
+def test_a_job_the_daemon_ended_for_a_new_one_raises_why_at_its_next_batch(
+    ran_a_batch: bool,
+) -> None:
+    """Its trainer's link, or the link its proxies submit on (made at its first batch, or
+    made late and refused), says why."""
+    path = Path(f"/tmp/dalid-inproc-{uuid.uuid4().hex[:8]}.sock")
+    with ServedCore(path, max_jobs=1, reclaim_idle_s=0.2) as daemon, _session(daemon) as idle:
+        proxy = idle.proxy(doubling())
+        if ran_a_batch:
+            idle.produce_data(_batch(proxy, 0))
+        time.sleep(0.3)
+        with _session(daemon) as newcomer:
+            assert [job.job_id for job in daemon.core.jobs.values()] == [newcomer.job_id]
+            with pytest.raises(JobEnded if ran_a_batch else RequestError) as raised:
+                idle.produce_data(_batch(proxy, BATCH))
+            assert re.search(r"job \d+ was ended after \d+ s idle, to make room", str(raised.value))
