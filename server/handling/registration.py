@@ -171,6 +171,8 @@ class PipelineBuilder:
             answer,
             request.on_error,
             deterministic=request.deterministic,
+            read_bytes=job.limits.max_message_bytes,
+            output_bytes=job.limits.pool_bytes,
         )
         on_built = functools.partial(self._on_built, job, member, request, request_id)
         if shared is not None:

@@ -95,10 +95,10 @@ class RunLoop:
         """Puts ``run`` into DALI; False where it could not go (its slot given back, its
         batches answered or to run again)."""
         first = run.batches[0]
-        if first.unseen:
-            # Not a bad sample: every batch would fail so (see paths.py).
+        if first.refused:
+            # Not a bad sample: the batch as a whole cannot run (see paths.py, sizes.py).
             self._planner.give_slots(1)
-            self._delivery.fail(first, ErrorCode.INVALID_BATCH, first.unseen)
+            self._delivery.fail(first, ErrorCode.INVALID_BATCH, first.refused)
             return False
         if first.oversized:
             self._failed(run, ErrorCode.INVALID_BATCH, None)
