@@ -290,6 +290,8 @@ class PipelineExecutor:
                     if self._on_private is not None:
                         self._on_private(self)
             self.runner = runner
+            # Read from the graph once built, before any batch is prepared (sizes.py).
+            self.planner.sized_outputs = runner.sized_outputs
             self.instances.built(instance, runner)
             self._built(runner.spec)
             self._run_instance(instance, runner)

@@ -13,6 +13,7 @@ import numpy as np
 
 from dalid.protocol import InputBatch
 
+from ..pipelines.sizes import SizedOutput, size_refusal
 from ..samples.badsamples import oversized_images
 from ..samples.packed import PackedSamples
 from ..samples.paths import PATH_DTYPE_NAMES, FilesTooLarge, FilesUnseen, check_paths
@@ -83,6 +84,8 @@ class RunPlanner:
         self.run_size = 0
         # The inputs whose samples are file paths (checked before a batch runs).
         self.path_inputs: tuple[str, ...] = ()
+        # The operators whose output sizes come from inputs (checked before a batch runs).
+        self.sized_outputs: tuple[SizedOutput, ...] = ()
         self.job_window = JobWindow()
         self.slots = Slots(scheduler, clock, stopping)
         self._scheduler = scheduler
@@ -392,8 +395,9 @@ class RunPlanner:
     def prepare(self, batch: PendingBatch) -> None:
         """Views the batch's frames as arrays, and finds the samples known bad before a run:
         image samples over the pixel limit, files nobody can read; and what fails the batch
-        before DALI sees it (``refused``): files the daemon cannot see, or more bytes of files
-        than its job may have read at once."""
+        before DALI sees it (``refused``): files the daemon cannot see, more bytes of files
+        than its job may have read at once, or sizes from its inputs that make more outputs
+        than its job can hold (Note [Size inputs are a lower bound] in sizes.py)."""
         if not batch.arrays:
             batch.arrays = {
                 item.name: _samples(item, item.name in self.path_inputs)
@@ -414,6 +418,14 @@ class RunPlanner:
                     batch.refused = str(refusal)
                 else:
                     bad = {**found, **bad}
+            if self.sized_outputs and not batch.refused:
+                member = batch.member
+                batch.refused = size_refusal(
+                    self.sized_outputs,
+                    batch.request.inputs,
+                    member.output_bytes if member is not None else 0,
+                    self._max_image_pixels,
+                )
             batch.oversized = bad
 
     # --- slots ----------------------------------------------------------------------------------

@@ -464,6 +464,57 @@ def test_registrations_cannot_take_the_daemons_threads_pipelines_or_memory() -> 
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_sizes_a_batch_sends_beyond_its_jobs_limits_are_refused_before_dali_allocates() -> None:
+    """The reproduction: ``fn.resize`` with its size from an input, sent 40,000x40,000,
+    OOM-killed the daemon. The batch is refused by its sizes, saying why, on the daemon's pixel
+    limit and on the job's own output memory; the job's next batch and a job beside it run."""
+    import torch
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import pipeline_def as untyped_pipeline_def
+
+    import dalid.client as dalid
+
+    @untyped_pipeline_def(batch_size=2, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]
+    def resized() -> Any:
+        images = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
+        sizes = fn.external_source(name="sizes", dtype=types.FLOAT, ndim=1)
+        return fn.resize(images, size=sizes)
+
+    directory = own_directory()
+    daemon = start_daemon(directory)
+    pid = daemon.pid
+    job = steady_beside(daemon)
+    image = np.zeros((1, 1, 3), np.uint8)
+
+    def batch(proxy: Any, side: int) -> Any:
+        sizes = np.array([side, side], np.float32)
+        return torch.utils.data.default_collate([proxy(images=image, sizes=sizes) for _ in "ab"])
+
+    try:
+        connect = {"socket": daemon.socket, "autostart": False, "memory_bytes": 64 << 20}
+        with dalid.connect(**connect, name="resizer") as session:
+            proxy = session.proxy(resized())
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch(proxy, 40000))
+            message = str(caught.value)
+            assert "Resize would make a sample of 1600000000 elements or more" in message
+            assert "this batch's size='sizes', over this daemon's limit" in message
+            # Under the pixel limit a sample, over the job's 64 MiB of output memory a batch.
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch(proxy, 8000))
+            message = str(caught.value)
+            assert "at least 122 MiB of outputs for this batch" in message
+            assert "more than the job's 64 MiB of output memory" in message
+            assert session.produce_data(batch(proxy, 4)).shape == (2, 4, 4, 3)
+        assert daemon.pid == pid
+        still_serving(daemon)
+        assert finished(job) > 1
+    finally:
+        kill_leftovers([job])
+        assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 # --- a graph that crashes DALI ---------------------------------------------------------------
 
 
