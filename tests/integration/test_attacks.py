@@ -476,8 +476,10 @@ def test_sizes_a_batch_sends_beyond_its_jobs_limits_are_refused_before_dali_allo
 
     @untyped_pipeline_def(batch_size=2, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]
     def resized() -> Any:
-        images = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
-        sizes = fn.external_source(name="sizes", dtype=types.FLOAT, ndim=1)
+        images = fn.external_source(
+            name="images", dtype=types.DALIDataType.UINT8, ndim=3, layout="HWC"
+        )
+        sizes = fn.external_source(name="sizes", dtype=types.DALIDataType.FLOAT, ndim=1)
         return fn.resize(images, size=sizes)
 
     directory = own_directory()
@@ -491,8 +493,9 @@ def test_sizes_a_batch_sends_beyond_its_jobs_limits_are_refused_before_dali_allo
         return torch.utils.data.default_collate([proxy(images=image, sizes=sizes) for _ in "ab"])
 
     try:
-        connect = {"socket": daemon.socket, "autostart": False, "memory_bytes": 64 << 20}
-        with dalid.connect(**connect, name="resizer") as session:
+        with dalid.connect(
+            socket=daemon.socket, autostart=False, memory_bytes=64 << 20, name="resizer"
+        ) as session:
             proxy = session.proxy(resized())
             with pytest.raises(dalid.BatchError) as caught:
                 session.produce_data(batch(proxy, 40000))

@@ -17,9 +17,9 @@ GiB = 1 << 30
 
 @pipeline_def(batch_size=4, num_threads=1, device_id=None)
 def _sized() -> tuple[DataNode, ...]:
-    images = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
-    sizes = fn.external_source(name="sizes", dtype=types.FLOAT, ndim=1)
-    side = fn.external_source(name="side", dtype=types.FLOAT, ndim=0)
+    images = fn.external_source(name="images", dtype=types.DALIDataType.UINT8, ndim=3, layout="HWC")
+    sizes = fn.external_source(name="sizes", dtype=types.DALIDataType.FLOAT, ndim=1)
+    side = fn.external_source(name="side", dtype=types.DALIDataType.FLOAT, ndim=0)
     # DALI's stubs type resize's result as a union.
     by_size = fn.resize(images, size=sizes)
     by_sides = fn.resize(images, resize_x=side, resize_y=64)
