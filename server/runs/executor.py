@@ -33,6 +33,7 @@ from .dali_instances import DaliInstances, Instance, InstanceRoom
 from .delivery import Delivery
 from .instances import InstanceController
 from .job_window import TRAINER_HOLDS
+from .run_gate import RunGate
 from .run_loop import RunLoop
 from .run_planner import RunPlanner
 from .runs import Member, PendingBatch, Run
@@ -84,6 +85,9 @@ class PipelineExecutor:
         room: InstanceRoom | None = None,
         device_id: int | None = None,
         on_run: Callable[[bool], None] | None = None,
+        gate: RunGate | None = None,
+        solo_runs: int = 0,
+        on_cleared: Callable[[], None] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.name = name
@@ -109,6 +113,12 @@ class PipelineExecutor:
         self._counting = threading.Lock()  # the figures above, learnt from every instance
         self.clock = ServiceClock()
         self.stopping = threading.Event()
+        # The daemon's gate into DALI; on probation after a crash (flight.py), the pipeline's
+        # next ``solo_runs`` runs go in alone, and ``on_cleared`` hears when they have.
+        self.gate = gate if gate is not None else RunGate()
+        self.solo = solo_runs > 0
+        self._solo_runs = solo_runs
+        self._on_cleared = on_cleared
         # Members, their queues, their windows and the next run; every instance plans on it
         # (the slots it holds are its thread's).
         self.planner = RunPlanner(scheduler, self.clock, self.stopping, max_image_pixels)
@@ -198,6 +208,23 @@ class PipelineExecutor:
 
     def submit(self, batch: PendingBatch) -> None:
         self.planner.submit(batch)
+
+    def ran_solo(self) -> None:
+        """From an instance's thread: a solo run came out of DALI, the daemon alive."""
+        with self._counting:
+            self._solo_runs -= 1
+            cleared = self.solo and self._solo_runs <= 0
+            if cleared:
+                self.solo = False
+        if cleared:
+            log.info(
+                "DALI pipeline %d %r ran its runs on probation alone, cleanly: its runs go "
+                "beside others' again",
+                self.instance_id,
+                self.name,
+            )
+            if self._on_cleared is not None:
+                self._on_cleared()
 
     @property
     def window(self) -> int:

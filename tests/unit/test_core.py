@@ -641,7 +641,9 @@ class SlotWrites(FlightRecorder):
     def suspected(self, key: bytes, pid: int) -> None:
         return None
 
-    def running(self, instance_id: int, key: bytes, pids: Iterable[int], name: str) -> None:
+    def running(
+        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, solo: bool = False
+    ) -> None:
         self.writes.append((instance_id, tuple(sorted(pids))))
 
     def idle(self, instance_id: int) -> None:
