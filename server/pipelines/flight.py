@@ -9,15 +9,19 @@ shared mapping of the file, stores without a system call, and the kernel keeps t
 process dies. A daemon that stops cleanly removes the file.
 
 The next daemon on the socket reads what its predecessor left marked: those runs were in
-flight when it died. Note [Convicting a graph]: where the runs in flight were those of one
-trainer, or one of them was a solo run (a run of a graph on probation, alone in DALI:
-``runs/run_gate.py``), the crash is theirs: those graphs are refused to those trainers
-(``Standing.REFUSED``), naming why. Where several trainers' runs were in flight, none is
-blamed outright: each (graph, trainer) is on probation (``Standing.PROBATION``), served on a
-pipeline of its own whose first :data:`PROBATION_RUNS` runs go into DALI alone, so that a crash
-then convicts it, and clean runs clear it. Both lists are kept in ``<socket>.suspects`` for as
-long as the trainers live, so that a crash of its own does not lose them. Why:
-docs/design/crash-attribution.md.
+flight when it died, and it judges each (graph, trainer) of them (Note [Convicting a graph]),
+keeping what it decided in ``<socket>.suspects`` for as long as the trainers live, so that a
+crash of its own does not lose it.
+
+Note [Convicting a graph]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A crash is a run's only where no other trainer's run was in DALI with it: the runs in flight
+were one trainer's, or one was a solo run (``runs/run_gate.py``). Those graphs are refused to
+those trainers (``Standing.REFUSED``), naming why. Where several trainers' runs were in flight,
+none is blamed outright: each (graph, trainer) is on probation (``Standing.PROBATION``), served
+on a pipeline of its own whose next :data:`PROBATION_RUNS` runs go into DALI alone, so that a
+crash then convicts it, and clean runs clear it. A refusal is never lifted while its trainer
+lives. Why, and what it leaves open: docs/design/crash-attribution.md.
 
 Only a death the daemon brought on itself counts: a fatal signal of its own (a segfault, a bus
 error, an abort: Python's ``faulthandler`` writes it to ``<socket>.fault``, which stays empty
