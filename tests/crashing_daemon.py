@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 CRASHER = "crasher"
@@ -51,9 +52,17 @@ def serve(argv: list[str]) -> int:
         if self.spec.name in (CRASHER, BESIDE):
             crash()
 
-    def marking(self: flight.FlightRecorder, instance_id: int, *args: Any) -> None:
+    def marking(
+        self: flight.FlightRecorder,
+        instance_id: int,
+        key: bytes,
+        pids: Iterable[int],
+        name: str,
+        *,
+        solo: bool = False,
+    ) -> None:
         with _lock:
-            running(self, instance_id, *args)
+            running(self, instance_id, key, pids, name, solo=solo)
             _marked.add(instance_id)
 
     def clearing(self: flight.FlightRecorder, instance_id: int) -> None:

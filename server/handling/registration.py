@@ -289,7 +289,9 @@ class PipelineBuilder:
             key, name = marked
             executor = self.instances.get(instance_id)  # its runs solo: on probation
             solo = executor is not None and executor.solo
-            self._recorder.running(instance_id, key, self._pids.get(instance_id, ()), name, solo)
+            self._recorder.running(
+                instance_id, key, self._pids.get(instance_id, ()), name, solo=solo
+            )
 
     def _cleared(self, key: bytes, pid: int) -> None:
         if self._recorder is not None:

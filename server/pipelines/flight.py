@@ -136,7 +136,7 @@ class FlightRecorder:
         )
 
     def running(
-        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, solo: bool = False
+        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, *, solo: bool = False
     ) -> None:
         """Pipeline ``instance_id`` hands DALI a run of graph ``key`` for these trainers;
         ``solo``: alone in DALI (probation)."""
