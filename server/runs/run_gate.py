@@ -55,7 +55,8 @@ class RunGate:
                 return True
             finally:
                 del self._waiting[ticket]
-                self._changed.notify_all()
+                if self._waiting:  # its turn may have held up a later one
+                    self._changed.notify_all()
 
     def leave(self, solo: bool) -> None:
         """A run that entered is out of DALI."""
@@ -64,7 +65,8 @@ class RunGate:
                 self._solo = False
             else:
                 self._ordinary -= 1
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def _may_enter(self, ticket: int, solo: bool) -> bool:
         if self._solo:
