@@ -207,7 +207,15 @@ class RunLoop:
                 self._retry.appendleft(batch)
             return
         (batch,) = run.batches
-        self._delivery.recover(self._runner, batch, code, error, dict(batch.oversized or {}))
+        # Looking for its bad samples runs DALI too: through the gate, as any run.
+        solo = self._executor.solo
+        if not self._executor.gate.enter(solo, wait=True, stopping=self._stopping):
+            self._retry.appendleft(batch)  # stopping: it stays this instance's to answer
+            return
+        try:
+            self._delivery.recover(self._runner, batch, code, error, dict(batch.oversized or {}))
+        finally:
+            self._executor.gate.leave(solo)
 
     def _stopped_working(self, error: Exception) -> None:
         """Most likely the pipeline could not be rebuilt. Answers every batch it holds so that
