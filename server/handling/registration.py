@@ -11,8 +11,9 @@ reply leaves once it is built, or at once for a registration that joins a built 
 
 Before anything is built, a registration is checked as a whole: its graph's operators against
 the allow-list and its outputs' declared sizes (``operators.py``), whether it was running when
-the last daemon died (``flight.py``), and whether a new pipeline fits in the daemon's pipelines
-and DALI threads.
+the last daemon died (``flight.py``: refused, or on probation on a pipeline of its own whose
+runs go into DALI alone, ``runs/run_gate.py``), and whether a new pipeline fits in the daemon's
+pipelines and DALI threads.
 
 What the pipelines hold of the daemon's DALI threads and room for pipelines is ``budget.py``'s.
 """
@@ -41,13 +42,14 @@ from dalid.protocol import (
 from ..errors import RequestRefused
 from ..jobs.jobs import Job
 from ..outputs.store import StreamFactory, no_streams
-from ..pipelines.flight import FlightRecorder, graph_key, refusal
+from ..pipelines.flight import PROBATION_RUNS, FlightRecorder, Standing, graph_key, refusal
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository
 from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import UnreadablePipeline, read_graph
 from ..runs.executor import ExecutorParts, ExecutorSettings, PipelineExecutor
 from ..runs.instances import MAX_INSTANCES, InstanceController
+from ..runs.run_gate import RunGate
 from ..runs.runs import Answer, Member
 from ..runs.scheduler import FairScheduler
 from .budget import PipelineBudget
@@ -91,6 +93,8 @@ class Plan:
     # Equal for registrations that may be members of one cohort (cohorts.py): the same graph,
     # inputs, outputs and batch size, shared with other jobs or not.
     cohort_key: Hashable = None
+    # On probation after a crash (flight.py): its runs go into DALI alone, outside any cohort.
+    probation: bool = False
 
 
 class PipelineBuilder:
@@ -120,6 +124,8 @@ class PipelineBuilder:
         # The pipelines marked running in the recorder, by instance id: their graph's key and
         # name (a mark is written when DALI gets a run after none, not at every run).
         self._marked: dict[int, tuple[bytes, str]] = {}
+        # The daemon's gate into DALI, which the runs of pipelines on probation take alone.
+        self.gate = RunGate()
         self._device_id = device_id
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
@@ -152,7 +158,7 @@ class PipelineBuilder:
         gets its batches' results. ``check`` is given the graph's cohort key (``Plan``) and
         may refuse the registration before anything starts."""
         plan = self._plan(job, request)
-        if check is not None:
+        if check is not None and not plan.probation:
             check(plan.cohort_key)
         with self._lock:
             shared = self._shared.get(plan.key) if plan.key is not None else None
@@ -170,6 +176,8 @@ class PipelineBuilder:
             answer,
             request.on_error,
             deterministic=request.deterministic,
+            read_bytes=job.limits.max_message_bytes,
+            output_bytes=job.limits.pool_bytes,
         )
         on_built = functools.partial(self._on_built, job, member, request, request_id)
         if shared is not None:
@@ -227,6 +235,7 @@ class PipelineBuilder:
             private_reason=plan.why_private,
             max_image_pixels=job.limits.max_image_pixels,
             device_id=self._device_id,
+            solo_runs=PROBATION_RUNS if plan.probation else 0,
         )
         parts = ExecutorParts(
             functools.partial(
@@ -242,6 +251,8 @@ class PipelineBuilder:
             on_run=functools.partial(self._on_run, instance_id, plan.flight_key, plan.name),
             on_empty=self._forget,
             on_private=self._unshare,
+            gate=self.gate,
+            on_cleared=functools.partial(self._cleared, plan.flight_key, job.pid),
         )
         executor = PipelineExecutor(settings, parts, member, on_built)
         with self._lock:
@@ -276,13 +287,23 @@ class PipelineBuilder:
         marked = self._marked.get(instance_id)
         if self._recorder is not None and marked is not None:
             key, name = marked
-            self._recorder.running(instance_id, key, self._pids.get(instance_id, ()), name)
+            executor = self.instances.get(instance_id)  # its runs solo: on probation
+            solo = executor is not None and executor.solo
+            self._recorder.running(
+                instance_id, key, self._pids.get(instance_id, ()), name, solo=solo
+            )
 
-    def _suspected(self, key: bytes, job: Job) -> None:
-        """Refuses a graph that was running for this trainer when the last daemon died."""
+    def _cleared(self, key: bytes, pid: int) -> None:
+        if self._recorder is not None:
+            self._recorder.cleared(key, pid)
+
+    def _suspected(self, key: bytes, job: Job) -> bool:
+        """Refuses a graph that was running for this trainer when the last daemon died, where
+        the crash was its own; whether it is on probation (flight.py)."""
         suspect = self._recorder.suspected(key, job.pid) if self._recorder else None
-        if suspect is not None:
+        if suspect is not None and suspect.standing is Standing.REFUSED:
             raise RequestRefused(ErrorCode.INVALID_PIPELINE, refusal(suspect))
+        return suspect is not None
 
     def _forget(self, executor: PipelineExecutor) -> None:
         """The last member of ``executor`` left: it takes no more registrations."""
@@ -360,10 +381,10 @@ class PipelineBuilder:
                     ErrorCode.INVALID_PIPELINE, f"the pipeline is not served: {error}"
                 ) from None
             flight_key = graph_key("serialized", graph.key)
-            self._suspected(flight_key, job)
+            probation = self._suspected(flight_key, job)
             if not spec.name and graph.origin:
                 spec = dataclasses.replace(spec, name=graph.origin)
-            why_private = why_private or graph.unshareable()
+            why_private = why_private or _ON_PROBATION * probation or graph.unshareable()
             cohort_key: Hashable = (
                 "serialized",
                 graph.key,
@@ -381,7 +402,7 @@ class PipelineBuilder:
                     spec.exec_dynamic,
                 )
             runner = functools.partial(PipelineRunner, spec, self._device_id)
-            return Plan(runner, key, why_private, spec.name, flight_key, cohort_key)
+            return Plan(runner, key, why_private, spec.name, flight_key, cohort_key, probation)
         parameters = json.loads(request.parameters)
         build_arguments = {
             name: getattr(request, name)
@@ -395,7 +416,8 @@ class PipelineBuilder:
         except KeyError as error:
             raise RequestRefused(ErrorCode.UNKNOWN_PIPELINE, error.args[0]) from None
         flight_key = graph_key("named", request.name, json.dumps(parameters, sort_keys=True))
-        self._suspected(flight_key, job)
+        probation = self._suspected(flight_key, job)
+        why_private = why_private or _ON_PROBATION * probation
         definition = functools.partial(entry.function, **build_arguments, **parameters)
         make_runner = functools.partial(
             PipelineRunner.from_definition,
@@ -413,7 +435,9 @@ class PipelineBuilder:
             request.batch_size,
         )
         if why_private:
-            return Plan(make_runner, None, why_private, request.name, flight_key, named_cohort)
+            return Plan(
+                make_runner, None, why_private, request.name, flight_key, named_cohort, probation
+            )
         # One definition of the repository (a reload makes another), called alike; whether its
         # operators allow sharing is known once it is built (PipelineExecutor).
         named_key = (
@@ -433,6 +457,9 @@ class PipelineBuilder:
         if not request.share_runs:
             return "its job asked for runs of its own (share_runs=False)"
         return ""
+
+
+_ON_PROBATION = "on probation: it was running beside other trainers' runs when a daemon died"
 
 
 def executor_for(job: Job, pipeline_id: int) -> Member:

@@ -20,7 +20,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
-from .quotas import size_text
+from ..samples.paths import size_text
 
 
 class InputRefused(Exception):

@@ -150,11 +150,3 @@ def grant(
         weight=hello.weight,
         max_image_pixels=quotas.max_image_pixels,
     )
-
-
-def size_text(nbytes: int) -> str:
-    """``nbytes`` for people: 1.5 GiB, 64 MiB, 12 KiB, 300 B."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes} B"

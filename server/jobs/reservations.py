@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 
-from .quotas import QuotaRefused, size_text
+from ..samples.paths import size_text
+from .quotas import QuotaRefused
 
 
 class OutputMemory:

@@ -9,9 +9,19 @@ shared mapping of the file, stores without a system call, and the kernel keeps t
 process dies. A daemon that stops cleanly removes the file.
 
 The next daemon on the socket reads what its predecessor left marked: those runs were in
-flight when it died. It refuses each of those graphs to those trainers (``suspected``), naming
-why, and keeps the list in ``<socket>.suspects`` for as long as the trainers live, so that a
+flight when it died, and it judges each (graph, trainer) of them (Note [Convicting a graph]),
+keeping what it decided in ``<socket>.suspects`` for as long as the trainers live, so that a
 crash of its own does not lose it.
+
+Note [Convicting a graph]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A crash is a run's only where no other trainer's run was in DALI with it: the runs in flight
+were one trainer's, or one was a solo run (``runs/run_gate.py``). Those graphs are refused to
+those trainers (``Standing.REFUSED``), naming why. Where several trainers' runs were in flight,
+none is blamed outright: each (graph, trainer) is on probation (``Standing.PROBATION``), served
+on a pipeline of its own whose next :data:`PROBATION_RUNS` runs go into DALI alone, so that a
+crash then convicts it, and clean runs clear it. A refusal is never lifted while its trainer
+lives. Why, and what it leaves open: docs/design/crash-attribution.md.
 
 Only a death the daemon brought on itself counts: a fatal signal of its own (a segfault, a bus
 error, an abort: Python's ``faulthandler`` writes it to ``<socket>.fault``, which stays empty
@@ -23,6 +33,7 @@ trainer should answer for: its jobs reconnect to the next daemon with their pipe
 from __future__ import annotations
 
 import contextlib
+import enum
 import faulthandler
 import hashlib
 import json
@@ -30,6 +41,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,8 +52,21 @@ from dalid.protocol import process_running
 log = logging.getLogger("dalid.server")
 
 SLOTS = 256
-# A slot: the graph key's first 16 bytes, 8 trainer pids, 16 bytes of the pipeline's name.
-_SLOT = struct.Struct("16s8i16s")
+# A slot: the graph key's first 16 bytes, 8 trainer pids, 16 bytes of the pipeline's name,
+# whether its run is solo. That of a daemon before solo runs: the same without the flag.
+_SLOT = struct.Struct("16s8i16s?3x")
+_OLD_SLOT = struct.Struct("16s8i16s")
+# Runs a graph on probation runs alone before it is cleared: a graph whose runs crash DALI
+# (an operator's bug, hostile sizes) does so within its first runs; each costs other jobs
+# the time DALI holds it alone (docs/design/crash-attribution.md).
+PROBATION_RUNS = 16
+
+
+class Standing(enum.Enum):
+    """What the daemon does with a graph that was in flight for a trainer when a daemon died."""
+
+    PROBATION = "probation"  # served, its runs alone in DALI, until PROBATION_RUNS pass
+    REFUSED = "refused"  # refused to that trainer
 
 
 @dataclass(frozen=True)
@@ -52,6 +77,7 @@ class Suspect:
     pid: int
     name: str
     when: float
+    standing: Standing = Standing.REFUSED
 
 
 def graph_key(*parts: bytes | str) -> bytes:
@@ -72,6 +98,7 @@ class FlightRecorder:
         self._suspects_path = socket.with_name(socket.name + ".suspects")
         self._fault_path = socket.with_name(socket.name + ".fault")
         self._oom_path = socket.with_name(socket.name + ".oom")
+        self._lock = threading.Lock()  # the suspects: probation ends in executors' threads
         cause = self._how_predecessor_died()
         self.suspects = self._load(self._left_by_predecessor(cause))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -91,13 +118,33 @@ class FlightRecorder:
     def suspected(self, key: bytes, pid: int) -> Suspect | None:
         return self.suspects.get((key.hex(), pid))
 
-    def running(self, instance_id: int, key: bytes, pids: Iterable[int], name: str) -> None:
-        """Pipeline ``instance_id`` hands DALI a run of graph ``key`` for these trainers."""
+    def cleared(self, key: bytes, pid: int) -> None:
+        """Graph ``key`` ran its runs on probation for ``pid`` and the daemon lives: no longer
+        a suspect."""
+        with self._lock:
+            suspect = self.suspects.get((key.hex(), pid))
+            if suspect is None or suspect.standing is not Standing.PROBATION:
+                return
+            del self.suspects[(key.hex(), pid)]
+            self._save()
+        log.info(
+            "pipeline %r ran %d runs alone for trainer pid %d, the daemon alive: its probation "
+            "ends",
+            suspect.name,
+            PROBATION_RUNS,
+            pid,
+        )
+
+    def running(
+        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, *, solo: bool = False
+    ) -> None:
+        """Pipeline ``instance_id`` hands DALI a run of graph ``key`` for these trainers;
+        ``solo``: alone in DALI (probation)."""
         if self._map is None:
             return
         listed = [*sorted(set(pids))[:8]]
         listed += [0] * (8 - len(listed))
-        slot = _SLOT.pack(key, *listed, name.encode()[:16])
+        slot = _SLOT.pack(key, *listed, name.encode()[:16], solo)
         offset = (instance_id % SLOTS) * _SLOT.size
         self._map[offset : offset + _SLOT.size] = slot
 
@@ -142,30 +189,24 @@ class FlightRecorder:
             data = os.read(fd, SLOTS * _SLOT.size)
         finally:
             os.close(fd)
-        found: list[Suspect] = []
         if cause is None:
             if any(data):
                 log.info(
                     "the previous daemon was killed with runs in flight, not by a fault of its "
                     "own: their graphs are served as before"
                 )
-            return found
-        for offset in range(0, len(data) - _SLOT.size + 1, _SLOT.size):
-            key, *pids, name = _SLOT.unpack_from(data, offset)
-            if any(key):
-                found += [
-                    Suspect(key.hex(), pid, name.rstrip(b"\0").decode(errors="replace"),
-                            info.st_mtime)
-                    for pid in pids
-                    if pid > 0
-                ]  # fmt: skip
+            return []
+        found = convicted(read_slots(data), info.st_mtime)
         for suspect in found:
             log.warning(
-                "the previous daemon died (%s) while pipeline %r ran for trainer pid %d: that "
-                "graph is refused to that trainer",
+                "the previous daemon died (%s) while pipeline %r ran for trainer pid %d: %s",
                 cause,
                 suspect.name,
                 suspect.pid,
+                "that graph is refused to that trainer"
+                if suspect.standing is Standing.REFUSED
+                else "runs of other trainers were in flight too, so that graph is on probation "
+                f"for that trainer (its next {PROBATION_RUNS} runs alone in DALI)",
             )
         return found
 
@@ -175,18 +216,75 @@ class FlightRecorder:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             fd = os.open(self._suspects_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd) as file:
-                known = [Suspect(**entry) for entry in json.load(file)]
-        kept = {(s.key, s.pid): s for s in [*known, *new] if process_running(s.pid)}
-        if kept:
+                known = [
+                    Suspect(**{**entry, "standing": Standing(entry.get("standing", "refused"))})
+                    for entry in json.load(file)
+                ]
+        kept: dict[tuple[str, int], Suspect] = {}
+        for suspect in [*known, *new]:
+            earlier = kept.get((suspect.key, suspect.pid))
+            if process_running(suspect.pid) and (
+                earlier is None or earlier.standing is Standing.PROBATION
+            ):
+                kept[(suspect.key, suspect.pid)] = suspect  # a refusal is never lifted
+        self.suspects = kept
+        self._save()
+        return kept
+
+    def _save(self) -> None:
+        """Writes :attr:`suspects` to ``<socket>.suspects`` (none: removes it)."""
+        if self.suspects:
             temporary = self._suspects_path.with_name(self._suspects_path.name + ".new")
             temporary.unlink(missing_ok=True)
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as file:
-                json.dump([s.__dict__ for s in kept.values()], file)
+                json.dump(
+                    [{**s.__dict__, "standing": s.standing.value} for s in self.suspects.values()],
+                    file,
+                )
             temporary.replace(self._suspects_path)
         else:
             self._suspects_path.unlink(missing_ok=True)
-        return kept
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A pipeline's run in flight, as a dead daemon left it marked."""
+
+    key: str
+    pids: tuple[int, ...]
+    name: str
+    solo: bool
+
+
+def read_slots(data: bytes) -> list[Slot]:
+    """The marked slots of an ``<socket>.inflight`` file's bytes (a daemon's before solo runs:
+    read as not solo)."""
+    layout = _SLOT if len(data) == SLOTS * _SLOT.size else _OLD_SLOT
+    found = []
+    for offset in range(0, len(data) - layout.size + 1, layout.size):
+        values = layout.unpack_from(data, offset)
+        key, pids, name = values[0], values[1:9], values[9]
+        solo = layout is _SLOT and bool(values[10])
+        if any(key):
+            found.append(
+                Slot(key.hex(), tuple(p for p in pids if p > 0),
+                     name.rstrip(b"\0").decode(errors="replace"), solo)
+            )  # fmt: skip
+    return found
+
+
+def convicted(slots: list[Slot], when: float) -> list[Suspect]:
+    """The suspects of a crash with ``slots`` in flight (Note [Convicting a graph]): refused
+    where the crash is theirs (a solo run's, or the only trainer's), else on probation."""
+    solo = [slot for slot in slots if slot.solo]
+    trainers = {pid for slot in slots for pid in slot.pids}
+    found = []
+    for slot in slots:
+        guilty = slot.solo if solo else len(trainers) == 1
+        standing = Standing.REFUSED if guilty else Standing.PROBATION
+        found += [Suspect(slot.key, pid, slot.name, when, standing) for pid in slot.pids]
+    return found
 
 
 def oom_kills() -> int:

@@ -153,10 +153,10 @@ def declared_elements(operator: Operator) -> int:
     total = 1
     for name, raw in operator.arguments:
         if name in _SIZE_ARGUMENTS:
-            for value in _numbers(raw):
+            for value in argument_numbers(raw):
                 total *= value
         elif name == "resize_shorter":
-            total *= max(_numbers(raw), default=1) ** 2
+            total *= max(argument_numbers(raw), default=1) ** 2
     return total
 
 
@@ -179,7 +179,7 @@ def check_sizes(graph: Graph, max_batch_size: int, pool_bytes: int, max_pixels: 
             )
 
 
-def _numbers(raw: bytes) -> list[int]:
+def argument_numbers(raw: bytes) -> list[int]:
     """The positive whole values of an encoded argument (scalar or list); others count 1."""
     values: list[float] = []
     for number, _, value in fields(raw):
@@ -188,5 +188,5 @@ def _numbers(raw: bytes) -> list[int]:
         elif number == _ARG_INTS and isinstance(value, int):
             values.append(value - (1 << 64) if value >= 1 << 63 else value)
         elif number == _ARG_ELEMENTS and isinstance(value, bytes):
-            values.extend(_numbers(value))
+            values.extend(argument_numbers(value))
     return [int(min(v, 2**62)) if math.isfinite(v) and v >= 1 else 1 for v in values]

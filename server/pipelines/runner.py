@@ -34,7 +34,8 @@ from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 from ..samples.paths import padded_paths
 from . import checkpoints
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
-from .sharing import batches_a_run, read_graph
+from .sharing import Graph, batches_a_run, read_graph
+from .sizes import sized_outputs
 
 log = logging.getLogger("dalid.server")
 
@@ -165,8 +166,15 @@ class PipelineRunner:
         if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
             pipeline = None
         self._build(pipeline)
+        graph = self._graph()
         # The path inputs fed as one dense array of padded paths (``padded_paths``).
-        self.padded_paths = self._read_as_files_only()
+        self.padded_paths = (
+            frozenset(name for name in spec.path_inputs if graph.read_as_files_only(name))
+            if graph is not None
+            else frozenset()
+        )
+        # The operators whose output sizes come from inputs, checked per batch (sizes.py).
+        self.sized_outputs = sized_outputs(graph, spec.input_names) if graph is not None else ()
 
     @classmethod
     def from_definition(
@@ -274,15 +282,14 @@ class PipelineRunner:
         self._fed.clear()
         self.runs = 0
 
-    def _read_as_files_only(self) -> frozenset[str]:
-        """The path inputs that go to ``fn.io.file.read`` and nowhere else in the graph."""
-        if not self.spec.path_inputs:
-            return frozenset()
+    def _graph(self) -> Graph | None:
+        """The built pipeline's graph, read once; None where it cannot be read (Python
+        operators cannot be serialized, for one: their pipeline is fed as its inputs came, and
+        its size inputs are not checked)."""
         try:
-            graph = read_graph(self.spec.serialized or self._pipeline.serialize())
-        except Exception:  # Python operators cannot be serialized, for one: fed as they came
-            return frozenset()
-        return frozenset(name for name in self.spec.path_inputs if graph.read_as_files_only(name))
+            return read_graph(self.spec.serialized or self._pipeline.serialize())
+        except Exception:
+            return None
 
     def schedule(self, inputs: Mapping[str, np.ndarray | Sequence[np.ndarray]]) -> None:
         """Feeds every external_source its samples (up to ``run_size``) and schedules one run."""

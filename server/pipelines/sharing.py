@@ -187,7 +187,7 @@ PER_SAMPLE_OPERATORS = frozenset(
 # the graph.
 _GRAPH_FIELDS = {5, 6, 7}
 _OP_NAME, _OP_INPUT, _OP_OUTPUT, _OP_ARG = 1, 2, 3, 4
-_IO_NAME = 1
+_IO_NAME, _IO_ARGUMENT = 1, 4
 _ARG_NAME, _ARG_STRINGS, _ARG_BOOLS, _ARG_ELEMENTS = 1, 5, 6, 7
 
 
@@ -205,6 +205,8 @@ class Operator:
     outputs: tuple[bytes, ...]
     arguments: tuple[tuple[str, bytes], ...]
     origin: str = ""
+    # The arguments fed by a tensor of the graph (argument inputs): (argument, tensor name).
+    argument_inputs: tuple[tuple[str, bytes], ...] = ()
 
     def flag(self, name: str) -> bool:
         """Whether the boolean argument ``name`` is given and true."""
@@ -300,6 +302,7 @@ def _read_operator(raw: bytes) -> Operator:
     inputs: list[bytes] = []
     outputs: list[bytes] = []
     arguments: list[tuple[str, bytes]] = []
+    argument_inputs: list[tuple[str, bytes]] = []
     origin = ""
     for number, _, value in fields(raw):
         if not isinstance(value, bytes):
@@ -308,6 +311,11 @@ def _read_operator(raw: bytes) -> Operator:
             schema = value.decode(errors="replace")
         elif number in (_OP_INPUT, _OP_OUTPUT):
             (inputs if number == _OP_INPUT else outputs).append(_string(value, _IO_NAME))
+            argument = _string(value, _IO_ARGUMENT)
+            if number == _OP_INPUT and argument:
+                argument_inputs.append(
+                    (argument.decode(errors="replace"), _string(value, _IO_NAME))
+                )
         elif number == _OP_ARG:
             name = _string(value, _ARG_NAME)
             if name == b"_origin_stack_name":
@@ -319,7 +327,14 @@ def _read_operator(raw: bytes) -> Operator:
                 arguments.append((name.decode(errors="replace"), value))
     if not schema:
         raise UnreadablePipeline("an operator of the serialized pipeline has no name")
-    return Operator(schema, tuple(inputs), tuple(outputs), tuple(sorted(arguments)), origin)
+    return Operator(
+        schema,
+        tuple(inputs),
+        tuple(outputs),
+        tuple(sorted(arguments)),
+        origin,
+        tuple(argument_inputs),
+    )
 
 
 def _rename_io(raw: bytes, renamed: dict[bytes, bytes]) -> bytes:

@@ -2,7 +2,8 @@
 
 - a pipeline: ``executor.py`` (builds it, its members), ``dali_instances.py`` (its DALI
   instances and their count, decided by ``instances.py`` from ``meters.py``), ``run_loop.py``
-  (an instance's runs and their recovery), ``delivery.py`` (a run's outputs to its jobs);
+  (an instance's runs and their recovery), ``delivery.py`` (a run's outputs to its jobs),
+  ``run_gate.py`` (the daemon's gate into DALI: a pipeline on probation runs alone);
 - its next run: ``run_planner.py`` (forming runs), ``job_window.py`` (a job's window),
   ``slots.py`` (the scheduler's slots an instance holds), ``scheduler.py`` (the fair
   scheduler), ``runs.py`` (batches, members, runs);

@@ -34,6 +34,7 @@ from .dali_instances import DaliInstances, Instance, InstanceRoom
 from .delivery import Delivery
 from .instances import InstanceController
 from .job_window import TRAINER_HOLDS
+from .run_gate import RunGate
 from .run_loop import RunLoop
 from .run_planner import RunPlanner
 from .runs import Member, PendingBatch, Run
@@ -55,7 +56,8 @@ class ExecutorSettings:
     ``private_reason`` says why a pipeline is not shared ("" for a shared one);
     ``max_image_pixels`` bounds the pixels an image sample of its batches may declare (0: no
     bound; ``badsamples.oversized_images``);
-    ``device_id`` is its instances' GPU (None: CPU pipelines)."""
+    ``device_id`` is its instances' GPU (None: CPU pipelines); ``solo_runs``: on probation
+    after a crash (flight.py), its next runs that go into DALI alone."""
 
     instance_id: int
     name: str
@@ -64,6 +66,7 @@ class ExecutorSettings:
     private_reason: str = ""
     max_image_pixels: int = 0
     device_id: int | None = None
+    solo_runs: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ class ExecutorParts:
     and ``room`` size its instances (``DaliInstances``), and ``on_run`` hears whether it has
     runs in DALI. ``on_empty`` is called once the last member has left, ``on_private`` when a
     pipeline meant to be shared turns out, once built, to look across the batch (it then runs
-    one batch at a time)."""
+    one batch at a time). Its runs go into DALI through the daemon's ``gate`` (a gate of
+    its own if None), and ``on_cleared`` hears when a pipeline on probation has run its solo
+    runs."""
 
     make_runner: Callable[..., PipelineRunner]
     scheduler: FairScheduler | None = None
@@ -85,6 +90,8 @@ class ExecutorParts:
     on_run: Callable[[bool], None] | None = None
     on_empty: Callable[[PipelineExecutor], None] | None = None
     on_private: Callable[[PipelineExecutor], None] | None = None
+    gate: RunGate | None = None
+    on_cleared: Callable[[], None] | None = None
 
 
 class PipelineExecutor:
@@ -127,6 +134,12 @@ class PipelineExecutor:
         self._counting = threading.Lock()  # the figures above, learnt from every instance
         self.clock = ServiceClock()
         self.stopping = threading.Event()
+        # The daemon's gate into DALI; on probation after a crash (flight.py), the pipeline's
+        # next ``solo_runs`` runs go in alone, and ``on_cleared`` hears when they have.
+        self.gate = parts.gate if parts.gate is not None else RunGate()
+        self.solo = settings.solo_runs > 0
+        self._solo_runs = settings.solo_runs
+        self._on_cleared = parts.on_cleared
         # Members, their queues, their windows and the next run; every instance plans on it
         # (the slots it holds are its thread's).
         self.planner = RunPlanner(
@@ -219,6 +232,23 @@ class PipelineExecutor:
     def submit(self, batch: PendingBatch) -> None:
         self.planner.submit(batch)
 
+    def ran_solo(self) -> None:
+        """From an instance's thread: a solo run came out of DALI, the daemon alive."""
+        with self._counting:
+            self._solo_runs -= 1
+            cleared = self.solo and self._solo_runs <= 0
+            if cleared:
+                self.solo = False
+        if cleared:
+            log.info(
+                "DALI pipeline %d %r ran its runs on probation alone, cleanly: its runs go "
+                "beside others' again",
+                self.instance_id,
+                self.name,
+            )
+            if self._on_cleared is not None:
+                self._on_cleared()
+
     @property
     def window(self) -> int:
         """The most batches a job holds at once (Note [A job's window] in job_window.py)."""
@@ -310,6 +340,8 @@ class PipelineExecutor:
                     if self._on_private is not None:
                         self._on_private(self)
             self.runner = runner
+            # Read from the graph once built, before any batch is prepared (sizes.py).
+            self.planner.sized_outputs = runner.sized_outputs
             self.instances.built(instance, runner)
             self._built(runner.spec)
             self._run_instance(instance, runner)

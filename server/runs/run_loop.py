@@ -7,6 +7,9 @@ inside it again, those of a mixed run that failed one by one, so that a bad samp
 never fails or skips another job's samples; a batch that fails alone is answered by its job's
 on_error policy (``Delivery.recover``). One that cannot be rebuilt fails its own batches and
 ends, and the pipeline stops working only when its last instance does.
+
+Each run passes the daemon's :class:`RunGate` on its way into DALI and back: a pipeline on
+probation after a crash (``solo``) has its runs in DALI alone (``run_gate.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..outputs.run_output import RunOutput
 from ..pipelines.runner import PipelineRunner
 from .dali_instances import DaliInstances, Instance
 from .delivery import Delivery
+from .run_gate import RunGate
 from .run_planner import RunPlanner
 from .runs import PendingBatch, Run
 from .scheduler import ServiceClock
@@ -41,10 +45,15 @@ class Pipeline(Protocol):
     instances: DaliInstances
     clock: ServiceClock
     stopping: threading.Event
+    # The daemon's gate into DALI, and whether this pipeline's runs go in alone (probation).
+    gate: RunGate
+    solo: bool
 
     def look(self) -> None: ...
 
     def account(self, run: Run) -> None: ...
+
+    def ran_solo(self) -> None: ...
 
 
 class RunLoop:
@@ -62,6 +71,10 @@ class RunLoop:
         self._depth = runner.spec.prefetch_queue_depth
         self._in_flight: collections.deque[Run] = collections.deque()
         self._retry: collections.deque[PendingBatch] = collections.deque()
+        # A run formed while the gate was closed to it: it goes first once the gate opens.
+        self._held: Run | None = None
+        # Whether the runs in DALI went in solo (``executor.solo`` may change between runs).
+        self._solo = False
 
     def run(self) -> None:
         """Runs batches until the instance is dropped (and its own runs are done) or the
@@ -69,7 +82,12 @@ class RunLoop:
         try:
             while not self._stopping.is_set():
                 self._executor.look()
-                if self._instance.retiring and not self._retry and not self._in_flight:
+                if (
+                    self._instance.retiring
+                    and not self._retry
+                    and not self._in_flight
+                    and self._held is None
+                ):
                     break  # dropped, and its own runs are done
                 self._fill()
                 if self._stopping.is_set() or not self._in_flight:
@@ -78,35 +96,67 @@ class RunLoop:
         except Exception as error:
             self._stopped_working(error)
         finally:
+            self._leave(len(self._in_flight))
             others = self._executor.instances.others_running(self._instance)
             self._planner.give_up(last=not others or self._stopping.is_set())
 
     def _fill(self) -> None:
         """Schedules runs into DALI up to its depth (waiting for one only when DALI holds
         none): batches to run again first, then new ones unless the instance is retiring."""
-        while len(self._in_flight) < self._depth and (self._retry or not self._instance.retiring):
-            run = self._planner.next_run(self._retry, block=not self._in_flight)
+        while len(self._in_flight) < self._depth and (
+            self._held is not None or self._retry or not self._instance.retiring
+        ):
+            run, self._held = self._held, None
+            if run is None:
+                run = self._planner.next_run(self._retry, block=not self._in_flight)
             if run is None:
                 return
-            if self._schedule(run):
+            scheduled = self._schedule(run)
+            if scheduled is None:
+                return
+            if scheduled:
                 self._in_flight.append(run)
 
-    def _schedule(self, run: Run) -> bool:
-        """Puts ``run`` into DALI; False where it could not go (its slot given back, its
-        batches answered or to run again)."""
-        first = run.batches[0]
-        if first.unseen:
-            # Not a bad sample: every batch would fail so (see paths.py).
+    def _enter(self, run: Run) -> bool:
+        """Takes the gate for ``run``: at once while runs of this instance are in DALI (else
+        ``run`` is held until they come out), waiting while none are. False: not now."""
+        solo = self._executor.solo
+        if self._in_flight and solo != self._solo:
+            self._held = run  # solo and ordinary runs of one instance are not in DALI together
+            return False
+        if self._executor.gate.enter(solo, wait=not self._in_flight, stopping=self._stopping):
+            self._solo = solo
+            return True
+        if self._in_flight:
+            self._held = run
+        else:  # stopping while it waited: its batches stay this instance's to answer
             self._planner.give_slots(1)
-            self._delivery.fail(first, ErrorCode.INVALID_BATCH, first.unseen)
+            self._retry.extendleft(reversed(run.batches))
+        return False
+
+    def _leave(self, runs: int = 1) -> None:
+        for _ in range(runs):
+            self._executor.gate.leave(self._solo)
+
+    def _schedule(self, run: Run) -> bool | None:
+        """Puts ``run`` into DALI; False where it could not go (its slot given back, its
+        batches answered or to run again), None where it waits for the gate (``_held``)."""
+        first = run.batches[0]
+        if first.refused:
+            # Not a bad sample: the batch as a whole cannot run (see paths.py, sizes.py).
+            self._planner.give_slots(1)
+            self._delivery.fail(first, ErrorCode.INVALID_BATCH, first.refused)
             return False
         if first.oversized:
             self._failed(run, ErrorCode.INVALID_BATCH, None)
             return False
+        if not self._enter(run):
+            return None
         try:
             run.entered = time.monotonic()
             self._runner.schedule(run.arrays())
         except Exception as error:
+            self._leave()
             self._failed(run, ErrorCode.INVALID_BATCH, error)
             return False
         return True
@@ -117,8 +167,12 @@ class RunLoop:
         try:
             outputs = self._runner.collect(self._delivery.stream)
         except Exception as error:
+            self._leave()
             self._failed(run, ErrorCode.PIPELINE_ERROR, error)
             return
+        self._leave()
+        if self._solo:
+            self._executor.ran_solo()
         self._executor.account(run)
         self._instance.runs += 1
         self._instance.samples += run.samples
@@ -137,6 +191,11 @@ class RunLoop:
         alone; a batch that fails alone is answered now."""
         self._planner.give_slots(1)
         self._planner.give_slots(len(self._in_flight))
+        self._leave(len(self._in_flight))
+        if self._held is not None:  # formed after those in DALI: it runs again after them
+            self._planner.give_slots(1)
+            self._retry.extendleft(reversed(self._held.batches))
+            self._held = None
         self._retry.extendleft(reversed([b for r in self._in_flight for b in r.batches]))
         self._in_flight.clear()
         self._executor.clock.interrupted()
@@ -148,7 +207,15 @@ class RunLoop:
                 self._retry.appendleft(batch)
             return
         (batch,) = run.batches
-        self._delivery.recover(self._runner, batch, code, error, dict(batch.oversized or {}))
+        # Looking for its bad samples runs DALI too: through the gate, as any run.
+        solo = self._executor.solo
+        if not self._executor.gate.enter(solo, wait=True, stopping=self._stopping):
+            self._retry.appendleft(batch)  # stopping: it stays this instance's to answer
+            return
+        try:
+            self._delivery.recover(self._runner, batch, code, error, dict(batch.oversized or {}))
+        finally:
+            self._executor.gate.leave(solo)
 
     def _stopped_working(self, error: Exception) -> None:
         """Most likely the pipeline could not be rebuilt. Answers every batch it holds so that
@@ -166,7 +233,8 @@ class RunLoop:
             executor.failed = True
             queued = self._planner.take_queued()
         message = f"the pipeline stopped working and takes no more batches: {error}"
-        in_flight = [b for run in self._in_flight for b in run.batches]
+        held = [] if self._held is None else [self._held]
+        in_flight = [b for run in [*self._in_flight, *held] for b in run.batches]
         for batch in [*in_flight, *self._retry, *queued]:
             self._delivery.fail(batch, ErrorCode.PIPELINE_ERROR, message)
         # An instance that ends while others go on is one fewer for the controller too.

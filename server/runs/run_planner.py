@@ -13,9 +13,10 @@ import numpy as np
 
 from dalid.protocol import InputBatch
 
+from ..pipelines.sizes import SizedOutput, size_refusal
 from ..samples.badsamples import oversized_images
 from ..samples.packed import PackedSamples
-from ..samples.paths import PATH_DTYPE_NAMES, FilesUnseen, check_paths
+from ..samples.paths import PATH_DTYPE_NAMES, FilesTooLarge, FilesUnseen, check_paths
 from . import wakes
 from .job_window import TRAINER_HOLDS, JobWindow, Take
 from .runs import Member, PendingBatch, Run
@@ -83,6 +84,8 @@ class RunPlanner:
         self.run_size = 0
         # The inputs whose samples are file paths (checked before a batch runs).
         self.path_inputs: tuple[str, ...] = ()
+        # The operators whose output sizes come from inputs (checked before a batch runs).
+        self.sized_outputs: tuple[SizedOutput, ...] = ()
         self.job_window = JobWindow()
         self.slots = Slots(scheduler, clock, stopping)
         self._scheduler = scheduler
@@ -225,7 +228,7 @@ class RunPlanner:
                 and member.quarantine == 0
                 and not batch.runs_alone
                 and not batch.oversized
-                and not batch.unseen
+                and not batch.refused
                 and batch.size <= room
                 and member.job_id not in taken
                 and self._is_due(member.job_id, due)
@@ -372,7 +375,7 @@ class RunPlanner:
             self.shared
             and not first.runs_alone
             and not first.oversized
-            and not first.unseen
+            and not first.refused
             and member is not None
             and not member.deterministic
             and member.quarantine == 0
@@ -391,8 +394,10 @@ class RunPlanner:
 
     def prepare(self, batch: PendingBatch) -> None:
         """Views the batch's frames as arrays, and finds the samples known bad before a run:
-        image samples over the pixel limit, files nobody can read (or that the daemon cannot
-        see, which fails the batch: ``unseen``)."""
+        image samples over the pixel limit, files nobody can read; and what fails the batch
+        before DALI sees it (``refused``): files the daemon cannot see, more bytes of files
+        than its job may have read at once, or sizes from its inputs that make more outputs
+        than its job can hold (Note [Size inputs are a lower bound] in sizes.py)."""
         if not batch.arrays:
             batch.arrays = {
                 item.name: _samples(item, item.name in self.path_inputs)
@@ -401,14 +406,26 @@ class RunPlanner:
         if batch.oversized is None:
             bad = oversized_images(batch.arrays, self._max_image_pixels, self.path_inputs)
             if self.path_inputs:
+                member = batch.member
                 try:
                     found = check_paths(
-                        batch.request.inputs, self.path_inputs, batch.request.unreadable
+                        batch.request.inputs,
+                        self.path_inputs,
+                        batch.request.unreadable,
+                        max_read_bytes=member.read_bytes if member is not None else 0,
                     )
-                except FilesUnseen as unseen:
-                    batch.unseen = str(unseen)
+                except (FilesUnseen, FilesTooLarge) as refusal:
+                    batch.refused = str(refusal)
                 else:
                     bad = {**found, **bad}
+            if self.sized_outputs and not batch.refused:
+                member = batch.member
+                batch.refused = size_refusal(
+                    self.sized_outputs,
+                    batch.request.inputs,
+                    member.output_bytes if member is not None else 0,
+                    self._max_image_pixels,
+                )
             batch.oversized = bad
 
     # --- slots ----------------------------------------------------------------------------------

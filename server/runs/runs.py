@@ -52,8 +52,9 @@ class PendingBatch:
     # Samples bad before they run, by position, with why (found once): images over the
     # daemon's pixel limit, files nobody can read.
     oversized: dict[int, str] | None = None
-    # Why the batch cannot run at all (a file the daemon cannot see: see paths.py), or "".
-    unseen: str = ""
+    # Why the batch cannot run at all, or "": a file the daemon cannot see, files or sizes
+    # over its job's limits (paths.py, sizes.py).
+    refused: str = ""
     # Whether the batch counts against its job's in-flight limit (deferred ones do not).
     counted: bool = False
     # It runs in a run of its own: it was in a mixed run that failed.
@@ -141,6 +142,11 @@ class Member:
     writing: threading.Lock = field(default_factory=threading.Lock)
     # The cohort the job joined with this registration (cohorts.py), or None.
     cohort: JoinedCohort | None = None
+    # The most bytes of files one batch of the job may have the daemon read (its share of the
+    # daemon's input memory: paths.py), and of outputs its batches may certainly make (its
+    # output memory: sizes.py); 0: no limit.
+    read_bytes: int = 0
+    output_bytes: int = 0
 
     @property
     def held(self) -> int:

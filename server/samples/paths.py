@@ -11,8 +11,10 @@ pays for a check of each file's access. Before a run (:func:`check_paths`) empty
 bytes and the samples the trainer could not read are bad samples, found as arrays; a path
 that is not a regular file
 (a FIFO, a device, a directory) is a bad sample too, found by one ``os.stat`` per path in a
-loop of C (:func:`not_regular`: a FIFO would block DALI's ``open`` forever), once per period
-for a path found regular (:class:`RegularFiles`); then only the
+loop of C (:func:`stat_paths`: a FIFO would block DALI's ``open`` forever), once per period
+for a path found regular (:class:`RegularFiles`). The same stats'
+sizes are what DALI will read: a batch whose files come to more than its job may read at
+once fails with :class:`FilesTooLarge` before DALI allocates them. Then only the
 directory of the first good path is looked at, once per :data:`DIRECTORY_RECHECK_S`
 (:class:`DirectoryChecks`). A batch whose run fails is checked file by file
 (:func:`unseen_file`) before any bad sample is looked for. Why, what the check leaves open
@@ -31,6 +33,7 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from pathlib import PurePosixPath
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +57,11 @@ MAX_DIRECTORIES = 1 << 16
 class FilesUnseen(Exception):
     """The daemon cannot open a file that the trainer can: it does not see the trainer's
     files. The message says which and what to mount."""
+
+
+class FilesTooLarge(Exception):
+    """A batch's files come to more bytes than its job may have read at once: refused before
+    DALI reads them. The message names the largest file, the sizes and what to do."""
 
 
 class DirectoryChecks:
@@ -101,11 +109,11 @@ MAX_REGULAR_FILES = 1 << 17
 
 
 class RegularFiles:
-    """The paths found to name regular files lately, by their hash (Note [Checking paths per
-    directory]): one found in this period of ``recheck_s`` is not ``stat``ed again until the
-    next. An epoch of a dataset that passes within the period pays one ``stat`` a file, not one
-    a sample of every epoch; one that does not (ImageNet at any rate) pays as before, plus a
-    hash a path.
+    """The paths found to name regular files lately, by their hash, with their sizes (Note
+    [Checking paths per directory]): one found in this period of ``recheck_s`` is not
+    ``stat``ed again until the next. An epoch of a dataset that passes within the period pays
+    one ``stat`` a file, not one a sample of every epoch; one that does not (ImageNet at any
+    rate) pays as before, plus a hash a path.
 
     Thread-safe: the executors of several pipelines check their batches at once.
     """
@@ -116,24 +124,24 @@ class RegularFiles:
         self.recheck_s = recheck_s
         self.most = most
         self.stats = 0  # paths stat'ed, for tests and the curious
-        self._regular: set[int] = set()
+        self._sizes: dict[int, int] = {}
         self._period_start = time.monotonic()
         self._lock = threading.Lock()
 
-    def unknown(self, keys: list[int]) -> np.ndarray:
-        """Which of the paths of these hashes were not found regular in this period, as a
-        mask (starting the next period if due)."""
+    def sizes(self, keys: list[int]) -> np.ndarray:
+        """The sizes of the files of the paths of these hashes found regular in this period,
+        -1 for the others (starting the next period if due)."""
         now = time.monotonic()
         with self._lock:
-            if now - self._period_start >= self.recheck_s or len(self._regular) >= self.most:
-                self._regular = set()
+            if now - self._period_start >= self.recheck_s or len(self._sizes) >= self.most:
+                self._sizes = {}
                 self._period_start = now
-            known = np.fromiter(map(self._regular.__contains__, keys), bool, len(keys))
-        return ~known
+            found = map(self._sizes.get, keys, itertools.repeat(-1))
+            return np.fromiter(found, np.int64, len(keys))
 
-    def found_regular(self, keys: list[int]) -> None:
+    def found_regular(self, keys: list[int], sizes: list[int]) -> None:
         with self._lock:
-            self._regular.update(keys)
+            self._sizes.update(zip(keys, sizes, strict=True))
 
 
 REGULAR_FILES = RegularFiles()
@@ -144,12 +152,17 @@ def check_paths(
     path_inputs: Collection[str],
     unreadable: Collection[int],
     directories: DirectoryChecks = DIRECTORIES,
+    max_read_bytes: int = 0,
+    *,
     regular: RegularFiles = REGULAR_FILES,
 ) -> dict[int, str]:
     """The bad samples among the path samples of a batch, with why; raises FilesUnseen where
     the directory of the first path that is not bad is one the daemon cannot enter (Note
-    [Checking paths per directory]). Per batch, never per sample."""
+    [Checking paths per directory]), and FilesTooLarge where the regular files of the batch
+    come to more than ``max_read_bytes`` (0: no limit). Per batch, never per sample."""
     bad: dict[int, str] = {}
+    read = 0
+    largest: tuple[int, str] = (0, "")
     for item in inputs:
         if (
             item.name not in path_inputs
@@ -177,12 +190,19 @@ def check_paths(
                     f"input {item.name!r}: cannot read {shown}, in the trainer either (a "
                     "missing file, or a wrong path)"
                 )
-        for position, kind in not_regular(data, starts, stops, bad, regular).items():
+        stats = stat_paths(data, starts, stops, bad, regular)
+        for position, kind in stats.odd.items():
             shown = os.fsdecode(data[starts[position] : stops[position]].tobytes())
             bad[position] = (
                 f"input {item.name!r}: {shown} is not a regular file ({kind}); the daemon reads "
                 "only regular files: give the path of a file"
             )
+        if stats.sizes.size:
+            read += int(stats.sizes.sum())
+            at = int(stats.sizes.argmax())
+            if int(stats.sizes[at]) > largest[0]:
+                shown = os.fsdecode(data[starts[at] : stops[at]].tobytes())
+                largest = (int(stats.sizes[at]), f"input {item.name!r}: {shown}")
         # The first sample that is not bad: at most len(bad) + 1 steps.
         first = next((p for p in range(item.size) if p not in bad), None)
         if first is None:
@@ -191,7 +211,28 @@ def check_paths(
         directory = path[: path.rfind(b"/") + 1]
         if not directories.seen_lately(directory) and not directories.enterable(directory):
             raise FilesUnseen(unseen_message(os.fsdecode(path)))
+    if max_read_bytes and read > max_read_bytes:
+        raise FilesTooLarge(too_large_message(read, max_read_bytes, *largest))
     return bad
+
+
+def too_large_message(read: int, limit: int, size: int, largest: str) -> str:
+    """Why a batch whose files come to ``read`` bytes is refused, and what to do."""
+    return (
+        f"the files of this batch come to {size_text(read)}, more than the {size_text(limit)} "
+        "one batch of a job may have the daemon read (the job's share of its input memory, "
+        f"half of dalid serve --input-memory); the largest is {largest} ({size_text(size)}). "
+        "Send smaller files or fewer of them a batch, or start the daemon with a higher "
+        "--input-memory"
+    )
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people: 1.5 GiB, 64 MiB, 12 KiB, 300 B."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"
 
 
 # What a path that is not a regular file names, by its st_mode's type bits.
@@ -209,41 +250,54 @@ KERNEL_FILESYSTEMS = ("/proc", "/sys")
 KERNEL_FILE = "a file the kernel makes as it is read (/proc, /sys)"
 _MODE = operator.attrgetter("st_mode")
 _DEVICE = operator.attrgetter("st_dev")
+_SIZE = operator.attrgetter("st_size")
 
 
-def not_regular(
+class Stats(NamedTuple):
+    """What one ``os.stat`` a path found: the paths that name something other than a regular
+    file, by position, with what they name; and each path's size in bytes (0 for those, for
+    bad samples and for paths that could not be stat'ed)."""
+
+    odd: dict[int, str]
+    sizes: np.ndarray
+
+
+def stat_paths(
     data: np.ndarray,
     starts: np.ndarray,
     stops: np.ndarray,
     bad: Collection[int],
     regular: RegularFiles | None = None,
-) -> dict[int, str]:
-    """The positions of the paths (sample i: ``data[starts[i]:stops[i]]``, those in ``bad``
-    left out) that name something other than a regular file, with what they name.
+) -> Stats:
+    """The :class:`Stats` of the paths (sample i: ``data[starts[i]:stops[i]]``, those in ``bad``
+    left out).
 
     One ``os.stat`` a path not found regular in ``regular``'s period, made and read in loops
-    of C (``map``), and the modes judged as arrays: no Python runs per sample. A path whose
-    ``stat`` fails (a missing file, or one the daemon does not see) is left to the read and
-    the checks after a failure, as before."""
+    of C (``map``), and the modes and sizes judged as arrays: no Python runs per sample. A
+    path whose ``stat`` fails (a missing file, or one the daemon does not see) is left to the
+    read and the checks after a failure, as before."""
+    sizes = np.zeros(len(starts), np.int64)
     keep = np.ones(len(starts), bool)
     keep[list(bad)] = False
     positions = np.flatnonzero(keep)
     if not positions.size:
-        return {}
+        return Stats({}, sizes)
     raw = data.tobytes()
     paths = list(map(raw.__getitem__, map(slice, starts[positions].tolist(),
                                          stops[positions].tolist())))  # fmt: skip
     keys: list[int] = []
     if regular is not None:
         keys = list(map(hash, paths))
-        unknown = regular.unknown(keys)
-        if not unknown.any():
-            return {}
-        if not unknown.all():
-            chosen = np.flatnonzero(unknown)
+        known = regular.sizes(keys)
+        hits = known >= 0
+        sizes[positions[hits]] = known[hits]
+        if hits.all():
+            return Stats({}, sizes)
+        if hits.any():
+            chosen = np.flatnonzero(~hits).tolist()
             positions = positions[chosen]
-            paths = list(map(paths.__getitem__, chosen.tolist()))
-            keys = list(map(keys.__getitem__, chosen.tolist()))
+            paths = list(map(paths.__getitem__, chosen))
+            keys = list(map(keys.__getitem__, chosen))
         regular.stats += len(paths)
     try:
         stats = list(map(os.stat, paths))
@@ -266,10 +320,13 @@ def not_regular(
     }
     for i in np.flatnonzero(kernel & ~odd).tolist():
         found[int(positions[i])] = KERNEL_FILE
+    fine = ~odd & ~kernel
+    file_sizes = np.fromiter(map(_SIZE, stats), np.int64, len(stats))[fine]
+    sizes[positions[fine]] = file_sizes
     if regular is not None:
-        fine = np.flatnonzero(~(odd | kernel)).tolist()
-        regular.found_regular(list(map(keys.__getitem__, fine)))
-    return found
+        remembered = np.flatnonzero(fine).tolist()
+        regular.found_regular(list(map(keys.__getitem__, remembered)), file_sizes.tolist())
+    return Stats(found, sizes)
 
 
 def _stat_or_none(path: bytes | str) -> os.stat_result | None:

@@ -1,10 +1,11 @@
 """A job that runs beside an attack until told to stop, checking every batch it gets.
 
-    python -m tests.integration.steady_job --socket PATH [--name N]
+    python -m tests.integration.steady_job --socket PATH [--name N] [--reconnect]
 
 Sends one batch at a time (load_job's blur of small uniform images, each output checked) and
 prints "running" after its first batch. A line on stdin stops it after the batch in hand:
 it prints "ok N", N the batches it got, all right. Any failed batch ends it with an error.
+With ``--reconnect`` its session carries on across daemon restarts.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--name", default="steady")
+    parser.add_argument("--reconnect", action="store_true")
     args = parser.parse_args()
-    with dalid.connect(socket=args.socket, autostart=False, name=args.name) as session:
+    with dalid.connect(
+        socket=args.socket, autostart=False, name=args.name, reconnect=args.reconnect
+    ) as session:
         proxy = session.proxy(heavy_pipeline(4, 3))
         loader = dalid.DataLoader(session, Images(proxy, 4 * 1_000_000), batch_size=4)
         done = 0

@@ -464,6 +464,60 @@ def test_registrations_cannot_take_the_daemons_threads_pipelines_or_memory() -> 
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_sizes_a_batch_sends_beyond_its_jobs_limits_are_refused_before_dali_allocates() -> None:
+    """The reproduction: ``fn.resize`` with its size from an input, sent 40,000x40,000,
+    OOM-killed the daemon. The batch is refused by its sizes, saying why, on the daemon's pixel
+    limit and on the job's own output memory; the job's next batch and a job beside it run."""
+    import torch
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import pipeline_def as untyped_pipeline_def
+
+    import dalid.client as dalid
+
+    @untyped_pipeline_def(batch_size=2, num_threads=1, device_id=None)  # type: ignore[call-overload,untyped-decorator]
+    def resized() -> Any:
+        images = fn.external_source(
+            name="images", dtype=types.DALIDataType.UINT8, ndim=3, layout="HWC"
+        )
+        sizes = fn.external_source(name="sizes", dtype=types.DALIDataType.FLOAT, ndim=1)
+        return fn.resize(images, size=sizes)
+
+    directory = own_directory()
+    daemon = start_daemon(directory)
+    pid = daemon.pid
+    job = steady_beside(daemon)
+    image = np.zeros((1, 1, 3), np.uint8)
+
+    def batch(proxy: Any, side: int) -> Any:
+        sizes = np.array([side, side], np.float32)
+        return torch.utils.data.default_collate([proxy(images=image, sizes=sizes) for _ in "ab"])
+
+    try:
+        with dalid.connect(
+            socket=daemon.socket, autostart=False, memory_bytes=64 << 20, name="resizer"
+        ) as session:
+            proxy = session.proxy(resized())
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch(proxy, 40000))
+            message = str(caught.value)
+            assert "Resize would make a sample of 1600000000 elements or more" in message
+            assert "this batch's size='sizes', over this daemon's limit" in message
+            # Under the pixel limit a sample, over the job's 64 MiB of output memory a batch.
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch(proxy, 8000))
+            message = str(caught.value)
+            assert "at least 122 MiB of outputs for this batch" in message
+            assert "more than the job's 64 MiB of output memory" in message
+            assert session.produce_data(batch(proxy, 4)).shape == (2, 4, 4, 3)
+        assert daemon.pid == pid
+        still_serving(daemon)
+        assert finished(job) > 1
+    finally:
+        kill_leftovers([job])
+        assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 # --- a graph that crashes DALI ---------------------------------------------------------------
 
 
@@ -530,4 +584,92 @@ def test_a_graph_running_when_the_daemon_died_is_refused_to_its_trainer_after() 
         crashing.stop()
         if daemon is not None:
             assert daemon.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_crash_beside_another_trainers_runs_blames_no_one_until_a_solo_run_crashes() -> None:
+    """The reproduction: a job running beside the graph that crashed the daemon was refused its
+    graph by the next daemon, and died with its ``reconnect=True``. Now both are on probation:
+    the victim is served throughout, and the crasher, crashing again with its run alone in DALI,
+    is refused."""
+    from ..crashing_daemon import BESIDE, CRASHER
+    from ..unit.test_operators import small
+
+    directory = own_directory()
+    serialized = memoryview(small().serialize())
+    crashing = start_daemon(directory, module="tests.crashing_daemon")
+    daemons = [crashing]
+    victim = steady_job([*STEADY, "--socket", str(crashing.socket), "--reconnect"])
+    context: zmq.Context[Any] = zmq.Context()
+    socks: list[zmq.Socket[Any]] = []
+
+    def crash(daemon: DaemonProcess, name: str) -> None:
+        """Registers the crashing graph as ``name`` from this process and runs it: the daemon
+        dies of it."""
+        sock = transport.make_socket(context, zmq.DEALER, endpoint(daemon.socket), bind=False)
+        socks.append(sock)
+        transport.send(sock, Hello(PROTOCOL_VERSION, 1, Role.TRAINER, name="attacker"), 1)
+        assert sock.poll(10_000)
+        welcome = transport.recv(sock).message
+        assert isinstance(welcome, Welcome)
+        transport.send(sock, RegisterPipeline(serialized, ("data",), 2, 2, 1, 1, name=name), 2)
+        assert sock.poll(60_000)
+        registered = transport.recv(sock).message
+        assert isinstance(registered, PipelineRegistered), registered
+        samples = [np.zeros((2, 2, 3), np.uint8) for _ in range(2)]
+        inputs = (InputBatch.of("data", samples),)
+        batch = SubmitBatch(registered.pipeline_id, inputs, welcome.batch_id_base + 1)
+        transport.send(sock, batch, 3)
+        assert daemon.process.wait(60) == -signal.SIGSEGV, daemon.log_text()
+
+    try:
+        # The victim's runs are in DALI beside the crasher's when the daemon dies.
+        crash(crashing, BESIDE)
+        crashing = start_daemon(directory, module="tests.crashing_daemon")
+        daemons.append(crashing)
+        log = crashing.log_text()
+        assert f"while pipeline {BESIDE!r} ran for trainer pid {os.getpid()}: runs of" in log
+        assert f"ran for trainer pid {victim.pid}: runs of other trainers" in log
+        # The victim reconnects and is served, on a pipeline of its own, its runs alone.
+        wait_for(
+            lambda: any(
+                p.private_reason.startswith("on probation") and p.runs
+                for p in crashing.status().pipelines
+            ),
+            60,
+            "the victim's runs on probation",
+        )
+        # The crasher, on probation too, crashes again: alone in DALI, it is convicted.
+        crash(crashing, CRASHER)
+        daemon = start_daemon(directory)
+        daemons.append(daemon)
+        log = daemon.log_text()
+        assert f"while pipeline {CRASHER!r} ran for trainer pid {os.getpid()}: that graph" in log
+        assert f"trainer pid {victim.pid}: that graph is refused" not in log
+        sock = transport.make_socket(context, zmq.DEALER, endpoint(daemon.socket), bind=False)
+        socks.append(sock)
+        transport.send(sock, Hello(PROTOCOL_VERSION, 1, Role.TRAINER, name="attacker"), 1)
+        assert sock.poll(10_000) and isinstance(transport.recv(sock).message, Welcome)
+        transport.send(sock, RegisterPipeline(serialized, ("data",), 2, 2, 1, 1), 2)
+        assert sock.poll(60_000)
+        refusal = transport.recv(sock).message
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.INVALID_PIPELINE
+        assert f"running for this trainer (pid {os.getpid()}) when the daemon died" in (
+            refusal.message
+        )
+        # The victim got every batch it asked for, right, across both crashes (its log says
+        # so, each time its daemon went).
+        out, _ = victim.communicate("stop\n", timeout=90)
+        *said, last = out.strip().splitlines()
+        assert victim.returncode == 0 and last.startswith("ok ") and int(last.split()[1]) > 1, out
+        assert all("reconnecting" in line or "reconnected" in line for line in said), out
+        still_serving(daemon)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        context.term()
+        kill_leftovers([victim])
+        for each in daemons[:-1]:
+            each.stop()
+        assert daemons[-1].stop() == 0 or len(daemons) < 3
         shutil.rmtree(directory, ignore_errors=True)

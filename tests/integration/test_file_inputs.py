@@ -155,6 +155,45 @@ def test_what_is_not_a_regular_file_is_a_bad_sample_beside_a_job_on_the_same_gra
         daemon.stop()
 
 
+def test_a_batch_of_files_over_its_jobs_share_is_refused_beside_a_job_on_the_same_graph(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """The reproduction: 8 paths to a sparse 1 GiB file OOM-killed a daemon in a 4 GiB cgroup.
+    Here to scale (4 paths to a 128 MiB one, a 64 MiB --input-memory, a job's share 32 MiB): it is
+    refused by the files' sizes before DALI reads a byte, and the job beside it carries on."""
+    images = examples.make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    sparse = tmp_path / "sparse.bin"
+    with sparse.open("wb") as file:
+        file.truncate(128 << 20)
+    daemon = start_daemon(short_tmp, "--input-memory", "64M")
+    reader = None
+    try:
+        command = [*READER, "--socket", str(daemon.socket), "--images", str(images)]
+        reader = started(command)
+        with dalid.connect(socket=daemon.socket, autostart=False, name="greedy") as session:
+            proxy = session.proxy(read_pipeline())
+            batch = torch.utils.data.default_collate([proxy(path_sample(sparse)) for _ in range(4)])
+            with pytest.raises(dalid.BatchError) as caught:
+                session.produce_data(batch)
+            message = str(caught.value)
+            assert "the files of this batch come to 512 MiB, more than the 32 MiB" in message
+            assert f"the largest is input 'paths': {sparse} (128 MiB)" in message
+            assert "--input-memory" in message
+            # Its next batch within the share runs, on the same pipeline.
+            good = sorted(images.rglob("*.jpg"))[:4]
+            batch = torch.utils.data.default_collate([proxy(path_sample(p)) for p in good])
+            assert session.produce_data(batch).shape == (4, 32, 32, 3)
+            (shared,) = daemon.status().pipelines
+            assert len(shared.jobs) == 2
+        out, _ = reader.communicate("stop\n", timeout=180)
+        assert reader.returncode == 0 and out.startswith("ok "), out
+        assert daemon.process.poll() is None, daemon.log_text()
+    finally:
+        if reader is not None:
+            ended(reader)
+        daemon.stop()
+
+
 def test_a_pipeline_stuck_inside_dali_holds_up_neither_the_daemon_nor_its_stop(
     short_tmp: Path, tmp_path: Path, fifo: Path
 ) -> None:

@@ -43,7 +43,14 @@ from dalid.server.handling.opening import job_label
 from dalid.server.intake.credentials import PeerCredentials
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.outputs.shm import host_outputs
-from dalid.server.pipelines.flight import FlightRecorder
+from dalid.server.pipelines.flight import (
+    PROBATION_RUNS,
+    FlightRecorder,
+    Standing,
+    Suspect,
+    graph_key,
+)
+from dalid.server.pipelines.sharing import read_graph
 
 from ..dali_typing import pipeline_def
 
@@ -653,7 +660,9 @@ class SlotWrites(FlightRecorder):
     def suspected(self, key: bytes, pid: int) -> None:
         return None
 
-    def running(self, instance_id: int, key: bytes, pids: Iterable[int], name: str) -> None:
+    def running(
+        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, *, solo: bool = False
+    ) -> None:
         self.writes.append((instance_id, tuple(sorted(pids))))
 
     def idle(self, instance_id: int) -> None:
@@ -704,5 +713,99 @@ def test_a_pipeline_is_marked_running_once_a_busy_spell_and_names_a_job_that_joi
         on_run(False)
         on_run(False)
         assert recorder.writes[writes + 1 :] == [(executor.instance_id, None)]
+    finally:
+        core.close()
+
+
+@pipeline_def(batch_size=4, num_threads=1, device_id=None)
+def tripling() -> DataNode:
+    return fn.external_source(name="x") * 3
+
+
+class OnProbation(FlightRecorder):
+    """The recorder's marks, in order, with graph ``probation_key`` on probation for every
+    trainer, in place of its file."""
+
+    def __init__(self, probation_key: bytes) -> None:
+        self.probation_key = probation_key
+        self.marks: list[tuple[int, bool | None]] = []  # (instance, solo), None: idle
+        self.cleared_for: list[tuple[bytes, int]] = []
+
+    def suspected(self, key: bytes, pid: int) -> Suspect | None:
+        if key != self.probation_key:
+            return None
+        return Suspect(key.hex(), pid, "tripling", 0.0, Standing.PROBATION)
+
+    def running(
+        self, instance_id: int, key: bytes, pids: Iterable[int], name: str, *, solo: bool = False
+    ) -> None:
+        self.marks.append((instance_id, solo))
+
+    def idle(self, instance_id: int) -> None:
+        self.marks.append((instance_id, None))
+
+    def cleared(self, key: bytes, pid: int) -> None:
+        self.cleared_for.append((key, pid))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pipeline_on_probation_runs_alone_in_dali_until_its_runs_clear_it() -> None:
+    probation = tripling()
+    serialized = memoryview(probation.serialize())
+    recorder = OnProbation(graph_key("serialized", read_graph(bytes(serialized)).key))
+    other = b"trainer-2"
+    credentials = {
+        TRAINER: PeerCredentials(pid=4242, uid=0, gid=0),
+        other: PeerCredentials(pid=4343, uid=0, gid=0),
+    }
+    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
+    core = DaemonCore(
+        "cpu",
+        host_outputs(),
+        lambda peer, message, rid: pushed.put((peer, message, rid)),
+        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16),
+        instance=f"unittest-{uuid.uuid4().hex[:8]}",
+        recorder=recorder,
+        credentials=credentials.get,
+    )
+    try:
+        pipelines = {}
+        for identity, graph in ((TRAINER, doubling().serialize()), (other, serialized)):
+            hello = core.handle(identity, Hello(PROTOCOL_VERSION, 0, Role.TRAINER), 1)
+            assert isinstance(hello, Welcome)
+            request = RegisterPipeline(memoryview(graph), ("x",), 1, 4, 1, 2)
+            assert core.handle(identity, request, 2) is None
+            _, registered, _ = pushed.get(timeout=30)
+            assert isinstance(registered, PipelineRegistered)
+            pipelines[identity] = registered.pipeline_id
+        solo_instance = max(core.pipelines.instances)
+        assert core.pipelines.instances[solo_instance].private_reason.startswith("on probation")
+        rounds = PROBATION_RUNS + 4
+        samples = [np.full((64, 64), 1, np.int32) for _ in range(4)]
+        for _ in range(rounds):
+            for identity, pipeline_id in pipelines.items():
+                batch = _batch(core, identity, pipeline_id, *samples)
+                assert isinstance(core.handle(identity, batch, 3), BatchAccepted)
+            for _ in pipelines:
+                peer, ready, _ = pushed.get(timeout=30)
+                assert isinstance(ready, BatchReady), ready
+                regions = tuple(output.region_id for output in ready.outputs)
+                assert core.handle(peer, ReleaseRegions(regions), None) is None
+        # Never a solo run in DALI beside another run; the next runs once it was cleared are
+        # ordinary, and its trainer's probation ends.
+        inside: dict[int, bool] = {}
+        for instance_id, solo in recorder.marks:
+            if solo is None:
+                inside.pop(instance_id, None)
+            else:
+                inside[instance_id] = solo
+            assert not any(inside.values()) or len(inside) == 1, recorder.marks
+        solo_marks = [solo for instance, solo in recorder.marks if instance == solo_instance]
+        assert solo_marks.count(True) == PROBATION_RUNS
+        assert solo_marks[-2:] == [False, None]
+        assert any(instance != solo_instance for instance, _ in recorder.marks)
+        assert recorder.cleared_for == [(recorder.probation_key, 4343)]
     finally:
         core.close()

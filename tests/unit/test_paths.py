@@ -17,6 +17,7 @@ from dalid.protocol import InputBatch
 from dalid.protocol.file_inputs import path_inputs
 from dalid.server.samples.paths import (
     DirectoryChecks,
+    FilesTooLarge,
     FilesUnseen,
     RegularFiles,
     check_paths,
@@ -100,6 +101,30 @@ def test_the_daemon_tells_a_missing_file_from_one_it_does_not_see(tmp_path: Path
     }
     # Another input's samples are not paths, whatever they hold.
     assert check_paths(_batch("/nowhere/x", name="labels"), ["paths"], []) == {}
+
+
+def test_a_batch_whose_files_come_to_more_than_its_limit_is_refused(tmp_path: Path) -> None:
+    # Sparse: a GiB by their size, which is what DALI would read, and nothing on disk.
+    big, small = tmp_path / "big.bin", tmp_path / "small.bin"
+    with big.open("wb") as file:
+        file.truncate(1 << 30)
+    small.write_bytes(b"x" * 1000)
+    limit = 512 << 20
+    batch = _batch(str(small), *[str(big)] * 8)
+    with pytest.raises(FilesTooLarge) as caught:
+        check_paths(batch, ["paths"], [], max_read_bytes=limit)
+    message = str(caught.value)
+    assert "come to 8 GiB" in message and "the 512 MiB one batch of a job may" in message
+    assert f"the largest is input 'paths': {big} (1 GiB)" in message
+    assert "--input-memory" in message
+    # Within the limit, or with none, the same files pass; bad samples are not read, so they
+    # count nothing (a FIFO, a /proc file by its zero size, a file nobody can read).
+    assert check_paths(batch, ["paths"], [], max_read_bytes=9 << 30) == {}
+    assert check_paths(batch, ["paths"], []) == {}
+    unreadable = list(range(1, 9))
+    assert set(check_paths(batch, ["paths"], unreadable, max_read_bytes=2000)) == set(unreadable)
+    with pytest.raises(FilesTooLarge, match=r"come to 1\.95 KiB"):
+        check_paths(_batch(str(small), str(small)), ["paths"], [], max_read_bytes=1999)
 
 
 def test_one_directory_is_looked_at_a_batch_whatever_its_size(tmp_path: Path) -> None:
@@ -228,7 +253,7 @@ def test_a_path_found_regular_is_not_looked_at_again_within_its_period(tmp_path:
     batch = _batch(*map(str, files), str(fifo))
 
     def bad_samples() -> list[int]:
-        return sorted(check_paths(batch, ["paths"], [], DirectoryChecks(), regular))
+        return sorted(check_paths(batch, ["paths"], [], DirectoryChecks(), regular=regular))
 
     assert bad_samples() == [4]
     assert regular.stats == 5
@@ -245,5 +270,13 @@ def test_a_path_found_regular_is_not_looked_at_again_within_its_period(tmp_path:
     # Bounded: past `most` paths the memory starts afresh.
     few = RegularFiles(most=2)
     for _ in range(2):
-        check_paths(_batch(*map(str, files[1:])), ["paths"], [], DirectoryChecks(), few)
+        check_paths(_batch(*map(str, files[1:])), ["paths"], [], DirectoryChecks(), regular=few)
     assert few.stats == 6
+    # A remembered file's size still counts against what a batch may have read.
+    files[1].write_bytes(b"x" * 100)
+    sized = RegularFiles()
+    three = _batch(*map(str, files[1:]))
+    assert check_paths(three, ["paths"], [], DirectoryChecks(), 1000, regular=sized) == {}
+    with pytest.raises(FilesTooLarge):
+        check_paths(three, ["paths"], [], DirectoryChecks(), 101, regular=sized)
+    assert sized.stats == 3

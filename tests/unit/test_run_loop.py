@@ -21,6 +21,7 @@ from dalid.server.outputs.job_outputs import JobOutputs
 from dalid.server.outputs.shm import host_outputs
 from dalid.server.runs.dali_instances import DaliInstances, Instance
 from dalid.server.runs.delivery import Delivery
+from dalid.server.runs.run_gate import RunGate
 from dalid.server.runs.run_loop import RunLoop
 from dalid.server.runs.run_planner import RunPlanner
 from dalid.server.runs.runs import Member, PendingBatch, Run
@@ -85,8 +86,13 @@ class _Pipeline:
         self.delivery = Delivery(self.instance_id, self.planner, self.stopping)
         self.instances = DaliInstances(self.instance_id, "scripted", lambda running: None)
         self.accounted: list[Run] = []
+        self.gate = RunGate()
+        self.solo = False
 
     def look(self) -> None:
+        pass
+
+    def ran_solo(self) -> None:
         pass
 
     def account(self, run: Run) -> None:
