@@ -299,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # Before the daemon makes any thread: arenas once made are kept.
         limit_malloc_arenas(settings["malloc_arenas"])
-        # DALI's host buffers come from malloc, which gives them back (heap.py).
-        host_buffers_from_malloc()
+        # DALI's host buffers come from malloc, which gives them back, unless the daemon is
+        # to keep DALI's pool (heap.py).
+        if not settings["dali_host_pool"]:
+            host_buffers_from_malloc()
         supervisor = supervisor_pid()
         daemon = Daemon(dataclasses.replace(config, supervisor=supervisor))
         if supervisor is not None:
