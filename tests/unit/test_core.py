@@ -672,9 +672,11 @@ class SlotWrites(FlightRecorder):
         pass
 
 
-def test_a_pipeline_is_marked_running_once_a_busy_spell_and_names_a_job_that_joins_it() -> None:
-    recorder = SlotWrites()
-    other = b"trainer-2"
+def _core_of_two_trainers(
+    recorder: FlightRecorder, other: bytes
+) -> tuple[DaemonCore, queue.Queue[tuple[bytes, Message, int | None]]]:
+    """A core whose trainers are TRAINER (pid 4242) and ``other`` (pid 4343), its flight
+    recorder ``recorder``, and the queue of what it pushes."""
     credentials = {
         TRAINER: PeerCredentials(pid=4242, uid=0, gid=0),
         other: PeerCredentials(pid=4343, uid=0, gid=0),
@@ -689,6 +691,13 @@ def test_a_pipeline_is_marked_running_once_a_busy_spell_and_names_a_job_that_joi
         recorder=recorder,
         credentials=credentials.get,
     )
+    return core, pushed
+
+
+def test_a_pipeline_is_marked_running_once_a_busy_spell_and_names_a_job_that_joins_it() -> None:
+    recorder = SlotWrites()
+    other = b"trainer-2"
+    core, pushed = _core_of_two_trainers(recorder, other)
     try:
         graph = memoryview(doubling().serialize())
         for identity in (TRAINER, other):
@@ -756,20 +765,7 @@ def test_a_pipeline_on_probation_runs_alone_in_dali_until_its_runs_clear_it() ->
     serialized = memoryview(probation.serialize())
     recorder = OnProbation(graph_key("serialized", read_graph(bytes(serialized)).key))
     other = b"trainer-2"
-    credentials = {
-        TRAINER: PeerCredentials(pid=4242, uid=0, gid=0),
-        other: PeerCredentials(pid=4343, uid=0, gid=0),
-    }
-    pushed: queue.Queue[tuple[bytes, Message, int | None]] = queue.Queue()
-    core = DaemonCore(
-        "cpu",
-        host_outputs(),
-        lambda peer, message, rid: pushed.put((peer, message, rid)),
-        Quotas(max_batch_size=64, pool_bytes=1 << 20, slab_bytes=1 << 16),
-        instance=f"unittest-{uuid.uuid4().hex[:8]}",
-        recorder=recorder,
-        credentials=credentials.get,
-    )
+    core, pushed = _core_of_two_trainers(recorder, other)
     try:
         pipelines = {}
         for identity, graph in ((TRAINER, doubling().serialize()), (other, serialized)):
