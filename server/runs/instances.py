@@ -45,6 +45,12 @@ MIN_MARGIN = 0.02
 PLAUSIBLE = 2.0
 # After an instance that did not pay, how long before another is tried.
 HOLD_OFF_S = 120.0
+# After a trial that measured a change of demand, not the instance (undecided), the next comes
+# this soon, twice as late after each undecided one in a row, HOLD_OFF_S at most: a trial whose
+# "before" fell in an epoch's pause (the small profile's 4 jobs: 5,568 samples/s against a steady
+# 7,300) would otherwise leave a pipeline on one instance for two minutes that two serve better
+# (8,308 against 7,310, pinned).
+UNDECIDED_RETRY_S = 2 * PERIOD_S
 # The share of a period's looks at the queues that must find batches waiting for demand to
 # count as above what the pipeline delivers; below ``IDLE_SHARE`` none waits to speak of.
 BUSY_SHARE = 0.5
@@ -114,6 +120,7 @@ class InstanceController:
         # samples/s each count of instances delivered while batches waited (its capacity).
         self._capacity: dict[int, float] = {}
         self._hold_until = 0.0
+        self._undecided = 0  # trials in a row that measured a change of demand
         self._changed = False  # whether it has changed the count yet
         # The share the trial's instance must raise samples/s by (``_margin_for``), and on a
         # CPU, the most it could (``_cpu_room``: None where a GPU is measured).
@@ -218,15 +225,18 @@ class InstanceController:
         if self._most is not None and rate > before * (1 + PLAUSIBLE * self._most):
             # More than its idle cores could add: what its jobs asked for changed meanwhile
             # (a pause of theirs in the period before, say), so this measured demand, not
-            # the instance. It goes; another is tried after the hold-off.
-            self._hold_until = now + self._hold_off_s
+            # the instance. It goes, undecided: another is tried soon (UNDECIDED_RETRY_S).
+            retry_s = min(self._hold_off_s, UNDECIDED_RETRY_S * 2**self._undecided)
+            self._undecided += 1
+            self._hold_until = now + retry_s
             self.reason = (
                 f"{_count(was)}: going from {was} to {instances} gave {_rate(rate)} samples/s "
                 f"against {_rate(before)}, more than the idle cores could add "
                 f"(+{self._most:.0%}): demand changed, so back to {was}, next try in "
-                f"{self._hold_off_s:.0f} s; {device}"
+                f"{retry_s:.0f} s; {device}"
             )
             return Change.DROP
+        self._undecided = 0
         if rate >= before * (1 + self._required):
             if window.waiting_share >= BUSY_SHARE:
                 self._capacity[instances] = rate

@@ -164,8 +164,34 @@ def test_a_rise_past_what_the_idle_cores_could_add_is_not_the_new_instances() ->
     ]
     assert pipeline.controller.reason.startswith(
         "1 DALI instance: going from 1 to 2 gave 1,200 samples/s against 1,000, more than the "
-        "idle cores could add (+5%): demand changed, so back to 1, next try in 120 s"
+        "idle cores could add (+5%): demand changed, so back to 1, next try in 10 s"
     )
+
+
+def test_after_a_change_of_demand_the_next_trial_comes_soon_and_then_later() -> None:
+    """A trial that measured demand, not the instance, decided nothing: the next comes after
+    10 s, then 20, 40, ... up to the hold-off, not two minutes later; one that decides resets
+    the delay."""
+    pipeline = Pipeline(controller(), {1: 1000.0, 2: 1200.0})
+    pipeline.cpu_busy = 1.9
+    pipeline.run(2 * PERIOD + SETTLE + LOOK)
+    undecided_at = pipeline.changes[-1][0]
+    pipeline.run(10.0 + 2 * PERIOD + SETTLE + LOOK)
+    adds = [when for when, change, _ in pipeline.changes if change is Change.ADD]
+    assert len(adds) == 2 and adds[1] - undecided_at <= 10.0 + PERIOD + LOOK
+    assert "demand changed, so back to 1, next try in 20 s" in pipeline.controller.reason
+    # Now the second instance pays within what the idle cores could add: it stays.
+    pipeline.rates[2] = 1040.0
+    pipeline.rates[3] = 1040.0
+    pipeline.run(20.0 + 2 * PERIOD + SETTLE + LOOK)
+    assert [(change, n) for _, change, n in pipeline.changes][:6] == [
+        (Change.ADD, 2),
+        (Change.DROP, 1),
+        (Change.ADD, 2),
+        (Change.DROP, 1),
+        (Change.ADD, 2),
+        (Change.ADD, 3),  # kept the second; trying a third
+    ]
 
 
 def test_a_period_is_measured_from_when_batches_began_to_wait() -> None:
