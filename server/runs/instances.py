@@ -12,7 +12,8 @@ measuring period its samples/s are held against what one fewer delivered, and it
 it raised them by a margin (on a CPU, half of what its idle cores could add: an instance can
 fill no more than those); otherwise it goes, and no other is tried for a while. So does one
 whose samples/s rose by far more than the idle cores could add: its jobs' demand changed
-meanwhile, which says nothing of the instance. An instance also goes when the members' demand
+meanwhile, which says nothing of the instance, so another is tried soon. An instance also goes
+when the members' demand
 fits in one fewer (no batch waited, and fewer samples than one fewer delivered). ``dalid
 serve --instances N`` pins the number instead.
 
