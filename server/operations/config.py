@@ -409,9 +409,9 @@ OPTIONS: tuple[Option, ...] = (
         parse_switch,
         False,
         "DALI keeps its large host buffers in a pool of its own: runs reuse them without page "
-        "faults (batch 32, 4 jobs: some 5 points faster), but the pool grows with what the "
-        "daemon serves and outlives its pipelines; no: they come from malloc, and the daemon "
-        "gives them back (DALI_MALLOC_POOL_THRESHOLD=0)",
+        "faults (5 to 13 points faster where runs make large buffers), but the pool grows "
+        "with what the daemon serves and outlives its pipelines; no: they come from malloc, "
+        "and the daemon gives them back (DALI_MALLOC_POOL_THRESHOLD=0)",
         "yes|no",
         default_text="no",
     ),
