@@ -31,9 +31,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import PurePosixPath
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,32 +64,49 @@ class FilesTooLarge(Exception):
     DALI reads them. The message names the largest file, the sizes and what to do."""
 
 
-class DirectoryChecks:
+class Lately:
+    """What was found lately, by key: the memory starts afresh once a period of ``recheck_s``
+    has passed, or once it holds ``most`` keys. Thread-safe: the executors of several
+    pipelines check their batches at once."""
+
+    def __init__(self, recheck_s: float, most: int) -> None:
+        self.recheck_s = recheck_s
+        self.most = most
+        self._found: dict[Any, Any] = {}
+        self._period_start = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _look(self, keys: Iterable[Any], missing: Any) -> list[Any]:
+        """What was found of each key in this period, ``missing`` for the others (starting the
+        next period if due)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._period_start >= self.recheck_s or len(self._found) >= self.most:
+                self._found = {}
+                self._period_start = now
+            return list(map(self._found.get, keys, itertools.repeat(missing)))
+
+    def _remember(self, found: Iterable[tuple[Any, Any]]) -> None:
+        with self._lock:
+            self._found.update(found)
+
+
+class DirectoryChecks(Lately):
     """The directories the daemon could enter lately (Note [Checking paths per directory]).
 
     Time runs in periods of ``recheck_s``: a directory is looked at (one ``os.access``) the
     first time it is the directory a batch is checked by in a period, so at least once per
     ``recheck_s`` while batches name it first. A batch whose directory was looked at in this
-    period costs one set look-up.
-
-    Thread-safe: the executors of several pipelines check their batches at once.
+    period costs one look-up.
     """
 
     def __init__(self, recheck_s: float = DIRECTORY_RECHECK_S) -> None:
-        self.recheck_s = recheck_s
+        super().__init__(recheck_s, MAX_DIRECTORIES)
         self.lookups = 0  # os.access calls made, for tests and the curious
-        self._fresh: set[bytes] = set()
-        self._period_start = time.monotonic()
-        self._lock = threading.Lock()
 
     def seen_lately(self, directory: bytes) -> bool:
         """Whether ``directory`` was looked at in this period (starting the next one if due)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._period_start >= self.recheck_s or len(self._fresh) >= MAX_DIRECTORIES:
-                self._fresh = set()
-                self._period_start = now
-            return directory in self._fresh
+        return bool(self._look((directory,), False)[0])
 
     def enterable(self, directory: bytes) -> bool:
         """Whether the daemon may enter ``directory`` (b"" is its working directory); one that
@@ -97,8 +114,7 @@ class DirectoryChecks:
         self.lookups += 1
         if not os.access(directory or b".", os.X_OK):
             return False
-        with self._lock:
-            self._fresh.add(directory)
+        self._remember(((directory, True),))
         return True
 
 
@@ -108,40 +124,27 @@ DIRECTORIES = DirectoryChecks()
 MAX_REGULAR_FILES = 1 << 17
 
 
-class RegularFiles:
+class RegularFiles(Lately):
     """The paths found to name regular files lately, by their hash, with their sizes (Note
     [Checking paths per directory]): one found in this period of ``recheck_s`` is not
     ``stat``ed again until the next. An epoch of a dataset that passes within the period pays
     one ``stat`` a file, not one a sample of every epoch; one that does not (ImageNet at any
     rate) pays as before, plus a hash a path.
-
-    Thread-safe: the executors of several pipelines check their batches at once.
     """
 
     def __init__(
         self, recheck_s: float = DIRECTORY_RECHECK_S, most: int = MAX_REGULAR_FILES
     ) -> None:
-        self.recheck_s = recheck_s
-        self.most = most
+        super().__init__(recheck_s, most)
         self.stats = 0  # paths stat'ed, for tests and the curious
-        self._sizes: dict[int, int] = {}
-        self._period_start = time.monotonic()
-        self._lock = threading.Lock()
 
     def sizes(self, keys: list[int]) -> np.ndarray:
         """The sizes of the files of the paths of these hashes found regular in this period,
         -1 for the others (starting the next period if due)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._period_start >= self.recheck_s or len(self._sizes) >= self.most:
-                self._sizes = {}
-                self._period_start = now
-            found = map(self._sizes.get, keys, itertools.repeat(-1))
-            return np.fromiter(found, np.int64, len(keys))
+        return np.fromiter(self._look(keys, -1), np.int64, len(keys))
 
     def found_regular(self, keys: list[int], sizes: list[int]) -> None:
-        with self._lock:
-            self._sizes.update(zip(keys, sizes, strict=True))
+        self._remember(zip(keys, sizes, strict=True))
 
 
 REGULAR_FILES = RegularFiles()
