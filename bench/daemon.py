@@ -188,14 +188,7 @@ def running_daemon(
             time.sleep(0.05)
         yield daemon
     finally:
-        process.send_signal(signal.SIGTERM)
-        code: int | None
-        try:
-            code = process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            code = None
+        code = terminate(process)
         leaked = _segments(process.pid)
         for name in leaked:
             (slabs.SHM_DIR / name).unlink(missing_ok=True)
@@ -207,3 +200,15 @@ def running_daemon(
             f"the dalid daemon (pid {process.pid}) exited with {code} after SIGTERM and left "
             f"{leaked or 'no'} shared-memory segments; its log ends:\n{_tail(log)}"
         )
+
+
+def terminate(process: subprocess.Popen[Any]) -> int | None:
+    """SIGTERM to ``process``, and its exit status; killed (None) if it has not exited within
+    STOP_TIMEOUT_S."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None

@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from .daemon import terminate
 
 TRACE_ENV = "DALID_BENCH_TRACE"
 STEPS_ENV = "DALID_BENCH_STEPS"
@@ -352,15 +353,6 @@ def _daemon(
     return process
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def _round_trips(
     socket: Path, batch: int, n: int, daemon_pid: int, files: Path | None = None
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
@@ -477,7 +469,7 @@ def _count(directory: Path, batch: int, n: int, files: Path | None) -> list[dict
     try:
         _round_trips(directory / "steps.sock", batch, n, daemon.pid, files)
     finally:
-        _stop(daemon)
+        terminate(daemon)
     return steps(json.loads(counts_file.read_text()))
 
 
@@ -486,7 +478,7 @@ def _measure(directory: Path, batch: int, n: int, files: Path | None) -> dict[st
     try:
         _, untraced = _round_trips(directory / "plain.sock", batch, n, plain.pid, files)
     finally:
-        _stop(plain)
+        terminate(plain)
     from dalid.client.link import connection  # noqa: F401  (imported before tracing it)
 
     trace_client()
@@ -495,7 +487,7 @@ def _measure(directory: Path, batch: int, n: int, files: Path | None) -> dict[st
     try:
         steps, _ = _round_trips(directory / "traced.sock", batch, n, traced.pid, files)
     finally:
-        _stop(traced)
+        terminate(traced)
     events = EVENTS + [(t, name) for t, name in json.loads(trace_file.read_text())]
     return {
         "batch": batch,

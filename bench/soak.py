@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .daemon import terminate
 from .dataset import make_imagefolder
 from .machine import describe
 
@@ -318,12 +318,7 @@ def _daemon(directory: Path, heap: Path, interval_s: float, trace: bool) -> Iter
             time.sleep(0.1)
         yield process, socket
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process)
         log.close()
 
 
