@@ -322,7 +322,7 @@ TOTALS = _Totals()
 def install() -> None:
     """Wraps the daemon's thread functions in place (before the daemon starts)."""
     from dalid.server.handling.core import DaemonCore
-    from dalid.server.intake import daemon as daemon_module
+    from dalid.server.intake import chores as chores_module
     from dalid.server.intake import reception as reception_module
     from dalid.server.intake.daemon import Daemon
     from dalid.server.intake.intake import Intake
@@ -486,7 +486,7 @@ def install() -> None:
 
     gc.callbacks.append(collecting)
 
-    sleep_ms = daemon_module.sleep_ms
+    sleep_ms = chores_module.sleep_ms
 
     @functools.wraps(sleep_ms)
     def counted_sleep_ms(*args: Any, **kwargs: Any) -> Any:
@@ -505,7 +505,7 @@ def install() -> None:
             with TOTALS.lock:
                 TOTALS.reap_cpu_s += used
 
-    trim = daemon_module.give_back_free_memory  # type: ignore[attr-defined]
+    trim = chores_module.give_back_free_memory  # type: ignore[attr-defined]
 
     @functools.wraps(trim)
     def timed_trim() -> None:
@@ -583,8 +583,8 @@ def install() -> None:
     def calling_dali(method: Any) -> Any:
         return accounted(method, TOTALS.calling_dali, "dali_calls_cpu_s")
 
-    daemon_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
-    daemon_module.sleep_ms = counted_sleep_ms
+    chores_module.give_back_free_memory = timed_trim  # type: ignore[attr-defined]
+    chores_module.sleep_ms = counted_sleep_ms
     DaemonCore.reap = timed_reap  # type: ignore[method-assign]
     SharedSocket.flush = timed_flush  # type: ignore[method-assign]
     SharedSocket._send_locked = counted_send_locked  # type: ignore[method-assign]

@@ -68,10 +68,10 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
+from .chores import Chores
 from .farewell import Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
 from .gate import Gate
-from .heap import HeapKeeper, give_back_free_memory
 from .intake import (
     RECEIVE_QUEUE,
     SEND_QUEUE,
@@ -94,11 +94,6 @@ EXIT_UNSAFE_PATH = 5
 # dropped, so a frozen client is freed within about 4 s.
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
-# Batch inputs freed since the last time, past which the loop gives the heap's free memory back.
-TRIM_AFTER_BYTES = 16 << 20
-# How often the status snapshot that the metrics endpoint serves is refreshed (only while the
-# daemon serves metrics).
-SNAPSHOT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -135,22 +130,6 @@ def usable_cores() -> int:
 def automatic_concurrency() -> int:
     """Enough batches at once to keep every core busy, and two pipelines' prefetch at least."""
     return max(4, os.cpu_count() or 1)
-
-
-# Note [The loop's timers]
-# ~~~~~~~~~~~~~~~~~~~~~~~~
-# The loop wakes for news or when a timed chore is due, never on a fixed tick: its poll sleeps
-# until the first chore's time (``sleep_ms``), and what must be seen at once comes as news (a
-# message, a monitor event, a write to the eventfd). Why, and the tests that hold it:
-# docs/design/daemon-loop.md.
-
-
-def sleep_ms(now: float, reap_at: float, *due: float | None, cut_in: float | None = None) -> int:
-    """How long the loop may sleep, in ms rounded up: until the reap, or the first other time
-    in ``due`` that is set (monotonic seconds), or ``cut_in`` seconds from now if sooner."""
-    wake_at = min([reap_at, *(t for t in due if t is not None)])
-    wait_s = wake_at - now if cut_in is None else min(wake_at - now, cut_in)
-    return max(0, int(wait_s * 1000) + 1)
 
 
 class Daemon:
@@ -394,25 +373,16 @@ class Daemon:
         poller.register(socket_fd, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_fd, zmq.POLLIN)
-        next_reap = time.monotonic() + 1.0
-        # A job that ended, a connection cut, or batch inputs freed since the last trim leave
-        # freed memory to give back; counted, as a flooding job may come and go within a tick.
-        departures = self._departures()
-        inputs_peak = self.core.inputs.held
-        # And while jobs run, whenever the heap's resident memory has grown (heap.py).
-        heap = HeapKeeper(trim=give_back_free_memory)
-        next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL_S
-        idle_since: float | None = time.monotonic()
-        timeout = self.config.idle_timeout
+        chores = Chores(
+            self.core,
+            self._intake,
+            time.monotonic(),
+            idle_timeout=self.config.idle_timeout,
+            publish=self._publish if self._metrics is not None else None,
+        )
         while not self._stop.is_set() and self.core.stop_asked is StopAsked.NO:
             # Asleep until the next thing due (Note [The loop's timers]); news wakes it sooner.
-            wait_ms = sleep_ms(
-                time.monotonic(),
-                next_reap,
-                next_snapshot if self._metrics is not None else None,
-                idle_since + timeout if timeout is not None and idle_since is not None else None,
-                cut_in=self._intake.next_cut(),
-            )
+            wait_ms = chores.sleep_ms(time.monotonic(), self._intake.next_cut())
             # A message that waits already may have no news left to signal on the descriptor.
             waiting = self._socket.may_wait()
             events = dict(poller.poll(timeout=0 if waiting else wait_ms))
@@ -430,28 +400,7 @@ class Daemon:
                 self._reload()
             self._socket.flush()
             self._intake.cut_due()
-            now = time.monotonic()
-            if now >= next_reap:
-                self.core.reap()
-                next_reap = now + 1.0
-                inputs_peak = max(inputs_peak, self.core.inputs.take_peak())
-                held = self.core.inputs.held
-                if departures != self._departures() or inputs_peak - held >= TRIM_AFTER_BYTES:
-                    heap.trim()
-                    departures = self._departures()
-                    inputs_peak = held
-                else:
-                    heap.check()
-            if self._metrics is not None and now >= next_snapshot:
-                # Only the metrics endpoint reads it: without one, the status is made when asked.
-                self.snapshot = self.core.status()
-                next_snapshot = now + SNAPSHOT_INTERVAL_S
-            if self.core.jobs:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = now
-            if timeout is not None and idle_since is not None and now - idle_since >= timeout:
-                log.info("no jobs for %.0f s: exiting", timeout)
+            if chores.run(time.monotonic()):
                 break
         self._socket.flush()
         if self._stop.is_set() or self.core.stop_asked is not StopAsked.NO:
@@ -483,10 +432,8 @@ class Daemon:
         log.info("SIGHUP: reloading the pipeline repository %s", self.config.pipelines)
         self.core.reload_repository()
 
-    def _departures(self) -> int:
-        """Jobs ended and cut connections gone, so far."""
-        assert self.core is not None and self._intake is not None
-        return self.core.registry.ended + self._intake.cuts
+    def _publish(self, snapshot: StatusReport) -> None:
+        self.snapshot = snapshot
 
     def _deliverable(self, identity: bytes, message: Message) -> bool:
         """False for a batch's result whose job ended while the batch ran: its pool is freed

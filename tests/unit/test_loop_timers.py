@@ -1,9 +1,9 @@
 """How long the daemon's loop sleeps between its timed chores (Note [The loop's timers] in
-dalid.server.intake.daemon): until the first one is due, not a fixed tick."""
+dalid.server.intake.chores): until the first one is due, not a fixed tick."""
 
 from __future__ import annotations
 
-from dalid.server.intake.daemon import sleep_ms
+from dalid.server.intake.chores import sleep_ms
 
 
 def test_with_nothing_but_the_reap_due_the_loop_sleeps_until_the_reap() -> None:
