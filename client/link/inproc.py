@@ -44,6 +44,7 @@ from dalid.protocol import (
 from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 from .advice import NO_ADVICE, Advice
 from .connection import IDLE_EVERY_S, job_ended
+from .watch import DaemonWatch
 
 log = logging.getLogger("dalid.client")
 
@@ -188,8 +189,8 @@ class InprocLink:
         self._pid = os.getpid()
         self._on_push = on_push or _log_push
         self._request_ids = itertools.count(1)
-        self._welcomed = False
-        self._daemon_gone = False
+        # Whether the daemon was found gone, or ended this link's job: no goodbye is due then.
+        self._watch = DaemonWatch(path, advice)
         self._identity: bytes | None
         self._identity, self._inbox = daemon.connect()
         try:
@@ -214,7 +215,7 @@ class InprocLink:
             raise
         assert isinstance(reply, Welcome)
         self.welcome: Welcome = reply
-        self._welcomed = True
+        self._watch.welcomed(reply)
 
     @property
     def closed(self) -> bool:
@@ -236,7 +237,7 @@ class InprocLink:
                 f"{op} in {timeout:.0f} s"
             )
         if isinstance(envelope.message, Error):
-            if self._welcomed and envelope.message.code is ErrorCode.NOT_WELCOMED:
+            if self._watch.daemon_pid and envelope.message.code is ErrorCode.NOT_WELCOMED:
                 # A welcomed link is unknown to the daemon only if it is another one.
                 raise self.gone_error("another daemon now answers on its path")
             raise error_from_reply(envelope.message)
@@ -277,6 +278,7 @@ class InprocLink:
                 raise DaemonUnavailable(f"malformed message from the daemon: {error}") from None
             ended = job_ended(envelope)
             if ended is not None:
+                self._watch.gone = True  # its job, not the daemon: no goodbye is due
                 raise ended
             if done(envelope):
                 return envelope
@@ -285,7 +287,7 @@ class InprocLink:
     def close(self, goodbye: bool = True, kept_slabs: tuple[str, ...] = ()) -> None:
         if self._identity is None:
             return
-        if goodbye and self._pid == os.getpid() and not self._daemon_gone:
+        if goodbye and self._pid == os.getpid() and not self._watch.gone:
             try:
                 self.request(Goodbye(kept_slabs), timeout=2.0)
             except Exception as error:  # closing must not fail because the daemon is gone
@@ -298,11 +300,7 @@ class InprocLink:
             self._daemon.disconnect(identity)
 
     def gone_error(self, why: str) -> DaemonUnavailable:
-        self._daemon_gone = True
-        return DaemonUnavailable(
-            f"the dalid daemon on {self.path} (in this process) is gone: {why}. "
-            f"{self.advice.after_gone()}"
-        )
+        return self._watch.gone_error(f"{why} (it was served in this process)")
 
     def _live_inbox(self) -> queue.SimpleQueue[Frames]:
         if self._identity is None:

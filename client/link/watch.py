@@ -1,11 +1,13 @@
 """Whether the daemon behind a connection lives: its process, its pongs, and the drop of a
 trainer's connection.
 
-A :class:`DaemonWatch` belongs to one connection (``connection.py``), which owns the socket and
-sends the pings: the watch knows the welcomed daemon's pid, whether this process can see that
-pid (the same pid namespace), whether the daemon was found gone, and it owns the monitor that
-tells a trainer its connection was dropped. Each wait for the daemon's messages keeps a
-:class:`Silence`: how long the daemon has been silent, and the ping sent meanwhile.
+A :class:`DaemonWatch` belongs to one link: a connection (``connection.py``), which owns the
+socket and sends the pings, or an in-process link (``inproc.py``), which uses its pid and its
+``gone`` alone. The watch knows the welcomed daemon's pid, whether this process can see that
+pid (the same pid namespace), whether the daemon was found gone (or ended the link's job: no
+goodbye is due either way), and it owns the monitor that tells a trainer its connection was
+dropped. Each wait for the daemon's messages keeps a :class:`Silence`: how long the daemon has
+been silent, and the ping sent meanwhile.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class DaemonWatch:
         # The welcomed daemon's pid (0 until welcomed), and whether this process can watch it.
         self.daemon_pid = 0
         self.watched = False
-        # Found gone or stopping: a goodbye would wait in vain.
+        # Found gone or stopping, or this link's job ended: a goodbye would wait in vain.
         self.gone = False
         self._monitor: zmq.Socket[Any] | None = None
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dalid.client.errors import DaemonUnavailable, RequestError
+from dalid.client.errors import DaemonUnavailable, JobEnded, RequestError
 from dalid.client.link.inproc import InprocDaemon, InprocLink
 from dalid.client.link.link import answering, dial
 from dalid.protocol import (
@@ -104,6 +104,18 @@ def test_a_stopped_daemon_is_gone_for_its_links(served: tuple[InprocDaemon, Reco
         link.request(_submit(np.zeros(2, dtype=np.float32)))
     link.close()  # no goodbye is waited for
     assert link.closed
+
+
+def test_a_job_the_daemon_ended_says_no_goodbye(served: tuple[InprocDaemon, Recorder]) -> None:
+    daemon, recorder = served
+    link = dial(daemon.path, Role.TRAINER)
+    identity = recorder.received[-1][0]
+    daemon.push(identity, Error(ErrorCode.UNKNOWN_JOB, "it was idle", ends_jobs=True))
+    with pytest.raises(JobEnded, match="ended this job: it was idle"):
+        link.request(_submit(np.zeros(2, dtype=np.float32)))
+    received = len(recorder.received)
+    link.close()  # the daemon knows this job no more: no goodbye, as over a socket
+    assert len(recorder.received) == received and link.closed
 
 
 def test_only_the_serving_process_reaches_the_daemon(
