@@ -147,8 +147,9 @@ class JobEnded(DaemonUnavailable):
 
 
 def ended_notice(notice: Error) -> JobEnded | None:
-    """The error for a daemon's notice that it ended this connection's job (an ``error``
-    ``unknown_job`` with ``ends_jobs``, pushed with no request id), else None."""
+    """The error for a daemon's word that it ended this connection's job, else None: an
+    ``error`` ``unknown_job`` with ``ends_jobs``, pushed with no request id, or the reply to a
+    worker's hello that names the job after it ended."""
     if notice.code is ErrorCode.UNKNOWN_JOB and notice.ends_jobs:
         return JobEnded(f"the dalid daemon ended this job: {notice.message}")
     return None
@@ -187,5 +188,8 @@ def error_from_reply(reply: Error) -> DalidError:
         return ProtocolMismatch(reply.message)
     if reply.code is ErrorCode.SHUTTING_DOWN:
         return stopped_error(reply)
+    ended = ended_notice(reply)
+    if ended is not None:
+        return ended
     cls = PipelineError if reply.code in _PIPELINE_CODES else RequestError
     return cls(reply.code, reply.message, reply.traceback)

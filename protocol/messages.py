@@ -1198,10 +1198,11 @@ class Error(Message):
     message: str
     traceback: str = ""
     op: str = ""
-    # Only on a notice (no request id). With ``shutting_down``: the daemon ended its jobs on
-    # purpose, so a job that would wait for a new daemon (``reconnect``) ends too. With
-    # ``unknown_job``: the daemon, which runs on, ended this connection's job (an idle one, to
-    # make room for a new job); the message says why.
+    # With ``shutting_down``, on a notice (no request id): the daemon ended its jobs on purpose,
+    # so a job that would wait for a new daemon (``reconnect``) ends too. With ``unknown_job``:
+    # the daemon, which runs on, ended this connection's job (an idle one, to make room for a
+    # new job), told as a notice, or as the reply to a worker's hello that names the job later;
+    # the message says why.
     ends_jobs: bool = False
 
 

@@ -6,8 +6,11 @@ from dalid.protocol import ErrorCode
 
 
 class RequestRefused(Exception):
-    """A request the daemon answers with an error reply of ``code``, saying what to do."""
+    """A request the daemon answers with an error reply of ``code``, saying what to do.
+    ``ends_jobs``: with ``unknown_job``, the job the request names was ended by the daemon
+    (reclaimed as idle), and the message says why."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, *, ends_jobs: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.ends_jobs = ends_jobs

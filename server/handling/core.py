@@ -266,7 +266,7 @@ class DaemonCore:
                 )
             return handler(identity, message, request_id)
         except RequestRefused as refusal:
-            return Error(refusal.code, str(refusal), op=message.OP)
+            return Error(refusal.code, str(refusal), op=message.OP, ends_jobs=refusal.ends_jobs)
         except Exception as error:
             log.exception("internal error handling %s", message.OP)
             return Error(
@@ -336,7 +336,8 @@ class DaemonCore:
             found = self.registry.named(hello.job_id or 0, hello.job_token or "")
             ended_why = self.endings.ended_why(hello.job_id or 0, hello.job_token or "")
             if found is None and ended_why:
-                raise RequestRefused(ErrorCode.UNKNOWN_JOB, ended_why)
+                # Told as its trainer and workers were: the job ended, not a wrong token.
+                raise RequestRefused(ErrorCode.UNKNOWN_JOB, ended_why, ends_jobs=True)
             if found is None:
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_JOB,

@@ -19,7 +19,7 @@ import dalid.client as dalid
 from dalid.client import JobEnded, RequestError
 
 from ..daemons import DaemonProcess, start_daemon
-from .helpers import BATCH, sample, two_output_pipeline
+from .helpers import BATCH, ProxyDataset, sample, two_output_pipeline
 
 # Long enough that the steps of a test between two activities of a job never reach it.
 IDLE_S = 2.0
@@ -136,3 +136,28 @@ def test_with_reclaiming_off_a_full_daemon_refuses_as_before(
     finally:
         log = _stopped_clean(daemon)
     assert "reclaimed" not in log
+
+
+def test_a_job_ended_before_its_first_batch_is_told_why_in_each_of_its_processes(
+    short_tmp: Path, sessions: list[dalid.Session]
+) -> None:
+    """Its first batch is its first word since the end: a worker's hello, in the trainer's own
+    process or in a DataLoader worker, is refused with the daemon's reason, raised as
+    ``JobEnded`` (it used to be a RequestError ``unknown_job``)."""
+    daemon = start_daemon(short_tmp, "--max-jobs", "1", "--reclaim-idle-s", f"{IDLE_S:g}")
+    try:
+        ended = _connect(daemon, sessions, name="ended")
+        proxy = ended.proxy(two_output_pipeline())
+        time.sleep(IDLE_S + 0.3)
+        _connect(daemon, sessions, name="newcomer")
+        reason = r"ended this job: job \d+ was ended after \d+ s idle, to make room for a new job"
+        with pytest.raises(JobEnded, match=reason):
+            _run(ended, proxy)
+        loader = dalid.DataLoader(
+            ended, ProxyDataset(proxy, BATCH), batch_size=BATCH, num_workers=1
+        )
+        with pytest.raises(JobEnded, match=reason):
+            next(iter(loader))
+    finally:
+        log = _stopped_clean(daemon)
+    assert log.count("reclaimed after") == 1, log

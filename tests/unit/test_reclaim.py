@@ -14,7 +14,7 @@ import pytest
 from nvidia.dali import fn
 from nvidia.dali.data_node import DataNode
 
-from dalid.client.errors import JobEnded, ended_notice
+from dalid.client.errors import JobEnded, ended_notice, error_from_reply
 from dalid.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -150,7 +150,8 @@ def core() -> Iterator[Core]:
 
 def test_a_full_daemon_ends_the_job_idle_longest_and_tells_its_trainer_why(core: Core) -> None:
     assert isinstance(core.hello(b"a", 100), Welcome)
-    assert isinstance(core.hello(b"b", 101), Welcome)
+    b_welcome = core.hello(b"b", 101)
+    assert isinstance(b_welcome, Welcome)
     # Not idle long enough yet: refused as before, saying that none was.
     refused = core.hello(b"c", 102)
     assert isinstance(refused, Error) and refused.code is ErrorCode.RESOURCE_EXHAUSTED
@@ -172,6 +173,17 @@ def test_a_full_daemon_ends_the_job_idle_longest_and_tells_its_trainer_why(core:
     # Its connection is in no job any more.
     after = core.handle(b"b", RegisterPipeline(memoryview(b""), ("x",), 1, 4, 1, 2), 5)
     assert isinstance(after, Error) and after.code is ErrorCode.NOT_WELCOMED
+    # A worker that joins it later (its trainer's first batch, say) is told the same, and its
+    # client raises it as the same JobEnded.
+    core.credentials[b"b-worker"] = PeerCredentials(101, 1000, 1000)
+    worker_hello = Hello(
+        PROTOCOL_VERSION, 101, Role.WORKER, job_id=b_welcome.job_id, job_token=b_welcome.job_token
+    )
+    refused = core.handle(b"b-worker", worker_hello, 1)
+    assert isinstance(refused, Error) and refused.code is ErrorCode.UNKNOWN_JOB
+    assert refused.ends_jobs and refused.message == notice.message
+    raised = error_from_reply(refused)
+    assert isinstance(raised, JobEnded) and str(raised) == str(ended)
 
 
 def test_a_job_with_batches_is_never_ended(core: Core) -> None:
