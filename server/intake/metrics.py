@@ -13,7 +13,8 @@ from typing import Any
 
 from dalid.protocol import JobStatus, StatusReport
 
-# (metric, help, kind, field of JobStatus); counters get Prometheus' "_total" suffix.
+# (metric, help, kind, field of JobStatus); counters get Prometheus' "_total" suffix. A field
+# that is None (a trainer that does not say how many workers it started) gives no series.
 JOB_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_job_batches", "Batches delivered to the job", "counter", "batches_done"),
     ("dalid_job_samples", "Samples delivered to the job", "counter", "samples_done"),
@@ -29,6 +30,7 @@ JOB_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dalid_job_bytes_held", "Bytes of output buffers the trainer holds", "gauge", "bytes_held"),
     ("dalid_job_memory_bytes", "Output memory reserved for the job", "gauge", "memory_bytes"),
     ("dalid_job_workers", "DataLoader workers connected", "gauge", "workers"),
+    ("dalid_job_workers_started", "DataLoader workers started", "gauge", "workers_started"),
 )  # fmt: skip
 
 
@@ -92,7 +94,9 @@ class StatusCollector:
                 else GaugeMetricFamily(name, text, labels=labels)
             )
             for job in report.jobs:
-                family.add_metric(_job_labels(report, job), float(getattr(job, field)))
+                value = getattr(job, field)
+                if value is not None:
+                    family.add_metric(_job_labels(report, job), float(value))
             yield family
         labels = ["device", "pipeline", "name", "shared"]
         for name, text, kind, field in PIPELINE_METRICS:

@@ -476,6 +476,19 @@ def test_metrics_endpoint_serves_the_status_figures(short_tmp: Path) -> None:
         assert f"dalid_pipeline_jobs{{{pipeline}}} 1.0" in text
         assert f"dalid_pipeline_instances{{{pipeline}}} 1.0" in text
         assert "job_token" not in text and "dalid-" not in text  # no secrets, no buffer names
+        # DataLoader workers: those connected (the loader above, without workers, submitted
+        # from the trainer's process, which connected as its one worker) and those its trainer
+        # says its loaders started, with no series until it says; `dalid status`: "2 (1 joined)".
+        assert f"dalid_job_workers{{{labels}}} 1.0" in text
+        assert "dalid_job_workers_started{" not in text
+        session.started_workers.start(2)
+        session.tell_workers()
+        wait_for(
+            lambda: f"dalid_job_workers_started{{{labels}}} 2.0" in scrape(),
+            10,
+            "the workers the trainer started in the metrics",
+        )
+        assert f"dalid_job_workers{{{labels}}} 1.0" in scrape()
     finally:
         session.close()
         assert daemon.stop() == 0
