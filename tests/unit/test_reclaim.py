@@ -31,7 +31,7 @@ from dalid.protocol import (
 )
 from dalid.server.handling.core import DaemonCore
 from dalid.server.intake.credentials import PeerCredentials
-from dalid.server.jobs.quotas import JobsFull, Quotas
+from dalid.server.jobs.quotas import Full, Quotas
 from dalid.server.jobs.reclaim import job_to_end
 from dalid.server.outputs.shm import host_outputs
 
@@ -53,7 +53,7 @@ class Held:
 NOW = 1000.0
 
 
-def _chosen(jobs: list[Held], full: JobsFull, uid: int = 1, idle_s: float = 10.0) -> str | None:
+def _chosen(jobs: list[Held], full: Full, uid: int = 1, idle_s: float = 10.0) -> str | None:
     job = job_to_end(jobs, full, uid=uid, now=NOW, idle_s=idle_s)
     return None if job is None else job.name
 
@@ -65,8 +65,8 @@ def test_the_users_share_ends_that_users_job_idle_longest() -> None:
         Held("idle longest", 1, NOW - 60),
         Held("just active", 1, NOW - 1),
     ]
-    assert _chosen(jobs, JobsFull.USER, uid=1) == "idle longest"
-    assert _chosen(jobs, JobsFull.USER, uid=2) == "other user's, idle longest"
+    assert _chosen(jobs, Full.USER, uid=1) == "idle longest"
+    assert _chosen(jobs, Full.USER, uid=2) == "other user's, idle longest"
 
 
 def test_the_daemons_limit_ends_a_job_of_the_user_holding_the_most() -> None:
@@ -77,27 +77,27 @@ def test_the_daemons_limit_ends_a_job_of_the_user_holding_the_most() -> None:
         Held("many's, active", 2, NOW - 1),
     ]
     # Whoever the newcomer is: the uid holding the most gives the place.
-    assert _chosen(jobs, JobsFull.DAEMON, uid=1) == "many's, idle longer"
-    assert _chosen(jobs, JobsFull.DAEMON, uid=3) == "many's, idle longer"
+    assert _chosen(jobs, Full.DAEMON, uid=1) == "many's, idle longer"
+    assert _chosen(jobs, Full.DAEMON, uid=3) == "many's, idle longer"
     # Uids that hold as many compete together.
     jobs.append(Held("few's, now as many", 1, NOW - 30))
     jobs.append(Held("few's, third", 1, NOW - 2))
-    assert _chosen(jobs, JobsFull.DAEMON) == "few's, idle longest"
+    assert _chosen(jobs, Full.DAEMON) == "few's, idle longest"
 
 
 def test_a_busy_job_or_one_idle_too_short_is_never_ended() -> None:
     jobs = [Held("busy", 1, NOW - 500, busy=True), Held("idle a moment", 1, NOW - 9.9)]
-    assert _chosen(jobs, JobsFull.USER) is None
-    assert _chosen(jobs, JobsFull.DAEMON) is None
+    assert _chosen(jobs, Full.USER) is None
+    assert _chosen(jobs, Full.DAEMON) is None
     jobs.append(Held("idle just long enough", 1, NOW - 10))
-    assert _chosen(jobs, JobsFull.USER) == "idle just long enough"
+    assert _chosen(jobs, Full.USER) == "idle just long enough"
 
 
 def test_reclaiming_off_ends_nothing() -> None:
     jobs = [Held("idle for ages", 1, 0.0)]
-    assert _chosen(jobs, JobsFull.USER, idle_s=0) is None
-    assert _chosen(jobs, JobsFull.DAEMON, idle_s=0) is None
-    assert _chosen([], JobsFull.DAEMON) is None
+    assert _chosen(jobs, Full.USER, idle_s=0) is None
+    assert _chosen(jobs, Full.DAEMON, idle_s=0) is None
+    assert _chosen([], Full.DAEMON) is None
 
 
 # --- the daemon core ----------------------------------------------------------------------------
