@@ -56,9 +56,11 @@ class PipelineBudget:
         self.max_threads = max_threads or max(128, 8 * cores)
         self._thread_share = cores
         self.max_pipelines = max_pipelines
-        # What one uid's pipelines may hold (0: no limit).
-        self.user_threads = math.ceil(self.max_threads * user_share)
-        self.user_pipelines = math.ceil(max_pipelines * user_share)
+        # What one uid's pipelines may hold (0: no limit; a share of all is none but the
+        # daemon's, whose refusal says so).
+        share = user_share if user_share < 1 else 0.0
+        self.user_threads = math.ceil(self.max_threads * share)
+        self.user_pipelines = math.ceil(max_pipelines * share)
         self._lock = threading.Lock()
         # The threads each running pipeline may have, by instance id (all its DALI instances'),
         # what one DALI instance of it has, and its instances past the first.
