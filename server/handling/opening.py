@@ -13,13 +13,13 @@ from dalid.protocol import ErrorCode, Hello, Limits
 
 from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory
-from ..jobs.jobs import Job, JobRegistry
+from ..jobs.jobs import Job, JobRegistry, job_label
 from ..jobs.quotas import QuotaRefused, Quotas, grant
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
 from ..outputs.job_outputs import JobOutputs, OutputsFactory
 from ..runs.scheduler import FairScheduler
-from .reclaiming import IdleReclaim, job_label
+from .reclaiming import IdleReclaim
 
 log = logging.getLogger("dalid.server")
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..jobs.jobs import Job, JobRegistry
+from ..jobs.jobs import Job, JobRegistry, job_label
 from ..jobs.quotas import Full
 from ..jobs.reclaim import job_to_end
 from .budget import Holding, PipelineBudget
@@ -100,9 +100,3 @@ def pipelines_held(budget: PipelineBudget, holding: Holding) -> Callable[[Job], 
         return budget.held(alone, holding)
 
     return holds
-
-
-def job_label(name: str, pid: int) -> str:
-    """How the log names a job once, at connect: its name and its trainer's pid (the client's
-    default name is the pid, said once)."""
-    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"
