@@ -131,7 +131,7 @@ class BatchRequests:
         """Ends the job idle longest that ``job``'s new pipeline competes with under the limit
         that refused it (reclaim.py), whose end frees what it holds of that limit; whether one
         was."""
-        holds = pipelines_held(self.pipelines.budget, full.holding)
+        holds = pipelines_held(self.pipelines.budget, full.holding, full.full)
         newcomer = f"another job's pipeline (job {job.job_id})"
         return self.reclaiming.end_for(
             full.full, full.what, uid=job.uid, newcomer=newcomer, holds=holds, asking=job

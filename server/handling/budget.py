@@ -132,15 +132,19 @@ class PipelineBudget:
             left = min(left, user_left)
         return min(self._thread_share, left)
 
-    def held(self, instance_ids: Iterable[int], holding: Holding) -> int:
+    def held(self, instance_ids: Iterable[int], holding: Holding, uid: int | None = None) -> int:
         """What pipelines ``instance_ids`` hold of the daemon's pipelines (their DALI
-        instances) or of its threads."""
+        instances) or of its threads; with ``uid``, of that uid's share (those its jobs
+        started)."""
         with self._lock:
+            mine = [
+                i
+                for i in instance_ids
+                if i in self._threads and (uid is None or self._owners.get(i) == uid)
+            ]
             if holding is Holding.PIPELINES:
-                return sum(
-                    1 + self._more_instances.get(i, 0) for i in instance_ids if i in self._threads
-                )
-            return sum(self._threads.get(i, 0) for i in instance_ids)
+                return sum(1 + self._more_instances.get(i, 0) for i in mine)
+            return sum(self._threads[i] for i in mine)
 
     def add(self, instance_id: int, threads: int, uid: int = -1) -> None:
         """Pipeline ``instance_id`` starts for a job of ``uid``, its first DALI instance with

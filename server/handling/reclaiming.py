@@ -86,9 +86,10 @@ class IdleReclaim:
         )
 
 
-def pipelines_held(budget: PipelineBudget, holding: Holding) -> Callable[[Job], int]:
-    """What a job holds of the daemon's pipelines or threads (``holding``), as its end would
-    free them: those of the pipelines it alone runs; one it shares with another job goes on."""
+def pipelines_held(budget: PipelineBudget, holding: Holding, full: Full) -> Callable[[Job], int]:
+    """What a job holds of the daemon's pipelines or threads (``holding``), or of its uid's
+    share of them (``full``), as its end would free them: those of the pipelines it alone runs;
+    one it shares with another job goes on."""
 
     def holds(job: Job) -> int:
         alone = {
@@ -97,6 +98,6 @@ def pipelines_held(budget: PipelineBudget, holding: Holding) -> Callable[[Job], 
             if member.executor is not None
             and all(other.job_id == job.job_id for other in list(member.executor.members))
         }
-        return budget.held(alone, holding)
+        return budget.held(alone, holding, job.uid if full is Full.USER else None)
 
     return holds
