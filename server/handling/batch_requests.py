@@ -40,7 +40,9 @@ from ..outputs.store import ReleaseRefused
 from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch
+from .budget import BudgetFull
 from .push import Push
+from .reclaiming import IdleReclaim, pipelines_held
 from .registration import PipelineBuilder, check_batch, executor_for
 
 log = logging.getLogger("dalid.server")
@@ -60,7 +62,11 @@ class BatchRequests:
         *,
         cohorts: Cohorts | None = None,
         prefix: str = "dalid",
+        reclaiming: IdleReclaim | None = None,
     ) -> None:
+        # Ends an idle job for a new pipeline that a full limit refuses (reclaiming.py; by
+        # default none).
+        self.reclaiming = reclaiming or IdleReclaim(registry, 0.0, None)
         # The cohorts jobs join by name, whose output slabs are named after ``prefix``.
         self.cohorts = cohorts if cohorts is not None else Cohorts(_no_outputs, 0, _alive)
         self.prefix = prefix
@@ -102,12 +108,34 @@ class BatchRequests:
                 self.cohorts.check(request.cohort, key, request.deterministic, job.job_id)
                 cohort_key.append(key)
 
-        member = self.pipelines.start(
-            job, request, request_id, functools.partial(self._batch_answered, job), check=check
+        start = functools.partial(
+            self.pipelines.start,
+            job,
+            request,
+            request_id,
+            functools.partial(self._batch_answered, job),
+            check=check,
         )
+        try:
+            member = start()
+        except BudgetFull as full:
+            if not self._reclaim(job, full):
+                raise RequestRefused(full.code, self.reclaiming.refused(str(full))) from None
+            cohort_key.clear()
+            member = start()  # once: the job ended freed a pipeline and its threads
         if cohort_key:
             self.cohorts.join(request.cohort, cohort_key[0], member, job.limits, self.prefix)
         return None  # answered once the pipeline is built
+
+    def _reclaim(self, job: Job, full: BudgetFull) -> bool:
+        """Ends the job idle longest that ``job``'s new pipeline competes with under the limit
+        that refused it (reclaim.py), whose end frees what it holds of that limit; whether one
+        was."""
+        holds = pipelines_held(self.pipelines.budget, full.holding, full.full)
+        newcomer = f"another job's pipeline (job {job.job_id})"
+        return self.reclaiming.end_for(
+            full.full, full.what, uid=job.uid, newcomer=newcomer, holds=holds, asking=job
+        )
 
     def on_submit_batch(
         self, identity: bytes, request: SubmitBatch, request_id: int | None

@@ -9,13 +9,34 @@ instance's threads with :meth:`~PipelineBudget.take` and gives them back with
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import threading
+from collections.abc import Iterable
 
 from dalid.protocol import ErrorCode
 
 from ..errors import RequestRefused
+from ..jobs.quotas import Full
+
+
+class Holding(enum.Enum):
+    """What of the daemon a limit on pipelines counts."""
+
+    PIPELINES = enum.auto()  # DALI instances: --max-daemon-pipelines
+    THREADS = enum.auto()  # DALI threads: --max-threads
+
+
+class BudgetFull(RequestRefused):
+    """A new pipeline that does not fit: ``what`` is full (in words), of the daemon's limits or
+    of the uid's share (``full``), counting ``holding``; the message adds what to do."""
+
+    def __init__(self, what: str, to_do: str, full: Full, holding: Holding) -> None:
+        super().__init__(ErrorCode.RESOURCE_EXHAUSTED, f"{what}: {to_do}")
+        self.what = what
+        self.full = full
+        self.holding = holding
 
 
 class PipelineBudget:
@@ -35,9 +56,11 @@ class PipelineBudget:
         self.max_threads = max_threads or max(128, 8 * cores)
         self._thread_share = cores
         self.max_pipelines = max_pipelines
-        # What one uid's pipelines may hold (0: no limit).
-        self.user_threads = math.ceil(self.max_threads * user_share)
-        self.user_pipelines = math.ceil(max_pipelines * user_share)
+        # What one uid's pipelines may hold (0: no limit; a share of all is none but the
+        # daemon's, whose refusal says so).
+        share = user_share if user_share < 1 else 0.0
+        self.user_threads = math.ceil(self.max_threads * share)
+        self.user_pipelines = math.ceil(max_pipelines * share)
         self._lock = threading.Lock()
         # The threads each running pipeline may have, by instance id (all its DALI instances'),
         # what one DALI instance of it has, and its instances past the first.
@@ -63,45 +86,65 @@ class PipelineBudget:
 
     def room(self, uid: int = -1) -> int:
         """The DALI threads a new pipeline of a job of ``uid`` may have; refuses one that does
-        not fit."""
+        not fit (:class:`BudgetFull`: which limit, for reclaim.py). The uid's share is checked
+        before the daemon's limits: ending one of the uid's jobs frees both."""
         with self._lock:
             running = len(self._threads) + sum(self._more_instances.values())
             used = sum(self._threads.values())
             user_running, user_used = self._of_user(uid) if uid >= 0 else (0, 0)
-        if self.max_pipelines and running >= self.max_pipelines:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the daemon runs {running} pipelines, its limit (dalid serve "
-                f"--max-daemon-pipelines {self.max_pipelines}): wait for jobs to end, or "
-                "register a pipeline another job runs already",
-            )
         if uid >= 0 and self.user_pipelines and user_running >= self.user_pipelines:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
+            raise BudgetFull(
                 f"uid {uid} already runs {user_running} pipelines on this daemon, the share of one "
                 f"user of its {self.max_pipelines} (dalid serve --max-daemon-pipelines and "
-                "--max-jobs-per-user), kept so that other users find room: end a job or pipeline "
-                "of yours first, or register one another job runs already",
+                "--max-jobs-per-user), kept so that other users find room",
+                "end a job or pipeline of yours first, or register one another job runs already",
+                Full.USER,
+                Holding.PIPELINES,
+            )
+        user_left = self.user_threads - user_used
+        if uid >= 0 and self.user_threads and user_left < 1:
+            raise BudgetFull(
+                f"uid {uid}'s pipelines already have {user_used} DALI threads, the share of one "
+                f"user of the daemon's {self.max_threads} (dalid serve --max-threads and "
+                "--max-jobs-per-user), kept so that other users find room",
+                "end a job or pipeline of yours first",
+                Full.USER,
+                Holding.THREADS,
+            )
+        if self.max_pipelines and running >= self.max_pipelines:
+            raise BudgetFull(
+                f"the daemon runs {running} pipelines, its limit (dalid serve "
+                f"--max-daemon-pipelines {self.max_pipelines})",
+                "wait for jobs to end, or register a pipeline another job runs already",
+                Full.DAEMON,
+                Holding.PIPELINES,
             )
         left = self.max_threads - used
         if left < 1:
-            raise RequestRefused(
-                ErrorCode.RESOURCE_EXHAUSTED,
+            raise BudgetFull(
                 f"the daemon's pipelines have all its {self.max_threads} DALI threads (dalid "
-                "serve --max-threads): wait for jobs to end",
+                "serve --max-threads)",
+                "wait for jobs to end",
+                Full.DAEMON,
+                Holding.THREADS,
             )
         if uid >= 0 and self.user_threads:
-            user_left = self.user_threads - user_used
-            if user_left < 1:
-                raise RequestRefused(
-                    ErrorCode.RESOURCE_EXHAUSTED,
-                    f"uid {uid}'s pipelines already have {user_used} DALI threads, the share of "
-                    f"one user of the daemon's {self.max_threads} (dalid serve --max-threads and "
-                    "--max-jobs-per-user), kept so that other users find room: end a job or "
-                    "pipeline of yours first",
-                )
             left = min(left, user_left)
         return min(self._thread_share, left)
+
+    def held(self, instance_ids: Iterable[int], holding: Holding, uid: int | None = None) -> int:
+        """What pipelines ``instance_ids`` hold of the daemon's pipelines (their DALI
+        instances) or of its threads; with ``uid``, of that uid's share (those its jobs
+        started)."""
+        with self._lock:
+            mine = [
+                i
+                for i in instance_ids
+                if i in self._threads and (uid is None or self._owners.get(i) == uid)
+            ]
+            if holding is Holding.PIPELINES:
+                return sum(1 + self._more_instances.get(i, 0) for i in mine)
+            return sum(self._threads[i] for i in mine)
 
     def add(self, instance_id: int, threads: int, uid: int = -1) -> None:
         """Pipeline ``instance_id`` starts for a job of ``uid``, its first DALI instance with

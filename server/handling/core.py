@@ -77,6 +77,7 @@ from .checkpoints import Checkpoints
 from .endings import Closing, JobEndings
 from .opening import JobOpening
 from .push import Push
+from .reclaiming import IdleReclaim
 from .registration import SHARING, PipelineBuilder, Sharing
 from .status import status_report
 
@@ -163,6 +164,8 @@ class DaemonCore:
         self._pid_namespace = pid_namespace()
         self._started = time.monotonic()
         self.registry = JobRegistry(self._pid_namespace)
+        # Idle jobs ended to make room for a new job or another job's pipeline (reclaim.py).
+        self.reclaiming = IdleReclaim(self.registry, quotas.reclaim_idle_s, self._end_idle_job)
         # Jobs opened within the quotas, and what they reserve of output memory.
         self.opening = JobOpening(
             self.registry,
@@ -171,7 +174,7 @@ class DaemonCore:
             self.scheduler,
             outputs=outputs,
             prefix=f"dalid-{self._instance}",
-            end_job=self._end_idle_job,
+            reclaiming=self.reclaiming,
         )
         self.pipelines = PipelineBuilder(
             self.device_id,
@@ -207,6 +210,7 @@ class DaemonCore:
             push,
             cohorts=self.cohorts,
             prefix=f"dalid-{self._instance}",
+            reclaiming=self.reclaiming,
         )
         self.checkpoints = Checkpoints(self.registry.peers)
         # Set by a shutdown request; the daemon's loop stops once it is (farewell.py).

@@ -8,20 +8,18 @@ their stores); the core asks it to open a job for a trainer's hello and to make 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
 from dalid.protocol import ErrorCode, Hello, Limits
 
 from ..errors import RequestRefused
 from ..jobs.inputs import InputMemory
-from ..jobs.jobs import Job, JobRegistry
+from ..jobs.jobs import Job, JobRegistry, job_label
 from ..jobs.quotas import QuotaRefused, Quotas, grant
-from ..jobs.reclaim import job_to_end
 from ..jobs.reservations import OutputMemory
 from ..outputs.copies import PRIVATE_COPY_AFTER_S
 from ..outputs.job_outputs import JobOutputs, OutputsFactory
 from ..runs.scheduler import FairScheduler
+from .reclaiming import IdleReclaim
 
 log = logging.getLogger("dalid.server")
 
@@ -29,8 +27,8 @@ log = logging.getLogger("dalid.server")
 class JobOpening:
     """Opens the jobs of ``registry`` within ``quotas``, each with output stores made by
     ``outputs`` (slabs named after ``prefix``), and makes cohorts' output memory. Called from
-    the I/O thread. ``end_job(job, why)`` ends a job idle long enough to make room for a
-    newcomer, telling its trainer ``why`` (reclaim.py); None: none is ended."""
+    the I/O thread. ``reclaiming`` ends a job idle long enough to make room for a newcomer
+    (reclaiming.py); None: none is ended."""
 
     def __init__(
         self,
@@ -41,9 +39,9 @@ class JobOpening:
         *,
         outputs: OutputsFactory,
         prefix: str,
-        end_job: Callable[[Job, str], None] | None = None,
+        reclaiming: IdleReclaim | None = None,
     ) -> None:
-        self._end_job = end_job
+        self._reclaiming = reclaiming
         self._registry = registry
         self._quotas = quotas
         self._inputs = inputs
@@ -130,42 +128,16 @@ class JobOpening:
     def _reclaim(self, refusal: QuotaRefused, uid: int) -> bool:
         """Ends the job idle longest that a newcomer of ``uid`` competes with under the limit
         that refused it, if one has been idle long enough (reclaim.py); whether one was."""
-        idle_s = self._quotas.reclaim_idle_s
-        if self._end_job is None or refusal.full is None:
+        if self._reclaiming is None or refusal.full is None:
             return False
-        now = time.monotonic()
-        jobs = self._registry.jobs.values()
-        job = job_to_end(jobs, refusal.full, uid=uid, now=now, idle_s=idle_s)
-        if job is None:
-            return False
-        idle = now - job.active_at
-        log.info(
-            "job %d (%s) reclaimed after %.0f s idle, for a new job: %s",
-            job.job_id,
-            job_label(job.name, job.pid),
-            idle,
-            refusal.what,
-        )
-        self._end_job(
-            job,
-            f"job {job.job_id} was ended after {idle:.0f} s idle, to make room for a new job; "
-            f"the daemon is full: {refusal.what}. Connect again when the job has batches to run "
-            "(a session with reconnect=True does so at its next call, and is refused while the "
-            "daemon stays full), or start the daemon with a longer --reclaim-idle-s (now "
-            f"{idle_s:g} s; 0: never end idle jobs)",
-        )
-        return True
+        return self._reclaiming.end_for(refusal.full, refusal.what, uid=uid, newcomer="a new job")
 
     def _refused(self, refusal: QuotaRefused) -> str:
         """A refusal's message; one of a full limit of jobs says that no job was idle long
         enough to be ended for the newcomer."""
-        idle_s = self._quotas.reclaim_idle_s
-        if refusal.full is None or self._end_job is None or idle_s <= 0:
+        if refusal.full is None or self._reclaiming is None:
             return str(refusal)
-        return (
-            f"{refusal}; none of the jobs it competes with has been idle for {idle_s:g} s, "
-            "which the daemon would end to make room (dalid serve --reclaim-idle-s)"
-        )
+        return self._reclaiming.refused(str(refusal))
 
     def cohort_outputs(self, name_prefix: str, limits: Limits) -> JobOutputs:
         """A cohort's output memory, of the kinds a job's is (shared memory; on a GPU daemon,
@@ -183,9 +155,3 @@ class JobOpening:
         # member's own memory instead (Note [Cohort outputs] in cohorts.py).
         outputs.copy_after = 0.0
         return outputs
-
-
-def job_label(name: str, pid: int) -> str:
-    """How the log names a job once, at connect: its name and its trainer's pid (the client's
-    default name is the pid, said once)."""
-    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

@@ -380,3 +380,9 @@ class JobRegistry:
 def _same_token(expected: str, given: str) -> bool:
     """Compares a secret token in constant time (as bytes: ``given`` may be any string)."""
     return hmac.compare_digest(expected.encode(), given.encode())
+
+
+def job_label(name: str, pid: int) -> str:
+    """How the log names a job once, at connect: its name and its trainer's pid (the client's
+    default name is the pid, said once)."""
+    return f"{name}, pid {pid}" if name and name != f"pid {pid}" else f"pid {pid}"

@@ -70,11 +70,12 @@ def per_user_jobs(max_jobs: int, asked: int | None) -> int:
     return asked if asked is not None else max(1, max_jobs // 2)
 
 
-class JobsFull(enum.Enum):
-    """Which limit of jobs refused a hello, where ending an idle job could make room."""
+class Full(enum.Enum):
+    """Which limit refused a hello or a new pipeline, where ending an idle job could make room
+    (reclaim.py): the daemon's, or the share of the newcomer's uid."""
 
-    DAEMON = enum.auto()  # --max-jobs
-    USER = enum.auto()  # --max-jobs-per-user, of the newcomer's uid
+    DAEMON = enum.auto()  # --max-jobs; for pipelines --max-daemon-pipelines, --max-threads
+    USER = enum.auto()  # --max-jobs-per-user; for pipelines the uid's part of those two
 
 
 class QuotaRefused(Exception):
@@ -83,7 +84,7 @@ class QuotaRefused(Exception):
     refusal, the per-process limit's among them: a process may not end others' jobs to pass
     its own limit); ``what``: what is full, in words, where ``full`` is set."""
 
-    def __init__(self, message: str, full: JobsFull | None = None, what: str = "") -> None:
+    def __init__(self, message: str, full: Full | None = None, what: str = "") -> None:
         super().__init__(message)
         self.full = full
         self.what = what
@@ -121,7 +122,7 @@ def grant(
         raise QuotaRefused(
             f"{what}: close a job of yours first, or start the daemon with a higher limit "
             "(0: none)",
-            JobsFull.USER,
+            Full.USER,
             what,
         )
     if jobs >= quotas.max_jobs:
@@ -131,7 +132,7 @@ def grant(
         )
         raise QuotaRefused(
             f"{what}: wait for one to end, or start the daemon with a higher limit",
-            JobsFull.DAEMON,
+            Full.DAEMON,
             what,
         )
     memory = hello.memory_bytes or quotas.pool_bytes

@@ -299,9 +299,11 @@ OPTIONS: tuple[Option, ...] = (
         "reclaim_idle_s",
         parse_idle_seconds,
         300.0,
-        "when a new job would be refused because --max-jobs or its user's share is full, end "
-        "the job idle longest (no batch for this many seconds) among those it competes with, "
-        "telling its trainer why, and welcome the new one (0: never end idle jobs)",
+        "when a new job would be refused because --max-jobs or its user's share is full, or a "
+        "new pipeline because --max-daemon-pipelines, --max-threads or its user's share of "
+        "them is, end the job idle longest (no batch for this many seconds) among those it "
+        "competes with, telling its trainer why, and welcome the new job or start the pipeline "
+        "(0: never end idle jobs)",
         "SECONDS",
         default_text="300",
     ),

@@ -161,3 +161,113 @@ def test_a_job_ended_before_its_first_batch_is_told_why_in_each_of_its_processes
     finally:
         log = _stopped_clean(daemon)
     assert log.count("reclaimed after") == 1, log
+
+
+# --- a new pipeline that a full limit of pipelines or DALI threads refuses --------------------
+
+
+def test_a_new_pipeline_ends_the_job_idle_longest_holding_one_never_a_busy_one(
+    short_tmp: Path, sessions: list[dalid.Session]
+) -> None:
+    """A busy job's pipeline and an idle job's fill --max-daemon-pipelines 2: a third job
+    starts its pipeline once the idle one has been idle long enough, ending that job."""
+    daemon = start_daemon(
+        short_tmp,
+        "--max-daemon-pipelines",
+        "2",
+        "--share-pipelines",
+        "no",
+        "--reclaim-idle-s",
+        f"{IDLE_S:g}",
+    )
+    try:
+        busy = _connect(daemon, sessions, name="busy")
+        busy_proxy = busy.proxy(two_output_pipeline())
+        idle = _connect(daemon, sessions, name="idle")
+        _run(idle, idle.proxy(two_output_pipeline()))
+        newcomer = _connect(daemon, sessions, name="newcomer")
+        # Not idle long enough: refused as before, saying so.
+        with pytest.raises(RequestError, match=r"the daemon runs 2 pipelines.*none of the jobs"):
+            newcomer.proxy(two_output_pipeline())
+        deadline = time.monotonic() + IDLE_S + 0.5
+        while time.monotonic() < deadline:
+            _run(busy, busy_proxy)
+            time.sleep(0.1)
+        # The idle job made room; the busy one (and the newcomer, connected) go on.
+        newcomer_proxy = newcomer.proxy(two_output_pipeline())
+        _run(newcomer, newcomer_proxy)
+        assert {job.job_id for job in daemon.status().jobs} == {busy.job_id, newcomer.job_id}
+        _run(busy, busy_proxy)
+        with pytest.raises(JobEnded) as raised:
+            idle.proxy(two_output_pipeline())
+        message = str(raised.value)
+        assert re.search(
+            rf"job {idle.job_id} was ended after \d+ s idle, to make room for another job's "
+            rf"pipeline \(job {newcomer.job_id}\); the daemon is full: the daemon runs 2 "
+            "pipelines",
+            message,
+        ), message
+        assert "--reclaim-idle-s" in message
+    finally:
+        log = _stopped_clean(daemon)
+    assert log.count("reclaimed after") == 1, log
+
+
+def test_a_new_pipeline_that_finds_every_dali_thread_held_ends_an_idle_job(
+    short_tmp: Path, sessions: list[dalid.Session]
+) -> None:
+    daemon = start_daemon(
+        short_tmp,
+        "--max-threads",
+        "1",
+        "--max-jobs-per-user",
+        "0",
+        "--share-pipelines",
+        "no",
+        "--reclaim-idle-s",
+        f"{IDLE_S:g}",
+    )
+    try:
+        idle = _connect(daemon, sessions, name="idle")
+        _run(idle, idle.proxy(two_output_pipeline()))
+        newcomer = _connect(daemon, sessions, name="newcomer")
+        time.sleep(IDLE_S + 0.3)
+        newcomer_proxy = newcomer.proxy(two_output_pipeline())
+        _run(newcomer, newcomer_proxy)
+        assert [job.job_id for job in daemon.status().jobs] == [newcomer.job_id]
+        with pytest.raises(JobEnded, match=r"the daemon is full: the daemon's pipelines have all"):
+            idle.proxy(two_output_pipeline())
+    finally:
+        log = _stopped_clean(daemon)
+    assert log.count("reclaimed after") == 1, log
+
+
+def test_with_reclaiming_off_a_pipeline_that_finds_no_room_is_refused_as_before(
+    short_tmp: Path, sessions: list[dalid.Session]
+) -> None:
+    daemon = start_daemon(
+        short_tmp,
+        "--max-daemon-pipelines",
+        "1",
+        "--max-jobs-per-user",
+        "0",
+        "--share-pipelines",
+        "no",
+        "--reclaim-idle-s",
+        "0",
+    )
+    try:
+        idle = _connect(daemon, sessions, name="idle")
+        idle.proxy(two_output_pipeline())
+        newcomer = _connect(daemon, sessions, name="newcomer")
+        time.sleep(0.5)
+        with pytest.raises(RequestError) as raised:
+            newcomer.proxy(two_output_pipeline())
+        assert str(raised.value).endswith(
+            "the daemon runs 1 pipelines, its limit (dalid serve --max-daemon-pipelines 1): "
+            "wait for jobs to end, or register a pipeline another job runs already"
+        )
+        assert len(daemon.status().jobs) == 2
+    finally:
+        log = _stopped_clean(daemon)
+    assert "reclaimed" not in log

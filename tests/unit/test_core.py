@@ -39,8 +39,8 @@ from dalid.protocol import (
     WorkerLeft,
 )
 from dalid.server.handling.core import DaemonCore, StopAsked
-from dalid.server.handling.opening import job_label
 from dalid.server.intake.credentials import PeerCredentials
+from dalid.server.jobs.jobs import job_label
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.outputs.shm import host_outputs
 from dalid.server.pipelines.flight import (

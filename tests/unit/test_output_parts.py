@@ -11,7 +11,8 @@ import pytest
 
 from dalid.protocol import ErrorCode
 from dalid.server.errors import RequestRefused
-from dalid.server.handling.budget import PipelineBudget
+from dalid.server.handling.budget import BudgetFull, Holding, PipelineBudget
+from dalid.server.jobs.quotas import Full
 from dalid.server.outputs.copies import PrivateCopies
 from dalid.server.outputs.delivered import DeliveredBatches
 from dalid.server.outputs.pool import RegionPool
@@ -131,6 +132,32 @@ def test_one_user_holds_at_most_its_share_of_the_pipelines_and_threads() -> None
     assert budget.room(0) >= 1
     budget.add(2, 1, uid=0)
     assert budget.room(0) == 1  # root's share is 2 threads, 1 of them held
+
+
+def test_a_full_budget_says_which_limit_and_what_pipelines_hold_of_it() -> None:
+    """What reclaiming reads: which limit refused (the uid's share first, since ending one of
+    the uid's jobs frees the daemon's limit too), and what given pipelines hold of it."""
+    budget = PipelineBudget(max_threads=100, max_pipelines=4, user_share=0.5)
+    budget.add(1, 3, uid=1000)
+    budget.add(2, 2, uid=1000)
+    budget.add(3, 1, uid=0)
+    assert budget.take(3) == 1
+    with pytest.raises(BudgetFull) as refused:
+        budget.room(1000)
+    assert (refused.value.full, refused.value.holding) == (Full.USER, Holding.PIPELINES)
+    assert str(refused.value).startswith(f"{refused.value.what}: ")
+    with pytest.raises(BudgetFull) as refused:
+        budget.room(500)  # a uid holding none: the daemon's 4 are full
+    assert (refused.value.full, refused.value.holding) == (Full.DAEMON, Holding.PIPELINES)
+    assert budget.held([1, 3], Holding.PIPELINES) == 3  # pipeline 3 runs 2 DALI instances
+    assert budget.held([1, 3], Holding.THREADS) == 5
+    assert budget.held([1, 3], Holding.PIPELINES, uid=1000) == 1  # of uid 1000's share
+    assert budget.held([1, 3, 9], Holding.THREADS, uid=0) == 2  # 9: none, or ended
+    budget = PipelineBudget(max_threads=2)
+    budget.add(1, 2, uid=1000)
+    with pytest.raises(BudgetFull) as refused:
+        budget.room(1000)
+    assert (refused.value.full, refused.value.holding) == (Full.DAEMON, Holding.THREADS)
 
 
 def test_another_instance_takes_its_first_ones_threads_and_gives_them_back() -> None:
