@@ -41,9 +41,10 @@ from ..runs.cohort_registry import Cohorts
 from ..runs.cohorts import COHORT_REGION_BASE, Outcome
 from ..runs.runs import PendingBatch
 from .budget import BudgetFull
+from .members import check_batch, executor_for
 from .push import Push
 from .reclaiming import IdleReclaim, pipelines_held
-from .registration import PipelineBuilder, check_batch, executor_for
+from .registration import PipelineBuilder
 
 log = logging.getLogger("dalid.server")
 

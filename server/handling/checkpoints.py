@@ -28,7 +28,7 @@ from ..jobs.jobs import Job, Peer
 from ..pipelines.checkpoints import CheckpointUnavailable
 from ..pipelines.runner import PipelineRunner
 from ..runs.executor import PipelineExecutor
-from .registration import executor_for
+from .members import executor_for
 
 
 class Checkpoints:

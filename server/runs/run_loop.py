@@ -220,7 +220,7 @@ class RunLoop:
     def _stopped_working(self, error: Exception) -> None:
         """Most likely the pipeline could not be rebuilt. Answers every batch it holds so that
         no trainer waits forever; with no other instance left, refuses new ones too (see
-        pipelines.executor_for)."""
+        handling/members.py: executor_for)."""
         executor = self._executor
         others = executor.instances.others_running(self._instance, built=True)
         log.exception(
