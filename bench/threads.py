@@ -347,7 +347,7 @@ def install() -> None:
                 f"/proc/self/task/{TOTALS.io_native_id}/schedstat", os.O_RDONLY | os.O_CLOEXEC
             )
             TOTALS.daemon = self
-            TOTALS.departures_trimmed = self._departures()
+            TOTALS.departures_trimmed = chores_module.departures(self.core, self._intake)
         try:
             loop(self)
         finally:
@@ -517,7 +517,9 @@ def install() -> None:
         finally:
             used = time.thread_time() - cpu
             daemon = TOTALS.daemon
-            departures = daemon._departures() if daemon is not None else 0
+            departures = (
+                chores_module.departures(daemon.core, daemon._intake) if daemon is not None else 0
+            )
             with TOTALS.lock:
                 if departures != TOTALS.departures_trimmed:
                     TOTALS.departure_trim_cpu_s += used
