@@ -70,6 +70,7 @@ from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
 from ..pipelines.repository import PipelineRepository
+from ..pipelines.runner import CpuExecutor
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests
@@ -138,6 +139,7 @@ class DaemonCore:
         device_uuid: str = "",
         repository: PipelineRepository | None = None,
         sharing: Sharing = SHARING,
+        cpu_executor: CpuExecutor = CpuExecutor.LEGACY,
         streams: StreamFactory = no_streams,
         credentials: Callable[[bytes], PeerProcess | None] = lambda _: None,
         paths: OutputPaths | None = None,
@@ -183,6 +185,7 @@ class DaemonCore:
             self.scheduler,
             push,
             sharing=sharing,
+            cpu_executor=cpu_executor,
             streams=streams,
             operators=operators,
             max_threads=quotas.max_threads,

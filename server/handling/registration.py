@@ -44,7 +44,7 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import PROBATION_RUNS, FlightRecorder, Standing, graph_key, refusal
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository
-from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from ..pipelines.runner import CpuExecutor, PipelineBuildError, PipelineRunner, PipelineSpec
 from ..pipelines.sharing import UnreadablePipeline, read_graph
 from ..runs.executor import ExecutorParts, ExecutorSettings, PipelineExecutor
 from ..runs.instances import MAX_INSTANCES, InstanceController
@@ -109,6 +109,7 @@ class PipelineBuilder:
         push: Push,
         *,
         sharing: Sharing = SHARING,
+        cpu_executor: CpuExecutor = CpuExecutor.LEGACY,
         streams: StreamFactory = no_streams,
         operators: OperatorPolicy = ALLOW_LIST,
         max_threads: int = 0,
@@ -126,6 +127,8 @@ class PipelineBuilder:
         # The daemon's gate into DALI, which the runs of pipelines on probation take alone.
         self.gate = RunGate()
         self._device_id = device_id
+        # A CPU daemon's pipelines on DALI's legacy executor (runner.CpuExecutor).
+        self._legacy = device_id is None and cpu_executor is CpuExecutor.LEGACY
         # Which DALI operators a registered graph may hold (operators.py).
         self._operators = operators
         # DALI threads and pipelines of all pipelines together (budget.py).
@@ -362,6 +365,8 @@ class PipelineBuilder:
                     f"{self._max_batch_size}",
                 )
             spec = PipelineSpec.from_message(request)
+            if self._legacy:
+                spec = dataclasses.replace(spec, exec_dynamic=False)
             key: Hashable = None
             # Before DALI sees the graph: only operators of the allow-list, and a graph that
             # cannot be read is not built (it fails closed).
@@ -409,6 +414,8 @@ class PipelineBuilder:
             if getattr(request, name) is not None
         }
         build_arguments["device_id"] = self._device_id
+        if self._legacy:
+            build_arguments["exec_dynamic"] = False
         try:
             # Read once, now: a reload meanwhile does not change what this registration builds.
             entry = self._repository.current.get(request.name)

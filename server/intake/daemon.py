@@ -68,6 +68,7 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
+from ..pipelines.runner import CpuExecutor
 from .chores import Chores
 from .farewell import Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN
@@ -108,6 +109,8 @@ class DaemonConfig:
     quotas: Quotas = field(default_factory=Quotas)
     concurrency: int = 0
     sharing: Sharing = SHARING
+    # The DALI executor of a CPU daemon's pipelines (runner.CpuExecutor).
+    cpu_executor: CpuExecutor = CpuExecutor.LEGACY
     # How GPU outputs reach trainers (staged.GPU_OUTPUT_MODES).
     gpu_outputs: str = "auto"
     metrics_port: int | None = None
@@ -284,6 +287,7 @@ class Daemon:
             device_uuid=device_uuid,
             repository=repository,
             sharing=config.sharing,
+            cpu_executor=config.cpu_executor,
             streams=streams,
             credentials=intake.credentials,
             paths=paths,

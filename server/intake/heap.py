@@ -28,16 +28,11 @@ after a trim, their working set, is not growth): at most one trim a ``interval_s
 rarely more than one every few minutes; what a run re-touches after one costs a page fault a
 page, a few milliseconds a trim.
 
-DALI's large host buffers: unless ``DALI_MALLOC_POOL_THRESHOLD`` is set, DALI 2.4 keeps them in
-blocks that outlive the pipeline that used them (a pipeline of 128-sample runs built, run and
-destroyed: 154 MiB of them still mapped, given back by neither ``malloc_trim`` nor DALI's
-``ReleaseUnusedMemory``; a daemon that had served 6 jobs kept 260-370 MiB after they left,
-and while they ran those blocks grew, 259 to 553 MiB in 7 minutes, trims or not).
-Set to 0 (DALI's documented default: no pool), they come from malloc like the rest, and a trim
-gives them back once freed. The daemon sets it before DALI allocates, unless it is set already.
-Its cost, measured in one process on 2 loaded cores (that pipeline, 40 runs, 3 pairs): 8.4 s
-of CPU with DALI's default, 9.7 s with 0, the large buffers mapped and faulted in at each run;
-the bench's throughput runs have not measured it yet.
+DALI's host buffers: the daemon has DALI take them from malloc (``DALI_MALLOC_POOL_THRESHOLD=0``;
+DALI's own pool keeps its blocks for the life of the process), so that a trim gives them back
+once freed, and on a CPU daemon, whose pipelines run on DALI's legacy executor, keep each at its
+largest (``DALI_HOST_BUFFER_SHRINK_THRESHOLD=0``), so that the runs reuse them:
+Note [DALI's host buffers] in ``pipelines/runner.py``.
 
 Elsewhere than glibc (musl has no arenas) all of this does nothing.
 """
@@ -104,6 +99,19 @@ def host_buffers_from_malloc() -> None:
     """Has DALI take its host buffers from malloc, with no pool of its own (see the module's
     docstring), unless ``DALI_MALLOC_POOL_THRESHOLD`` says otherwise. Before DALI allocates."""
     os.environ.setdefault(DALI_POOL_ENV, "0")
+
+
+DALI_SHRINK_ENV = "DALI_HOST_BUFFER_SHRINK_THRESHOLD"
+
+
+def host_buffers_kept() -> None:
+    """Has DALI keep each host buffer at the largest size it held, never shrinking it, unless
+    ``DALI_HOST_BUFFER_SHRINK_THRESHOLD`` says otherwise. Before DALI allocates.
+
+    For the legacy executor's buffers, which the runs reuse: by default DALI shrinks a buffer
+    a run fills below half, and a run of one batch after one of four then frees it, and the
+    next large run maps it anew and faults in every page (docs/design/host-buffers.md)."""
+    os.environ.setdefault(DALI_SHRINK_ENV, "0")
 
 
 def limit_malloc_arenas(arenas: int) -> bool:

@@ -184,6 +184,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     from ..intake.daemon import DaemonConfig, usable_cores
     from ..jobs.quotas import Quotas, per_user_jobs
     from ..pipelines.operators import OperatorPolicy
+    from ..pipelines.runner import CpuExecutor
 
     pipelines = settings["pipelines"]
     if pipelines is not None and not pipelines.is_dir():
@@ -219,6 +220,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
             threads=settings["threads"] or usable_cores(),
             instances=settings["instances"],
         ),
+        cpu_executor=CpuExecutor(settings["cpu_executor"]),
         gpu_outputs=settings["gpu_outputs"],
         metrics_port=settings["metrics_port"],
         metrics_host=settings["metrics_host"],
@@ -293,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is None:
             return _supervise(args, settings)
         from ..intake.daemon import Daemon
-        from ..intake.heap import host_buffers_from_malloc, limit_malloc_arenas
+        from ..intake.heap import host_buffers_from_malloc, host_buffers_kept, limit_malloc_arenas
+        from ..pipelines.runner import CpuExecutor
         from ..runs import stopping
         from .lifeline import supervisor_pid, watch_supervisor
 
@@ -303,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # to keep DALI's pool (heap.py).
         if not settings["dali_host_pool"]:
             host_buffers_from_malloc()
+        if config.device == "cpu" and config.cpu_executor is CpuExecutor.LEGACY:
+            host_buffers_kept()  # a legacy executor's buffers stay at their largest run's size
         supervisor = supervisor_pid()
         daemon = Daemon(dataclasses.replace(config, supervisor=supervisor))
         if supervisor is not None:

@@ -127,6 +127,14 @@ def parse_gpu_outputs(text: str) -> str:
     return mode
 
 
+def parse_cpu_executor(text: str) -> str:
+    """legacy or client (``runner.CpuExecutor``)."""
+    mode = text.strip().lower()
+    if mode not in ("legacy", "client"):
+        raise ValueError(f"expected legacy or client, got {text!r}")
+    return mode
+
+
 def parse_auto_count(text: str) -> int:
     """``auto`` (0, as the supervisor passes it on) or a positive number: ``--instances``
     (auto: the instance controller decides) and ``--run-batches`` (auto:
@@ -416,6 +424,17 @@ OPTIONS: tuple[Option, ...] = (
         "and the daemon gives them back (DALI_MALLOC_POOL_THRESHOLD=0)",
         "yes|no",
         default_text="no",
+    ),
+    Option(
+        "cpu_executor",
+        parse_cpu_executor,
+        "legacy",
+        "the DALI executor of a CPU daemon's pipelines: 'legacy' keeps each run's buffers for "
+        "the next runs (the daemon copies outputs out before it releases them); 'client' runs "
+        "the executor the pipeline asked for, DALI's default making fresh buffers at each run, "
+        "which cost page faults or a pool that grows (see --dali-host-pool). A GPU daemon "
+        "always runs the pipeline's own",
+        "legacy|client",
     ),
     Option(
         "gpu_outputs",

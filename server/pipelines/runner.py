@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import enum
 import logging
 import threading
 import traceback
@@ -38,6 +39,22 @@ from .sharing import Graph, batches_a_run, read_graph
 from .sizes import sized_outputs
 
 log = logging.getLogger("dalid.server")
+
+
+# Note [DALI's host buffers]
+# --------------------------
+# A CPU daemon runs every pipeline on DALI's legacy executor, its host buffers taken from
+# malloc and kept at their largest: the runs reuse them without page faults, and they go back
+# with their pipeline. The daemon copies a run's outputs out before it releases the run, so the
+# default executor's fresh buffers at each run buy it nothing. Why, and the tests that hold
+# it: docs/design/host-buffers.md.
+class CpuExecutor(enum.Enum):
+    """Which DALI executor runs the pipelines of a CPU daemon (``dalid serve --cpu-executor``):
+    ``LEGACY``, DALI's executor that reuses its buffers (``exec_dynamic=False``), or
+    ``CLIENT``, the one the pipeline asked for (Note [DALI's host buffers])."""
+
+    LEGACY = "legacy"
+    CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -327,6 +344,12 @@ class PipelineRunner:
 
             return TensorListCPU(batch, "")
         return batch
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the built pipeline runs on DALI's default executor, which makes its
+        outputs afresh at each run (else the legacy one, which reuses them: CpuExecutor)."""
+        return bool(self._pipeline.exec_dynamic)
 
     @property
     def scheduled(self) -> int:
