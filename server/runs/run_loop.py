@@ -75,6 +75,9 @@ class RunLoop:
         self._held: Run | None = None
         # Whether the runs in DALI went in solo (``executor.solo`` may change between runs).
         self._solo = False
+        # Runs still to go into DALI one at a time, so that a failure is their own (Note [A
+        # failure under the legacy executor]).
+        self._one_at_a_time = 0
 
     def run(self) -> None:
         """Runs batches until the instance is dropped (and its own runs are done) or the
@@ -103,7 +106,8 @@ class RunLoop:
     def _fill(self) -> None:
         """Schedules runs into DALI up to its depth (waiting for one only when DALI holds
         none): batches to run again first, then new ones unless the instance is retiring."""
-        while len(self._in_flight) < self._depth and (
+        depth = 1 if self._one_at_a_time else self._depth
+        while len(self._in_flight) < depth and (
             self._held is not None or self._retry or not self._instance.retiring
         ):
             run, self._held = self._held, None
@@ -171,6 +175,8 @@ class RunLoop:
             self._failed(run, ErrorCode.PIPELINE_ERROR, error)
             return
         self._leave()
+        if self._one_at_a_time:
+            self._one_at_a_time -= 1
         if self._solo:
             self._executor.ran_solo()
         self._executor.account(run)
@@ -192,6 +198,16 @@ class RunLoop:
         self._planner.give_slots(1)
         self._planner.give_slots(len(self._in_flight))
         self._leave(len(self._in_flight))
+        # Note [A failure under the legacy executor]
+        # ------------------------------------------
+        # DALI's legacy executor raises a run's failure at the next collect, whichever run in
+        # DALI failed: with others in DALI, the failure may not be this run's. Then none is
+        # answered: they all go again, one at a time, so that the failure of each is its own
+        # (docs/design/host-buffers.md).
+        unknown = error is not None and not self._runner.dynamic and bool(self._in_flight)
+        if unknown:
+            self._one_at_a_time = 1 + len(self._in_flight)
+            self._in_flight.appendleft(run)
         if self._held is not None:  # formed after those in DALI: it runs again after them
             self._planner.give_slots(1)
             self._retry.extendleft(reversed(self._held.batches))
@@ -201,6 +217,8 @@ class RunLoop:
         self._executor.clock.interrupted()
         if error is not None or self._runner.scheduled:
             self._runner.rebuild()
+        if unknown:
+            return
         if len(run.batches) > 1:
             for batch in reversed(run.batches):
                 batch.runs_alone = True

@@ -350,11 +350,16 @@ def test_dataset_indices_stay_right_after_a_batch_that_raised_in_the_dataset(
     assert raised.value.dataset_indices == [9, 12, 15]
 
 
-def test_skip_with_the_legacy_executor(session: dalid.Session) -> None:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_with_the_legacy_executor(session: dalid.Session, num_workers: int) -> None:
+    """With workers, several runs are in DALI at once, and the legacy executor raises a failure
+    at the next collect, whichever run failed: each batch still gets its own outcome."""
     pipeline = decode_pipeline(exec_dynamic=False, prefetch_queue_depth=2)
     proxy = session.proxy(pipeline, on_error="skip")
     indices = list(range(8, 32))
-    loader = dalid.DataLoader(session, ImageDataset(proxy, indices), batch_size=BATCH)
+    loader = dalid.DataLoader(
+        session, ImageDataset(proxy, indices), batch_size=BATCH, num_workers=num_workers
+    )
     for batch_indices, (images, labels, _) in zip(batches_of(indices), loader, strict=True):
         good = [index for index in batch_indices if index not in BAD]
         np.testing.assert_array_equal(images.numpy(), expected(good))

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -31,7 +32,7 @@ from dalid.protocol import (
     transport,
 )
 
-from ..daemons import ROOT, own_directory, start_daemon
+from ..daemons import ROOT, DaemonProcess, own_directory, start_daemon
 from ..impostor import needs_root
 from .daemon_of_nobody import NOBODY
 
@@ -62,6 +63,27 @@ for sock in socks:
     sock.close(linger=0)
 context.term()
 """
+
+
+def _stopped(
+    daemon: DaemonProcess,
+    directory: Path,
+    context: zmq.Context[Any],
+    sock: zmq.Socket[Any] | None,
+    flood: subprocess.Popen[str] | None,
+) -> tuple[int, set[str], str]:
+    """Closes the test's socket, lets nobody's process end, stops the daemon and removes its
+    directory: the daemon's exit code, the segments it left, and its log."""
+    if sock is not None:
+        sock.close(linger=0)
+    context.term()
+    if flood is not None:
+        flood.communicate(timeout=30)
+    code = daemon.stop()
+    segments = daemon.segments()
+    log = daemon.log_text()
+    shutil.rmtree(directory, ignore_errors=True)
+    return code, segments, log
 
 
 @needs_root
@@ -99,15 +121,7 @@ def test_one_users_jobs_fill_their_share_and_another_user_is_welcomed_within_a_s
         log = daemon.log_text()
         assert "job 3 (root" in log and "job 4" not in log
     finally:
-        if sock is not None:
-            sock.close(linger=0)
-        context.term()
-        if flood is not None:
-            flood.communicate(timeout=30)
-        code = daemon.stop()
-        segments = daemon.segments()
-        log = daemon.log_text()
-        shutil.rmtree(directory, ignore_errors=True)
+        code, segments, log = _stopped(daemon, directory, context, sock, flood)
     assert code == 0, log
     assert not segments
 
@@ -206,15 +220,7 @@ def test_one_users_pipelines_fill_their_share_and_another_users_still_start() ->
         assert not (isinstance(reply, Error) and reply.code is ErrorCode.RESOURCE_EXHAUSTED), reply
         assert isinstance(reply, PipelineRegistered), reply
     finally:
-        if sock is not None:
-            sock.close(linger=0)
-        context.term()
-        if flood is not None:
-            flood.communicate(timeout=30)
-        code = daemon.stop()
-        segments = daemon.segments()
-        log = daemon.log_text()
-        shutil.rmtree(directory, ignore_errors=True)
+        code, segments, log = _stopped(daemon, directory, context, sock, flood)
     assert code == 0, log
     assert not segments
 
@@ -338,15 +344,7 @@ def test_a_users_pipeline_that_finds_its_share_full_ends_that_users_idle_job() -
         status = daemon.status()
         assert sorted(job.name for job in status.jobs) == ["newcomer", "root"]
     finally:
-        if sock is not None:
-            sock.close(linger=0)
-        context.term()
-        if flood is not None:
-            flood.communicate(timeout=30)
-        code = daemon.stop()
-        segments = daemon.segments()
-        log = daemon.log_text()
-        shutil.rmtree(directory, ignore_errors=True)
+        code, segments, log = _stopped(daemon, directory, context, sock, flood)
     assert code == 0, log
     assert not segments
     assert log.count("reclaimed after") == 1, log
