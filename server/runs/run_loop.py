@@ -204,7 +204,7 @@ class RunLoop:
         # DALI failed: with others in DALI, the failure may not be this run's. Then none is
         # answered: they all go again, one at a time, so that the failure of each is its own
         # (docs/design/host-buffers.md).
-        unknown = error is not None and not self._runner.dynamic and bool(self._in_flight)
+        unknown = error is not None and bool(self._in_flight) and not self._runner.dynamic
         if unknown:
             self._one_at_a_time = 1 + len(self._in_flight)
             self._in_flight.appendleft(run)

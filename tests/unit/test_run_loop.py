@@ -36,10 +36,13 @@ LIMITS = Limits(
 
 class _Runner:
     """Runs of one output, a row of the sample's first value per sample; its first
-    ``failures`` collects fail as DALI's do."""
+    ``failures`` collects fail as DALI's do. ``depth`` runs go into it at once; as DALI's
+    legacy executor (``dynamic`` False), it raises a failure at the next collect, whichever
+    run failed."""
 
-    def __init__(self, failures: int) -> None:
-        self.spec = SimpleNamespace(prefetch_queue_depth=1)
+    def __init__(self, failures: int, depth: int = 1, dynamic: bool = True) -> None:
+        self.spec = SimpleNamespace(prefetch_queue_depth=depth)
+        self.dynamic = dynamic
         self.failures = failures
         self.runs: list[list[int]] = []
         self.rebuilds = 0
@@ -54,7 +57,7 @@ class _Runner:
         self.runs.append([int(row[0]) for row in samples])
         self._inside.append(samples)
 
-    def collect(self, stream: int | None) -> tuple[TensorListCPU, ...]:
+    def collect(self, stream: int | None = None) -> tuple[TensorListCPU, ...]:
         samples = self._inside.pop(0)
         if self.failures:
             self.failures -= 1
@@ -153,3 +156,46 @@ def test_a_mixed_run_that_fails_runs_again_batch_by_batch_each_to_its_own_job(
     for job_id in (1, 2):
         (ready,) = answers[job_id]
         assert isinstance(ready, BatchReady) and ready.batch_id == job_id * 10
+
+
+def test_a_failure_under_the_legacy_executor_is_found_out_one_run_at_a_time(
+    jobs: Sequence[JobOutputs],
+) -> None:
+    """Two runs in DALI, the second bad: the legacy executor raises its failure at the first's
+    collect. Neither is answered with it; both run again one at a time, and each gets its own
+    outcome (here the failure was once: both are delivered)."""
+    pipeline = _Pipeline()
+    pipeline.planner.shared = False
+    pipeline.planner.run_size = SAMPLES
+    answers: list[Any] = []
+
+    def answered(batch: PendingBatch, result: Any) -> None:
+        answers.append(result)
+        if len(answers) == 2:
+            pipeline.stopping.set()
+
+    member = Member(1, 1, jobs[0], answered, OnError.RAISE)
+    pipeline.planner.add(member)
+    runner = _Runner(failures=0, depth=2, dynamic=False)
+    inside = runner.schedule
+
+    def schedule(arrays: dict[str, Any]) -> None:
+        inside(arrays)
+        if len(runner.runs) == 2:  # the second run fails, seen at the first's collect
+            runner.failures = 1
+
+    runner.schedule = schedule  # type: ignore[method-assign]
+    pipeline.planner.submit(_batch(member, 10))
+    pipeline.planner.submit(_batch(member, 20))
+    thread = threading.Thread(
+        target=RunLoop(pipeline, Instance(), runner).run,  # type: ignore[arg-type]
+        daemon=True,
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    one, two = [10] * SAMPLES, [20] * SAMPLES
+    assert runner.runs == [one, two, one, two]
+    assert runner.rebuilds == 1
+    assert [type(answer) for answer in answers] == [BatchReady, BatchReady], answers
+    assert [answer.batch_id for answer in answers] == [10, 20]
