@@ -114,6 +114,17 @@ def jobs() -> Iterator[list[JobOutputs]]:
         outputs.free()
 
 
+def _run_until_stopped(pipeline: _Pipeline, runner: _Runner) -> None:
+    """Runs the loop in its own thread until the test's answers stop it."""
+    thread = threading.Thread(
+        target=RunLoop(pipeline, Instance(), runner).run,  # type: ignore[arg-type]
+        daemon=True,
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
 def _batch(member: Member, value: int) -> PendingBatch:
     item = InputBatch.of("x", [np.full(3, value, np.uint8)] * SAMPLES)
     return PendingBatch(value, SubmitBatch(1, (item,)), member)
@@ -142,13 +153,7 @@ def test_a_mixed_run_that_fails_runs_again_batch_by_batch_each_to_its_own_job(
     pipeline.planner.submit(_batch(members[0], 10))
     pipeline.planner.submit(_batch(members[1], 20))
     runner = _Runner(failures=1)
-    thread = threading.Thread(
-        target=RunLoop(pipeline, Instance(), runner).run,  # type: ignore[arg-type]
-        daemon=True,
-    )
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
+    _run_until_stopped(pipeline, runner)
     # The mixed run failed; its batches ran again alone, in their order, on a rebuilt pipeline.
     assert runner.runs == [[10] * SAMPLES + [20] * SAMPLES, [10] * SAMPLES, [20] * SAMPLES]
     assert runner.rebuilds == 1
@@ -187,13 +192,7 @@ def test_a_failure_under_the_legacy_executor_is_found_out_one_run_at_a_time(
     runner.schedule = schedule  # type: ignore[method-assign]
     pipeline.planner.submit(_batch(member, 10))
     pipeline.planner.submit(_batch(member, 20))
-    thread = threading.Thread(
-        target=RunLoop(pipeline, Instance(), runner).run,  # type: ignore[arg-type]
-        daemon=True,
-    )
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
+    _run_until_stopped(pipeline, runner)
     one, two = [10] * SAMPLES, [20] * SAMPLES
     assert runner.runs == [one, two, one, two]
     assert runner.rebuilds == 1
