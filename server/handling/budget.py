@@ -78,10 +78,14 @@ class PipelineBudget:
 
     def _of_user(self, uid: int) -> tuple[int, int]:
         """The pipelines (instances) and threads that ``uid``'s pipelines hold; under the lock."""
-        mine = [i for i, owner in self._owners.items() if owner == uid]
+        return self._holdings([i for i, owner in self._owners.items() if owner == uid])
+
+    def _holdings(self, instance_ids: Iterable[int]) -> tuple[int, int]:
+        """The DALI instances and threads of pipelines ``instance_ids``; under the lock."""
+        ids = list(instance_ids)
         return (
-            sum(1 + self._more_instances.get(i, 0) for i in mine),
-            sum(self._threads.get(i, 0) for i in mine),
+            sum(1 + self._more_instances.get(i, 0) for i in ids),
+            sum(self._threads.get(i, 0) for i in ids),
         )
 
     def room(self, uid: int = -1) -> int:
@@ -142,9 +146,8 @@ class PipelineBudget:
                 for i in instance_ids
                 if i in self._threads and (uid is None or self._owners.get(i) == uid)
             ]
-            if holding is Holding.PIPELINES:
-                return sum(1 + self._more_instances.get(i, 0) for i in mine)
-            return sum(self._threads[i] for i in mine)
+            instances, threads = self._holdings(mine)
+        return instances if holding is Holding.PIPELINES else threads
 
     def add(self, instance_id: int, threads: int, uid: int = -1) -> None:
         """Pipeline ``instance_id`` starts for a job of ``uid``, its first DALI instance with

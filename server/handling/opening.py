@@ -28,7 +28,7 @@ class JobOpening:
     """Opens the jobs of ``registry`` within ``quotas``, each with output stores made by
     ``outputs`` (slabs named after ``prefix``), and makes cohorts' output memory. Called from
     the I/O thread. ``reclaiming`` ends a job idle long enough to make room for a newcomer
-    (reclaiming.py); None: none is ended."""
+    (reclaiming.py; by default none)."""
 
     def __init__(
         self,
@@ -41,7 +41,7 @@ class JobOpening:
         prefix: str,
         reclaiming: IdleReclaim | None = None,
     ) -> None:
-        self._reclaiming = reclaiming
+        self._reclaiming = reclaiming or IdleReclaim(registry, 0.0, None)
         self._registry = registry
         self._quotas = quotas
         self._inputs = inputs
@@ -128,14 +128,14 @@ class JobOpening:
     def _reclaim(self, refusal: QuotaRefused, uid: int) -> bool:
         """Ends the job idle longest that a newcomer of ``uid`` competes with under the limit
         that refused it, if one has been idle long enough (reclaim.py); whether one was."""
-        if self._reclaiming is None or refusal.full is None:
+        if refusal.full is None:
             return False
         return self._reclaiming.end_for(refusal.full, refusal.what, uid=uid, newcomer="a new job")
 
     def _refused(self, refusal: QuotaRefused) -> str:
         """A refusal's message; one of a full limit of jobs says that no job was idle long
         enough to be ended for the newcomer."""
-        if refusal.full is None or self._reclaiming is None:
+        if refusal.full is None:
             return str(refusal)
         return self._reclaiming.refused(str(refusal))
 
