@@ -42,7 +42,7 @@ class Advice:
         )
 
     def after_dropped(self) -> str:
-        """What follows from a job the daemon ended for a trainer that stopped answering."""
+        """What follows from a job the daemon ended for a trainer stopped or frozen."""
         if self.reconnects:
             return "This job has reconnect=True and carries on with the daemon on the socket"
         return "connect again, or connect with reconnect=True to have a job carry on by itself"

@@ -59,7 +59,7 @@ class DaemonWatch:
 
     def watch_drops(self, sock: zmq.Socket[Any]) -> None:
         """Watches ``sock`` for the daemon dropping it. A trainer whose connection the daemon
-        dropped (it answered no heartbeat: a process stopped or frozen a few seconds) has lost
+        dropped (its process was stopped or frozen for a few seconds) has lost
         its job; ZeroMQ connects again unseen, as a stranger the daemon ignores."""
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -94,7 +94,7 @@ class DaemonWatch:
         self, answering: Callable[[float], int | None], job_id: int
     ) -> DaemonUnavailable:
         """The error for a connection the daemon dropped: the daemon died or was replaced, or
-        it ended job ``job_id`` for answering none of its heartbeats. ``answering(timeout)``
+        it ended job ``job_id`` for a trainer stopped or frozen. ``answering(timeout)``
         pings the socket: the pid of the daemon that answers (None: none did)."""
         if self.watched:
             if not process_running(self.daemon_pid):
@@ -110,9 +110,9 @@ class DaemonWatch:
         self.gone = True
         return DaemonUnavailable(
             f"the dalid daemon on {endpoint(self.path)} (pid {self.daemon_pid}) ended job "
-            f"{job_id}: it dropped the trainer's connection, which answered none of its "
-            "heartbeats for a few seconds (was this process stopped: SIGSTOP, a debugger, a "
-            f"frozen container?). {self.advice.after_dropped()}"
+            f"{job_id}: it dropped the trainer's connection, as this process was stopped or "
+            "frozen for a few seconds (SIGSTOP, a debugger's stop, a paused container?) or "
+            f"left the daemon's messages unread. {self.advice.after_dropped()}"
         )
 
     def gone_error(self, why: str) -> DaemonUnavailable:

@@ -1,9 +1,10 @@
 """The daemon loop's timed chores: what it does at times rather than on news.
 
-Each second the reap of dead peers, and with it giving freed memory back to the system
-(:mod:`.heap`); the status snapshot the metrics endpoint serves, while there is one; and the
-idle timeout. The loop asks :meth:`Chores.sleep_ms` how long it may sleep, and calls
-:meth:`Chores.run` once a turn. Used by the loop's thread alone.
+Each second the reap of dead peers, the drop of trainers stopped or frozen past their limit
+(:mod:`.frozen`), and with them giving freed memory back to the system (:mod:`.heap`); the
+status snapshot the metrics endpoint serves, while there is one; and the idle timeout. The
+loop asks :meth:`Chores.sleep_ms` how long it may sleep, and calls :meth:`Chores.run` once a
+turn. Used by the loop's thread alone.
 
 Note [The loop's timers]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dalid.protocol import StatusReport
 
 from ..handling.core import DaemonCore
+from .frozen import FrozenTrainers
 from .heap import HeapKeeper, give_back_free_memory
 from .intake import Intake
 
@@ -57,6 +59,7 @@ class Chores:
         *,
         idle_timeout: float | None,
         publish: Callable[[StatusReport], None] | None,
+        frozen: FrozenTrainers | None = None,
     ) -> None:
         self._core = core
         self._intake = intake
@@ -71,6 +74,7 @@ class Chores:
         self._inputs_peak = core.inputs.held
         # And while jobs run, whenever the heap's resident memory has grown (heap.py).
         self._heap = HeapKeeper(trim=give_back_free_memory)
+        self._frozen = FrozenTrainers() if frozen is None else frozen
 
     def sleep_ms(self, now: float, cut_in: float | None) -> int:
         """How long the loop may sleep from ``now``: until the first chore is due, or
@@ -106,6 +110,7 @@ class Chores:
     def _reap(self, now: float) -> None:
         core = self._core
         core.reap()
+        self._drop_frozen(now)
         self._next_reap = now + REAP_INTERVAL_S
         self._inputs_peak = max(self._inputs_peak, core.inputs.take_peak())
         held = core.inputs.held
@@ -116,6 +121,20 @@ class Chores:
             self._inputs_peak = held
         else:
             self._heap.check()
+
+    def _drop_frozen(self, now: float) -> None:
+        """Shuts down the connection of each trainer stopped or frozen past the limit: the
+        monitor then reports it closed, which ends its job."""
+        trainers = self._core.registry.trainers()
+        for identity, pid, state, held in self._frozen.past_limit(now, trainers):
+            if self._intake.drop(identity):
+                log.warning(
+                    "the trainer of pid %d has been %s for %.0f s: dropping its connection "
+                    "(its job ends)",
+                    pid,
+                    state.value,
+                    held,
+                )
 
     def _departed(self) -> int:
         return departures(self._core, self._intake)

@@ -5,9 +5,9 @@ cannot leave at once waits for the loop in an outbox (:mod:`.shared_socket`). Th
 the socket's descriptor and an eventfd beside it, which executors and signals write to wake it.
 
 A peer that dies is noticed by its connection, in any pid namespace: the kernel closes a killed
-process's socket at once, and ZeroMQ heartbeats close one whose process stopped answering
-(frozen, or its host gone). The socket monitor reports the closed file descriptor, which the
-loop maps back to the peer that last sent on it.
+process's socket at once, and the socket monitor reports the closed file descriptor, which the
+loop maps back to the peer that last sent on it. A trainer whose process is stopped or frozen
+has its connection dropped by the loop (:mod:`.frozen`).
 
 The loop reads at most a turn's worth of messages before it sends what is ready, and every
 connection is held to its limits (:mod:`dalid.server.intake.intake`): whatever a client sends, the
@@ -22,12 +22,19 @@ GPU UUID link) is its claim on the socket's path, :mod:`dalid.server.intake.sock
 It holds the socket from bind to close (through :class:`SharedSocket`), its monitor, the
 connections' intake and the loop that serves them.
 
+Note [No heartbeats from the daemon]
+------------------------------------
+libzmq 4.3.5 aborts the process when a peer closes a connection whose input is stopped (any
+unread message stops it) and a ZeroMQ heartbeat of that connection fires before the socket
+reads again: a job that ended while the loop was busy, or during a stop, took the daemon down.
+So the daemon's socket sends no heartbeats, and stopped or frozen trainers are found by their
+process's state instead (:mod:`.frozen`). Why and the tests: docs/design/daemon-loop.md.
+
 Note [Closing with peers connected]
 -----------------------------------
-libzmq 4.3.5 aborts the process when a peer closes a connection whose input is stopped and its
-heartbeat fires before the socket reads again. So a stopping daemon reads, and drops, what its
-peers send until they have gone (at most ``NOTICE_LINGER_MS``), then closes the socket at once,
-before it ends its jobs. Why and the test: docs/design/daemon-loop.md.
+A stopping daemon reads, and drops, what its peers send until they have gone (at most
+``NOTICE_LINGER_MS``), so that its notices leave; then it closes the socket at once, before it
+ends its jobs. Why and the test: docs/design/daemon-loop.md.
 """
 
 from __future__ import annotations
@@ -91,10 +98,24 @@ EXIT_NO_DEVICE = 4
 # The socket's directory, or the pipeline repository, is not the user's alone (another user
 # could change it: see dalid.protocol.ownership).
 EXIT_UNSAFE_PATH = 5
-# ZeroMQ heartbeats: a peer that answers none for HEARTBEAT_TIMEOUT_MS after one is sent is
-# dropped, so a frozen client is freed within about 4 s.
-HEARTBEAT_INTERVAL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
+
+
+def daemon_socket(context: zmq.Context[Any], path: Path, input_memory: int) -> zmq.Socket[Any]:
+    """The daemon's ROUTER socket, bound on ``path`` behind the gate of ``context``."""
+    return transport.make_socket(
+        context,
+        zmq.ROUTER,
+        endpoint(path),
+        bind=True,
+        # No heartbeats: Note [No heartbeats from the daemon].
+        heartbeat_ms=None,
+        queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
+        # ZeroMQ drops a connection that starts a frame over this, before it is read. A batch's
+        # input is one frame (SPEC.md, "Batches"): one over what a message may hold but within
+        # the input memory is read, and refused with a reason (intake).
+        max_frame_bytes=input_memory,
+        zap_domain=GATE_DOMAIN,
+    )
 
 
 @dataclass(frozen=True)
@@ -300,19 +321,7 @@ class Daemon:
         self._gate = Gate(self._context, served)
         previous = os.umask(0o177)  # the socket file is created 0600
         try:
-            sock = transport.make_socket(
-                self._context,
-                zmq.ROUTER,
-                endpoint(config.socket),
-                bind=True,
-                heartbeat_ms=(HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS),
-                queue_limits=(SEND_QUEUE, RECEIVE_QUEUE),
-                # ZeroMQ drops a connection that starts a frame over this, before it is read. A
-                # batch's input is one frame (SPEC.md, "Batches"): one over what a message may
-                # hold but within the input memory is read, and refused with a reason (intake).
-                max_frame_bytes=config.quotas.input_memory,
-                zap_domain=GATE_DOMAIN,
-            )
+            sock = daemon_socket(self._context, config.socket, config.quotas.input_memory)
         finally:
             os.umask(previous)
         self._socket.open(sock)

@@ -317,6 +317,16 @@ class Intake:
         connection.cut_at = self._clock()
         self._shut_down(connection)
 
+    def drop(self, identity: bytes) -> bool:
+        """Shuts ``identity``'s connection down at once, untold (its process reads nothing:
+        stopped or frozen, :mod:`.frozen`); ZeroMQ then reports it closed. Whether it was."""
+        connection = self._by_identity.get(identity)
+        if connection is None or connection.fd < 0:
+            return False
+        connection.cut_at = self._clock()
+        self._shut_down(connection)
+        return True
+
     # --- cutting --------------------------------------------------------------------------------
 
     def next_cut(self) -> float | None:

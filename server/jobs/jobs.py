@@ -279,6 +279,10 @@ class JobRegistry:
         self._follow(pid, peer.pid_namespace)
         return peer
 
+    def trainers(self) -> list[tuple[bytes, int]]:
+        """Each trainer's connection and the pid of its process (0: not seen from here)."""
+        return [(p.identity, p.pid) for p in self.peers.values() if p.role is Role.TRAINER]
+
     def forget_peer(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
         if peer is not None:

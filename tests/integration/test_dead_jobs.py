@@ -76,22 +76,53 @@ def test_a_killed_trainer_is_freed_within_5_s_and_can_come_back_at_once(short_tm
     assert not daemon.segments()
 
 
-def test_a_frozen_trainer_is_dropped_by_the_heartbeat(short_tmp: Path) -> None:
-    # A stopped process is alive to the kernel, and its socket stays open: only the heartbeat,
-    # which nobody answers, tells the daemon. The same holds for a trainer in another pid
-    # namespace or on a host that vanished.
+def test_a_stopped_trainer_is_dropped(short_tmp: Path) -> None:
+    # A stopped process is alive to the kernel, and its socket stays open: the daemon finds it
+    # by its process's state (server/intake/frozen.py).
     daemon = start_daemon(short_tmp)
     victim = start_job("trainer_job", daemon.socket, "--hold", "--offset", "6")
     try:
         assert _first_line(victim) == "holding"
         job_id = _job_id(daemon, "job6")
         os.kill(victim.pid, signal.SIGSTOP)
-        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the frozen job to be dropped")
-        assert "freeing what it held" in daemon.log_text()
+        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the stopped job to be dropped")
+        log = daemon.log_text()
+        assert f"the trainer of pid {victim.pid} has been stopped for" in log, log
+        assert "freeing what it held" in log, log
     finally:
         victim.kill()
         os.kill(victim.pid, signal.SIGCONT)
         victim.communicate()
+        assert daemon.stop() == 0
+    assert not daemon.segments()
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(
+    not os.access(FREEZER, os.W_OK), reason="needs a writable cgroup v1 freezer (root)"
+)
+def test_a_trainer_frozen_by_its_cgroup_is_dropped(short_tmp: Path) -> None:
+    """A paused container: its processes sleep as they were, their cgroup frozen."""
+    daemon = start_daemon(short_tmp)
+    cgroup = FREEZER / f"dalid-test-{os.getpid()}"
+    cgroup.mkdir()
+    victim = start_job("trainer_job", daemon.socket, "--hold", "--offset", "7")
+    try:
+        assert _first_line(victim) == "holding"
+        job_id = _job_id(daemon, "job7")
+        (cgroup / "cgroup.procs").write_text(str(victim.pid))
+        (cgroup / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: _freed(daemon, job_id), NOTICE_S, "the frozen job to be dropped")
+        log = daemon.log_text()
+        assert f"the trainer of pid {victim.pid} has been frozen for" in log, log
+    finally:
+        (cgroup / "freezer.state").write_text("THAWED")
+        victim.kill()
+        victim.communicate()
+        wait_for(lambda: not (cgroup / "cgroup.procs").read_text().strip(), 10, "an empty cgroup")
+        cgroup.rmdir()
         assert daemon.stop() == 0
     assert not daemon.segments()
 

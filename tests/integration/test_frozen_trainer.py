@@ -17,7 +17,7 @@ from ..daemons import STARTED_PIDS, kill_leftovers, start_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 160
-# Past the daemon's heartbeat timeout (3 s after a heartbeat that went unanswered).
+# Past the time a trainer may stay stopped before the daemon drops it (FROZEN_LIMIT_S, 3 s).
 FROZEN_S = 6.0
 
 
@@ -54,7 +54,7 @@ def test_a_frozen_job_with_reconnect_carries_on_with_every_sample_once(short_tmp
         assert job.returncode == 0, out
         # Both epochs, every sample once each, after one reconnection to the same daemon.
         assert f"ok {2 * LENGTH} reconnects 1" in out, out
-        assert "answered none of its heartbeats" in out, out
+        assert "was stopped or frozen for a few seconds" in out, out
     finally:
         kill_leftovers([job])
         assert daemon.stop() == 0
@@ -69,7 +69,7 @@ def test_a_frozen_job_without_reconnect_raises_why(short_tmp: Path) -> None:
         assert job.returncode != 0, out
         assert "DaemonUnavailable" in out, out
         assert "dropped the trainer's connection" in out, out
-        assert "answered none of its heartbeats" in out, out
+        assert "was stopped or frozen for a few seconds" in out, out
         assert "connect with reconnect=True" in out, out
         assert "restarts a crashed daemon" not in out, out
     finally:
