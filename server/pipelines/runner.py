@@ -271,6 +271,12 @@ class PipelineRunner:
             "prefetch_queue_depth": self.spec.prefetch_queue_depth,
             # A deserialized pipeline defaults to the legacy executor; keep the client's choice.
             "exec_dynamic": self.spec.exec_dynamic,
+            # And to neither pipelined nor asynchronous: DALI's simple executor, which does a
+            # run in the thread that asks for it and returns when it is done (Note [DALI's host
+            # buffers]): as the client's own pipeline would, each run's stages go on in DALI's
+            # threads while the daemon copies the last run out.
+            "exec_pipelined": True,
+            "exec_async": True,
         }
         if self.spec.seed is not None:
             kwargs["seed"] = self.spec.seed

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,11 @@ def _any_ndim_pipeline() -> Any:
 def _decoder_pipeline() -> Any:
     encoded = fn.external_source(name="encoded", dtype=types.DALIDataType.UINT8, ndim=1)
     return fn.decoders.image(encoded, device="mixed")
+
+
+@pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=2)
+def _file_pipeline() -> Any:
+    return fn.io.file.read(fn.external_source(name="path", no_copy=True))  # type: ignore[attr-defined]
 
 
 def _spec(
@@ -150,6 +159,57 @@ def test_outputs_match_the_original_pipeline(exec_dynamic: bool) -> None:
             np.testing.assert_array_equal(sample, y + 1)
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False], ids=["dynamic", "legacy"])
+def test_scheduling_a_run_returns_before_dali_has_done_it(
+    exec_dynamic: bool, tmp_path: Path
+) -> None:
+    """DALI does a run in its own threads under either executor, so that the thread that
+    schedules it copies the last run out meanwhile. Here the run waits in ``open()`` of a FIFO
+    for a writer that comes only once ``schedule`` has returned."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    spec = _spec(_file_pipeline(), ("path",), 1, exec_dynamic=exec_dynamic)
+    runner = PipelineRunner(spec, device_id=None)
+    scheduled = threading.Event()
+
+    def schedule() -> None:
+        runner.schedule({"path": [np.frombuffer(str(fifo).encode(), dtype=np.int8)]})
+        scheduled.set()
+
+    thread = threading.Thread(target=schedule, daemon=True)
+    thread.start()
+    try:
+        assert scheduled.wait(10), "schedule() waited for DALI to do the run"
+    finally:
+        _write_once_read(fifo)
+        thread.join(30)
+    try:
+        # DALI maps the files it reads, which a FIFO cannot be: the run fails, and says so.
+        with pytest.raises(RuntimeError, match="File mapping failed"):
+            runner.collect()
+    finally:
+        runner.close()
+        # DALI keeps the descriptor of a file it could not map (the daemon's path checks keep
+        # FIFOs from DALI: docs/design/checking-paths.md).
+        for entry in Path("/proc/self/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if entry.readlink() == fifo:
+                    os.close(int(entry.name))
+
+
+def _write_once_read(fifo: Path) -> None:
+    """Opens ``fifo`` for writing once a reader has it open (so that the reader's ``open()``
+    returns), and closes it."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError:  # ENXIO: no reader yet
+            assert time.monotonic() < deadline, "DALI never opened the FIFO"
+            time.sleep(0.01)
 
 
 def test_runner_keeps_running_batch_after_batch() -> None:
