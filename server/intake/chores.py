@@ -59,7 +59,6 @@ class Chores:
         *,
         idle_timeout: float | None,
         publish: Callable[[StatusReport], None] | None,
-        frozen: FrozenTrainers | None = None,
     ) -> None:
         self._core = core
         self._intake = intake
@@ -74,7 +73,7 @@ class Chores:
         self._inputs_peak = core.inputs.held
         # And while jobs run, whenever the heap's resident memory has grown (heap.py).
         self._heap = HeapKeeper(trim=give_back_free_memory)
-        self._frozen = FrozenTrainers() if frozen is None else frozen
+        self._frozen = FrozenTrainers()
 
     def sleep_ms(self, now: float, cut_in: float | None) -> int:
         """How long the loop may sleep from ``now``: until the first chore is due, or
