@@ -126,7 +126,7 @@ class Chores:
         monitor then reports it closed, which ends its job."""
         trainers = self._core.registry.trainers()
         for identity, pid, state, held in self._frozen.past_limit(now, trainers):
-            if self._intake.drop(identity):
+            if self._intake.drop(identity) is not None:
                 log.warning(
                     "the trainer of pid %d has been %s for %.0f s: dropping its connection "
                     "(its job ends)",

@@ -137,6 +137,8 @@ class FrozenTrainers:
         return ProcessState.RUNNING
 
     def _state_file(self, pid: int) -> Path | None:
+        if self._freezers.v1 is None and self._freezers.v2 is None:
+            return None  # no freezer mounted here: nothing to read each second
         cgroups = read_proc(pid, "cgroup")
         if cgroups is None:
             return None

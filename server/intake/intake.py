@@ -308,24 +308,23 @@ class Intake:
 
     def unreachable(self, identity: bytes) -> None:
         """``identity`` left ``SEND_QUEUE`` messages unread: cut at once."""
-        connection = self._by_identity.get(identity)
-        if connection is None or connection.fd < 0:
-            return
-        self.cut_log.warning(
-            "%s cut: it left %d messages of the daemon unread", connection.describe(), SEND_QUEUE
-        )
-        connection.cut_at = self._clock()
-        self._shut_down(connection)
+        dropped = self.drop(identity)
+        if dropped is not None:
+            self.cut_log.warning(
+                "%s cut: it left %d messages of the daemon unread", dropped, SEND_QUEUE
+            )
 
-    def drop(self, identity: bytes) -> bool:
-        """Shuts ``identity``'s connection down at once, untold (its process reads nothing:
-        stopped or frozen, :mod:`.frozen`); ZeroMQ then reports it closed. Whether it was."""
+    def drop(self, identity: bytes) -> str | None:
+        """Shuts ``identity``'s connection down at once, untold (its process reads nothing: it
+        left its answers unread, or is stopped or frozen, :mod:`.frozen`); ZeroMQ then reports
+        it closed. The connection as the log names it, or None: it was not open."""
         connection = self._by_identity.get(identity)
         if connection is None or connection.fd < 0:
-            return False
+            return None
+        described = connection.describe()
         connection.cut_at = self._clock()
         self._shut_down(connection)
-        return True
+        return described
 
     # --- cutting --------------------------------------------------------------------------------
 
