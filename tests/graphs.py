@@ -1,6 +1,6 @@
-"""Serialized DALI graphs edited as an attacker would: a protocol buffer writer for DALI's
-``PipelineDef`` (its reader is ``dalid.server.pipelines.sharing``), and a seeded generator of
-hostile graphs for fuzzing the daemon's graph checker."""
+"""Serialized DALI graphs edited as an attacker would: DALI's ``PipelineDef`` edited with
+``dalid.server.pipelines.wire``, and a seeded generator of hostile graphs for fuzzing the
+daemon's graph checker."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 from dalid.server.pipelines.operators import ALLOWED, EXCLUDED
-from dalid.server.pipelines.sharing import fields
+from dalid.server.pipelines.wire import encode, fields
 
 # PipelineDef: op = 5; OpDef: name = 1, input = 2, output = 3, arg = 4; Argument: name = 1,
 # type = 2, f = 3, i = 4, s = 5, b = 6, extra_args = 7, is_vector = 8.
@@ -16,30 +16,6 @@ _OP = 5
 _OP_NAME, _OP_ARG = 1, 4
 
 Fields = list[tuple[int, bytes | int]]
-
-
-def varint(number: int) -> bytes:
-    number &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte = number & 0x7F
-        number >>= 7
-        if number:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def encode(fields: Fields) -> bytes:
-    """A message of ``fields``: ints as varints, bytes length-delimited."""
-    out = bytearray()
-    for number, value in fields:
-        if isinstance(value, int):
-            out += varint(number << 3) + varint(value)
-        else:
-            out += varint(number << 3 | 2) + varint(len(value)) + value
-    return bytes(out)
 
 
 def decode(raw: bytes) -> Fields:

@@ -27,7 +27,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .sharing import Graph, Operator, fields
+from .sharing import Graph, Operator
+from .wire import fields
 
 # Families refused, by schema name (as a serialized graph names them; the Python names of
 # Python operators too, as a repository pipeline's graph names them), and why.

@@ -34,6 +34,7 @@ from dalid.protocol.messages import MAX_INPUTS, MAX_NAME_LENGTH, MAX_OUTPUTS
 
 from ..samples.paths import padded_paths
 from . import checkpoints
+from .file_reads import read_plainly
 from .operators import ALLOW_LIST, OperatorPolicy, OperatorRefused
 from .sharing import Graph, batches_a_run, read_graph
 from .sizes import sized_outputs
@@ -286,7 +287,9 @@ class PipelineRunner:
                     batch_size=self.run_size, num_threads=self.num_threads
                 )
             elif pipeline is None:
-                pipeline = Pipeline.deserialize(serialized_pipeline=self.spec.serialized, **kwargs)
+                # Its file reads with read(2), not a memory map (Note [Plain file reads]).
+                serialized = read_plainly(self.spec.serialized)
+                pipeline = Pipeline.deserialize(serialized_pipeline=serialized, **kwargs)
             pipeline.build()
         except Exception as error:
             text = str(error)

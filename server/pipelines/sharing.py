@@ -15,18 +15,34 @@ Anything else (``fn.batch_permutation``, ``fn.permute_batch``, ``fn.multi_paste`
 Python operators, an operator this module does not know) keeps a pipeline of its own: when
 unsure, dalid does not share.
 
-A serialized pipeline is DALI's ``PipelineDef`` protocol buffer (``dali/pipeline/proto/
-dali.proto``): read here with a small decoder of the wire format, which needs no protobuf
-package and refuses what it cannot read.
+A serialized pipeline is DALI's ``PipelineDef`` protocol buffer, read with ``wire.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dalid.protocol.file_inputs import FILE_READER
+
+from .wire import (
+    ARG_ELEMENTS,
+    ARG_NAME,
+    ARG_STRINGS,
+    GRAPH_FIELDS,
+    IO_ARGUMENT,
+    IO_NAME,
+    OP_ARG,
+    OP_INPUT,
+    OP_NAME,
+    OP_OUTPUT,
+    UnreadablePipeline,
+    fields,
+    string_field,
+    true_argument,
+)
+
+__all__ = ["Graph", "Operator", "UnreadablePipeline", "batches_a_run", "read_graph"]
 
 # Operators (DALI schema names) whose output for a sample depends on that sample's inputs only.
 PER_SAMPLE_OPERATORS = frozenset(
@@ -181,19 +197,6 @@ PER_SAMPLE_OPERATORS = frozenset(
     }
 )
 
-# Pipeline-level fields of PipelineDef that belong to one build, not to the graph: thread
-# count (1), batch size (2), executor flags (3, 4), device (8), seed (9) and the fields later
-# DALI releases add after them. Operators (5), legacy external inputs (6) and outputs (7) are
-# the graph.
-_GRAPH_FIELDS = {5, 6, 7}
-_OP_NAME, _OP_INPUT, _OP_OUTPUT, _OP_ARG = 1, 2, 3, 4
-_IO_NAME, _IO_ARGUMENT = 1, 4
-_ARG_NAME, _ARG_STRINGS, _ARG_BOOLS, _ARG_ELEMENTS = 1, 5, 6, 7
-
-
-class UnreadablePipeline(ValueError):
-    """Bytes that are not a serialized DALI pipeline this module can read."""
-
 
 @dataclass(frozen=True)
 class Operator:
@@ -210,12 +213,7 @@ class Operator:
 
     def flag(self, name: str) -> bool:
         """Whether the boolean argument ``name`` is given and true."""
-        for argument, value in self.arguments:
-            if argument == name:
-                return any(
-                    number == _ARG_BOOLS and payload == 1 for number, _, payload in fields(value)
-                )
-        return False
+        return any(argument == name and true_argument(value) for argument, value in self.arguments)
 
 
 @dataclass(frozen=True)
@@ -265,7 +263,7 @@ def read_graph(serialized: bytes) -> Graph:
     # inputs keep their names, which clients feed.
     renamed: dict[bytes, bytes] = {}
     for number, _, value in fields(serialized):
-        if number not in _GRAPH_FIELDS:
+        if number not in GRAPH_FIELDS:
             continue
         if not isinstance(value, bytes):
             raise UnreadablePipeline(f"field {number} of the serialized pipeline is not a message")
@@ -273,7 +271,7 @@ def read_graph(serialized: bytes) -> Graph:
             canonical.append(b"external\0" + value)
             continue
         if number == 7:
-            outputs.append(_string(value, _IO_NAME))
+            outputs.append(string_field(value, IO_NAME))
             canonical.append(b"output\0" + _rename_io(value, renamed))
             continue
         operator = _read_operator(value)
@@ -307,20 +305,20 @@ def _read_operator(raw: bytes) -> Operator:
     for number, _, value in fields(raw):
         if not isinstance(value, bytes):
             continue  # the logical id: a number of the build, not of the graph
-        if number == _OP_NAME:
+        if number == OP_NAME:
             schema = value.decode(errors="replace")
-        elif number in (_OP_INPUT, _OP_OUTPUT):
-            (inputs if number == _OP_INPUT else outputs).append(_string(value, _IO_NAME))
-            argument = _string(value, _IO_ARGUMENT)
-            if number == _OP_INPUT and argument:
+        elif number in (OP_INPUT, OP_OUTPUT):
+            (inputs if number == OP_INPUT else outputs).append(string_field(value, IO_NAME))
+            argument = string_field(value, IO_ARGUMENT)
+            if number == OP_INPUT and argument:
                 argument_inputs.append(
-                    (argument.decode(errors="replace"), _string(value, _IO_NAME))
+                    (argument.decode(errors="replace"), string_field(value, IO_NAME))
                 )
-        elif number == _OP_ARG:
-            name = _string(value, _ARG_NAME)
+        elif number == OP_ARG:
+            name = string_field(value, ARG_NAME)
             if name == b"_origin_stack_name":
                 # A list: its first element is the function the operator was called in.
-                origin = _string(_string(value, _ARG_ELEMENTS), _ARG_STRINGS).decode(
+                origin = string_field(string_field(value, ARG_ELEMENTS), ARG_STRINGS).decode(
                     errors="replace"
                 )
             elif not name.startswith(b"_"):
@@ -339,52 +337,8 @@ def _read_operator(raw: bytes) -> Operator:
 
 def _rename_io(raw: bytes, renamed: dict[bytes, bytes]) -> bytes:
     """A pipeline output (an InputOutput message) with its tensor named canonically."""
-    name = _string(raw, _IO_NAME)
+    name = string_field(raw, IO_NAME)
     return renamed.get(name, name)
-
-
-def _string(raw: bytes, number: int) -> bytes:
-    """The first length-delimited field ``number`` of a message (b"" if none)."""
-    for field, _, value in fields(raw):
-        if field == number and isinstance(value, bytes):
-            return value
-    return b""
-
-
-def fields(raw: bytes) -> Iterator[tuple[int, int, bytes | int]]:
-    """(field number, wire type, value) of each field of a protocol buffer message: varints as
-    ints, length-delimited and fixed-size fields as bytes."""
-    position, end = 0, len(raw)
-    while position < end:
-        key, position = _varint(raw, position)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, position = _varint(raw, position)
-            yield number, wire, value
-            continue
-        if wire == 2:
-            size, position = _varint(raw, position)
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-        else:
-            raise UnreadablePipeline(f"unsupported protocol buffer wire type {wire}")
-        if position + size > end:
-            raise UnreadablePipeline("the serialized pipeline is truncated")
-        yield number, wire, raw[position : position + size]
-        position += size
-
-
-def _varint(raw: bytes, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if position >= len(raw) or shift > 63:
-            raise UnreadablePipeline("the serialized pipeline is truncated")
-        byte = raw[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, position
 
 
 # A shared pipeline's run under --run-batches auto: as many batches as fit AUTO_RUN_SAMPLES

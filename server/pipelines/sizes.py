@@ -28,7 +28,8 @@ from dalid.protocol import InputBatch
 
 from ..samples.paths import size_text
 from .operators import argument_numbers
-from .sharing import Graph, Operator, fields
+from .sharing import Graph, Operator
+from .wire import fields
 
 
 class Extent(enum.Enum):
