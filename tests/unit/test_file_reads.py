@@ -3,6 +3,9 @@ real DALI pipelines, serialized as a client sends them, rewritten, rebuilt and r
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +115,72 @@ def test_the_daemons_pipeline_reads_each_file_whole(tmp_path: Path) -> None:
             assert [np.array(sample).tobytes() for sample in output] == contents
     finally:
         runner.close()
+
+
+# A child reads a sparse file of 256 MiB that a thread of its own cuts to 4 KiB meanwhile, up to
+# ATTEMPTS times, through the daemon's pipeline (``runner``) or through DALI as the client's
+# graph asks (``dali``: a memory map). It prints "cut short: <error>" once a read fails.
+_CUT_SHORT = """
+import os, sys, threading, time
+import numpy as np
+from nvidia.dali import fn
+from nvidia.dali.pipeline import pipeline_def
+from dalid.protocol import RegisterPipeline
+from dalid.server.pipelines.runner import PipelineRunner, PipelineSpec
+
+how, path = sys.argv[1], sys.argv[2]
+
+@pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
+def read():
+    return fn.io.file.read(fn.external_source(name="paths", no_copy=True))
+
+pipeline = read()
+if how == "runner":
+    spec = PipelineSpec.from_message(RegisterPipeline(
+        serialized=memoryview(pipeline.serialize()), input_names=("paths",), num_outputs=1,
+        max_batch_size=1, num_threads=1, prefetch_queue_depth=1, seed=1, exec_dynamic=False))
+    runner = PipelineRunner(spec, device_id=None)
+    def run(paths):
+        runner.schedule({"paths": paths})
+        return runner.collect()
+else:
+    pipeline.build()
+    def run(paths):
+        pipeline.feed_input("paths", paths)
+        return pipeline.run()
+
+for attempt in range(ATTEMPTS):
+    with open(path, "wb") as f:
+        f.truncate(256 << 20)
+    cut = threading.Timer(0.005 * (attempt % 8), os.truncate, (path, 4096))
+    cut.start()
+    try:
+        run([np.frombuffer(path.encode(), np.int8)])
+    except Exception as error:
+        print("cut short:", " ".join(str(error).split())[:400], flush=True)
+        break
+    finally:
+        cut.join()
+else:
+    print("never cut short while read")
+"""
+ATTEMPTS = 40
+
+
+@pytest.mark.parametrize("how", ["runner", "dali"])
+def test_a_file_cut_short_while_read_fails_its_run_and_the_daemon_lives(
+    how: str, tmp_path: Path
+) -> None:
+    """A file that its job (or anyone) cuts short while the daemon's DALI reads it is an error
+    of that run. Mapped, as DALI reads by default, the copy out of the map faults and SIGBUS ends
+    the process: every job of the daemon with it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT.replace("ATTEMPTS", str(ATTEMPTS)), how,
+         str(tmp_path / "cut.bin")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if how == "dali":
+        assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr)
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cut short:" in done.stdout and "Expected to read" in done.stdout, done.stdout
