@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .handling.core import DaemonCore
     from .intake.daemon import Daemon, DaemonConfig
     from .outputs.pool import RegionPool
-    from .pipelines.runner import PipelineRunner, PipelineSpec
+    from .pipelines.runner import PipelineRunner
+    from .pipelines.spec import PipelineSpec
 
 __all__ = ["Daemon", "DaemonConfig", "DaemonCore", "PipelineRunner", "PipelineSpec", "RegionPool"]
 

@@ -70,7 +70,7 @@ from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy
 from ..pipelines.reload import LiveRepository
 from ..pipelines.repository import PipelineRepository
-from ..pipelines.runner import CpuExecutor
+from ..pipelines.spec import CpuExecutor
 from ..runs.cohort_registry import Cohorts
 from ..runs.scheduler import FairScheduler
 from .batch_requests import BatchRequests

@@ -44,8 +44,9 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import PROBATION_RUNS, FlightRecorder, Standing, graph_key, refusal
 from ..pipelines.operators import ALLOW_LIST, OperatorPolicy, OperatorRefused, check_sizes
 from ..pipelines.reload import LiveRepository
-from ..pipelines.runner import CpuExecutor, PipelineBuildError, PipelineRunner, PipelineSpec
+from ..pipelines.runner import PipelineRunner
 from ..pipelines.sharing import UnreadablePipeline, read_graph
+from ..pipelines.spec import CpuExecutor, PipelineBuildError, PipelineSpec
 from ..runs.executor import ExecutorParts, ExecutorSettings, PipelineExecutor
 from ..runs.instances import MAX_INSTANCES, InstanceController
 from ..runs.run_gate import RunGate

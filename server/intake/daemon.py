@@ -75,7 +75,7 @@ from ..outputs.store import StreamFactory, no_streams
 from ..pipelines.flight import FlightRecorder
 from ..pipelines.operators import OperatorPolicy
 from ..pipelines.repository import PipelineRepository
-from ..pipelines.runner import CpuExecutor
+from ..pipelines.spec import CpuExecutor
 from .chores import Chores
 from .farewell import Stop, StopKind, bound_the_stop
 from .gate import DOMAIN as GATE_DOMAIN

@@ -184,7 +184,7 @@ def _daemon_config(settings: dict[str, Any]) -> DaemonConfig:
     from ..intake.daemon import DaemonConfig, usable_cores
     from ..jobs.quotas import Quotas, per_user_jobs
     from ..pipelines.operators import OperatorPolicy
-    from ..pipelines.runner import CpuExecutor
+    from ..pipelines.spec import CpuExecutor
 
     pipelines = settings["pipelines"]
     if pipelines is not None and not pipelines.is_dir():
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _supervise(args, settings)
         from ..intake.daemon import Daemon
         from ..intake.heap import host_buffers_from_malloc, host_buffers_kept, limit_malloc_arenas
-        from ..pipelines.runner import CpuExecutor
+        from ..pipelines.spec import CpuExecutor
         from ..runs import stopping
         from .lifeline import supervisor_pid, watch_supervisor
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from dalid.protocol import PipelineStatus
 
 from ..outputs.store import Stream
-from ..pipelines.runner import PipelineBuildError, PipelineRunner, PipelineSpec
+from ..pipelines.runner import PipelineRunner
 from ..pipelines.sharing import batches_a_run
+from ..pipelines.spec import PipelineBuildError, PipelineSpec
 from .dali_instances import DaliInstances, Instance, InstanceRoom
 from .delivery import Delivery
 from .instances import InstanceController

@@ -30,7 +30,7 @@ from ..outputs.run_output import RunOutput
 from ..samples.packed import PackedSamples
 
 if TYPE_CHECKING:
-    from ..pipelines.runner import PipelineSpec
+    from ..pipelines.spec import PipelineSpec
     from .stopping import Stop
 
 # After one of its batches had bad samples, a job's next batches of the pipeline run alone,

@@ -18,7 +18,8 @@ from dalid.client.checkpoint import check_state, fingerprint
 from dalid.client.errors import InputError
 from dalid.protocol import PROTOCOL_VERSION, RegisterPipeline
 from dalid.server.pipelines.checkpoints import CheckpointUnavailable
-from dalid.server.pipelines.runner import PipelineRunner, PipelineSpec
+from dalid.server.pipelines.runner import PipelineRunner
+from dalid.server.pipelines.spec import PipelineSpec
 
 from ..dali_typing import pipeline_def
 

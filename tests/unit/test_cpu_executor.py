@@ -32,7 +32,7 @@ from dalid.server.handling.core import DaemonCore
 from dalid.server.jobs.quotas import Quotas
 from dalid.server.operations.config import parse_cpu_executor
 from dalid.server.outputs.shm import host_outputs
-from dalid.server.pipelines.runner import CpuExecutor
+from dalid.server.pipelines.spec import CpuExecutor
 
 from ..dali_typing import pipeline_def
 

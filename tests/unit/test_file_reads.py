@@ -16,8 +16,9 @@ from nvidia.dali.pipeline import Pipeline
 
 from dalid.protocol import RegisterPipeline
 from dalid.server.pipelines.file_reads import read_plainly
-from dalid.server.pipelines.runner import PipelineRunner, PipelineSpec
+from dalid.server.pipelines.runner import PipelineRunner
 from dalid.server.pipelines.sharing import Operator, read_graph
+from dalid.server.pipelines.spec import PipelineSpec
 
 from ..dali_typing import pipeline_def
 
@@ -126,7 +127,8 @@ import numpy as np
 from nvidia.dali import fn
 from nvidia.dali.pipeline import pipeline_def
 from dalid.protocol import RegisterPipeline
-from dalid.server.pipelines.runner import PipelineRunner, PipelineSpec
+from dalid.server.pipelines.runner import PipelineRunner
+from dalid.server.pipelines.spec import PipelineSpec
 
 how, path = sys.argv[1], sys.argv[2]
 

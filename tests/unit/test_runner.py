@@ -15,13 +15,9 @@ import pytest
 from nvidia.dali import fn, types
 
 from dalid.protocol import ErrorCode, InputBatch, RegisterPipeline, SubmitBatch, decode, encode
-from dalid.server.pipelines.runner import (
-    PipelineBuildError,
-    PipelineRunner,
-    PipelineSpec,
-    feedable,
-)
+from dalid.server.pipelines.runner import PipelineRunner
 from dalid.server.pipelines.sharing import batches_a_run
+from dalid.server.pipelines.spec import PipelineBuildError, PipelineSpec, feedable
 from dalid.server.samples.packed import PackedSamples
 from dalid.server.samples.paths import padded_paths
 
