@@ -8,12 +8,19 @@ import random
 from collections.abc import Callable
 
 from dalid.server.pipelines.operators import ALLOWED, EXCLUDED
-from dalid.server.pipelines.wire import encode, fields
+from dalid.server.pipelines.wire import (
+    ARG_IS_VECTOR,
+    ARG_NAME,
+    ARG_TYPE,
+    OP_ARG,
+    OP_NAME,
+    PIPELINE_OPERATOR,
+    encode,
+    fields,
+)
 
-# PipelineDef: op = 5; OpDef: name = 1, input = 2, output = 3, arg = 4; Argument: name = 1,
-# type = 2, f = 3, i = 4, s = 5, b = 6, extra_args = 7, is_vector = 8.
-_OP = 5
-_OP_NAME, _OP_ARG = 1, 4
+# Argument: its int64 values (wire.py names the fields the daemon reads).
+_ARG_INTS = 4
 
 Fields = list[tuple[int, bytes | int]]
 
@@ -24,7 +31,9 @@ def decode(raw: bytes) -> Fields:
 
 def int_argument(name: str, value: int) -> bytes:
     """One int64 operator argument, as DALI serializes it."""
-    return encode([(1, name.encode()), (2, b"int64"), (4, value), (8, 0)])
+    return encode(
+        [(ARG_NAME, name.encode()), (ARG_TYPE, b"int64"), (_ARG_INTS, value), (ARG_IS_VECTOR, 0)]
+    )
 
 
 def edit_operators(serialized: bytes, edit: Callable[[int, Fields], Fields]) -> bytes:
@@ -32,7 +41,7 @@ def edit_operators(serialized: bytes, edit: Callable[[int, Fields], Fields]) -> 
     out: Fields = []
     index = 0
     for number, value in decode(serialized):
-        if number == _OP and isinstance(value, bytes):
+        if number == PIPELINE_OPERATOR and isinstance(value, bytes):
             out.append((number, encode(edit(index, decode(value)))))
             index += 1
         else:
@@ -44,10 +53,10 @@ def renamed(serialized: bytes, old: str, new: str, *arguments: bytes) -> bytes:
     """The graph with operator ``old`` renamed ``new``, given ``arguments`` more."""
 
     def edit(_: int, fields: Fields) -> Fields:
-        if (_OP_NAME, old.encode()) not in fields:
+        if (OP_NAME, old.encode()) not in fields:
             return fields
-        kept = [(n, new.encode() if n == _OP_NAME else v) for n, v in fields]
-        return kept + [(_OP_ARG, raw) for raw in arguments]
+        kept = [(n, new.encode() if n == OP_NAME else v) for n, v in fields]
+        return kept + [(OP_ARG, raw) for raw in arguments]
 
     return edit_operators(serialized, edit)
 
@@ -55,9 +64,9 @@ def renamed(serialized: bytes, old: str, new: str, *arguments: bytes) -> bytes:
 def operator_names(serialized: bytes) -> list[str]:
     names: list[str] = []
     for number, value in decode(serialized):
-        if number == _OP and isinstance(value, bytes):
+        if number == PIPELINE_OPERATOR and isinstance(value, bytes):
             names.extend(
-                v.decode() for n, v in decode(value) if n == _OP_NAME and isinstance(v, bytes)
+                v.decode() for n, v in decode(value) if n == OP_NAME and isinstance(v, bytes)
             )
     return names
 
@@ -106,11 +115,11 @@ def hostile_graph(rng: random.Random, base: bytes) -> bytes:
     def edit(_: int, fields: Fields) -> Fields:
         out = list(fields)
         if how in ("rename", "both") and rng.random() < 0.5:
-            out = [(n, name().encode("latin-1") if n == _OP_NAME else v) for n, v in out]
+            out = [(n, name().encode("latin-1") if n == OP_NAME else v) for n, v in out]
         if how in ("arguments", "both"):
             for _ in range(rng.randint(0, 3)):
                 action = rng.random()
-                args = [i for i, (n, _) in enumerate(out) if n == _OP_ARG]
+                args = [i for i, (n, _) in enumerate(out) if n == OP_ARG]
                 if action < 0.4 or not args:
                     raw = encode(
                         [
@@ -119,14 +128,14 @@ def hostile_graph(rng: random.Random, base: bytes) -> bytes:
                             (rng.choice([3, 4, 5, 6, 7]), value()),
                         ]
                     )
-                    out.append((_OP_ARG, raw))
+                    out.append((OP_ARG, raw))
                 elif action < 0.7:
                     del out[rng.choice(args)]
                 else:
                     index = rng.choice(args)
                     arg = decode(out[index][1])  # type: ignore[arg-type]
                     arg = [(n, value() if n not in (1, 2) else v) for n, v in arg]
-                    out[index] = (_OP_ARG, encode(arg))
+                    out[index] = (OP_ARG, encode(arg))
         return out
 
     return edit_operators(base, edit)

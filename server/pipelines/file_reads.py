@@ -28,9 +28,10 @@ from .wire import (
     true_argument,
 )
 
-DONT_USE_MMAP = "dont_use_mmap"
-USE_O_DIRECT = "use_o_direct"
-_PLAIN = (OP_ARG, bool_argument(DONT_USE_MMAP, True))
+DONT_USE_MMAP = b"dont_use_mmap"
+USE_O_DIRECT = b"use_o_direct"
+# The argument added, as an OpDef field.
+_PLAIN = encode([(OP_ARG, bool_argument(DONT_USE_MMAP.decode(), True))])
 
 
 def read_plainly(serialized: bytes) -> bytes:
@@ -58,7 +59,7 @@ def _plain(operator: bytes) -> bytes | None:
     out = bytearray()
     for number, _, value, start, end in spans(operator):
         if number == OP_ARG and isinstance(value, bytes):
-            name = string_field(value, ARG_NAME).decode(errors="replace")
+            name = string_field(value, ARG_NAME)
             if name == USE_O_DIRECT and true_argument(value):
                 return None
             if name == DONT_USE_MMAP:
@@ -66,4 +67,4 @@ def _plain(operator: bytes) -> bytes | None:
                     return None
                 continue
         out += operator[start:end]
-    return bytes(out) + encode([_PLAIN])
+    return bytes(out) + _PLAIN
