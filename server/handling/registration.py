@@ -16,6 +16,14 @@ runs go into DALI alone, ``runs/run_gate.py``), and whether a new pipeline fits 
 pipelines and DALI threads.
 
 What the pipelines hold of the daemon's DALI threads and room for pipelines is ``budget.py``'s.
+
+Note [Two instances on a CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On a CPU daemon, a shared pipeline under ``--instances auto`` starts as two DALI instances that
+split its ``--threads`` (``instances.cpu_start``): one instance leaves its pool idle through its
+executor thread's serial steps, and two of all the threads each put twice the cores' threads
+on the cores. The controller measures from two. Pinned counts and GPU daemons are as before.
+Measured, and what it costs: docs/design/dali-instances.md.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from ..pipelines.runner import PipelineRunner
 from ..pipelines.sharing import UnreadablePipeline, read_graph
 from ..pipelines.spec import CpuExecutor, PipelineBuildError, PipelineSpec
 from ..runs.executor import ExecutorParts, ExecutorSettings, PipelineExecutor
-from ..runs.instances import MAX_INSTANCES, InstanceController
+from ..runs.instances import MAX_INSTANCES, InstanceController, cpu_start
 from ..runs.run_gate import RunGate
 from ..runs.runs import Answer, Member
 from ..runs.scheduler import FairScheduler
@@ -221,15 +229,24 @@ class PipelineBuilder:
             # bench/README.md, "Where a 4-job cohort's memory goes").
             run_batches = 1
         threads = self._sharing.threads if shared else 0
+        pinned = self._sharing.instances or None
+        # The threads one DALI instance of it holds of the daemon's (budget.py).
+        held = max_threads
+        start = 1
+        if shared and pinned is None and self._device_id is None and threads:
+            # Note [Two instances on a CPU]
+            start, threads = cpu_start(min(threads, max_threads))
+            held = threads
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
             self._pids[instance_id] = {job.pid}
-        self.budget.add(instance_id, max_threads, job.uid)
+        self.budget.add(instance_id, held, job.uid)
         controller = None
         if shared:
-            pinned = self._sharing.instances or None
-            controller = InstanceController(pinned=pinned, max_instances=pinned or MAX_INSTANCES)
+            controller = InstanceController(
+                pinned=pinned, max_instances=pinned or MAX_INSTANCES, start=start
+            )
         settings = ExecutorSettings(
             instance_id,
             plan.name,

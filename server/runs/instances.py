@@ -17,6 +17,10 @@ when the members' demand
 fits in one fewer (no batch waited, and fewer samples than one fewer delivered). ``dalid
 serve --instances N`` pins the number instead.
 
+A pipeline may start on more than one (``start``): a CPU daemon's shared pipeline starts on
+two, its threads split between them (Note [Two instances on a CPU] in registration.py). Those
+are started at the first look, with no trial; measurement goes on from there.
+
 :class:`InstanceController` is the decision alone, fed measurements and the time (tests feed
 it both); ``meters.py`` takes the measurements, and each of the decision's rules names the
 reading it trusts.
@@ -63,6 +67,14 @@ CPU_SATURATED = 0.97
 GPU_SATURATED = 0.95
 
 
+def cpu_start(threads: int) -> tuple[int, int]:
+    """How a CPU daemon's shared pipeline of ``threads`` DALI threads starts under ``auto``: its
+    instances, and the threads of each (Note [Two instances on a CPU] in registration.py)."""
+    if threads < 2:
+        return 1, threads
+    return 2, threads // 2
+
+
 class Change(enum.Enum):
     ADD = "add"
     DROP = "drop"
@@ -101,9 +113,14 @@ class InstanceController:
         settle_s: float = SETTLE_S,
         margin: float = MARGIN,
         hold_off_s: float = HOLD_OFF_S,
+        start: int = 1,
     ) -> None:
         self.max_instances = max(1, max_instances)
         self.pinned = None if pinned is None else min(max(1, pinned), self.max_instances)
+        self.start = min(max(1, start), self.max_instances)
+        # Instances past the first still to start, each asked for once (one whose build fails
+        # is not asked for again at every look).
+        self._to_start = self.start - 1 if self.pinned is None else 0
         self.reason = (
             f"{_count(self.pinned)}: pinned by dalid serve --instances {pinned}"
             if self.pinned is not None
@@ -132,6 +149,14 @@ class InstanceController:
         """One look; the change to make now, if any (``reason`` then says why)."""
         if self.pinned is not None:
             return self._pinned(instances)
+        if self._to_start:
+            self._to_start -= 1
+            if instances < self.start:
+                self.reason = (
+                    f"{_count(self.start)}: where a CPU pipeline starts, its threads split "
+                    "between them; measuring whether another would help"
+                )
+                return Change.ADD
         if self._trial_since is not None:
             if instances <= self._trial_from:
                 # The new instance did not start (no room for it): no trial to judge.

@@ -190,3 +190,60 @@ def test_a_job_killed_mid_run_on_two_instances_leaves_the_other_job_whole(
         kill_leftovers(jobs)
         assert daemon.stop() == 0
     assert not daemon.segments()
+
+
+def _dali_pool_threads(pid: int) -> list[str]:
+    """The names of DALI's pool threads in process ``pid`` ("[DALI][TP0]Exec", ...)."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as comm:
+                name = comm.read().strip()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        if name.startswith("[DALI][TP"):
+            names.append(name)
+    return sorted(names)
+
+
+def test_a_cpu_daemon_starts_a_shared_pipeline_on_two_instances_of_half_its_threads(
+    short_tmp: Path,
+) -> None:
+    # Note [Two instances on a CPU]: --threads 2 makes two instances of one DALI thread each,
+    # as many threads as one instance of two, and every batch comes back as DALI makes it.
+    daemon = start_daemon(short_tmp, "--threads", "2")
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="split") as session:
+            proxy = session.proxy(scaling())
+            wait_for(lambda: _pipelines(daemon, "scaling")[0].instances == 2, 30, "two instances")
+            (pipeline,) = _pipelines(daemon, "scaling")
+            assert pipeline.threads == 1
+            assert pipeline.instances_reason.startswith(
+                "2 DALI instances: where a CPU pipeline starts, its threads split between them"
+            ), pipeline.instances_reason
+            assert _dali_pool_threads(daemon.daemon_pid()) == ["[DALI][TP0]Exec"] * 2
+            batches = 6
+            (refs,) = _submit([proxy], batches)
+            for number, ref in reversed(list(enumerate(refs))):
+                blurred, shifted = session.produce_data(ref)
+                want = _expected(0, number)
+                np.testing.assert_allclose(blurred.numpy(), want[0], rtol=1e-6)
+                np.testing.assert_array_equal(shifted.numpy(), want[1])
+            (pipeline,) = _pipelines(daemon, "scaling")
+            assert pipeline.samples == batches * BATCH
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
+def test_a_pinned_count_on_a_cpu_daemon_keeps_every_instance_its_threads(
+    short_tmp: Path,
+) -> None:
+    daemon = start_daemon(short_tmp, "--threads", "2", "--instances", "1")
+    try:
+        with dalid.connect(socket=daemon.socket, autostart=False, name="one") as session:
+            session.proxy(scaling())
+            (pipeline,) = _pipelines(daemon, "scaling")
+            assert (pipeline.instances, pipeline.threads) == (1, 2)
+            assert _dali_pool_threads(daemon.daemon_pid()) == ["[DALI][TP0]Exec", "[DALI][TP1]Exec"]
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()

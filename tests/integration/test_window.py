@@ -37,7 +37,8 @@ def submit(proxy: Any, first: int) -> Any:
 
 
 def start(directory: Path) -> DaemonProcess:
-    return start_daemon(directory, "--slab-bytes", "1M")
+    # One DALI instance: WINDOW is its prefetch and the batch the trainer holds.
+    return start_daemon(directory, "--slab-bytes", "1M", "--instances", "1")
 
 
 def test_batches_the_trainer_takes_in_the_reverse_order_arrive_without_copies(

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dalid.server.runs.instances import Change, InstanceController, Load
+from dalid.server.runs.instances import Change, InstanceController, Load, cpu_start
 from dalid.server.runs.meters import CpuMeter, GpuMeter
 
 PERIOD = 5.0
@@ -49,9 +49,14 @@ class Pipeline:
                 self.changes.append((self.now, change, self.instances))
 
 
-def controller(pinned: int | None = None) -> InstanceController:
+def controller(pinned: int | None = None, start: int = 1) -> InstanceController:
     return InstanceController(
-        pinned=pinned, max_instances=4, period_s=PERIOD, settle_s=SETTLE, hold_off_s=HOLD_OFF
+        pinned=pinned,
+        max_instances=4,
+        period_s=PERIOD,
+        settle_s=SETTLE,
+        hold_off_s=HOLD_OFF,
+        start=start,
     )
 
 
@@ -242,6 +247,45 @@ def test_an_instance_that_cannot_start_is_no_trial_and_says_so() -> None:
         decisions.append(change)
     assert decisions.count(Change.ADD) == 1
     assert "another could not start" in pipeline.controller.reason
+
+
+def test_a_cpu_pipeline_splits_its_threads_between_two_instances() -> None:
+    # Note [Two instances on a CPU]: as many DALI threads as before, over two instances.
+    assert cpu_start(1) == (1, 1)
+    assert cpu_start(2) == (2, 1)
+    assert cpu_start(3) == (2, 1)
+    assert cpu_start(16) == (2, 8)
+
+
+def test_a_pipeline_that_starts_on_two_gets_the_second_at_its_first_look_then_measures() -> None:
+    pipeline = Pipeline(controller(start=2), {1: 8000.0, 2: 11000.0, 3: 11100.0})
+    pipeline.run(LOOK)
+    assert pipeline.changes == [(LOOK, Change.ADD, 2)]
+    assert pipeline.controller.reason.startswith("2 DALI instances: where a CPU pipeline starts")
+    # From there the controller measures as ever: a third is tried, does not pay, and goes.
+    pipeline.run(3 * PERIOD)
+    assert [(change, n) for _, change, n in pipeline.changes] == [
+        (Change.ADD, 2),
+        (Change.ADD, 3),
+        (Change.DROP, 2),
+    ]
+    assert "going from 2 to 3 gave 11,100 samples/s against 11,000" in pipeline.controller.reason
+
+
+def test_a_second_instance_that_cannot_start_is_not_asked_for_again() -> None:
+    pipeline = Pipeline(controller(start=2), {1: 8000.0})
+    pipeline.waiting = False  # no trials either
+    changes = [
+        pipeline.controller.observe(step * LOOK, 1, Load(int(8000 * step * LOOK), False, 1.0, 2))
+        for step in range(1, int(2 * PERIOD / LOOK))
+    ]
+    assert changes.count(Change.ADD) == 1
+
+
+def test_a_pinned_count_wins_over_where_a_pipeline_starts() -> None:
+    pipeline = Pipeline(controller(pinned=1, start=2), {1: 8000.0, 2: 16000.0})
+    pipeline.run(2 * PERIOD)
+    assert pipeline.instances == 1 and not pipeline.changes
 
 
 def test_meters_read_this_process_and_no_gpu_without_nvml() -> None:
