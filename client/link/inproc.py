@@ -43,7 +43,7 @@ from dalid.protocol import (
 
 from ..errors import DaemonUnavailable, ProtocolMismatch, error_from_reply
 from .advice import NO_ADVICE, Advice
-from .connection import IDLE_EVERY_S, job_ended
+from .connection import IDLE_EVERY_S, job_ended, stop_notice
 from .watch import DaemonWatch
 
 log = logging.getLogger("dalid.client")
@@ -276,6 +276,11 @@ class InprocLink:
                 if error.code is ErrorCode.PROTOCOL_MISMATCH:
                     raise ProtocolMismatch(error.message) from None
                 raise DaemonUnavailable(f"malformed message from the daemon: {error}") from None
+            # A notice that the daemon stops, then one that it ended this job, as over a socket.
+            stopped = stop_notice(envelope, self.advice.after_stop(self.path, self.device))
+            if stopped is not None:
+                self._watch.gone = True
+                raise stopped
             ended = job_ended(envelope)
             if ended is not None:
                 self._watch.gone = True  # its job, not the daemon: no goodbye is due

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dalid.client.errors import DaemonUnavailable, JobEnded, RequestError
+from dalid.client.errors import DaemonStopped, DaemonUnavailable, JobEnded, RequestError
 from dalid.client.link.inproc import InprocDaemon, InprocLink
 from dalid.client.link.link import answering, dial
 from dalid.protocol import (
@@ -115,6 +115,25 @@ def test_a_job_the_daemon_ended_says_no_goodbye(served: tuple[InprocDaemon, Reco
         link.request(_submit(np.zeros(2, dtype=np.float32)))
     received = len(recorder.received)
     link.close()  # the daemon knows this job no more: no goodbye, as over a socket
+    assert len(recorder.received) == received and link.closed
+
+
+@pytest.mark.parametrize("ends_jobs", [False, True], ids=["stops", "ends-jobs"])
+def test_a_daemon_that_stops_says_so_as_over_a_socket(
+    served: tuple[InprocDaemon, Recorder], ends_jobs: bool
+) -> None:
+    # The notice a stopping daemon sends its peers (farewell.py) is DaemonStopped here too,
+    # with what to do next, not a job the daemon ended.
+    daemon, recorder = served
+    link = dial(daemon.path, Role.TRAINER)
+    identity = recorder.received[-1][0]
+    notice = "the dalid daemon (pid 1) was stopped (SIGTERM)"
+    daemon.push(identity, Error(ErrorCode.SHUTTING_DOWN, notice, ends_jobs=ends_jobs))
+    with pytest.raises(DaemonStopped, match="was stopped") as stopped:
+        link.request(_submit(np.zeros(2, dtype=np.float32)))
+    assert stopped.value.notice == notice and stopped.value.ends_jobs is ends_jobs
+    received = len(recorder.received)
+    link.close()  # the daemon is going: no goodbye is waited for
     assert len(recorder.received) == received and link.closed
 
 
