@@ -19,11 +19,12 @@ What the pipelines hold of the daemon's DALI threads and room for pipelines is `
 
 Note [Two instances on a CPU]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-On a CPU daemon, a shared pipeline under ``--instances auto`` starts as two DALI instances that
-split its ``--threads`` (``instances.cpu_start``): one instance leaves its pool idle through its
-executor thread's serial steps, and two of all the threads each put twice the cores' threads
-on the cores. The controller measures from two. Pinned counts and GPU daemons are as before.
-Measured, and what it costs: docs/design/dali-instances.md.
+On a CPU daemon, a shared pipeline under ``--instances auto`` runs on two DALI instances that
+split its ``--threads`` (``instances.cpu_start``), and no more: one instance leaves its pool
+idle through its executor thread's serial steps; instances of all the threads put twice the
+cores' threads on the cores, and each one more holds DALI buffers of its own (a third held
+about 220 MiB at batch 32, and three delivered no more than two). ``--instances N`` pins N of
+``--threads`` each; GPU daemons measure as before. Measured: docs/design/dali-instances.md.
 """
 
 from __future__ import annotations
@@ -232,11 +233,11 @@ class PipelineBuilder:
         pinned = self._sharing.instances or None
         # The threads one DALI instance of it holds of the daemon's (budget.py).
         held = max_threads
-        start = 1
+        start, most = 1, pinned or MAX_INSTANCES
         if shared and pinned is None and self._device_id is None and threads:
             # Note [Two instances on a CPU]
             start, threads = cpu_start(min(threads, max_threads))
-            held = threads
+            held, most = threads, start
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
@@ -244,9 +245,7 @@ class PipelineBuilder:
         self.budget.add(instance_id, held, job.uid)
         controller = None
         if shared:
-            controller = InstanceController(
-                pinned=pinned, max_instances=pinned or MAX_INSTANCES, start=start
-            )
+            controller = InstanceController(pinned=pinned, max_instances=most, start=start)
         settings = ExecutorSettings(
             instance_id,
             plan.name,

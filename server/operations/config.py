@@ -391,7 +391,7 @@ OPTIONS: tuple[Option, ...] = (
         parse_positive_int,
         None,
         "DALI threads of each shared pipeline (a pipeline of its own keeps the job's), split "
-        "between the two instances a CPU daemon starts it on under --instances auto; any "
+        "between the two instances a CPU daemon runs it on under --instances auto; any "
         "pipeline gets at most as many as the CPU cores the daemon may use, since threads past "
         "them only wait",
         "N",
@@ -401,10 +401,10 @@ OPTIONS: tuple[Option, ...] = (
         "instances",
         parse_auto_count,
         0,
-        "DALI instances of each shared pipeline, running its runs side by side: 'auto' starts "
-        "a CPU daemon's on two that split --threads, tries one more while its jobs' batches "
-        "wait and the device has room, and keeps it only if samples/s rose; N pins the number, "
-        "each with --threads (within --max-threads and --max-daemon-pipelines)",
+        "DALI instances of each shared pipeline, running its runs side by side: 'auto' runs "
+        "a CPU daemon's on two that split --threads; on a GPU it tries one more while its jobs' "
+        "batches wait and the device has room, and keeps it only if samples/s rose; N pins the "
+        "number, each with --threads (within --max-threads and --max-daemon-pipelines)",
         "N|auto",
         default_text="auto",
     ),

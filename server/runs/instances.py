@@ -17,9 +17,10 @@ when the members' demand
 fits in one fewer (no batch waited, and fewer samples than one fewer delivered). ``dalid
 serve --instances N`` pins the number instead.
 
-A pipeline may start on more than one (``start``): a CPU daemon's shared pipeline starts on
-two, its threads split between them (Note [Two instances on a CPU] in registration.py). Those
-are started at the first look, with no trial; measurement goes on from there.
+A pipeline may start on more than one (``start``), started at the first look with no trial;
+measurement goes on from there, up to ``max_instances``. A CPU daemon's shared pipeline runs on
+two, its threads split between them, and no more (Note [Two instances on a CPU] in
+registration.py).
 
 :class:`InstanceController` is the decision alone, fed measurements and the time (tests feed
 it both); ``meters.py`` takes the measurements, and each of the decision's rules names the
@@ -152,10 +153,7 @@ class InstanceController:
         if self._to_start:
             self._to_start -= 1
             if instances < self.start:
-                self.reason = (
-                    f"{_count(self.start)}: where a CPU pipeline starts, its threads split "
-                    "between them; measuring whether another would help"
-                )
+                self.reason = f"{_count(self.start)} from the start, its threads split between them"
                 return Change.ADD
         if self._trial_since is not None:
             if instances <= self._trial_from:

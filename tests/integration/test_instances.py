@@ -218,9 +218,9 @@ def test_a_cpu_daemon_starts_a_shared_pipeline_on_two_instances_of_half_its_thre
             wait_for(lambda: _pipelines(daemon, "scaling")[0].instances == 2, 30, "two instances")
             (pipeline,) = _pipelines(daemon, "scaling")
             assert pipeline.threads == 1
-            assert pipeline.instances_reason.startswith(
-                "2 DALI instances: where a CPU pipeline starts, its threads split between them"
-            ), pipeline.instances_reason
+            assert pipeline.instances_reason == (
+                "2 DALI instances from the start, its threads split between them"
+            )
             assert _dali_pool_threads(daemon.daemon_pid()) == ["[DALI][TP0]Exec"] * 2
             batches = 6
             (refs,) = _submit([proxy], batches)

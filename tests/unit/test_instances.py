@@ -49,10 +49,12 @@ class Pipeline:
                 self.changes.append((self.now, change, self.instances))
 
 
-def controller(pinned: int | None = None, start: int = 1) -> InstanceController:
+def controller(
+    pinned: int | None = None, start: int = 1, max_instances: int = 4
+) -> InstanceController:
     return InstanceController(
         pinned=pinned,
-        max_instances=4,
+        max_instances=max_instances,
         period_s=PERIOD,
         settle_s=SETTLE,
         hold_off_s=HOLD_OFF,
@@ -261,7 +263,9 @@ def test_a_pipeline_that_starts_on_two_gets_the_second_at_its_first_look_then_me
     pipeline = Pipeline(controller(start=2), {1: 8000.0, 2: 11000.0, 3: 11100.0})
     pipeline.run(LOOK)
     assert pipeline.changes == [(LOOK, Change.ADD, 2)]
-    assert pipeline.controller.reason.startswith("2 DALI instances: where a CPU pipeline starts")
+    assert pipeline.controller.reason == (
+        "2 DALI instances from the start, its threads split between them"
+    )
     # From there the controller measures as ever: a third is tried, does not pay, and goes.
     pipeline.run(3 * PERIOD)
     assert [(change, n) for _, change, n in pipeline.changes] == [
@@ -270,6 +274,13 @@ def test_a_pipeline_that_starts_on_two_gets_the_second_at_its_first_look_then_me
         (Change.DROP, 2),
     ]
     assert "going from 2 to 3 gave 11,100 samples/s against 11,000" in pipeline.controller.reason
+
+
+def test_a_cpu_pipeline_on_its_two_instances_tries_no_third() -> None:
+    # Note [Two instances on a CPU]: as registration.py makes it, two at most.
+    pipeline = Pipeline(controller(start=2, max_instances=2), {1: 8000.0, 2: 11000.0})
+    pipeline.run(10 * PERIOD)  # batches wait throughout, and the CPU has room
+    assert pipeline.changes == [(LOOK, Change.ADD, 2)]
 
 
 def test_a_second_instance_that_cannot_start_is_not_asked_for_again() -> None:
