@@ -23,8 +23,9 @@ On a CPU daemon, a shared pipeline under ``--instances auto`` runs on two DALI i
 split its ``--threads`` (``instances.cpu_start``), and no more: one instance leaves its pool
 idle through its executor thread's serial steps; instances of all the threads put twice the
 cores' threads on the cores, and each one more holds DALI buffers of its own (a third held
-about 220 MiB at batch 32, and three delivered no more than two). ``--instances N`` pins N of
-``--threads`` each; GPU daemons measure as before. Measured: docs/design/dali-instances.md.
+about 220 MiB at batch 32, and three delivered no more than two). The two count as one pipeline
+of the daemon's. A repository's pipeline (shareable or not, known once built), ``--instances
+N`` and GPU daemons are as before. Measured: docs/design/dali-instances.md.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class Plan:
     cohort_key: Hashable = None
     # On probation after a crash (flight.py): its runs go into DALI alone, outside any cohort.
     probation: bool = False
+    # Whether the graph may be shared is known before it is built (False: a repository's
+    # pipeline, which may turn out to run alone, on the one instance it was built as).
+    known_shareable: bool = True
 
 
 class PipelineBuilder:
@@ -231,18 +235,23 @@ class PipelineBuilder:
             run_batches = 1
         threads = self._sharing.threads if shared else 0
         pinned = self._sharing.instances or None
-        # The threads one DALI instance of it holds of the daemon's (budget.py).
-        held = max_threads
         start, most = 1, pinned or MAX_INSTANCES
-        if shared and pinned is None and self._device_id is None and threads:
-            # Note [Two instances on a CPU]
+        if (
+            shared
+            and pinned is None
+            and self._device_id is None
+            and threads
+            and plan.known_shareable
+        ):
+            # Note [Two instances on a CPU]: within the threads and the one place among the
+            # daemon's pipelines that the pipeline holds (budget.py).
             start, threads = cpu_start(min(threads, max_threads))
-            held, most = threads, start
+            most = start
         with self._lock:
             instance_id = self._next_instance_id
             self._next_instance_id += 1
             self._pids[instance_id] = {job.pid}
-        self.budget.add(instance_id, held, job.uid)
+        self.budget.add(instance_id, max_threads, job.uid)
         controller = None
         if shared:
             controller = InstanceController(pinned=pinned, max_instances=most, start=start)
@@ -470,7 +479,15 @@ class PipelineBuilder:
             request.batch_size,
             request.prefetch_queue_depth,
         )
-        return Plan(make_runner, named_key, "", request.name, flight_key, named_cohort)
+        return Plan(
+            make_runner,
+            named_key,
+            "",
+            request.name,
+            flight_key,
+            named_cohort,
+            known_shareable=False,
+        )
 
     def _why_private(self, request: Registration) -> str:
         if not self._sharing.enabled:

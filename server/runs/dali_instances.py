@@ -48,7 +48,7 @@ class Instance:
 
     def __init__(self, threads: int = 0) -> None:
         self.number = 0  # its place among the pipeline's instances (0: the first)
-        self.threads = threads  # taken from the InstanceRoom (0 for the first instance)
+        self.threads = threads  # taken from the InstanceRoom (0: the pipeline's own)
         self.state = InstanceState.BUILDING
         self.runner: PipelineRunner | None = None
         self.thread: threading.Thread | None = None
@@ -216,7 +216,12 @@ class DaliInstances:
                 daemon_cpu=cpu[1] if cpu is not None else None,
             )
             change = controller.observe(now, count, load)
-            if change is Change.ADD and not stopping.is_set() and self._room is not None:
+            if change is Change.START and not stopping.is_set():
+                # Its threads are the pipeline's own (split between its instances), and it
+                # counts as the pipeline does among the daemon's: nothing taken from the room.
+                self._log("its second instance", controller)
+                add(Instance())
+            elif change is Change.ADD and not stopping.is_set() and self._room is not None:
                 threads = self._room.take(self.instance_id)
                 if threads:
                     self._log("one more instance", controller)

@@ -77,6 +77,10 @@ def cpu_start(threads: int) -> tuple[int, int]:
 
 
 class Change(enum.Enum):
+    # One more instance of the pipeline's own start count, within the threads and the place
+    # among the daemon's pipelines that the pipeline holds already.
+    START = "start"
+    # One more instance, tried, which takes threads and a place of its own.
     ADD = "add"
     DROP = "drop"
 
@@ -154,7 +158,7 @@ class InstanceController:
             self._to_start -= 1
             if instances < self.start:
                 self.reason = f"{_count(self.start)} from the start, its threads split between them"
-                return Change.ADD
+                return Change.START
         if self._trial_since is not None:
             if instances <= self._trial_from:
                 # The new instance did not start (no room for it): no trial to judge.

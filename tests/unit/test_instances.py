@@ -40,7 +40,7 @@ class Pipeline:
             self.samples += self.rates[self.instances] * LOOK
             load = Load(int(self.samples), self.waiting, self.cpu_busy, 2, self.gpu_busy)
             change = self.controller.observe(self.now, self.instances, load)
-            if change is Change.ADD:
+            if change in (Change.START, Change.ADD):
                 self.instances += 1
                 self.controller.started(self.now)  # built at once
             elif change is Change.DROP:
@@ -262,14 +262,14 @@ def test_a_cpu_pipeline_splits_its_threads_between_two_instances() -> None:
 def test_a_pipeline_that_starts_on_two_gets_the_second_at_its_first_look_then_measures() -> None:
     pipeline = Pipeline(controller(start=2), {1: 8000.0, 2: 11000.0, 3: 11100.0})
     pipeline.run(LOOK)
-    assert pipeline.changes == [(LOOK, Change.ADD, 2)]
+    assert pipeline.changes == [(LOOK, Change.START, 2)]
     assert pipeline.controller.reason == (
         "2 DALI instances from the start, its threads split between them"
     )
     # From there the controller measures as ever: a third is tried, does not pay, and goes.
     pipeline.run(3 * PERIOD)
     assert [(change, n) for _, change, n in pipeline.changes] == [
-        (Change.ADD, 2),
+        (Change.START, 2),
         (Change.ADD, 3),
         (Change.DROP, 2),
     ]
@@ -280,7 +280,7 @@ def test_a_cpu_pipeline_on_its_two_instances_tries_no_third() -> None:
     # Note [Two instances on a CPU]: as registration.py makes it, two at most.
     pipeline = Pipeline(controller(start=2, max_instances=2), {1: 8000.0, 2: 11000.0})
     pipeline.run(10 * PERIOD)  # batches wait throughout, and the CPU has room
-    assert pipeline.changes == [(LOOK, Change.ADD, 2)]
+    assert pipeline.changes == [(LOOK, Change.START, 2)]
 
 
 def test_a_second_instance_that_cannot_start_is_not_asked_for_again() -> None:
@@ -290,7 +290,7 @@ def test_a_second_instance_that_cannot_start_is_not_asked_for_again() -> None:
         pipeline.controller.observe(step * LOOK, 1, Load(int(8000 * step * LOOK), False, 1.0, 2))
         for step in range(1, int(2 * PERIOD / LOOK))
     ]
-    assert changes.count(Change.ADD) == 1
+    assert changes.count(Change.START) == 1 and Change.ADD not in changes
 
 
 def test_a_pinned_count_wins_over_where_a_pipeline_starts() -> None:
