@@ -24,8 +24,8 @@ split its ``--threads`` (``instances.cpu_start``), and no more: one instance lea
 idle through its executor thread's serial steps; instances of all the threads put twice the
 cores' threads on the cores, and each one more holds DALI buffers of its own (a third held
 about 220 MiB at batch 32, and three delivered no more than two). The two count as one pipeline
-of the daemon's. A repository's pipeline (shareable or not, known once built), ``--instances
-N`` and GPU daemons are as before. Measured: docs/design/dali-instances.md.
+of the daemon's. A repository's pipeline (shareable or not, known once built), one a cohort
+member starts, ``--instances N`` and GPU daemons are as before: docs/design/dali-instances.md.
 """
 
 from __future__ import annotations
@@ -242,6 +242,7 @@ class PipelineBuilder:
             and self._device_id is None
             and threads
             and plan.known_shareable
+            and not cohort
         ):
             # Note [Two instances on a CPU]: within the threads and the one place among the
             # daemon's pipelines that the pipeline holds (budget.py).

@@ -39,6 +39,15 @@ from .spec import PipelineBuildError, PipelineSpec, feedable
 log = logging.getLogger("dalid.server")
 
 
+def instance_seed(seed: int, instance: int) -> int:
+    """The seed of DALI instance ``instance`` of a pipeline of ``seed``: the first keeps it, each
+    other its own, so that two instances' runs never draw the same random numbers (two of one
+    seed would give the same augmentation to the runs at the same place of their streams)."""
+    if not instance or seed < 0:
+        return seed  # -1: DALI draws a seed of its own for each instance
+    return (seed + instance * 0x9E3779B1) % (1 << 31)
+
+
 class PipelineRunner:
     """Builds the pipeline of ``spec`` for ``device_id`` (None: CPU only) and runs batches.
 
@@ -47,7 +56,8 @@ class PipelineRunner:
     A run holds up to ``run_batches`` batches of ``spec.max_batch_size`` samples (a pipeline
     several jobs share runs their batches together; 0: ``batches_a_run``'s choice);
     ``num_threads``, when given, replaces the spec's (a shared pipeline's threads are the
-    daemon's to choose).
+    daemon's to choose). ``instance``: which DALI instance of the pipeline this is; one past the
+    first draws its own random numbers (``instance_seed``).
     """
 
     def __init__(
@@ -60,8 +70,10 @@ class PipelineRunner:
         num_threads: int | None = None,
         max_threads: int = 0,
         on_run: Callable[[bool], None] | None = None,
+        instance: int = 0,
     ) -> None:
         self.spec = spec
+        self.instance = instance
         # Told when DALI starts holding runs of this pipeline, and when it holds none (flight.py).
         self._on_run = on_run
         self.device_id = device_id
@@ -118,6 +130,7 @@ class PipelineRunner:
         max_threads: int = 0,
         on_run: Callable[[bool], None] | None = None,
         operators: OperatorPolicy = ALLOW_LIST,
+        instance: int = 0,
     ) -> PipelineRunner:
         """Builds a pipeline of the daemon's repository; its spec is read from the pipeline.
 
@@ -170,6 +183,7 @@ class PipelineRunner:
             num_threads=num_threads,
             max_threads=max_threads,
             on_run=on_run,
+            instance=instance,
         )
 
     def _build(self, pipeline: Any = None) -> None:
@@ -189,12 +203,16 @@ class PipelineRunner:
             "exec_pipelined": True,
             "exec_async": True,
         }
+        seeded: dict[str, Any] = {}
         if self.spec.seed is not None:
-            kwargs["seed"] = self.spec.seed
+            seeded["seed"] = instance_seed(self.spec.seed, self.instance)
+            kwargs.update(seeded)
+        if self.instance:
+            pipeline = None  # the definition's pipeline, made with the first instance's seed
         try:
             if pipeline is None and self.spec.definition is not None:
                 pipeline = self.spec.definition(
-                    batch_size=self.run_size, num_threads=self.num_threads
+                    batch_size=self.run_size, num_threads=self.num_threads, **seeded
                 )
             elif pipeline is None:
                 # Its file reads with read(2), not a memory map (Note [Plain file reads]).

@@ -304,7 +304,9 @@ class PipelineExecutor:
         )
 
     def _build(self, instance: Instance) -> PipelineRunner:
-        return self._make_runner(on_run=functools.partial(self.instances.holds_runs, instance))
+        return self._make_runner(
+            on_run=functools.partial(self.instances.holds_runs, instance), instance=instance.number
+        )
 
     def _run_first(self, instance: Instance) -> None:
         """The first instance's thread: builds the pipeline, tells the members, then runs."""

@@ -125,6 +125,28 @@ def _assert_same(actual: list[list[np.ndarray]], expected: list[list[np.ndarray]
             np.testing.assert_array_equal(actual_sample, expected_sample)
 
 
+def _first_noise(instance: int) -> list[np.ndarray]:
+    """The noise instance ``instance`` of ``_random_pipeline`` adds to its first run."""
+    batch = _batches()[0]
+    runner = PipelineRunner(_spec(_random_pipeline(), ("x", "y"), 2), None, instance=instance)
+    try:
+        runner.schedule(_wire_inputs(batch))
+        got = _as_numpy(runner.collect())
+        runner.release()
+    finally:
+        runner.close()
+    return [sample - x * 2 for sample, x in zip(got[0], batch["x"], strict=True)]
+
+
+def test_each_instance_of_a_seeded_pipeline_draws_its_own_random_numbers() -> None:
+    # Two instances of one seed gave the same augmentation to the runs at the same place of
+    # their streams (a CPU daemon's shared pipeline runs on two: dali-instances.md).
+    first, again, second = _first_noise(0), _first_noise(0), _first_noise(1)
+    _assert_same([again], [first])  # the first instance is the client's pipeline, seed and all
+    assert not any(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    assert all(np.all((noise >= 0) & (noise < 1)) for noise in second)
+
+
 @pytest.mark.parametrize("exec_dynamic", [True, False], ids=["dynamic", "legacy"])
 def test_outputs_match_the_original_pipeline(exec_dynamic: bool) -> None:
     batches = _batches()
