@@ -474,7 +474,8 @@ def test_metrics_endpoint_serves_the_status_figures(short_tmp: Path) -> None:
         pipeline = 'device="cpu",name="two_output_pipeline",pipeline="1",shared="True"'
         assert f"dalid_pipeline_samples_total{{{pipeline}}} {2.0 * BATCH}" in text
         assert f"dalid_pipeline_jobs{{{pipeline}}} 1.0" in text
-        assert f"dalid_pipeline_instances{{{pipeline}}} 1.0" in text
+        # A CPU daemon's shared pipeline runs on two DALI instances (dali-instances.md).
+        assert f"dalid_pipeline_instances{{{pipeline}}} 2.0" in text
         assert "job_token" not in text and "dalid-" not in text  # no secrets, no buffer names
         # DataLoader workers: those connected (the loader above, without workers, submitted
         # from the trainer's process, which connected as its one worker) and those its trainer
