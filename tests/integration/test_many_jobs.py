@@ -152,7 +152,8 @@ def test_jobs_of_equal_weight_share_the_daemons_time_not_its_samples(short_tmp: 
 
 
 def test_a_steady_job_beside_flooding_ones_waits_only_for_running_batches(short_tmp: Path) -> None:
-    daemon = start_daemon(short_tmp, "--concurrency", "1")
+    # One DALI instance: the bound below counts the slots one instance's runs take.
+    daemon = start_daemon(short_tmp, "--concurrency", "1", "--instances", "1")
     jobs: list[subprocess.Popen[str]] = []
     try:
         # Three jobs that keep large batches queued, and one that sends a small batch at a time.
