@@ -102,8 +102,13 @@ class PipelineRunner:
         # Runs collected since the pipeline was built or restored from a checkpoint.
         self.runs = 0
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
-        # (only where it is built as defined: one batch a run, its own threads).
-        if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads:
+        # (only where it is built as defined: one batch a run, its own threads, its own seed: an
+        # instance past the first is made anew with another, ``instance_seed``).
+        if (
+            self.run_size != spec.max_batch_size
+            or self.num_threads != spec.num_threads
+            or instance
+        ):
             pipeline = None
         self._build(pipeline)
         graph = self._graph()
@@ -207,8 +212,6 @@ class PipelineRunner:
         if self.spec.seed is not None:
             seeded["seed"] = instance_seed(self.spec.seed, self.instance)
             kwargs.update(seeded)
-        if self.instance:
-            pipeline = None  # the definition's pipeline, made with the first instance's seed
         try:
             if pipeline is None and self.spec.definition is not None:
                 pipeline = self.spec.definition(

@@ -219,7 +219,7 @@ class DaliInstances:
             if change is Change.START and not stopping.is_set():
                 # Its threads are the pipeline's own (split between its instances), and it
                 # counts as the pipeline does among the daemon's: nothing taken from the room.
-                self._log("its second instance", controller)
+                self._log("one of the instances it starts on", controller)
                 add(Instance())
             elif change is Change.ADD and not stopping.is_set() and self._room is not None:
                 threads = self._room.take(self.instance_id)
