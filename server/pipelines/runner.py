@@ -104,11 +104,7 @@ class PipelineRunner:
         # ``pipeline``: an unbuilt pipeline of ``spec.definition`` made already, to build first
         # (only where it is built as defined: one batch a run, its own threads, its own seed: an
         # instance past the first is made anew with another, ``instance_seed``).
-        if (
-            self.run_size != spec.max_batch_size
-            or self.num_threads != spec.num_threads
-            or instance
-        ):
+        if self.run_size != spec.max_batch_size or self.num_threads != spec.num_threads or instance:
             pipeline = None
         self._build(pipeline)
         graph = self._graph()
